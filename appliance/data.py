@@ -1,0 +1,227 @@
+"""Dataset reading, record parsing, tokenization and the batch type. Pure Python: no Ray here.
+
+A dataset is a `.jsonl` file, a `.txt` file, or a directory searched recursively for both (sorted
+by relative path; other files ignored). Documents are numbered in that order over all files: a
+non-blank `.jsonl` line is one document, a `.txt` file is one document. Worker `w` of `N` owns the
+documents whose global index `% N == w`; its documents are numbered 0, 1, ... within its shard,
+and the cursor (see `tokenize_worker.py`) refers to those shard indices.
+
+A `.jsonl` record is `{"text": ...}` (loss on every token) or `{"prompt": ..., "completion": ...}`
+(loss on the completion and the EOS only). A document's ids are
+`encode(text, add_special_tokens=True).ids + [eos_id]`; for prompt + completion,
+`encode(prompt, add_special_tokens=True).ids + encode(completion, add_special_tokens=False).ids
++ [eos_id]`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tokenizers import Tokenizer
+
+DATA_SUFFIXES = (".jsonl", ".txt")
+IGNORE_INDEX = -100  # label of a position without loss (PyTorch cross_entropy's ignore_index)
+ON_BAD_RECORD = ("fail", "skip")
+
+
+class DataError(Exception):
+    """A problem with the dataset or tokenizer that the user must fix; the message names it.
+
+    Takes exactly one message argument so that it pickles (and so crosses Ray actor boundaries)
+    unchanged.
+    """
+
+
+@dataclass
+class Batch:
+    """One micro-batch of packed rows from one tokenizer worker.
+
+    `input_ids` and `labels` are (micro_batch_size, seq_len) int64; `labels[b, t]` is the target
+    for `input_ids[b, t]` or -100 where there is no loss (prompt tokens, padding).
+    """
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    cursor: dict[str, Any]  # the worker's position AFTER this batch: resume from here
+    worker: int  # index of the worker that made it
+    pid: int  # os.getpid() of the process that tokenized it
+    epoch: int  # epoch its rows belong to (a batch never spans two epochs)
+    n_tokens: int  # target tokens, i.e. labels != -100
+    skipped_records: int  # bad records skipped by this worker so far (running count)
+
+
+@dataclass(frozen=True)
+class Record:
+    """A parsed document: `text`, or `prompt` + `completion` (then `text` is None)."""
+
+    text: str | None = None
+    prompt: str | None = None
+    completion: str | None = None
+
+
+@dataclass(frozen=True)
+class RawDocument:
+    """A shard document before parsing: its bytes and where it came from."""
+
+    doc: int  # index within the worker's shard
+    where: str  # "file:line" for .jsonl, "file" for .txt
+    data: bytes
+    kind: str  # "jsonl" | "txt"
+
+
+def find_data_files(path: str | Path) -> list[Path]:
+    """The dataset's files in document order; DataError if the path is missing or holds none."""
+    root = Path(path)
+    if not root.exists():
+        raise DataError(f"dataset not found: {path}")
+    if root.is_file():
+        if root.suffix.lower() not in DATA_SUFFIXES:
+            raise DataError(f"unsupported dataset file {path}: expected a .jsonl or .txt file")
+        return [root]
+    files = [f for f in root.rglob("*") if f.suffix.lower() in DATA_SUFFIXES and f.is_file()]
+    if not files:
+        raise DataError(f"empty dataset: no .jsonl or .txt files under {path}")
+    # Sort by relative POSIX path so the document order is the same on every machine.
+    return sorted(files, key=lambda f: f.relative_to(root).as_posix())
+
+
+def has_documents(files: Sequence[Path]) -> bool:
+    """True as soon as one document is found (cheap: stops at the first)."""
+    for f in files:
+        if f.suffix.lower() == ".txt":
+            return True
+        with open(f, "rb") as fh:
+            if any(line.strip() for line in fh):
+                return True
+    return False
+
+
+class ShardReader:
+    """Iterates over one worker's documents, in order, from shard index `start_doc`.
+
+    Documents of other workers are only counted, never decoded. After a full pass,
+    `total_documents` is the number of documents in the whole dataset.
+    """
+
+    def __init__(
+        self, files: Sequence[Path], worker_index: int, num_workers: int, start_doc: int = 0
+    ):
+        self.files = list(files)
+        self.worker_index = worker_index
+        self.num_workers = num_workers
+        self.start_doc = start_doc
+        self.total_documents = 0
+
+    def __iter__(self) -> Iterator[RawDocument]:
+        g = 0  # global document index
+        first = self.start_doc * self.num_workers + self.worker_index
+        for f in self.files:
+            if f.suffix.lower() == ".txt":
+                if g >= first and g % self.num_workers == self.worker_index:
+                    yield RawDocument(g // self.num_workers, str(f), f.read_bytes(), "txt")
+                g += 1
+                self.total_documents = g
+                continue
+            with open(f, "rb") as fh:
+                for lineno, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue  # blank lines are not documents
+                    if g >= first and g % self.num_workers == self.worker_index:
+                        yield RawDocument(g // self.num_workers, f"{f}:{lineno}", line, "jsonl")
+                    g += 1
+                    self.total_documents = g
+
+
+def _decode_utf8(data: bytes, where: str) -> str:
+    try:
+        # utf-8-sig: drop a byte-order mark that Windows editors put at the start of a file.
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean"}.get(
+        type(value), "null" if value is None else "number"
+    )
+
+
+def parse_document(raw: RawDocument) -> Record:
+    """Decode and validate one document; DataError naming `file:line` (or file) if it is bad."""
+    text = _decode_utf8(raw.data, raw.where)
+    if raw.kind == "txt":
+        return Record(text=text)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{raw.where}: malformed JSON: {e.msg} at column {e.colno}") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"{raw.where}: expected a JSON object, found a JSON {_type_name(obj)}")
+    if "text" in obj:
+        if not isinstance(obj["text"], str):
+            raise DataError(
+                f'{raw.where}: "text" must be a string, found a {_type_name(obj["text"])}'
+            )
+        return Record(text=obj["text"])
+    if "prompt" in obj and "completion" in obj:
+        for key in ("prompt", "completion"):
+            if not isinstance(obj[key], str):
+                raise DataError(
+                    f'{raw.where}: "{key}" must be a string, found a {_type_name(obj[key])}'
+                )
+        return Record(prompt=obj["prompt"], completion=obj["completion"])
+    keys = sorted(obj)
+    shown = ", ".join(json.dumps(k) for k in keys[:10]) + (", ..." if len(keys) > 10 else "")
+    raise DataError(
+        f'{raw.where}: record has no "text" (nor "prompt" + "completion"); '
+        f"keys found: {shown or 'none'}"
+    )
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load `tokenizer.json` (or a directory holding one) with truncation and padding off."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise DataError(f"tokenizer not found: {p} (expected a tokenizer.json file)")
+    try:
+        tok = Tokenizer.from_file(str(p))
+    except Exception as e:  # the Rust side raises a bare Exception
+        raise DataError(f"cannot load tokenizer {p}: {e}") from None
+    # Some tokenizer.json files ship with truncation/padding on; packing needs every token.
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
+
+
+def encode_records(
+    tokenizer: Tokenizer, records: Sequence[Record], eos_id: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Encode documents in batches; returns (ids int64, loss mask bool) per record, EOS appended.
+
+    The mask is False on prompt tokens: those are never targets.
+    """
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # no offsets needed
+    text_idx = [i for i, r in enumerate(records) if r.text is not None]
+    pc_idx = [i for i, r in enumerate(records) if r.text is None]
+    out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(records)
+    if text_idx:
+        encs = encode([records[i].text for i in text_idx], add_special_tokens=True)
+        for i, enc in zip(text_idx, encs, strict=True):
+            ids = np.array([*enc.ids, eos_id], dtype=np.int64)
+            out[i] = (ids, np.ones(len(ids), dtype=bool))
+    if pc_idx:
+        prompts = encode([records[i].prompt for i in pc_idx], add_special_tokens=True)
+        completions = encode([records[i].completion for i in pc_idx], add_special_tokens=False)
+        for i, p, c in zip(pc_idx, prompts, completions, strict=True):
+            ids = np.array([*p.ids, *c.ids, eos_id], dtype=np.int64)
+            mask = np.ones(len(ids), dtype=bool)
+            mask[: len(p.ids)] = False
+            out[i] = (ids, mask)
+    return out  # type: ignore[return-value]

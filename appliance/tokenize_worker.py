@@ -1,0 +1,348 @@
+"""TokenizeWorker: reads one shard of the dataset, tokenizes it and packs it into batches.
+
+A plain class, tested directly; the driver runs it as a Ray actor with
+`ray.remote(**ACTOR_OPTIONS)(TokenizeWorker)`.
+
+Packing: the worker concatenates its shard's documents (each ending in EOS) into one stream per
+epoch. Row k covers `stream[k*S : k*S + S + 1]`; `input_ids = row[:-1]`, `labels = row[1:]` with
+-100 where the target is a prompt token. Consecutive rows overlap by one token, so every stream
+token is an input once and a target once (except the first token, never a target). The last row
+of an epoch is padded with `pad_id` (labels -100), the last batch of an epoch with fully masked
+rows; the next epoch starts a fresh stream.
+
+Cursor (a JSON-able dict, the position where the next row starts):
+    {"epoch": e, "doc": d, "offset": o, "skipped": k, "worker": w, "num_workers": n}
+`doc` is the index of a document within this worker's shard, `offset` a token offset in that
+document's ids, `skipped` the bad records skipped before that position (all epochs). At an
+epoch's end the cursor is `{"epoch": e + 1, "doc": 0, "offset": 0, ...}`. A fresh worker built
+with a batch's cursor produces exactly the batches that followed it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from appliance.data import (
+    IGNORE_INDEX,
+    ON_BAD_RECORD,
+    Batch,
+    DataError,
+    RawDocument,
+    Record,
+    ShardReader,
+    encode_records,
+    find_data_files,
+    has_documents,
+    load_tokenizer,
+    parse_document,
+)
+
+ENCODE_CHUNK = 64  # documents per encode_batch call: amortizes the call, keeps read-ahead small
+
+# One CPU per worker; RAYON_NUM_THREADS=1 stops the tokenizers library from spawning a thread
+# per core in every worker (N workers would otherwise oversubscribe the node N-fold).
+ACTOR_OPTIONS: dict[str, Any] = {
+    "num_cpus": 1,
+    "runtime_env": {"env_vars": {"RAYON_NUM_THREADS": "1"}},
+}
+
+CURSOR_KEYS = ("epoch", "doc", "offset", "skipped", "worker", "num_workers")
+
+
+def default_num_workers(cpus_available: int, max_workers: int = 4) -> int:
+    """Tokenizer workers for a node with `cpus_available` CPUs.
+
+    Leaves one CPU for the trainer and never goes below one worker. Capped at `max_workers`: one
+    core tokenizes far more tokens per second than one GPU trains on, and each worker is a
+    process with its own memory.
+    """
+    return max(1, min(max_workers, cpus_available - 1))
+
+
+class TokenizeWorker:
+    """Streams packed, labelled batches from shard `worker_index` of `num_workers`.
+
+    `epochs=None` loops forever; otherwise `next_batch()` returns None after the last epoch.
+    `on_bad_record="skip"` skips (and counts) bad records instead of raising DataError.
+    Counters (`tokens_total`, `documents_total`, `skipped_total`, `batches_total`,
+    `tokenize_seconds`) are plain attributes so a metrics layer can read them.
+    """
+
+    def __init__(
+        self,
+        data_path: str,
+        tokenizer_path: str,
+        worker_index: int,
+        num_workers: int,
+        seq_len: int,
+        micro_batch_size: int,
+        eos_id: int,
+        pad_id: int | None,
+        epochs: int | None = 1,
+        on_bad_record: str = "fail",
+        cursor: dict[str, Any] | None = None,
+    ):
+        if num_workers < 1 or not 0 <= worker_index < num_workers:
+            raise ValueError(f"worker_index {worker_index} not in [0, num_workers={num_workers})")
+        if seq_len < 1 or micro_batch_size < 1:
+            raise ValueError(
+                f"seq_len ({seq_len}) and micro_batch_size ({micro_batch_size}) must be >= 1"
+            )
+        if epochs is not None and epochs < 1:
+            raise ValueError(f"epochs must be >= 1 or None (forever), got {epochs}")
+        if on_bad_record not in ON_BAD_RECORD:
+            raise ValueError(f"on_bad_record must be one of {ON_BAD_RECORD}, got {on_bad_record!r}")
+        self.data_path = str(data_path)
+        self.worker_index = worker_index
+        self.num_workers = num_workers
+        self.seq_len = seq_len
+        self.micro_batch_size = micro_batch_size
+        self.epochs = epochs
+        self.on_bad_record = on_bad_record
+
+        self.tokenizer = load_tokenizer(tokenizer_path)
+        vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        pad_id = eos_id if pad_id is None else pad_id  # padding is masked: any valid id works
+        for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):
+            if not 0 <= value < vocab:
+                raise ValueError(f"{name} {value} is outside the tokenizer's vocabulary ({vocab})")
+        self.eos_id, self.pad_id = eos_id, pad_id
+
+        self.files = find_data_files(data_path)
+        if not has_documents(self.files):
+            raise DataError(
+                f"empty dataset: no documents in {data_path} ({len(self.files)} file(s), "
+                "all empty or blank)"
+            )
+
+        # Counters for metrics: work done by this process (read-ahead included).
+        self.tokens_total = 0
+        self.documents_total = 0
+        self.skipped_total = 0
+        self.batches_total = 0
+        self.tokenize_seconds = 0.0
+        self.last_skip_reason: str | None = None
+
+        self.seek(cursor or self._cursor_at(0, 0, 0, 0))
+
+    # -- public API ------------------------------------------------------------------------
+
+    def seek(self, cursor: dict[str, Any]) -> None:
+        """Reposition at `cursor` (from a Batch or `cursor()`); the next batch starts there."""
+        c = self._validate_cursor(cursor)
+        self._epoch = c["epoch"]
+        self._skipped_base = c["skipped"]  # bad records before the start position
+        self._start_epoch_stream(c["doc"], c["offset"])
+
+    def cursor(self) -> dict[str, Any]:
+        """The position where the next batch starts (after the last batch returned)."""
+        if self._pos < len(self._ids):
+            doc, off = int(self._doc[self._pos]), int(self._off[self._pos])
+        else:
+            doc, off = self._start
+        skipped = self._skipped_base + bisect.bisect_left(self._bad_docs, doc)
+        return self._cursor_at(self._epoch, doc, off, skipped)
+
+    def next_batch(self) -> Batch | None:
+        """The next micro-batch, or None when all epochs are done."""
+        if self.epochs is not None and self._epoch >= self.epochs:
+            return None
+        epoch = self._epoch
+        S, B = self.seq_len, self.micro_batch_size
+        input_ids = np.full((B, S), self.pad_id, dtype=np.int64)
+        labels = np.full((B, S), IGNORE_INDEX, dtype=np.int64)
+        for b in range(B):
+            if not self._next_row(input_ids[b], labels[b]):
+                break  # epoch over: the rest of the batch stays fully masked
+        # Look ahead so that a batch ending exactly at the epoch's end carries the next epoch's
+        # cursor; a resumed worker then never emits an empty batch.
+        if self._remaining(2) < 2:
+            self._end_epoch()
+        self.batches_total += 1
+        cursor = self.cursor()
+        # Bad records behind the cursor are final: fold them into the base count.
+        passed = bisect.bisect_left(self._bad_docs, cursor["doc"])
+        if self._pos < len(self._ids) and passed:
+            self._skipped_base += passed
+            del self._bad_docs[:passed]
+        return Batch(
+            input_ids=input_ids,
+            labels=labels,
+            cursor=cursor,
+            worker=self.worker_index,
+            pid=os.getpid(),
+            epoch=epoch,
+            n_tokens=int((labels != IGNORE_INDEX).sum()),
+            skipped_records=cursor["skipped"],
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: `tokens`/`documents` tokenized by this process, `skipped_records` as in the
+        cursor (whole run), `tokens_per_second` of reading + parsing + encoding."""
+        return {
+            "worker": self.worker_index,
+            "pid": os.getpid(),
+            "epoch": self._epoch,
+            "batches": self.batches_total,
+            "tokens": self.tokens_total,
+            "documents": self.documents_total,
+            "skipped_records": self.cursor()["skipped"],
+            "last_skip_reason": self.last_skip_reason,
+            "tokenize_seconds": self.tokenize_seconds,
+            "tokens_per_second": (
+                self.tokens_total / self.tokenize_seconds if self.tokenize_seconds > 0 else 0.0
+            ),
+        }
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _cursor_at(self, epoch: int, doc: int, offset: int, skipped: int) -> dict[str, Any]:
+        return {
+            "epoch": epoch,
+            "doc": doc,
+            "offset": offset,
+            "skipped": skipped,
+            "worker": self.worker_index,
+            "num_workers": self.num_workers,
+        }
+
+    def _validate_cursor(self, cursor: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(cursor, dict) or any(k not in cursor for k in CURSOR_KEYS):
+            raise DataError(f"invalid data cursor {cursor!r}: expected keys {list(CURSOR_KEYS)}")
+        bad = [k for k in CURSOR_KEYS if not isinstance(cursor[k], int) or cursor[k] < 0]
+        if bad:
+            raise DataError(f"invalid data cursor {cursor!r}: {bad} must be integers >= 0")
+        if (cursor["worker"], cursor["num_workers"]) != (self.worker_index, self.num_workers):
+            raise DataError(
+                f"data cursor is for worker {cursor['worker']} of {cursor['num_workers']}, "
+                f"not {self.worker_index} of {self.num_workers}: resume with the same number "
+                "of tokenizer workers"
+            )
+        return cursor
+
+    def _start_epoch_stream(self, doc: int, offset: int) -> None:
+        self._start = (doc, offset)
+        self._shard_reader = ShardReader(self.files, self.worker_index, self.num_workers, doc)
+        self._reader = iter(self._shard_reader)
+        self._shard_reader_done = False
+        self._shard_docs_seen = 0  # documents (good or bad) read in this pass
+        self._shard_bad_seen = 0
+        self._must_resume_at = (doc, offset) if (doc, offset) != (0, 0) else None
+        self._rows_this_epoch = 0
+        self._bad_docs: list[int] = []  # shard indices of bad records read, >= the cursor doc
+        # The token buffer, one entry per stream token: id, loss mask, document, offset in it.
+        self._ids = np.empty(0, dtype=np.int64)
+        self._mask = np.empty(0, dtype=bool)
+        self._doc = np.empty(0, dtype=np.int64)
+        self._off = np.empty(0, dtype=np.int64)
+        self._pos = 0  # where the next row starts in the buffer
+
+    def _end_epoch(self) -> None:
+        if self._rows_this_epoch == 0:
+            raise self._no_rows_error()
+        self._epoch += 1
+        self._skipped_base += len(self._bad_docs)
+        self._start_epoch_stream(0, 0)
+
+    def _no_rows_error(self) -> DataError:
+        where = f"worker {self.worker_index} of {self.num_workers}"
+        if self._shard_docs_seen == 0:
+            total = self._shard_reader.total_documents  # a full pass was made
+            return DataError(
+                f"{where} has no documents: {self.data_path} holds {total} document(s); "
+                f"use at most {total} tokenizer worker(s)"
+            )
+        if self._shard_bad_seen == self._shard_docs_seen:
+            return DataError(
+                f"{where}: all {self._shard_docs_seen} record(s) of its shard of "
+                f"{self.data_path} were bad and skipped (last: {self.last_skip_reason})"
+            )
+        return DataError(
+            f"{where}: its shard of {self.data_path} has fewer than 2 tokens, so no training "
+            "rows; add data or use fewer tokenizer workers"
+        )
+
+    def _remaining(self, n: int) -> int:
+        """Tokens available from the current position, reading ahead until `n` or shard end."""
+        while len(self._ids) - self._pos < n and not self._shard_reader_done:
+            self._read_chunk()
+        return len(self._ids) - self._pos
+
+    def _next_row(self, input_row: np.ndarray, label_row: np.ndarray) -> bool:
+        """Fill one row in place from the stream; False if the epoch has no more rows."""
+        S = self.seq_len
+        avail = self._remaining(S + 1)
+        if avail < 2:  # a row needs at least one input and one target
+            return False
+        take = min(S + 1, avail)
+        window = slice(self._pos, self._pos + take)
+        ids, mask = self._ids[window], self._mask[window]
+        input_row[: take - 1] = ids[:-1]
+        label_row[: take - 1] = np.where(mask[1:], ids[1:], IGNORE_INDEX)
+        self._pos = min(self._pos + S, len(self._ids))  # rows overlap by one token
+        self._rows_this_epoch += 1
+        return True
+
+    def _read_chunk(self) -> None:
+        """Read, parse and encode up to ENCODE_CHUNK documents and append them to the buffer."""
+        t0 = time.perf_counter()
+        raws: list[RawDocument] = []
+        for raw in self._reader:
+            raws.append(raw)
+            if len(raws) == ENCODE_CHUNK:
+                break
+        else:
+            self._shard_reader_done = True
+        self._shard_docs_seen += len(raws)
+        good: list[tuple[int, Record]] = []
+        for raw in raws:
+            try:
+                good.append((raw.doc, parse_document(raw)))
+            except DataError as e:
+                if self.on_bad_record == "fail":
+                    raise
+                self._bad_docs.append(raw.doc)
+                self._shard_bad_seen += 1
+                self.skipped_total += 1
+                self.last_skip_reason = str(e)
+        encoded = encode_records(self.tokenizer, [r for _, r in good], self.eos_id)
+        docs = [d for d, _ in good]
+        offsets = [np.arange(len(ids), dtype=np.int64) for ids, _ in encoded]
+        if encoded and self._must_resume_at is not None:
+            self._check_resume_point(docs, encoded, offsets)
+        self.tokens_total += sum(len(ids) for ids, _ in encoded)
+        self.documents_total += len(encoded)
+        # Drop consumed tokens so the buffer holds only read-ahead.
+        keep = slice(self._pos, None)
+        self._ids = np.concatenate([self._ids[keep], *(ids for ids, _ in encoded)])
+        self._mask = np.concatenate([self._mask[keep], *(m for _, m in encoded)])
+        doc_of_token = [
+            np.full(len(o), d, dtype=np.int64) for d, o in zip(docs, offsets, strict=True)
+        ]
+        self._doc = np.concatenate([self._doc[keep], *doc_of_token])
+        self._off = np.concatenate([self._off[keep], *offsets])
+        self._pos = 0
+        self.tokenize_seconds += time.perf_counter() - t0
+        if self._shard_reader_done and self._must_resume_at is not None:
+            self._check_resume_point([], [], [])
+
+    def _check_resume_point(
+        self, docs: list[int], encoded: list[tuple[np.ndarray, np.ndarray]], offsets: list
+    ) -> None:
+        """On resume, trim the first document to the cursor's offset; the cursor must point at a
+        token of a good document, or the dataset changed since the cursor was taken."""
+        doc, offset = self._must_resume_at  # type: ignore[misc]
+        if not docs or docs[0] != doc or offset >= len(encoded[0][0]):
+            raise DataError(
+                f"data cursor (doc {doc}, offset {offset}) of worker {self.worker_index} does "
+                f"not match {self.data_path}: the dataset or tokenizer changed since it was saved"
+            )
+        ids, mask = encoded[0]
+        encoded[0] = (ids[offset:], mask[offset:])
+        offsets[0] = offsets[0][offset:]
+        self._must_resume_at = None

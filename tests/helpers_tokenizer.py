@@ -1,0 +1,45 @@
+"""A tiny real tokenizer for tests: a WordLevel model trained on generated sentences.
+
+Every word of `WORDS` is one token, so a test can reason about token counts exactly; the
+post-processor prepends BOS the way Llama's tokenizer.json does.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+
+WORDS = (
+    "the a cat dog sat on mat ran far away big small red blue green tree house river "
+    "stone bird sang loud quiet night day sun moon star wind rain snow fast slow"
+).split()
+
+
+def sentences(n: int, seed: int = 0, min_words: int = 1, max_words: int = 12) -> list[str]:
+    """`n` deterministic sentences made of `WORDS` (lengths in [min_words, max_words])."""
+    rng = random.Random(seed)
+    return [
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words)))
+        for _ in range(n)
+    ]
+
+
+def make_tokenizer(directory: str | Path) -> tuple[str, int, int, int]:
+    """Train and save `directory/tokenizer.json`; returns (path, bos_id, eos_id, pad_id)."""
+    tok = Tokenizer(models.WordLevel(unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    # Special tokens come first, in this order, so their ids are 0..3.
+    trainer = trainers.WordLevelTrainer(special_tokens=[PAD, BOS, EOS, UNK], min_frequency=1)
+    tok.train_from_iterator([" ".join(WORDS)] + sentences(50), trainer=trainer)
+    bos_id, eos_id, pad_id = tok.token_to_id(BOS), tok.token_to_id(EOS), tok.token_to_id(PAD)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)]
+    )
+    path = Path(directory) / "tokenizer.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return str(path), bos_id, eos_id, pad_id
