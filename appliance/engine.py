@@ -1,0 +1,427 @@
+"""The streamed LoRA step: layer-major forward, head, reverse layer-major recompute + backward.
+
+For a global batch of M micro-batches and a model of L blocks (DESIGN.md, "The streamed step"):
+
+1. Forward, layer-major, under no_grad: block i's weights are made resident on the device once,
+   then every micro-batch runs through it; each micro-batch's input to block i is saved.
+2. Head: final norm, LM head, fp32 loss (summed NLL / target tokens of the whole global batch),
+   and the gradient w.r.t. the last hidden states.
+3. Backward, reverse layer-major: block i is recomputed from its saved input with grad enabled
+   (dropout masks come from a generator seeded by (seed, step, block, micro-batch), so the
+   recompute draws the forward's masks exactly), then backpropagated with the incoming gradient.
+   LoRA gradients accumulate over micro-batches into fp32 leaves.
+4. AdamW on the fp32 LoRA parameters, after gradient clipping.
+
+Weights come from a `BlockSource` (host tensors). On CUDA, `DeviceWeights` copies block i±1 on a
+side stream from page-locked memory while block i computes, keeps the blocks that fit the memory
+budget resident, and measures the copies; on CPU every path reduces to plain tensor access. No Ray
+here: the engine is tested on its own against a full-model reference.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from . import model as M
+from .blocks import BlockSource, pack, unpack
+from .lora import LoraWeights
+
+MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input_ids (B, T), labels (B, T)), labels shifted
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step measured. Seconds are wall-clock on the host."""
+
+    loss: float
+    tokens: int  # input positions processed (B·T·M)
+    target_tokens: int  # positions with a label
+    grad_norm: float
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # forward, backward, optimizer, h2d_stall
+    h2d_bytes: int = 0
+    h2d_seconds: float = 0.0
+    gpu_busy_ratio: float | None = None  # compute-stream busy time / step time (CUDA only)
+    step_seconds: float = 0.0
+    flops: float = 0.0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class DeviceWeights:
+    """Block weights on the compute device: resident, prefetched on a side stream, or direct (CPU).
+
+    Uploads are one flat byte copy per block, from page-locked host memory: a shared-memory buffer
+    registered with CUDA in place when possible, else a pinned staging buffer (two, alternating).
+    """
+
+    def __init__(self, source: BlockSource, device: torch.device, dtype: torch.dtype):
+        self.source, self.device, self.dtype = source, device, dtype
+        self.cuda = device.type == "cuda"
+        self.resident: set[int] = set()  # blocks that, once uploaded, stay
+        self._on_device: dict[int, tuple[dict[str, torch.Tensor], torch.cuda.Event | None]] = {}
+        self.h2d_bytes = 0
+        self._h2d_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        g = source.globals()
+        self.globals = {k: v.to(device=device, dtype=dtype) for k, v in g.items()}
+        if self.cuda:
+            self._stream = torch.cuda.Stream(device)
+            self._host: list[tuple[torch.Tensor, dict, bool]] = []
+            for i in range(source.num_blocks):
+                flat, index = _flat_block(source, i)
+                self._host.append((flat, index, _register_pinned(flat)))
+            biggest = max(f.numel() for f, _, _ in self._host)
+            if not all(p for _, _, p in self._host):
+                self._staging = [torch.empty(biggest, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+                self._staging_free: list[torch.cuda.Event | None] = [None, None]
+                self._next_staging = 0
+
+    def block_bytes(self) -> int:
+        i = 0
+        return sum(t.numel() * self.dtype.itemsize for t in self.source.block(i).values())
+
+    def prefetch(self, i: int) -> None:
+        """Start copying block i to the device (no-op on CPU or if already there)."""
+        if not self.cuda or i in self._on_device or not 0 <= i < self.source.num_blocks:
+            return
+        flat, index, pinned = self._host[i]
+        with torch.cuda.stream(self._stream):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            dev = torch.empty(flat.numel(), dtype=torch.uint8, device=self.device)
+            if pinned:
+                dev.copy_(flat, non_blocking=True)
+            else:
+                k = self._next_staging
+                self._next_staging = 1 - k
+                if self._staging_free[k] is not None:
+                    self._staging_free[k].synchronize()  # the previous copy out of this slot is done
+                buf = self._staging[k][: flat.numel()]
+                buf.copy_(flat)  # host memcpy into page-locked memory
+                dev.copy_(buf, non_blocking=True)
+                self._staging_free[k] = torch.cuda.Event()
+                self._staging_free[k].record()
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+        self.h2d_bytes += flat.numel()
+        self._h2d_events.append((start, done))
+        self._on_device[i] = (unpack(dev, index), done)
+
+    def get(self, i: int) -> dict[str, torch.Tensor]:
+        """Block i's weights, ready for use on the current stream."""
+        if not self.cuda:
+            w = self.source.block(i)
+            return {k: v.to(device=self.device, dtype=self.dtype) for k, v in w.items()}
+        self.prefetch(i)
+        w, done = self._on_device[i]
+        if done is not None:
+            stream = torch.cuda.current_stream(self.device)
+            before = torch.cuda.Event(enable_timing=True)
+            after = torch.cuda.Event(enable_timing=True)
+            before.record(stream)
+            stream.wait_event(done)  # compute waits for the copy: this gap is the h2d stall
+            after.record(stream)
+            self._stall_events.append((before, after))
+            for t in w.values():
+                t.record_stream(stream)  # memory is freed only after compute has used it
+            self._on_device[i] = (w, None)
+        return w
+
+    def release(self, i: int) -> None:
+        """Drop block i from the device unless it is resident."""
+        if self.cuda and i not in self.resident:
+            self._on_device.pop(i, None)
+
+    def take_timings(self) -> tuple[int, float, float]:
+        """(h2d bytes, h2d copy seconds, h2d stall seconds) since the last call; syncs CUDA."""
+        if not self.cuda:
+            return 0, 0.0, 0.0
+        torch.cuda.synchronize(self.device)
+        copy = sum(a.elapsed_time(b) for a, b in self._h2d_events) / 1e3
+        stall = sum(a.elapsed_time(b) for a, b in self._stall_events) / 1e3
+        n = self.h2d_bytes
+        self._h2d_events.clear()
+        self._stall_events.clear()
+        self.h2d_bytes = 0
+        return n, copy, stall
+
+
+def _flat_block(source: BlockSource, i: int) -> tuple[torch.Tensor, dict]:
+    flat = getattr(source, "flat_block", None)
+    if flat is not None:
+        buf, index = flat(i)
+    else:
+        buf, index = pack(source.block(i))
+    if isinstance(buf, np.ndarray):
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            buf = torch.from_numpy(buf)
+    return buf, index
+
+
+def _register_pinned(flat: torch.Tensor) -> bool:
+    """Page-lock `flat` in place (cudaHostRegister); False if CUDA refuses (then we stage)."""
+    if flat.is_pinned():
+        return True
+    cudart = torch.cuda.cudart()
+    for flags in (0x08, 0x00):  # cudaHostRegisterReadOnly first: object-store pages are read-only
+        if int(cudart.cudaHostRegister(flat.data_ptr(), flat.numel(), flags)) == 0:
+            return True
+    return False
+
+
+class StreamedEngine:
+    """Trains LoRA adapters on a frozen model streamed block by block (see module docstring)."""
+
+    def __init__(
+        self,
+        source: BlockSource,
+        lora: LoraWeights,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        gpu_memory_budget: int | None = None,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        grad_clip: float | None = 1.0,
+        seed: int = 0,
+    ):
+        self.args = source.args
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.lora = lora
+        self.seed = seed
+        self.grad_clip = grad_clip
+        self.budget = gpu_memory_budget
+        if self.device.type == "cuda" and gpu_memory_budget:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_memory_budget / total), self.device)
+        self.weights = DeviceWeights(source, self.device, dtype)
+        self.optimizer = torch.optim.AdamW(
+            lora.parameters(), lr=0.0, betas=betas, weight_decay=weight_decay,
+            foreach=self.device.type == "cuda",
+        )
+        self.step_count = 0
+        self._planned = False
+        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.offload_activations = False
+
+    # ------------------------------------------------------------ planning
+
+    def _plan(self, micro_batches: list[MicroBatch]) -> None:
+        """Decide which blocks stay resident and where saved activations live (CUDA only)."""
+        self._planned = True
+        if self.device.type != "cuda":
+            return
+        a, L = self.args, self.args.num_layers
+        esize = self.dtype.itemsize
+        budget = self.budget or int(torch.cuda.get_device_properties(self.device).total_memory * 0.9)
+        block = self.weights.block_bytes()
+        fixed = sum(t.numel() * esize for t in self.weights.globals.values())
+        fixed += self.lora.num_parameters() * 4 * 4  # param, grad, two Adam moments (fp32)
+        tokens = sum(ids.numel() for ids, _ in micro_batches)
+        biggest = max(ids.numel() for ids, _ in micro_batches)
+        saved = L * tokens * a.hidden_size * esize
+        # transient working set of one micro-batch through one block and the fp32 head
+        work = biggest * (6 * a.hidden_size + 4 * a.intermediate_size) * esize * 2
+        work += biggest * a.vocab_size * 4 * 3
+        free = budget - fixed - work
+        self.offload_activations = saved > free // 2
+        if not self.offload_activations:
+            free -= saved
+        if free >= L * block:
+            self.weights.resident = set(range(L))
+        else:
+            n = free // block - 2  # two slots for the blocks in flight
+            if n < 0:
+                need = fixed + work + 2 * block
+                raise MemoryError(
+                    f"--gpu-memory-budget {budget / 2**30:.1f} GiB is too small for this model and "
+                    f"micro-batch: at least {need / 2**30:.1f} GiB needed; lower --micro-batch-size "
+                    f"or --seq-len, or raise the budget"
+                )
+            self.weights.resident = set(range(L - int(n), L))  # last of forward = first of backward
+
+    def _cos_sin(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if T not in self._rope:
+            self._rope[T] = M.rope_cos_sin(self.args, T, self.device, self.dtype)
+        return self._rope[T]
+
+    def _generator(self, step: int, i: int, m: int) -> torch.Generator | None:
+        if self.lora.spec.dropout <= 0:
+            return None
+        seed = hash((self.seed, step, i, m)) & 0x7FFF_FFFF_FFFF_FFFF
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def _save(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.offload_activations:
+            return x
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        return host.copy_(x, non_blocking=True)
+
+    # ------------------------------------------------------------ the step
+
+    def _forward(self, micro_batches: list[MicroBatch], step: int, dropout: bool, save: bool):
+        """Layer-major forward under no_grad. Returns last hidden states and saved block inputs."""
+        L = self.args.num_layers
+        g = self.weights.globals
+        with torch.no_grad():
+            hs = [M.embed(ids.to(self.device), g) for ids, _ in micro_batches]
+            saved: list[list[torch.Tensor]] = [[] for _ in range(L)]
+            for i in range(L):
+                w = self.weights.get(i)
+                self.weights.prefetch(i + 1)
+                lora = self.lora.context(i, self.dtype, dropout=None if dropout else 0.0)
+                for m, h in enumerate(hs):
+                    if save:
+                        saved[i].append(self._save(h))
+                    lora.generator = self._generator(step, i, m)
+                    cos, sin = self._cos_sin(h.shape[1])
+                    hs[m] = M.block_forward(h, w, self.args, cos, sin, lora)
+                if i + 1 < L:
+                    self.weights.release(i)  # the last block stays: it is the first of backward
+        return hs, saved
+
+    def forward_backward(self, micro_batches: list[MicroBatch], step: int) -> tuple[float, int, dict]:
+        """Accumulate LoRA gradients for one global batch; returns (loss, target tokens, seconds)."""
+        if not self._planned:
+            self._plan(micro_batches)
+        L = self.args.num_layers
+        g = self.weights.globals
+        labels = [lab.to(self.device) for _, lab in micro_batches]
+        n_target = int(sum((lab != -100).sum() for lab in labels))
+        denom = max(n_target, 1)
+        t0 = time.perf_counter()
+        hs, saved = self._forward(micro_batches, step, dropout=True, save=True)
+        # head: the loss of the whole global batch, and d(loss)/d(last hidden states)
+        grads, loss = [], torch.zeros((), device=self.device)
+        for h, lab in zip(hs, labels):
+            h = h.detach().requires_grad_(True)
+            part = M.loss_sum(h, lab, g, self.args) / denom
+            part.backward()
+            loss += part.detach()
+            grads.append(h.grad)
+        del hs
+        self.weights.prefetch(L - 1)
+        self._sync()
+        t1 = time.perf_counter()
+        for i in reversed(range(L)):
+            w = self.weights.get(i)
+            self.weights.prefetch(i - 1)
+            lora = self.lora.context(i, self.dtype)  # with grad: the fp32 → dtype cast is on the tape
+            for m in range(len(micro_batches)):
+                x = saved[i][m].to(self.device, non_blocking=True).requires_grad_(True)
+                saved[i][m] = None  # free the saved input as soon as it is consumed
+                lora.generator = self._generator(step, i, m)
+                cos, sin = self._cos_sin(x.shape[1])
+                y = M.block_forward(x, w, self.args, cos, sin, lora)
+                y.backward(grads[m])
+                grads[m] = x.grad
+            del lora
+            self.weights.release(i)
+        self._sync()
+        t2 = time.perf_counter()
+        return float(loss), n_target, {"forward": t1 - t0, "backward": t2 - t1}
+
+    def optimizer_step(self, lr: float) -> float:
+        params = self.lora.parameters()
+        if self.grad_clip:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip))
+        else:
+            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def train_step(self, micro_batches: list[MicroBatch], lr: float) -> StepStats:
+        """One optimizer step over `micro_batches` (the global batch)."""
+        t0 = time.perf_counter()
+        busy_start = self._event()
+        loss, n_target, phases = self.forward_backward(micro_batches, self.step_count)
+        t1 = time.perf_counter()
+        norm = self.optimizer_step(lr)
+        busy_end = self._event()
+        self._sync()
+        t2 = time.perf_counter()
+        self.step_count += 1
+        h2d_bytes, h2d_seconds, stall = self.weights.take_timings()
+        phases["optimizer"] = t2 - t1
+        phases["h2d_stall"] = stall
+        # everything the compute stream did minus the time it sat waiting for weights
+        busy = None
+        if busy_start is not None:
+            busy = max(0.0, busy_start.elapsed_time(busy_end) / 1e3 - stall) / (t2 - t0)
+        tokens = sum(ids.numel() for ids, _ in micro_batches)
+        return StepStats(
+            loss=loss, tokens=tokens, target_tokens=n_target, grad_norm=norm, phase_seconds=phases,
+            h2d_bytes=h2d_bytes, h2d_seconds=h2d_seconds, gpu_busy_ratio=busy,
+            step_seconds=t2 - t0, flops=self.flops_per_step(tokens),
+        )
+
+    def flops_per_step(self, tokens: int) -> float:
+        """≈ 6·N·T for LoRA with recompute: forward, recompute, input-gradient (DESIGN.md)."""
+        return 6.0 * self.args.num_layers * self.args.block_param_count() * tokens
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: list[MicroBatch]) -> tuple[float, int]:
+        """(summed NLL, predicted tokens) without dropout or gradients."""
+        if not self._planned:
+            self._plan(micro_batches)
+        hs, _ = self._forward(micro_batches, step=0, dropout=False, save=False)
+        self.weights.release(self.args.num_layers - 1)
+        total, n = 0.0, 0
+        for h, (_, lab) in zip(hs, micro_batches):
+            lab = lab.to(self.device)
+            total += float(M.loss_sum(h, lab, self.weights.globals, self.args))
+            n += int((lab != -100).sum())
+        return total, n
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full logits (B, T, vocab) in fp32, for parity tests and export checks."""
+        ids = input_ids.to(self.device)
+        if not self._planned:
+            self._plan([(ids, ids)])
+        hs, _ = self._forward([(ids, ids)], step=0, dropout=False, save=False)
+        self.weights.release(self.args.num_layers - 1)
+        return M.logits(hs[0], self.weights.globals, self.args)
+
+    # ------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "step": self.step_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step_count = int(state["step"])
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _event(self) -> torch.cuda.Event | None:
+        if self.device.type != "cuda":
+            return None
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+
+def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1) -> float:
+    """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at `total_steps`."""
+    import math
+
+    if warmup_steps > 0 and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))

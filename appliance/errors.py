@@ -1,0 +1,19 @@
+"""User-facing errors: each says what is wrong, what was found, and what to do next.
+
+The CLI prints them as one line and exits 1 without a traceback. They are plain exceptions with a
+single message argument, so they pickle across Ray actor boundaries unchanged.
+"""
+
+from __future__ import annotations
+
+
+class ApplianceError(Exception):
+    """Base class for errors caused by the user's input, not by a bug."""
+
+
+class ConfigError(ApplianceError):
+    """A bad flag or config-file key; the message names it (every problem, one per line)."""
+
+
+class ModelError(ApplianceError):
+    """A model directory that cannot be used: missing files, unsupported architecture, bad shapes."""

@@ -1,0 +1,210 @@
+"""Reading Hugging Face model directories: config.json, safetensors shards, tokenizer.json.
+
+The architecture is checked from `config.json` before any weight is read. Weights are read one
+block at a time through `safe_open`, so host memory stays near one copy of the model in the
+compute dtype however the checkpoint is stored.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .errors import ModelError
+from .model import TARGET_MODULES, ModelArgs
+
+_LINEARS = frozenset(TARGET_MODULES.values())
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+GLOBAL_NAMES = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelError(f"{path}: no {what} found; is this a Hugging Face model directory?") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"{path}: cannot read {what}: {e}") from None
+
+
+def read_model_args(model_dir: str | Path) -> ModelArgs:
+    """Parse and check `config.json`; refuse anything the engine does not implement, by name."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelError(f"model directory {model_dir} does not exist (pass --model DIR)")
+    cfg = _read_json(model_dir / "config.json", "config.json")
+    where = model_dir / "config.json"
+    archs = cfg.get("architectures") or []
+    if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise ModelError(
+            f"{where}: architecture {archs or cfg.get('model_type')!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    arch = archs[0]
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelError(f"{where}: hidden_act={act!r} is not supported (only 'silu')")
+    # transformers ≥5 nests rope settings in `rope_parameters`; older files use rope_theta/rope_scaling
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+    rope_scaling = None
+    if rope_type == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        missing = [k for k in keys if k not in rope]
+        if missing:
+            raise ModelError(f"{where}: rope_scaling of type llama3 lacks {', '.join(missing)}")
+        rope_scaling = tuple(sorted((k, float(rope[k])) for k in keys))
+    elif rope_type != "default":
+        raise ModelError(
+            f"{where}: rope_scaling type {rope_type!r} is not supported (only llama3 or none)"
+        )
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ModelError(f"{where}: partial_rotary_factor is not supported")
+
+    num_heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    attention_bias = bool(cfg.get("attention_bias", False))
+    sliding = cfg.get("sliding_window")
+    if arch == "Qwen2ForCausalLM":
+        attention_bias, o_bias = True, False  # Qwen2: bias on q, k, v only
+        if cfg.get("use_sliding_window", False):
+            raise ModelError(f"{where}: use_sliding_window=true is not supported")
+        sliding = None
+    else:
+        o_bias = attention_bias
+    eos = cfg.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    try:
+        return ModelArgs(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rope_scaling=rope_scaling,
+            attention_bias=attention_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            sliding_window=int(sliding) if sliding else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=eos,
+            pad_token_id=cfg.get("pad_token_id"),
+        )
+    except KeyError as e:
+        raise ModelError(f"{where}: missing required field {e.args[0]!r}") from None
+
+
+def tokenizer_path(model_dir: str | Path) -> Path:
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise ModelError(
+            f"{path}: no tokenizer.json in the model directory; save the model's fast tokenizer "
+            "there (tokenizer.save_pretrained(DIR))"
+        )
+    return path
+
+
+class SafetensorsCheckpoint:
+    """Name → file index over one `model.safetensors` or sharded files with an index JSON."""
+
+    def __init__(self, model_dir: str | Path):
+        self.dir = Path(model_dir)
+        index = self.dir / "model.safetensors.index.json"
+        single = self.dir / "model.safetensors"
+        if index.is_file():
+            weight_map = _read_json(index, "safetensors index")["weight_map"]
+            self.files = {name: self.dir / f for name, f in weight_map.items()}
+        elif single.is_file():
+            with safe_open(single, "pt") as f:
+                self.files = {name: single for name in f.keys()}
+        else:
+            raise ModelError(
+                f"{self.dir}: no model.safetensors or model.safetensors.index.json; "
+                "save the model with safe_serialization=True"
+            )
+        for path in set(self.files.values()):
+            if not path.is_file():
+                raise ModelError(f"{path}: shard named in the index is missing")
+
+    def read(self, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Read `names` (grouped by shard) converted to `dtype`."""
+        by_file: dict[Path, list[str]] = {}
+        for n in names:
+            if n not in self.files:
+                raise ModelError(f"{self.dir}: tensor {n!r} is missing from the checkpoint")
+            by_file.setdefault(self.files[n], []).append(n)
+        out = {}
+        for path, group in by_file.items():
+            try:
+                with safe_open(path, "pt") as f:
+                    for n in group:
+                        out[n] = f.get_tensor(n).to(dtype)
+            except (OSError, RuntimeError) as e:
+                raise ModelError(f"{path}: cannot read safetensors file: {e}") from None
+        return out
+
+
+def block_names(args: ModelArgs, i: int) -> list[str]:
+    """The HF tensor names of block i (full names, with the `model.layers.{i}.` prefix)."""
+    p = f"model.layers.{i}."
+    names = [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+    for m in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        names.append(f"{p}self_attn.{m}.weight")
+        if (args.attention_bias and m != "o_proj") or (args.o_bias and m == "o_proj"):
+            names.append(f"{p}self_attn.{m}.bias")
+    for m in ("gate_proj", "up_proj", "down_proj"):
+        names.append(f"{p}mlp.{m}.weight")
+        if args.mlp_bias:
+            names.append(f"{p}mlp.{m}.bias")
+    return names
+
+
+def read_globals(
+    ckpt: SafetensorsCheckpoint, args: ModelArgs, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not args.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return ckpt.read(names, dtype)
+
+
+def read_block(
+    ckpt: SafetensorsCheckpoint, args: ModelArgs, i: int, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Block i's tensors keyed without the layer prefix, shapes checked against config.json."""
+    prefix = f"model.layers.{i}."
+    tensors = ckpt.read(block_names(args, i), dtype)
+    out = {name[len(prefix) :]: t for name, t in tensors.items()}
+    for key, t in out.items():
+        module = key.rsplit(".", 1)[0]
+        if key.endswith(".weight") and module in _LINEARS:
+            expected = args.module_shape(module)
+            if tuple(t.shape) != expected:
+                raise ModelError(
+                    f"{ckpt.dir}: {prefix}{key} has shape {tuple(t.shape)}, config.json implies "
+                    f"{expected}"
+                )
+    return out
+
+
+def iter_blocks(
+    model_dir: str | Path, dtype: torch.dtype
+) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    args = read_model_args(model_dir)
+    ckpt = SafetensorsCheckpoint(model_dir)
+    for i in range(args.num_layers):
+        yield i, read_block(ckpt, args, i, dtype)

@@ -1,0 +1,180 @@
+"""LoRA adapters: fp32 parameters per block, and reading/writing them in PEFT's format.
+
+A LoRA module adds `B @ A @ dropout(x) * alpha / rank` to a frozen linear layer, with A (rank, in)
+and B (out, rank). PEFT's initialisation (A Kaiming-uniform, B zero) makes the adapted model start
+equal to the base model. Files are `adapter_config.json` + `adapter_model.safetensors` with PEFT's
+key names, so `peft.PeftModel.from_pretrained` loads them onto the transformers model unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .errors import ModelError
+from .model import TARGET_MODULES, LoraContext, ModelArgs
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @property
+    def modules(self) -> list[str]:
+        return [TARGET_MODULES[t] for t in self.targets]
+
+
+def peft_key(block: int, module: str, which: str) -> str:
+    """PEFT's key for block `block`'s `module` ('self_attn.q_proj'), which = 'A' | 'B'."""
+    return f"base_model.model.model.layers.{block}.{module}.lora_{which}.weight"
+
+
+class LoraWeights:
+    """The trainable parameters: for each block, module → (A, B) as fp32 leaf tensors."""
+
+    def __init__(self, args: ModelArgs, spec: LoraSpec, device: torch.device | str = "cpu",
+                 seed: int = 0):
+        self.args, self.spec = args, spec
+        gen = torch.Generator().manual_seed(seed)
+        self.blocks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        for _ in range(args.num_layers):
+            block = {}
+            for module in spec.modules:
+                out_f, in_f = args.module_shape(module)
+                A = torch.empty(spec.rank, in_f)
+                # PEFT's default: kaiming_uniform_(a=sqrt(5)) → U(-1/sqrt(in), 1/sqrt(in))
+                bound = 1.0 / math.sqrt(in_f)
+                A.uniform_(-bound, bound, generator=gen)
+                B = torch.zeros(out_f, spec.rank)
+                block[module] = (
+                    A.to(device).requires_grad_(True),
+                    B.to(device).requires_grad_(True),
+                )
+            self.blocks.append(block)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [p for block in self.blocks for ab in block.values() for p in ab]
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def context(
+        self, i: int, dtype: torch.dtype, generator: torch.Generator | None = None,
+        dropout: float | None = None,
+    ) -> LoraContext:
+        """Block i's adapters cast to the compute dtype (the cast is differentiable)."""
+        weights = {m: (A.to(dtype), B.to(dtype)) for m, (A, B) in self.blocks[i].items()}
+        p = self.spec.dropout if dropout is None else dropout
+        return LoraContext(weights, self.spec.scale, p, generator)
+
+    # ------------------------------------------------------------ PEFT format
+
+    def peft_state_dict(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for i, block in enumerate(self.blocks):
+            for module, (A, B) in block.items():
+                out[peft_key(i, module, "A")] = A.detach().float().cpu().contiguous()
+                out[peft_key(i, module, "B")] = B.detach().float().cpu().contiguous()
+        return out
+
+    def load_peft_state_dict(self, sd: dict[str, torch.Tensor], where: str = "adapter") -> None:
+        expected = set()
+        with torch.no_grad():
+            for i, block in enumerate(self.blocks):
+                for module, (A, B) in block.items():
+                    for which, p in (("A", A), ("B", B)):
+                        key = peft_key(i, module, which)
+                        expected.add(key)
+                        if key not in sd:
+                            raise ModelError(f"{where}: missing LoRA tensor {key}")
+                        if tuple(sd[key].shape) != tuple(p.shape):
+                            raise ModelError(
+                                f"{where}: {key} has shape {tuple(sd[key].shape)}, expected "
+                                f"{tuple(p.shape)} (rank or model mismatch)"
+                            )
+                        p.copy_(sd[key])
+        extra = sorted(set(sd) - expected)
+        if extra:
+            raise ModelError(f"{where}: unexpected LoRA tensors, e.g. {extra[0]}")
+
+    def save(self, out_dir: str | Path, base_model: str = "") -> None:
+        """Write adapter_model.safetensors then adapter_config.json (the config marks completion)."""
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file(self.peft_state_dict(), out_dir / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+        (out_dir / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(self.spec, base_model), indent=2))
+
+
+def adapter_config(spec: LoraSpec, base_model: str = "") -> dict:
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": sorted(m.split(".")[-1] for m in spec.modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "use_rslora": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+    }
+
+
+_MODULE_BY_NAME = {m.split(".")[-1]: short for short, m in TARGET_MODULES.items()}
+
+
+def read_spec(adapter_dir: str | Path) -> LoraSpec:
+    path = Path(adapter_dir) / ADAPTER_CONFIG
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelError(f"{path}: no adapter_config.json; pass a directory written by appliance "
+                         "train (or PEFT)") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelError(f"{path}: cannot read adapter config: {e}") from None
+    if cfg.get("peft_type") != "LORA":
+        raise ModelError(f"{path}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    names = cfg.get("target_modules") or []
+    if isinstance(names, str):
+        raise ModelError(f"{path}: target_modules as a regex is not supported")
+    unknown = [n for n in names if n not in _MODULE_BY_NAME]
+    if unknown:
+        raise ModelError(f"{path}: target modules {unknown} are not supported")
+    if cfg.get("use_rslora"):
+        raise ModelError(f"{path}: use_rslora=true is not supported")
+    targets = tuple(t for t in TARGET_MODULES if TARGET_MODULES[t].split(".")[-1] in names)
+    return LoraSpec(int(cfg["r"]), float(cfg["lora_alpha"]), float(cfg.get("lora_dropout", 0.0)),
+                    targets)
+
+
+def load_adapter(adapter_dir: str | Path, args: ModelArgs,
+                 device: torch.device | str = "cpu") -> LoraWeights:
+    spec = read_spec(adapter_dir)
+    path = Path(adapter_dir) / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise ModelError(f"{path}: adapter weights are missing")
+    try:
+        sd = load_file(path)
+    except Exception as e:  # safetensors raises several types for corrupt files
+        raise ModelError(f"{path}: cannot read adapter weights: {e}") from None
+    lora = LoraWeights(args, spec, device)
+    lora.load_peft_state_dict(sd, str(path))
+    return lora

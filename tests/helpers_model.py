@@ -1,0 +1,82 @@
+"""Tiny Hugging Face checkpoints made in a temp dir (random init, `save_pretrained`).
+
+Each variant exercises one architecture feature the engine must reproduce exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+from tests.helpers_tokenizer import make_tokenizer
+
+VOCAB = 64  # ≥ the test tokenizer's vocabulary
+
+BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "llama-mha": ("LlamaForCausalLM", dict(rope_theta=10000.0)),
+    "llama-gqa-rope3-tied": (
+        "LlamaForCausalLM",
+        dict(
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+    ),
+    "mistral": ("MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=None)),
+    "qwen2-bias": ("Qwen2ForCausalLM", dict(num_key_value_heads=2, rope_theta=1000000.0)),
+}
+
+_CONFIGS = {
+    "LlamaForCausalLM": transformers.LlamaConfig,
+    "MistralForCausalLM": transformers.MistralConfig,
+    "Qwen2ForCausalLM": transformers.Qwen2Config,
+}
+
+
+def make_model(
+    directory: str | Path, variant: str = "llama-mha", seed: int = 0, shards: bool = False,
+    with_tokenizer: bool = True, **overrides,
+) -> Path:
+    """Save a random tiny model of `variant` (+ the test tokenizer) into `directory`."""
+    arch, extra = VARIANTS[variant]
+    cfg = _CONFIGS[arch](**{**BASE, **extra, **overrides})
+    cfg.architectures = [arch]
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(cfg).float()
+    with torch.no_grad():  # make biases visible to the parity check (HF initialises them to 0)
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    directory = Path(directory)
+    model.save_pretrained(directory, max_shard_size="100KB" if shards else "5GB")
+    if with_tokenizer:
+        make_tokenizer(directory)
+    return directory
+
+
+def load_hf(directory: str | Path) -> transformers.PreTrainedModel:
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    return model.eval()
