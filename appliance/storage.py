@@ -1,0 +1,735 @@
+"""One small interface for local paths and ``s3://bucket/prefix`` URIs.
+
+Used for ``--model``, ``--data`` and ``--output``. Every function takes a URI string: either an
+``s3://bucket/key`` or a local path (``~`` is expanded, a ``file://`` prefix is accepted). All
+failures raise :class:`StorageError`, whose message names the URI and says what to do.
+
+S3 goes through boto3 with the standard credential chain (env vars, ``AWS_PROFILE``, instance or
+IRSA role), adaptive retries with backoff on throttling and 5xx, and ``AWS_ENDPOINT_URL`` (or
+``AWS_ENDPOINT_URL_S3``) for S3-compatible stores such as MinIO or moto. Tunables, read from the
+environment when a client or transfer is made:
+
+- ``APPLIANCE_S3_MAX_ATTEMPTS`` (default 10): attempts per request, first one included.
+- ``APPLIANCE_S3_MULTIPART_THRESHOLD`` / ``APPLIANCE_S3_MULTIPART_CHUNKSIZE`` (default 64 MiB):
+  files at least this big are uploaded/downloaded in parts of this size, in parallel.
+- ``APPLIANCE_S3_CACHE`` (default ``~/.cache/appliance/s3``): where :func:`localize` puts
+  downloads.
+"""
+
+from __future__ import annotations
+
+import codecs
+import io
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+S3_SCHEME = "s3://"
+DEFAULT_MAX_ATTEMPTS = 10
+DEFAULT_MULTIPART_BYTES = 64 * 1024 * 1024
+DEFAULT_CACHE_ROOT = Path("~/.cache/appliance/s3")
+_INDEX_DIR = ".etags"  # under the cache root: what each localized file was downloaded from
+
+# Error kinds carried by StorageError.kind, for callers that branch on them.
+NOT_FOUND = "not_found"
+NO_BUCKET = "no_bucket"
+ACCESS_DENIED = "access_denied"
+NO_CREDENTIALS = "no_credentials"
+NO_SPACE = "no_space"
+INVALID = "invalid"
+OTHER = "other"
+
+
+class StorageError(Exception):
+    """A storage operation failed. ``uri`` names the object; ``kind`` is one of the module's
+    error-kind constants (``NOT_FOUND``, ``NO_BUCKET``, ``ACCESS_DENIED``, ...)."""
+
+    def __init__(self, message: str, uri: str | None = None, kind: str = OTHER) -> None:
+        super().__init__(message)
+        self.uri = uri
+        self.kind = kind
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles across Ray processes
+        return (type(self), (str(self), self.uri, self.kind))
+
+
+# --------------------------------------------------------------------------------------------
+# URIs
+
+
+def is_s3(uri: str | os.PathLike[str]) -> bool:
+    """True for ``s3://...`` URIs."""
+    return str(uri).startswith(S3_SCHEME)
+
+
+def split_s3(uri: str) -> tuple[str, str]:
+    """``s3://bucket/a/b`` -> ``("bucket", "a/b")``; the key may be empty."""
+    if not is_s3(uri):
+        raise StorageError(f"not an s3:// URI: {uri!r}", uri, INVALID)
+    bucket, _, key = uri[len(S3_SCHEME) :].partition("/")
+    if not bucket:
+        raise StorageError(f"no bucket in {uri!r}: write it as s3://BUCKET/PREFIX", uri, INVALID)
+    return bucket, key
+
+
+def join(uri: str | os.PathLike[str], *parts: str) -> str:
+    """Join path parts onto a URI: ``join("s3://b/run", "ckpt", "x")`` -> ``"s3://b/run/ckpt/x"``.
+
+    S3 parts are joined with ``/`` (redundant slashes dropped); local ones with ``os.path.join``.
+    """
+    uri = str(uri)
+    if not is_s3(uri):
+        return os.path.join(uri, *parts)
+    out = uri.rstrip("/")
+    for part in parts:
+        part = part.strip("/")
+        if part:
+            out = f"{out}/{part}"
+    return out
+
+
+def _local(uri: str | os.PathLike[str]) -> Path:
+    s = str(uri)
+    if s.startswith("file://"):
+        s = s[len("file://") :]
+    return Path(s).expanduser()
+
+
+# --------------------------------------------------------------------------------------------
+# S3 client and error mapping
+
+_client_lock = threading.Lock()
+_clients: dict[tuple[str | None, ...], Any] = {}
+
+
+def _endpoint_url() -> str | None:
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise StorageError(f"{name}={raw!r} is not an integer", None, INVALID) from None
+
+
+def s3_client() -> Any:
+    """A boto3 S3 client for the current environment (cached; boto3 clients are thread-safe).
+
+    Retries: ``mode="adaptive"`` (exponential backoff plus client-side rate limiting on
+    throttling and 5xx), ``APPLIANCE_S3_MAX_ATTEMPTS`` attempts. The endpoint comes from
+    ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` when set, passed explicitly so that older
+    botocore versions honour it too.
+    """
+    env = os.environ
+    max_attempts = _env_int("APPLIANCE_S3_MAX_ATTEMPTS", DEFAULT_MAX_ATTEMPTS)
+    endpoint = _endpoint_url()
+    key = (
+        endpoint,
+        str(max_attempts),
+        env.get("AWS_ACCESS_KEY_ID"),
+        env.get("AWS_SECRET_ACCESS_KEY"),
+        env.get("AWS_SESSION_TOKEN"),
+        env.get("AWS_PROFILE"),
+        env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"),
+    )
+    with _client_lock:
+        client = _clients.get(key)
+        if client is None:
+            import boto3
+            from botocore.config import Config
+
+            config = Config(
+                retries={"max_attempts": max_attempts, "mode": "adaptive"},
+                connect_timeout=10,
+                read_timeout=60,
+            )
+            # A fresh Session per client: the default session is not thread-safe to create.
+            client = boto3.session.Session().client("s3", endpoint_url=endpoint, config=config)
+            if len(_clients) >= 8:
+                _clients.clear()
+            _clients[key] = client
+        return client
+
+
+def transfer_config(
+    multipart_threshold: int | None = None, multipart_chunksize: int | None = None
+) -> Any:
+    """``boto3.s3.transfer.TransferConfig`` for uploads/downloads: multipart at or above
+    ``multipart_threshold`` bytes, parts of ``multipart_chunksize`` bytes (S3's minimum part is
+    5 MiB), 8 parts in flight."""
+    from boto3.s3.transfer import TransferConfig
+
+    threshold = multipart_threshold or _env_int(
+        "APPLIANCE_S3_MULTIPART_THRESHOLD", DEFAULT_MULTIPART_BYTES
+    )
+    chunksize = multipart_chunksize or _env_int(
+        "APPLIANCE_S3_MULTIPART_CHUNKSIZE", max(threshold, 5 * 1024 * 1024)
+    )
+    return TransferConfig(
+        multipart_threshold=threshold, multipart_chunksize=chunksize, max_concurrency=8
+    )
+
+
+def _client_error(exc: BaseException) -> BaseException:
+    """The botocore error behind ``exc`` (boto3's transfer layer wraps them)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, (ClientError, BotoCoreError)):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return exc
+
+
+def _bucket_exists(bucket: str) -> bool | None:
+    """True/False when S3 says so; None when it cannot tell (e.g. no permission)."""
+    from botocore.exceptions import ClientError
+
+    try:
+        s3_client().head_bucket(Bucket=bucket)
+        return True
+    except ClientError as e:
+        code = str(e.response.get("Error", {}).get("Code", ""))
+        if code in ("404", "NoSuchBucket", "NotFound"):
+            return False
+        return None
+    except Exception:
+        return None
+
+
+def _s3_error(exc: BaseException, uri: str, action: str) -> StorageError:
+    """Turn a boto3/botocore failure into a StorageError that names the URI and the fix."""
+    from botocore.exceptions import (
+        ClientError,
+        EndpointConnectionError,
+        NoCredentialsError,
+        PartialCredentialsError,
+    )
+
+    err = _client_error(exc)
+    bucket, key = split_s3(uri)
+    if isinstance(err, (NoCredentialsError, PartialCredentialsError)):
+        return StorageError(
+            f"no AWS credentials found while {action} {uri}: set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or run where an instance/IRSA role is "
+            "attached",
+            uri,
+            NO_CREDENTIALS,
+        )
+    if isinstance(err, EndpointConnectionError):
+        return StorageError(
+            f"cannot reach the S3 endpoint while {action} {uri} ({err}): check the network "
+            f"and AWS_ENDPOINT_URL (now {_endpoint_url() or 'unset'})",
+            uri,
+            OTHER,
+        )
+    if not isinstance(err, ClientError):
+        return StorageError(f"S3 failure while {action} {uri}: {err}", uri, OTHER)
+
+    error = err.response.get("Error", {})
+    code = str(error.get("Code", ""))
+    message = error.get("Message") or ""
+    if code in ("NoSuchKey", "404", "NotFound") and _bucket_exists(bucket) is False:
+        code = "NoSuchBucket"  # HEAD requests cannot say which one was missing
+    if code == "NoSuchBucket":
+        return StorageError(
+            f"bucket '{bucket}' does not exist ({uri}): create it or fix the URI",
+            uri,
+            NO_BUCKET,
+        )
+    if code in ("NoSuchKey", "404", "NotFound"):
+        return StorageError(
+            f"no such object {uri} (while {action}): check the path, e.g. "
+            f"`aws s3 ls {join(S3_SCHEME + bucket, key.rsplit('/', 1)[0] if '/' in key else '')}/`",
+            uri,
+            NOT_FOUND,
+        )
+    if code in ("AccessDenied", "403", "Forbidden", "AllAccessDisabled"):
+        return StorageError(
+            f"access denied while {action} {uri}: the credentials in use lack permission on "
+            f"arn:aws:s3:::{bucket}/{key}; grant it (bucket policy or IAM role) or use other "
+            "credentials (AWS_PROFILE / AWS_ACCESS_KEY_ID)",
+            uri,
+            ACCESS_DENIED,
+        )
+    if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"):
+        return StorageError(
+            f"S3 rejected the credentials while {action} {uri} ({code}): check "
+            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN or AWS_PROFILE",
+            uri,
+            NO_CREDENTIALS,
+        )
+    return StorageError(f"S3 error {code} while {action} {uri}: {message}", uri, OTHER)
+
+
+def _local_error(exc: OSError, uri: str, action: str) -> StorageError:
+    if isinstance(exc, FileNotFoundError):
+        return StorageError(
+            f"no such file or directory: {uri} (while {action}): check the path", uri, NOT_FOUND
+        )
+    if isinstance(exc, PermissionError):
+        return StorageError(
+            f"permission denied while {action} {uri}: fix the file permissions or choose "
+            "another path",
+            uri,
+            ACCESS_DENIED,
+        )
+    if isinstance(exc, IsADirectoryError):
+        return StorageError(f"{uri} is a directory, expected a file", uri, INVALID)
+    return StorageError(f"failed {action} {uri}: {exc}", uri, OTHER)
+
+
+# --------------------------------------------------------------------------------------------
+# Operations
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One file under a prefix: ``name`` relative to it (``/``-separated), ``size`` in bytes,
+    ``etag`` (S3 ETag without quotes; empty for local files)."""
+
+    name: str
+    size: int
+    etag: str = ""
+
+
+def _s3_prefix(key: str) -> str:
+    return key.rstrip("/") + "/" if key.strip("/") else ""
+
+
+def _s3_list(uri: str) -> list[ObjectInfo]:
+    bucket, key = split_s3(uri)
+    prefix = _s3_prefix(key)
+    out: list[ObjectInfo] = []
+    try:
+        paginator = s3_client().get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
+            for obj in page.get("Contents", []):
+                name = obj["Key"][len(prefix) :]
+                if name and not name.endswith("/"):  # skip console "folder" markers
+                    out.append(ObjectInfo(name, int(obj["Size"]), obj["ETag"].strip('"')))
+    except Exception as e:
+        raise _s3_error(e, uri, "listing") from e
+    return sorted(out, key=lambda o: o.name)
+
+
+def list_objects(uri_prefix: str) -> list[ObjectInfo]:
+    """Every file under a directory/prefix, recursively, sorted by relative name, with sizes.
+
+    A missing local directory or an empty S3 prefix gives ``[]``; a missing bucket raises.
+    """
+    if is_s3(uri_prefix):
+        return _s3_list(uri_prefix)
+    root = _local(uri_prefix)
+    if not root.exists():
+        return []
+    if not root.is_dir():
+        raise StorageError(f"{uri_prefix} is a file, expected a directory", uri_prefix, INVALID)
+    out = []
+    for dirpath, _dirs, files in os.walk(root):
+        for fname in files:
+            p = Path(dirpath, fname)
+            try:
+                out.append(ObjectInfo(p.relative_to(root).as_posix(), p.stat().st_size))
+            except FileNotFoundError:  # removed while walking
+                continue
+    return sorted(out, key=lambda o: o.name)
+
+
+def list_files(uri_prefix: str) -> list[str]:
+    """Relative names (``/``-separated) of every file under a directory/prefix, sorted."""
+    return [o.name for o in list_objects(uri_prefix)]
+
+
+def exists(uri: str) -> bool:
+    """Whether a file exists, or a directory/prefix with at least one file under it (S3).
+
+    A missing bucket raises StorageError rather than answering False: it is a configuration
+    error, not an absent file.
+    """
+    if not is_s3(uri):
+        return _local(uri).exists()
+    from botocore.exceptions import ClientError
+
+    bucket, key = split_s3(uri)
+    if key and not key.endswith("/"):
+        try:
+            s3_client().head_object(Bucket=bucket, Key=key)
+            return True
+        except ClientError as e:
+            if str(e.response.get("Error", {}).get("Code")) not in ("404", "NoSuchKey"):
+                raise _s3_error(e, uri, "checking") from e
+        except Exception as e:
+            raise _s3_error(e, uri, "checking") from e
+    try:
+        resp = s3_client().list_objects_v2(Bucket=bucket, Prefix=_s3_prefix(key), MaxKeys=1)
+    except Exception as e:
+        raise _s3_error(e, uri, "checking") from e
+    return bool(resp.get("KeyCount") or resp.get("Contents"))
+
+
+def read_bytes(uri: str) -> bytes:
+    """The whole content of one file."""
+    if not is_s3(uri):
+        try:
+            return _local(uri).read_bytes()
+        except OSError as e:
+            raise _local_error(e, uri, "reading") from e
+    bucket, key = split_s3(uri)
+    try:
+        return s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
+    except Exception as e:
+        raise _s3_error(e, uri, "reading") from e
+
+
+def _atomic_local_write(path: Path, write: Any, uri: str) -> None:
+    """Write via ``write(fileobj)`` to a temp file next to ``path``, fsync, then rename over it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise _local_error(e, uri, "writing") from e
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError):
+            raise _local_error(e, uri, "writing") from e
+        raise
+
+
+def write_bytes(uri: str, data: bytes) -> None:
+    """Write one file. Local writes are atomic (temp file in the same dir, then ``os.replace``);
+    S3 PUTs are atomic by nature (large payloads go multipart)."""
+    if not is_s3(uri):
+        _atomic_local_write(_local(uri), lambda f: f.write(data), uri)
+        return
+    bucket, key = split_s3(uri)
+    try:
+        s3_client().upload_fileobj(io.BytesIO(data), bucket, key, Config=transfer_config())
+    except Exception as e:
+        raise _s3_error(e, uri, "writing") from e
+
+
+def upload_file(
+    local_path: str | os.PathLike[str],
+    uri: str,
+    *,
+    multipart_threshold: int | None = None,
+    multipart_chunksize: int | None = None,
+) -> None:
+    """Copy a local file to ``uri`` (S3: multipart at or above the threshold; local: atomic
+    copy)."""
+    src = Path(local_path)
+    if not src.is_file():
+        raise StorageError(f"cannot upload {src}: no such file", str(src), NOT_FOUND)
+    if not is_s3(uri):
+
+        def copy(f: Any) -> None:
+            with open(src, "rb") as s:
+                shutil.copyfileobj(s, f, 16 * 1024 * 1024)
+
+        _atomic_local_write(_local(uri), copy, uri)
+        return
+    bucket, key = split_s3(uri)
+    config = transfer_config(multipart_threshold, multipart_chunksize)
+    try:
+        s3_client().upload_file(str(src), bucket, key, Config=config)
+    except Exception as e:
+        raise _s3_error(e, uri, "uploading to") from e
+
+
+def download_file(
+    uri: str,
+    local_path: str | os.PathLike[str],
+    *,
+    multipart_threshold: int | None = None,
+    multipart_chunksize: int | None = None,
+) -> None:
+    """Copy one file from ``uri`` to ``local_path``; the destination appears complete or not at
+    all (downloaded to a temp file next to it, then renamed)."""
+    dest = Path(local_path).expanduser()
+    if not is_s3(uri):
+        src = _local(uri)
+        if not src.is_file():
+            raise StorageError(f"no such file: {uri}: check the path", uri, NOT_FOUND)
+
+        def copy(f: Any) -> None:
+            with open(src, "rb") as s:
+                shutil.copyfileobj(s, f, 16 * 1024 * 1024)
+
+        _atomic_local_write(dest, copy, str(dest))
+        return
+    bucket, key = split_s3(uri)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+    os.close(fd)
+    config = transfer_config(multipart_threshold, multipart_chunksize)
+    try:
+        s3_client().download_file(bucket, key, tmp, Config=config)
+        os.replace(tmp, dest)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, Exception):
+            raise _s3_error(e, uri, "downloading") from e
+        raise
+
+
+def delete(uri: str) -> None:
+    """Delete one file; deleting a missing file is not an error."""
+    if not is_s3(uri):
+        try:
+            _local(uri).unlink(missing_ok=True)
+        except OSError as e:
+            raise _local_error(e, uri, "deleting") from e
+        return
+    bucket, key = split_s3(uri)
+    try:
+        s3_client().delete_object(Bucket=bucket, Key=key)
+    except Exception as e:
+        raise _s3_error(e, uri, "deleting") from e
+
+
+def delete_prefix(uri: str) -> None:
+    """Delete a directory/prefix and everything under it; a missing one is not an error."""
+    if not is_s3(uri):
+        path = _local(uri)
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+        except OSError as e:
+            raise _local_error(e, uri, "deleting") from e
+        return
+    bucket, key = split_s3(uri)
+    if not key.strip("/"):
+        raise StorageError(
+            f"refusing to delete a whole bucket ({uri}): give a prefix", uri, INVALID
+        )
+    prefix = _s3_prefix(key)
+    keys = [prefix + o.name for o in _s3_list(uri)]
+    client = s3_client()
+    try:
+        for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+            batch = [{"Key": k} for k in keys[i : i + 1000]]
+            resp = client.delete_objects(Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
+            errors = resp.get("Errors") or []
+            if errors:
+                first = errors[0]
+                raise StorageError(
+                    f"could not delete {len(errors)} objects under {uri}, e.g. "
+                    f"s3://{bucket}/{first.get('Key')}: {first.get('Code')} {first.get('Message')}",
+                    uri,
+                    ACCESS_DENIED if first.get("Code") == "AccessDenied" else OTHER,
+                )
+    except StorageError:
+        raise
+    except Exception as e:
+        raise _s3_error(e, uri, "deleting") from e
+
+
+def size(uri: str) -> int:
+    """Size of one file in bytes."""
+    if not is_s3(uri):
+        try:
+            path = _local(uri)
+            if path.is_dir():
+                raise IsADirectoryError(str(path))
+            return path.stat().st_size
+        except OSError as e:
+            raise _local_error(e, uri, "reading the size of") from e
+    bucket, key = split_s3(uri)
+    try:
+        return int(s3_client().head_object(Bucket=bucket, Key=key)["ContentLength"])
+    except Exception as e:
+        raise _s3_error(e, uri, "reading the size of") from e
+
+
+def open_text_lines(uri: str, encoding: str = "utf-8", chunk_bytes: int = 1 << 20) -> Iterator[str]:
+    """Stream a text file line by line (without line endings), never holding it all in memory.
+
+    Opening happens now, so a missing file raises StorageError here rather than at the first
+    ``next()``.
+    """
+    if not is_s3(uri):
+        try:
+            f = open(_local(uri), encoding=encoding, newline=None)
+        except OSError as e:
+            raise _local_error(e, uri, "opening") from e
+        return _local_lines(f, uri)
+    bucket, key = split_s3(uri)
+    try:
+        body = s3_client().get_object(Bucket=bucket, Key=key)["Body"]
+    except Exception as e:
+        raise _s3_error(e, uri, "opening") from e
+    return _s3_lines(body, uri, encoding, chunk_bytes)
+
+
+def _local_lines(f: io.TextIOWrapper, uri: str) -> Iterator[str]:
+    with f:
+        try:
+            for line in f:
+                yield line.rstrip("\n")
+        except OSError as e:
+            raise _local_error(e, uri, "reading") from e
+
+
+def _s3_lines(body: Any, uri: str, encoding: str, chunk_bytes: int) -> Iterator[str]:
+    decoder = codecs.getincrementaldecoder(encoding)()
+    pending = ""
+    try:
+        for chunk in body.iter_chunks(chunk_bytes):
+            pending += decoder.decode(chunk)
+            lines = pending.split("\n")
+            pending = lines.pop()
+            for line in lines:
+                yield line.removesuffix("\r")
+        pending += decoder.decode(b"", final=True)
+    except Exception as e:
+        raise _s3_error(e, uri, "reading") from e
+    finally:
+        body.close()
+    if pending:
+        yield pending.removesuffix("\r")
+
+
+# --------------------------------------------------------------------------------------------
+# localize: make an s3:// model or dataset available as local files
+
+
+def cache_root() -> Path:
+    """Where :func:`localize` keeps S3 downloads (``APPLIANCE_S3_CACHE`` or
+    ``~/.cache/appliance/s3``)."""
+    return Path(os.environ.get("APPLIANCE_S3_CACHE") or DEFAULT_CACHE_ROOT).expanduser()
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n} bytes ({n / 2**30:.2f} GiB)"
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def localize(uri: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """A local path holding the content of ``uri``.
+
+    Local paths are returned unchanged (as a Path) after checking they exist. For ``s3://`` the
+    object (a dataset file) or every object under the prefix (a model or dataset directory) is
+    downloaded to ``<cache_dir>/<bucket>/<key>`` (``cache_dir`` defaults to :func:`cache_root`)
+    and that path is returned. Files already there with the same size and ETag are not fetched
+    again; local files whose S3 object disappeared since an earlier localize are removed. Before
+    downloading, the free space on the cache disk is checked against the bytes to fetch.
+    """
+    if not is_s3(uri):
+        path = _local(uri)
+        if not path.exists():
+            raise StorageError(f"no such file or directory: {uri}: check the path", uri, NOT_FOUND)
+        return Path(uri)
+
+    bucket, key = split_s3(uri)
+    key = key.strip("/")
+    root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
+    objects = _s3_list(uri)  # the prefix as a directory
+    is_dir = bool(objects) or not key
+    if not is_dir:
+        try:
+            head = s3_client().head_object(Bucket=bucket, Key=key)
+        except Exception as e:
+            err = _s3_error(e, uri, "localizing")
+            if err.kind == NOT_FOUND:
+                err = StorageError(
+                    f"nothing at {uri}: no object with that key and no objects under it; "
+                    "check the URI (`aws s3 ls` it)",
+                    uri,
+                    NOT_FOUND,
+                )
+            raise err from e
+        objects = [ObjectInfo("", int(head["ContentLength"]), head["ETag"].strip('"'))]
+    if is_dir and not objects:
+        raise StorageError(f"nothing under {uri}: the prefix is empty", uri, NOT_FOUND)
+
+    dest = root / bucket / key if key else root / bucket
+    index_path = root / _INDEX_DIR / bucket / f"{key or '_'}.json"
+    index = _read_index(index_path)
+
+    def local_of(o: ObjectInfo) -> Path:
+        return dest / o.name if o.name else dest
+
+    todo = []
+    for o in objects:
+        p = local_of(o)
+        seen = index.get(o.name)
+        fresh = (
+            seen == {"size": o.size, "etag": o.etag} and p.is_file() and p.stat().st_size == o.size
+        )
+        if not fresh:
+            todo.append(o)
+    needed = sum(o.size for o in todo)
+    if todo:
+        free = shutil.disk_usage(_existing_ancestor(dest)).free
+        if needed > free:
+            raise StorageError(
+                f"not enough disk space to localize {uri} into {dest}: need "
+                f"{_fmt_bytes(needed)}, {_fmt_bytes(free)} free; free space there or point "
+                "APPLIANCE_S3_CACHE at a bigger disk",
+                uri,
+                NO_SPACE,
+            )
+    gone = sorted(set(index) - {o.name for o in objects})  # deleted from S3 since last time
+    for name in gone:
+        stale = dest / name if name else dest
+        if stale.is_file():
+            stale.unlink()
+        del index[name]
+    if gone and not todo:
+        _write_index(index_path, index, uri)
+    if todo:
+        logger.info("localizing %s: %d files, %s", uri, len(todo), _fmt_bytes(needed))
+    for o in todo:
+        src = join(uri, o.name) if o.name else f"{S3_SCHEME}{bucket}/{key}"
+        download_file(src, local_of(o))
+        index[o.name] = {"size": o.size, "etag": o.etag}
+        _write_index(index_path, index, uri)  # after each file: an interrupted run resumes
+    return dest
+
+
+def _read_index(path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_index(path: Path, index: dict[str, dict[str, Any]], uri: str) -> None:
+    payload = json.dumps(index, indent=1, sort_keys=True).encode()
+    _atomic_local_write(path, lambda f: f.write(payload), uri)
