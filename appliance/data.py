@@ -146,9 +146,8 @@ def _decode_utf8(data: bytes, where: str) -> str:
 
 
 def _type_name(value: Any) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean"}.get(
-        type(value), "null" if value is None else "number"
-    )
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
+    return names.get(type(value), "null" if value is None else "a number")
 
 
 def parse_document(raw: RawDocument) -> Record:
@@ -161,18 +160,18 @@ def parse_document(raw: RawDocument) -> Record:
     except json.JSONDecodeError as e:
         raise DataError(f"{raw.where}: malformed JSON: {e.msg} at column {e.colno}") from None
     if not isinstance(obj, dict):
-        raise DataError(f"{raw.where}: expected a JSON object, found a JSON {_type_name(obj)}")
+        raise DataError(f"{raw.where}: expected a JSON object, found {_type_name(obj)}")
     if "text" in obj:
         if not isinstance(obj["text"], str):
             raise DataError(
-                f'{raw.where}: "text" must be a string, found a {_type_name(obj["text"])}'
+                f'{raw.where}: "text" must be a string, found {_type_name(obj["text"])}'
             )
         return Record(text=obj["text"])
     if "prompt" in obj and "completion" in obj:
         for key in ("prompt", "completion"):
             if not isinstance(obj[key], str):
                 raise DataError(
-                    f'{raw.where}: "{key}" must be a string, found a {_type_name(obj[key])}'
+                    f'{raw.where}: "{key}" must be a string, found {_type_name(obj[key])}'
                 )
         return Record(prompt=obj["prompt"], completion=obj["completion"])
     keys = sorted(obj)

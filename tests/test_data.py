@@ -1,0 +1,229 @@
+"""appliance.data: file discovery, sharding, record parsing, tokenizer loading, encoding."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from appliance.data import (
+    DataError,
+    RawDocument,
+    Record,
+    ShardReader,
+    encode_records,
+    find_data_files,
+    has_documents,
+    load_tokenizer,
+    parse_document,
+)
+from tests.helpers_tokenizer import make_tokenizer
+
+
+def write_jsonl(path: Path, records: list, blank_lines: bool = False) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [r if isinstance(r, str) else json.dumps(r) for r in records]
+    if blank_lines:
+        lines = [x for line in lines for x in (line, "   ")]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return make_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+# -- discovery -------------------------------------------------------------------------------
+
+
+def test_find_data_files_is_recursive_sorted_and_ignores_other_files(tmp_path):
+    for rel in ["b.jsonl", "a/z.txt", "a/y.jsonl", "c.md", "a/notes.json", "a/b/x.TXT", "0.txt"]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    files = find_data_files(tmp_path)
+    assert [f.relative_to(tmp_path).as_posix() for f in files] == [
+        "0.txt",
+        "a/b/x.TXT",
+        "a/y.jsonl",
+        "a/z.txt",
+        "b.jsonl",
+    ]
+
+
+def test_find_data_files_single_file(tmp_path):
+    f = write_jsonl(tmp_path / "d.jsonl", [{"text": "a"}])
+    assert find_data_files(f) == [f]
+
+
+def test_missing_path_is_named(tmp_path):
+    with pytest.raises(DataError, match=r"^dataset not found: .*/nope$"):
+        find_data_files(tmp_path / "nope")
+
+
+def test_directory_without_data_files_is_named(tmp_path):
+    (tmp_path / "readme.md").write_text("hi")
+    with pytest.raises(DataError) as e:
+        find_data_files(tmp_path)
+    assert str(e.value) == f"empty dataset: no .jsonl or .txt files under {tmp_path}"
+
+
+def test_unsupported_single_file(tmp_path):
+    (tmp_path / "d.csv").write_text("a,b")
+    with pytest.raises(DataError, match=r"unsupported dataset file .*d\.csv: expected a \.jsonl"):
+        find_data_files(tmp_path / "d.csv")
+
+
+def test_has_documents(tmp_path):
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("\n  \n")
+    assert not has_documents([empty])
+    assert has_documents([empty, write_jsonl(tmp_path / "f.jsonl", [{"text": "a"}])])
+    (tmp_path / "t.txt").write_text("")
+    assert has_documents([tmp_path / "t.txt"])  # a .txt file is a document even if empty
+
+
+# -- sharding --------------------------------------------------------------------------------
+
+
+def test_shards_are_disjoint_cover_the_dataset_and_skip_blank_lines(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [{"text": f"a{i}"} for i in range(5)], blank_lines=True)
+    (tmp_path / "b.txt").write_text("b0")
+    write_jsonl(tmp_path / "c.jsonl", [{"text": f"c{i}"} for i in range(4)])
+    files = find_data_files(tmp_path)
+    order = [f"a{i}" for i in range(5)] + ["b0"] + [f"c{i}" for i in range(4)]
+
+    def text(raw: RawDocument) -> str:
+        return parse_document(raw).text
+
+    seen = []
+    for w in range(3):
+        reader = ShardReader(files, w, 3)
+        docs = list(reader)
+        assert [d.doc for d in docs] == list(range(len(docs)))  # shard indices are dense
+        assert [text(d) for d in docs] == order[w::3]  # global index % N == w
+        assert reader.total_documents == 10
+        seen += [text(d) for d in docs]
+    assert sorted(seen) == sorted(order)
+
+    # .jsonl documents are located by file:line (blank lines count as lines, not documents).
+    first = list(ShardReader(files, 1, 3))
+    assert first[0].where == f"{tmp_path / 'a.jsonl'}:3"
+    assert first[1].where == f"{tmp_path / 'a.jsonl'}:9"
+    assert first[2].where == f"{tmp_path / 'c.jsonl'}:2" and first[2].kind == "jsonl"
+    assert list(ShardReader(files, 2, 3))[1].where == str(tmp_path / "b.txt")
+
+
+def test_shard_reader_starts_at_a_shard_index(tmp_path):
+    files = [write_jsonl(tmp_path / "a.jsonl", [{"text": str(i)} for i in range(20)])]
+    full = list(ShardReader(files, 1, 4))
+    assert list(ShardReader(files, 1, 4, start_doc=2)) == full[2:]
+
+
+# -- parsing ---------------------------------------------------------------------------------
+
+
+def raw(data: bytes, kind: str = "jsonl", where: str = "d.jsonl:7") -> RawDocument:
+    return RawDocument(0, where, data, kind)
+
+
+def test_parse_text_and_prompt_completion():
+    assert parse_document(raw(b'{"text": "hi", "id": 3}\n')) == Record(text="hi")
+    pc = parse_document(raw(b'{"prompt": "q", "completion": "a"}'))
+    assert pc == Record(prompt="q", completion="a")
+    assert parse_document(raw("caf\u00e9\n".encode(), "txt", "x.txt")) == Record(text="café\n")
+    assert parse_document(raw(b'\xef\xbb\xbf{"text": "bom"}')).text == "bom"  # BOM tolerated
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b'{"text": "a"', "d.jsonl:7: malformed JSON: Expecting ',' delimiter at column 13"),
+        (b"[1, 2]", "d.jsonl:7: expected a JSON object, found an array"),
+        (
+            b'{"txt": "a", "meta": 1}',
+            'd.jsonl:7: record has no "text" (nor "prompt" + "completion"); '
+            'keys found: "meta", "txt"',
+        ),
+        (
+            b'{"prompt": "a"}',
+            'd.jsonl:7: record has no "text" (nor "prompt" + "completion"); keys found: "prompt"',
+        ),
+        (b"{}", 'd.jsonl:7: record has no "text" (nor "prompt" + "completion"); keys found: none'),
+        (b'{"text": 5}', 'd.jsonl:7: "text" must be a string, found a number'),
+        (
+            b'{"prompt": "a", "completion": null}',
+            'd.jsonl:7: "completion" must be a string, found null',
+        ),
+        (
+            b'{"text": "\xff"}',
+            "d.jsonl:7: not valid UTF-8 (invalid start byte at byte 10)",
+        ),
+    ],
+)
+def test_bad_records_name_file_line_and_problem(data, message):
+    with pytest.raises(DataError) as e:
+        parse_document(raw(data))
+    assert str(e.value) == message
+
+
+def test_non_utf8_txt_names_the_file():
+    with pytest.raises(DataError) as e:
+        parse_document(raw(b"ok \xc3\x28", "txt", "/data/x.txt"))
+    assert str(e.value) == "/data/x.txt: not valid UTF-8 (invalid continuation byte at byte 3)"
+
+
+def test_data_error_pickles_with_its_message():
+    e = pickle.loads(pickle.dumps(DataError("d.jsonl:3: malformed JSON")))
+    assert isinstance(e, DataError) and str(e) == "d.jsonl:3: malformed JSON"
+
+
+# -- tokenizer -------------------------------------------------------------------------------
+
+
+def test_missing_tokenizer_is_named(tmp_path):
+    with pytest.raises(DataError) as e:
+        load_tokenizer(tmp_path)  # a model directory without tokenizer.json
+    assert str(e.value) == (
+        f"tokenizer not found: {tmp_path / 'tokenizer.json'} (expected a tokenizer.json file)"
+    )
+    with pytest.raises(DataError, match=r"^tokenizer not found: .*/x/tokenizer\.json"):
+        load_tokenizer(tmp_path / "x" / "tokenizer.json")
+
+
+def test_corrupt_tokenizer_is_named(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(DataError, match=r"^cannot load tokenizer .*tokenizer\.json: "):
+        load_tokenizer(tmp_path)
+
+
+def test_load_tokenizer_accepts_a_directory_and_disables_truncation(tmp_path, tok):
+    path, bos, eos, _ = tok
+    t = load_tokenizer(path)
+    t.enable_truncation(3)
+    t.save(str(tmp_path / "tokenizer.json"))
+    t2 = load_tokenizer(tmp_path)  # the model directory form
+    assert t2.truncation is None and t2.padding is None
+    assert len(t2.encode("the cat sat on the mat").ids) == 7  # BOS + 6 words, not truncated
+
+
+def test_encode_records_appends_eos_and_masks_prompts(tok):
+    path, bos, eos, _ = tok
+    t = load_tokenizer(path)
+    records = [
+        Record(text="the cat sat"),
+        Record(prompt="the dog", completion="ran far away"),
+        Record(text=""),
+    ]
+    (ids0, m0), (ids1, m1), (ids2, m2) = encode_records(t, records, eos)
+    assert ids0.tolist() == t.encode("the cat sat").ids + [eos] and ids0[0] == bos
+    assert m0.all() and ids0.dtype == np.int64
+    p = t.encode("the dog").ids
+    c = t.encode("ran far away", add_special_tokens=False).ids
+    assert ids1.tolist() == p + c + [eos]
+    assert m1.tolist() == [False] * len(p) + [True] * (len(c) + 1)
+    assert ids2.tolist() == [bos, eos] and m2.all()
+    assert encode_records(t, [], eos) == []
