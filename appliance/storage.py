@@ -9,7 +9,8 @@ IRSA role), adaptive retries with backoff on throttling and 5xx, and ``AWS_ENDPO
 ``AWS_ENDPOINT_URL_S3``) for S3-compatible stores such as MinIO or moto. Tunables, read from the
 environment when a client or transfer is made:
 
-- ``APPLIANCE_S3_MAX_ATTEMPTS`` (default 10): attempts per request, first one included.
+- ``APPLIANCE_S3_MAX_ATTEMPTS`` (default 10): retries per request after the first attempt
+  (botocore's ``max_attempts``).
 - ``APPLIANCE_S3_MULTIPART_THRESHOLD`` / ``APPLIANCE_S3_MULTIPART_CHUNKSIZE`` (default 64 MiB):
   files at least this big are uploaded/downloaded in parts of this size, in parallel.
 - ``APPLIANCE_S3_CACHE`` (default ``~/.cache/appliance/s3``): where :func:`localize` puts
@@ -129,7 +130,7 @@ def s3_client() -> Any:
     """A boto3 S3 client for the current environment (cached; boto3 clients are thread-safe).
 
     Retries: ``mode="adaptive"`` (exponential backoff plus client-side rate limiting on
-    throttling and 5xx), ``APPLIANCE_S3_MAX_ATTEMPTS`` attempts. The endpoint comes from
+    throttling and 5xx), ``APPLIANCE_S3_MAX_ATTEMPTS`` retries. The endpoint comes from
     ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` when set, passed explicitly so that older
     botocore versions honour it too.
     """

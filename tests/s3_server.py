@@ -7,14 +7,19 @@ Use from a test module with ``pytest_plugins = ["tests.s3_server"]`` (run pytest
   region ``us-east-1`` for the test, so ``appliance.storage`` and plain boto3 both talk to it.
 - ``s3_bucket``: the name of a fresh, empty bucket (unique per test).
 - ``s3_client``: a boto3 S3 client for the server, for arranging and asserting.
+- ``enforce_iam(endpoint)``: a context manager under which moto checks IAM permissions (real
+  AccessDenied answers for IAM users created on the server).
 
 One server serves the whole session (it starts in ~0.1 s); tests stay apart by bucket name.
 """
 
 from __future__ import annotations
 
+import logging
+import urllib.request
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -29,6 +34,7 @@ def moto_server_url() -> Iterator[str]:
     """Start moto's threaded server on 127.0.0.1 on a free port for the session."""
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
@@ -86,3 +92,25 @@ def s3_bucket(s3_client: Any) -> str:
     name = f"test-{uuid.uuid4().hex[:16]}"
     s3_client.create_bucket(Bucket=name)
     return name
+
+
+def _reset_auth(endpoint: str, count: str) -> None:
+    req = urllib.request.Request(
+        f"{endpoint}/moto-api/reset-auth",
+        data=count.encode(),
+        method="POST",
+        headers={"Content-Type": "text/plain"},
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        resp.read()
+
+
+@contextmanager
+def enforce_iam(endpoint: str) -> Iterator[None]:
+    """Make moto authenticate and authorize every request (IAM policies, real signatures) until
+    the block exits. Create IAM users, keys and policies before entering."""
+    _reset_auth(endpoint, "0")
+    try:
+        yield
+    finally:
+        _reset_auth(endpoint, "inf")
