@@ -75,19 +75,28 @@ class RawDocument:
 
 
 def find_data_files(path: str | Path) -> list[Path]:
-    """The dataset's files in document order; DataError if the path is missing or holds none."""
+    """The dataset's files in document order.
+
+    DataError if the path is missing, holds no .jsonl/.txt file, or no document at all.
+    """
     root = Path(path)
     if not root.exists():
         raise DataError(f"dataset not found: {path}")
     if root.is_file():
         if root.suffix.lower() not in DATA_SUFFIXES:
             raise DataError(f"unsupported dataset file {path}: expected a .jsonl or .txt file")
-        return [root]
-    files = [f for f in root.rglob("*") if f.suffix.lower() in DATA_SUFFIXES and f.is_file()]
-    if not files:
-        raise DataError(f"empty dataset: no .jsonl or .txt files under {path}")
+        files = [root]
+    else:
+        files = [f for f in root.rglob("*") if f.suffix.lower() in DATA_SUFFIXES and f.is_file()]
+        if not files:
+            raise DataError(f"empty dataset: no .jsonl or .txt files under {path}")
     # Sort by relative POSIX path so the document order is the same on every machine.
-    return sorted(files, key=lambda f: f.relative_to(root).as_posix())
+    files.sort(key=lambda f: f.relative_to(root).as_posix())
+    if not has_documents(files):
+        raise DataError(
+            f"empty dataset: no documents in {path} ({len(files)} file(s), all empty or blank)"
+        )
+    return files
 
 
 def has_documents(files: Sequence[Path]) -> bool:
@@ -197,6 +206,17 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     tok.no_truncation()
     tok.no_padding()
     return tok
+
+
+def check_dataset(data_path: str | Path, tokenizer_path: str | Path) -> list[Path]:
+    """Fail fast, in the driver, on a missing or empty dataset or a missing tokenizer.
+
+    Returns the data files. Call it before creating workers: a DataError raised in an actor's
+    constructor reaches the caller as Ray's ActorDiedError, not as DataError.
+    """
+    files = find_data_files(data_path)
+    load_tokenizer(tokenizer_path)
+    return files
 
 
 def encode_records(

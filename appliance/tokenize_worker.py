@@ -37,7 +37,6 @@ from appliance.data import (
     ShardReader,
     encode_records,
     find_data_files,
-    has_documents,
     load_tokenizer,
     parse_document,
 )
@@ -105,6 +104,7 @@ class TokenizeWorker:
         self.epochs = epochs
         self.on_bad_record = on_bad_record
 
+        self.files = find_data_files(data_path)
         self.tokenizer = load_tokenizer(tokenizer_path)
         vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
         pad_id = eos_id if pad_id is None else pad_id  # padding is masked: any valid id works
@@ -112,13 +112,6 @@ class TokenizeWorker:
             if not 0 <= value < vocab:
                 raise ValueError(f"{name} {value} is outside the tokenizer's vocabulary ({vocab})")
         self.eos_id, self.pad_id = eos_id, pad_id
-
-        self.files = find_data_files(data_path)
-        if not has_documents(self.files):
-            raise DataError(
-                f"empty dataset: no documents in {data_path} ({len(self.files)} file(s), "
-                "all empty or blank)"
-            )
 
         # Counters for metrics: work done by this process (read-ahead included).
         self.tokens_total = 0
@@ -128,7 +121,7 @@ class TokenizeWorker:
         self.tokenize_seconds = 0.0
         self.last_skip_reason: str | None = None
 
-        self.seek(cursor or self._cursor_at(0, 0, 0, 0))
+        self.seek(cursor if cursor is not None else self._cursor_at(0, 0, 0, 0))
 
     # -- public API ------------------------------------------------------------------------
 
@@ -167,7 +160,7 @@ class TokenizeWorker:
         cursor = self.cursor()
         # Bad records behind the cursor are final: fold them into the base count.
         passed = bisect.bisect_left(self._bad_docs, cursor["doc"])
-        if self._pos < len(self._ids) and passed:
+        if passed:
             self._skipped_base += passed
             del self._bad_docs[:passed]
         return Batch(
