@@ -1,0 +1,70 @@
+# syntax=docker/dockerfile:1
+# The appliance image: CUDA 12.6 runtime, torch 2.13.0 built for CUDA 12.6, Ray and the appliance.
+#
+#   make image                                   # docker build -t appliance:0.1.0 .
+#   docker run --rm --gpus all --shm-size=64g -v "$PWD/models:/models" -v "$PWD/data:/data" \
+#     appliance:0.1.0 train --model /models/llama-3.1-8b --data /data/train.jsonl --output /data/run1
+#
+# The same image runs the Ray head, the GPU workers and the RayJob submitter on Kubernetes
+# (helm/appliance). See docs/deploy.md.
+#
+# The base image's CUDA and torch's build must agree: CUDA_VERSION 12.6.x <-> TORCH_CUDA cu126.
+# (PyPI's default torch 2.13.0 wheel is a CUDA 13 build; the cu12x builds of 2.13.0 come from the
+# PyTorch index: cu126 or cu129. cu126 runs on drivers >= 560, and >= 525 with minor-version
+# compatibility, which covers EKS's GPU AMIs and most rented boxes.)
+ARG CUDA_VERSION=12.6.3
+ARG UBUNTU_VERSION=24.04
+
+FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION} AS build
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_CUDA=cu126
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_CUDA}
+ENV DEBIAN_FRONTEND=noninteractive \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+# The CUDA base image tag pins the distribution; pinning apt package versions on top only breaks
+# the build whenever Ubuntu publishes a security update.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv \
+    && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+# torch first, from the PyTorch CUDA index; the appliance's `torch>=...` is then already met.
+RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}+${TORCH_CUDA}"
+WORKDIR /src
+COPY pyproject.toml README.md constraints.txt ./
+COPY appliance ./appliance
+# constraints.txt pins torch==2.13.0, which the +cu126 build satisfies: pip keeps it. The check
+# fails the build if a CPU or mismatched CUDA torch slipped in (cu126 -> torch.version.cuda 12.6,
+# which must also be the base image's CUDA).
+ARG CUDA_VERSION
+RUN pip install --constraint constraints.txt . \
+    && python -c "import torch, ray, appliance; \
+want = '${TORCH_CUDA}'[2:-1] + '.' + '${TORCH_CUDA}'[-1]; \
+assert torch.version.cuda == want, (torch.version.cuda, want); \
+assert '${CUDA_VERSION}'.startswith(want + '.'), ('base image CUDA ${CUDA_VERSION}', want); \
+print('torch', torch.__version__, 'cuda', torch.version.cuda, 'ray', ray.__version__)"
+
+FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION}
+ENV DEBIAN_FRONTEND=noninteractive
+# python3: the venv's interpreter (same Ubuntu release as the build stage).
+# bash: KubeRay runs `ray start` under `bash -lc`. wget: KubeRay's default health probes.
+# Versions are pinned by the base image tag, as above.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 bash wget ca-certificates \
+    && rm -rf /var/lib/apt/lists/* \
+    && (userdel --remove ubuntu 2>/dev/null || true) \
+    && useradd --create-home --uid 1000 --user-group --shell /bin/bash appliance
+COPY --from=build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+# Numeric, so that Kubernetes can verify runAsNonRoot without a runAsUser.
+USER 1000:1000
+WORKDIR /home/appliance
+# 8080: Ray's per-node metrics endpoint (Prometheus, ray_appliance_*). 8265: Ray dashboard.
+EXPOSE 8080 8265
+ENTRYPOINT ["appliance"]
+CMD ["--help"]

