@@ -452,6 +452,9 @@ def test_actors_tokenize_in_their_own_processes(ray_local, data, tok):
         ray.remote(TokenizeWorker).remote(*args, 0, 2, 8, 2, eos, pad),
         ray.remote(**ACTOR_OPTIONS)(TokenizeWorker).remote(*args, 1, 2, 8, 2, eos, pad),
     ]
+    # ACTOR_OPTIONS' runtime env reaches the actor: tokenizers uses one thread, like its CPU.
+    env = ray.get(actors[1].__ray_call__.remote(lambda self: os.environ.get("RAYON_NUM_THREADS")))
+    assert env == "1"
     for w, actor in enumerate(actors):
         b = ray.get(actor.next_batch.remote())
         assert b.pid != os.getpid()
