@@ -125,6 +125,10 @@ class FlatBlockSource:
     def block(self, i: int) -> dict[str, torch.Tensor]:
         return unpack(self.block_bufs[i], self.block_index[i])
 
+    def flat_block(self, i: int) -> tuple[np.ndarray, FlatIndex]:
+        """Block i as its one flat buffer (uploaded to the GPU in a single copy)."""
+        return self.block_bufs[i], self.block_index[i]
+
     def nbytes(self) -> int:
         return self.global_buf.nbytes + sum(b.nbytes for b in self.block_bufs)
 

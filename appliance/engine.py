@@ -28,6 +28,7 @@ import torch
 
 from . import model as M
 from .blocks import BlockSource, pack, unpack
+from .errors import ConfigError
 from .lora import LoraWeights
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input_ids (B, T), labels (B, T)), labels shifted
@@ -242,7 +243,7 @@ class StreamedEngine:
             n = free // block - 2  # two slots for the blocks in flight
             if n < 0:
                 need = fixed + work + 2 * block
-                raise MemoryError(
+                raise ConfigError(
                     f"--gpu-memory-budget {budget / 2**30:.1f} GiB is too small for this model and "
                     f"micro-batch: at least {need / 2**30:.1f} GiB needed; lower --micro-batch-size "
                     f"or --seq-len, or raise the budget"

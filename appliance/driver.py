@@ -1,0 +1,349 @@
+"""The driver: `appliance train` from config to adapter.
+
+    setup    check every input (model, tokenizer, data, output) before anything heavy starts;
+             start Ray; create the WeightStore, the TokenizeWorkers and the Trainer
+    train    keep a bounded window of batches in flight, step the trainer, schedule the LR,
+             show progress, checkpoint
+    cleanup  write the adapter (complete, then published), stop the actors
+
+The driver holds no tensors: batches travel from the tokenizer workers to the trainer by object
+ref, weights from the store to the trainer through shared memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import storage
+from .config import TrainConfig, flag
+from .data import check_dataset
+from .engine import lr_at
+from .errors import ConfigError, ModelError
+from .hf_checkpoint import read_model_args, tokenizer_path
+from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from .progress import Progress
+from .tokenize_worker import ACTOR_OPTIONS, TokenizeWorker, default_num_workers
+from .trainer import Trainer, TrainerSettings, resolve_device, resolve_dtype
+from .weight_store import WeightStore
+
+RUN_FILE = "run.json"
+# the keys that define a run: changing one makes an existing output a different run
+IDENTITY_KEYS = ("model", "data", "seq_len", "lora_rank", "lora_alpha", "lora_targets", "seed",
+                 "micro_batch_size", "micro_batches_per_step")
+
+
+@dataclass
+class Inputs:
+    """Everything checked and resolved before Ray starts."""
+
+    cfg: TrainConfig
+    model_dir: Path
+    data_path: Path
+    tokenizer: Path
+    eos_id: int
+    pad_id: int | None
+    device: str
+    dtype: str
+    eval_data: Path | None = None
+    demo_root: str | None = None
+
+
+@dataclass
+class RunState:
+    """Where the run is: enough to resume it exactly."""
+
+    step: int = 0
+    consumed: int = 0  # micro-batches consumed so far (position in the worker schedule)
+    cursors: dict[int, dict] = field(default_factory=dict)
+    losses: list[float] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------- setup
+
+
+def prepare(cfg: TrainConfig) -> Inputs:
+    """Resolve the demo, fetch remote inputs, and check model, tokenizer, data and output."""
+    demo_root = None
+    eval_data = None
+    if cfg.model is None:
+        from .demo import DEMO_SETTINGS, make_demo
+
+        demo_root = tempfile.mkdtemp(prefix="appliance-demo-")
+        made = make_demo(demo_root, seed=cfg.seed)
+        defaults = TrainConfig()
+        for key, value in DEMO_SETTINGS.items():  # demo settings unless the user chose otherwise
+            if getattr(cfg, key) == getattr(defaults, key):
+                setattr(cfg, key, value)
+        cfg.model, cfg.data = made["model"], made["data"]
+        cfg.output = cfg.output or made["output"]
+        eval_data = Path(made["eval_data"])
+    assert cfg.data is not None and cfg.output is not None
+    model_dir = storage.localize(cfg.model)
+    args = read_model_args(model_dir)  # refuses unsupported architectures before any weight
+    tok = tokenizer_path(model_dir)
+    data_path = storage.localize(cfg.data)
+    check_dataset(data_path, tok)  # errors here are clear; inside an actor they'd be wrapped
+    problems = []
+    if cfg.seq_len > args.max_position_embeddings:
+        problems.append(f"{flag('seq_len')} {cfg.seq_len} exceeds the model's "
+                        f"max_position_embeddings ({args.max_position_embeddings})")
+    if args.sliding_window and cfg.seq_len > args.sliding_window:
+        problems.append(f"{flag('seq_len')} {cfg.seq_len} exceeds the model's sliding_window "
+                        f"({args.sliding_window}); sliding-window attention is not implemented")
+    if args.eos_token_id is None:
+        problems.append(f"{model_dir}/config.json has no eos_token_id: packing needs one")
+    if problems:
+        raise ConfigError("\n".join(problems))
+    device = resolve_device(cfg.device)
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no CUDA GPU is visible (use --device cpu or auto)")
+    check_output(cfg)
+    return Inputs(cfg, model_dir, data_path, tok, int(args.eos_token_id), args.pad_token_id,
+                  device, resolve_dtype(cfg.dtype, device), eval_data, demo_root)
+
+
+def run_identity(cfg: TrainConfig) -> dict:
+    d = cfg.to_dict()
+    return {k: d[k] for k in IDENTITY_KEYS}
+
+
+def check_output(cfg: TrainConfig) -> None:
+    """Refuse an --output that holds something else, unless --overwrite (or --resume of it)."""
+    out = cfg.output
+    run_file = storage.join(out, RUN_FILE)
+    if storage.exists(run_file):
+        previous = json.loads(storage.read_bytes(run_file))
+        same = previous.get("identity") == run_identity(cfg)
+        if cfg.resume:
+            if not same:
+                changed = [k for k in IDENTITY_KEYS
+                           if previous.get("identity", {}).get(k) != run_identity(cfg)[k]]
+                raise ConfigError(f"--resume: {out} holds a run with different "
+                                  f"{', '.join(flag(k) for k in changed)}; resuming would break it")
+            return
+        if not cfg.overwrite:
+            what = "the same run" if same else "a different run"
+            raise ConfigError(f"--output {out} already holds {what} "
+                              f"({previous.get('status', 'unknown')}); pass --resume to continue "
+                              "it or --overwrite to replace it")
+        return
+    if cfg.resume:
+        raise ConfigError(f"--resume: {out} holds no run to resume ({RUN_FILE} not found)")
+    if not cfg.overwrite and storage.list_files(out):
+        raise ConfigError(f"--output {out} is not empty and holds no appliance run; choose an "
+                          "empty directory or pass --overwrite")
+
+
+def write_run_file(cfg: TrainConfig, status: str, extra: dict | None = None) -> None:
+    record = {"identity": run_identity(cfg), "config": cfg.to_dict(), "status": status,
+              **(extra or {})}
+    storage.write_bytes(storage.join(cfg.output, RUN_FILE), json.dumps(record, indent=2).encode())
+
+
+def write_adapter(output: str, files: dict[str, bytes]) -> None:
+    """Weights first, config last: a directory with adapter_config.json is a complete adapter."""
+    config_uri = storage.join(output, ADAPTER_CONFIG)
+    if storage.exists(config_uri):
+        storage.delete(config_uri)  # an old config beside new weights would look complete
+    storage.write_bytes(storage.join(output, ADAPTER_WEIGHTS), files[ADAPTER_WEIGHTS])
+    storage.write_bytes(config_uri, files[ADAPTER_CONFIG])
+
+
+def trainer_settings(inp: Inputs) -> TrainerSettings:
+    cfg = inp.cfg
+    return TrainerSettings(
+        lora=cfg.lora_spec(), device=inp.device, dtype=inp.dtype,
+        gpu_memory_budget=cfg.budget_bytes(), weight_decay=cfg.weight_decay,
+        grad_clip=cfg.grad_clip, seed=cfg.seed, base_model=str(cfg.model),
+    )
+
+
+def worker_kwargs(inp: Inputs, index: int, num_workers: int, epochs: int | None,
+                  cursor: dict | None = None) -> dict:
+    cfg = inp.cfg
+    return dict(data_path=str(inp.data_path), tokenizer_path=str(inp.tokenizer),
+                worker_index=index, num_workers=num_workers, seq_len=cfg.seq_len,
+                micro_batch_size=cfg.micro_batch_size, eos_id=inp.eos_id, pad_id=inp.pad_id,
+                epochs=epochs, on_bad_record=cfg.on_bad_record, cursor=cursor)
+
+
+def count_batches(kwargs: dict) -> int:
+    """Micro-batches one worker yields in one epoch (a tokenizing pre-pass, for --epochs)."""
+    worker = TokenizeWorker(**{**kwargs, "epochs": 1, "cursor": None})
+    n = 0
+    while worker.next_batch() is not None:
+        n += 1
+    return n
+
+
+def schedule(counts: list[int] | None, num_workers: int, total: int) -> list[int]:
+    """Which worker supplies each of the run's `total` micro-batches: round-robin, skipping
+    workers whose shard is used up (with --epochs, `counts` is batches per worker in all)."""
+    if counts is None:
+        return [g % num_workers for g in range(total)]
+    left = list(counts)
+    order: list[int] = []
+    w = 0
+    while len(order) < total and any(left):
+        if left[w] > 0:
+            order.append(w)
+            left[w] -= 1
+        w = (w + 1) % num_workers
+    return order
+
+
+# ---------------------------------------------------------------------- the run
+
+
+class Run:
+    """One training run on Ray (embedded, or a cluster given by --cluster)."""
+
+    def __init__(self, inp: Inputs, progress: Progress):
+        self.inp, self.cfg, self.progress = inp, inp.cfg, progress
+        self.state = RunState()
+
+    def start_ray(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        try:
+            from .metrics import ray_init_kwargs
+        except ImportError:  # metrics layer not landed yet
+            def ray_init_kwargs(port: int) -> dict:
+                return {}
+
+        if self.cfg.cluster:
+            address = None if self.cfg.cluster == "auto" else self.cfg.cluster
+            ray.init(address=address or os.environ.get("RAY_ADDRESS", "auto"),
+                     log_to_driver=False)
+        else:
+            ray.init(address="local", include_dashboard=False, log_to_driver=False,
+                     **ray_init_kwargs(self.cfg.metrics_port))
+            self.progress.note(f"metrics: http://127.0.0.1:{self.cfg.metrics_port}/metrics")
+
+    def create_actors(self) -> None:
+        import ray
+
+        cfg, inp = self.cfg, self.inp
+        cpus = int(ray.available_resources().get("CPU", os.cpu_count() or 1))
+        self.num_workers = cfg.tokenize_workers or default_num_workers(cpus)
+        self.store = ray.remote(num_cpus=0)(WeightStore).remote(str(inp.model_dir), inp.dtype)
+        self.handles = ray.get(self.store.handles.remote())
+        self.epochs = None if cfg.steps else (cfg.epochs or 1)
+        if self.epochs is None:
+            self.counts = None
+            self.total_steps = int(cfg.steps)
+        else:
+            count = ray.remote(**ACTOR_OPTIONS)(count_batches)
+            per_epoch = ray.get([count.remote(worker_kwargs(inp, w, self.num_workers, 1))
+                                 for w in range(self.num_workers)])
+            self.counts = [n * self.epochs for n in per_epoch]
+            self.total_steps = math.ceil(sum(self.counts) / cfg.micro_batches_per_step)
+        total_micro = self.total_steps * cfg.micro_batches_per_step
+        self.order = schedule(self.counts, self.num_workers, total_micro)
+        self.workers = [self._make_worker(w) for w in range(self.num_workers)]
+        self.trainer = self._make_trainer()
+
+    def _make_worker(self, w: int):
+        import ray
+
+        kwargs = worker_kwargs(self.inp, w, self.num_workers, self.epochs,
+                               self.state.cursors.get(w))
+        return ray.remote(**ACTOR_OPTIONS)(TokenizeWorker).remote(**kwargs)
+
+    def _make_trainer(self):
+        import ray
+
+        options: dict[str, Any] = {"num_cpus": 1}
+        if self.inp.device == "cuda":
+            options = {"num_gpus": 1, "num_cpus": 1}
+        return ray.remote(**options)(Trainer).remote(self.handles, trainer_settings(self.inp))
+
+    def train(self) -> RunState:
+        """The step loop with a bounded window of batch requests in flight."""
+        import ray
+
+        cfg, st = self.cfg, self.state
+        M = cfg.micro_batches_per_step
+        window = cfg.prefetch * M  # micro-batches requested ahead of the trainer
+        pending: deque = deque()
+        requested = st.consumed
+        self.progress.start(self.total_steps, st.step)
+        while st.step < self.total_steps:
+            while requested < len(self.order) and requested - st.consumed < window + M:
+                pending.append(self.workers[self.order[requested]].next_batch.remote())
+                requested += 1
+            refs = [pending.popleft() for _ in range(min(M, len(self.order) - st.consumed))]
+            lr = lr_at(st.step, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
+                       total_steps=self.total_steps, min_lr_ratio=cfg.min_lr_ratio)
+            stats = ray.get(self.trainer.step.remote(refs, lr))
+            st.step += 1
+            st.consumed += len(refs)
+            st.cursors.update({int(w): c for w, c in stats["cursors"].items()})
+            st.losses.append(stats["loss"])
+            stats["batches_in_flight"] = requested - st.consumed
+            self.progress.step(st.step, stats)
+        return st
+
+    def evaluate(self, path: Path) -> float:
+        """Mean next-token loss over `path` (the demo's held-out corpus), via the trainer."""
+        import ray
+
+        worker = TokenizeWorker(**worker_kwargs(self.inp, 0, 1, 1))
+        batches = []
+        while (b := worker.next_batch()) is not None:
+            batches.append(b)
+        nll, n = ray.get(self.trainer.eval_loss.remote(batches))
+        return nll / max(n, 1)
+
+    def finish(self) -> None:
+        import ray
+
+        files = ray.get(self.trainer.adapter_files.remote())
+        write_adapter(self.cfg.output, files)
+        write_run_file(self.cfg, "complete", {"steps": self.state.step,
+                                              "losses": self.state.losses})
+
+
+def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
+    """Run `appliance train` and return its summary."""
+    progress = progress or Progress(cfg.log_format)
+    inp = prepare(cfg)
+    run = Run(inp, progress)
+    t0 = time.perf_counter()
+    import ray
+
+    started_here = not ray.is_initialized()
+    try:
+        run.start_ray()
+        write_run_file(cfg, "running")
+        run.create_actors()
+        before = run.evaluate(inp.eval_data) if inp.eval_data else None
+        run.train()
+        after = run.evaluate(inp.eval_data) if inp.eval_data else None
+        run.finish()
+    finally:
+        if started_here and ray.is_initialized():
+            ray.shutdown()
+    summary = {"steps": run.state.step, "final_loss": run.state.losses[-1] if run.state.losses
+               else None, "output": cfg.output, "seconds": time.perf_counter() - t0}
+    if before is not None:
+        summary.update(eval_loss_before=before, eval_loss_after=after,
+                       eval_loss_drop=1 - after / before)
+    progress.finish(summary)
+    return summary
+
+
+__all__ = ["train", "prepare", "Run", "schedule", "ModelError"]

@@ -1,0 +1,95 @@
+"""What the user sees while training: a live rich display, one JSON object per step, or plain
+lines. The driver calls `start`, `step` (with the trainer's stats) and `finish`."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+
+def _fmt_seconds(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+class Progress:
+    def __init__(self, log_format: str = "rich", stream=None):
+        self.format = log_format
+        self.stream = stream or sys.stdout
+        self.console = Console(file=sys.stderr if log_format == "json" else self.stream)
+        self.live: Live | None = None
+        self.restarts = 0
+        self._tokens = 0
+        self._seconds = 0.0
+        self._wait = 0.0
+
+    def note(self, text: str) -> None:
+        """A one-line message (kept off stdout in JSON mode, which is for step records only)."""
+        if self.format == "json":
+            print(text, file=sys.stderr, flush=True)
+        else:
+            self.console.print(text)
+
+    def start(self, total_steps: int, first_step: int = 0) -> None:
+        self.total, self.first = total_steps, first_step
+        self.t0 = time.perf_counter()
+        if self.format == "rich":
+            self.live = Live(self._table(first_step, None), console=self.console,
+                             refresh_per_second=4, transient=False)
+            self.live.start()
+
+    def step(self, step: int, stats: dict) -> None:
+        self._tokens += stats["tokens"]
+        self._seconds += stats["step_seconds"]
+        self._wait += stats["phase_seconds"].get("data_wait", 0.0)
+        if self.format == "json":
+            record = {"step": step, "loss": stats["loss"], "tokens": stats["tokens"],
+                      "lr": stats["lr"], "step_seconds": stats["step_seconds"],
+                      "target_tokens": stats["target_tokens"], "grad_norm": stats["grad_norm"],
+                      "phase_seconds": stats["phase_seconds"], "restarts": self.restarts}
+            print(json.dumps(record), file=self.stream, flush=True)
+        elif self.format == "plain":
+            if step == self.total or step % 10 == 0 or step == self.first + 1:
+                print(self._line(step, stats), file=self.stream, flush=True)
+        elif self.live is not None:
+            self.live.update(self._table(step, stats))
+
+    def _rates(self, step: int) -> tuple[float, float, float]:
+        elapsed = time.perf_counter() - self.t0
+        tps = self._tokens / elapsed if elapsed > 0 else 0.0
+        done = step - self.first
+        eta = elapsed / done * (self.total - step) if done else 0.0
+        wait = self._wait / self._seconds if self._seconds else 0.0
+        return tps, eta, wait
+
+    def _line(self, step: int, stats: dict) -> str:
+        tps, eta, wait = self._rates(step)
+        return (f"step {step}/{self.total}  loss {stats['loss']:.4f}  tok/s {tps:,.0f}  "
+                f"data-wait {wait:.0%}  eta {_fmt_seconds(eta)}  restarts {self.restarts}")
+
+    def _table(self, step: int, stats: dict | None) -> Table:
+        table = Table(title="appliance train", show_header=True)
+        for col in ("step", "loss", "tokens/s", "data wait", "ETA", "restarts"):
+            table.add_column(col, justify="right")
+        if stats is None:
+            table.add_row(f"{step}/{self.total}", "-", "-", "-", "-", str(self.restarts))
+        else:
+            tps, eta, wait = self._rates(step)
+            table.add_row(f"{step}/{self.total}", f"{stats['loss']:.4f}", f"{tps:,.0f}",
+                          f"{wait:.0%}", _fmt_seconds(eta), str(self.restarts))
+        return table
+
+    def finish(self, summary: dict) -> None:
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
+        if self.format == "json":
+            print(json.dumps({"summary": summary}), file=self.stream, flush=True)
+            return
+        self.console.print("[bold]done[/bold]: " + ", ".join(
+            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
