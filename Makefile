@@ -1,0 +1,44 @@
+# appliance — every command a person runs twice.
+#   make train   install into .venv and run the built-in demo fine-tune on embedded Ray
+#   make test    install and run the whole test suite (what CI runs)
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/pip --disable-pip-version-check -q
+
+.PHONY: install train test lint format tools clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch first and pinned: an unpinned torch pulls several GB of CUDA wheels on a CPU machine
+$(VENV)/.installed: pyproject.toml constraints.txt | $(BIN)/python
+	$(PIP) install torch==2.13.0
+	$(PIP) install -c constraints.txt -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+train: install
+	$(BIN)/appliance train
+
+# external tools the checks use: helm, checkov, hadolint, kubernetes-validate, prometheus
+tools:
+	bash scripts/install-tools.sh
+	bash scripts/install-prometheus.sh
+
+test: install tools
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .venv-tools .tools build
+
+-include deploy.mk
