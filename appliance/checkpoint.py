@@ -223,8 +223,7 @@ def list_checkpoints(output_uri: str) -> list[CheckpointInfo]:
             continue
         dirs[top] = dirs.get(top, False) or rest == MANIFEST
     infos = [
-        CheckpointInfo(int(_NAME_RE.match(n).group(1)), n, storage.join(root, n), c)  # type: ignore[union-attr]
-        for n, c in dirs.items()
+        CheckpointInfo(int(n[len("step-") :]), n, storage.join(root, n), c) for n, c in dirs.items()
     ]
     return sorted(infos, key=lambda i: (i.step, i.name))
 
@@ -250,6 +249,7 @@ def _load_verified(uri: str) -> tuple[dict[str, Any] | None, dict[str, bytes], l
         raise
     try:
         manifest = json.loads(raw)
+        int(manifest["step"])
         entries = manifest["files"]
         if not isinstance(entries, list):
             raise TypeError("files is not a list")

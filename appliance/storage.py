@@ -643,18 +643,19 @@ def _existing_ancestor(path: Path) -> Path:
 def localize(uri: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """A local path holding the content of ``uri``.
 
-    Local paths are returned unchanged (as a Path) after checking they exist. For ``s3://`` the
-    object (a dataset file) or every object under the prefix (a model or dataset directory) is
-    downloaded to ``<cache_dir>/<bucket>/<key>`` (``cache_dir`` defaults to :func:`cache_root`)
-    and that path is returned. Files already there with the same size and ETag are not fetched
-    again; local files whose S3 object disappeared since an earlier localize are removed. Before
-    downloading, the free space on the cache disk is checked against the bytes to fetch.
+    Local paths are returned as they are (a Path, ``~`` expanded) after checking they exist.
+    For ``s3://`` the object (a dataset file) or every object under the prefix (a model or
+    dataset directory) is downloaded to ``<cache_dir>/<bucket>/<key>`` (``cache_dir`` defaults
+    to :func:`cache_root`) and that path is returned. Files already there with the same size and
+    ETag are not fetched again; local files whose S3 object disappeared since an earlier
+    localize are removed. Before downloading, the free space on the cache disk is checked
+    against the bytes still to fetch.
     """
     if not is_s3(uri):
         path = _local(uri)
         if not path.exists():
             raise StorageError(f"no such file or directory: {uri}: check the path", uri, NOT_FOUND)
-        return Path(uri)
+        return path
 
     bucket, key = split_s3(uri)
     key = key.strip("/")

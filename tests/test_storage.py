@@ -7,6 +7,7 @@ import os
 import pickle
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -158,16 +159,16 @@ def test_client_uses_endpoint_and_adaptive_retries(
     assert client.meta.config.retries == {"mode": "adaptive", "total_max_attempts": 8}
 
 
-def test_multipart_upload_really_happens(s3_bucket: str, s3_client: object, tmp_path: Path) -> None:
+def test_multipart_upload_really_happens(s3_bucket: str, s3_client: Any, tmp_path: Path) -> None:
     src = tmp_path / "big.bin"
     src.write_bytes(os.urandom(11 * MiB))
     uri = f"s3://{s3_bucket}/model/big.bin"
     storage.upload_file(src, uri, multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB)
-    etag = s3_client.head_object(Bucket=s3_bucket, Key="model/big.bin")["ETag"].strip('"')  # type: ignore[attr-defined]
+    etag = s3_client.head_object(Bucket=s3_bucket, Key="model/big.bin")["ETag"].strip('"')
     assert etag.endswith("-3"), etag  # 5 + 5 + 1 MiB parts
 
     storage.upload_file(src, f"s3://{s3_bucket}/model/single.bin")  # default 64 MiB threshold
-    etag = s3_client.head_object(Bucket=s3_bucket, Key="model/single.bin")["ETag"]  # type: ignore[attr-defined]
+    etag = s3_client.head_object(Bucket=s3_bucket, Key="model/single.bin")["ETag"]
     assert "-" not in etag
 
     dest = tmp_path / "back.bin"
@@ -201,14 +202,14 @@ def test_missing_bucket_errors(s3_endpoint: str, tmp_path: Path) -> None:
 
 
 def test_access_denied_names_the_uri(
-    s3_endpoint: str, s3_bucket: str, s3_client: object, monkeypatch: pytest.MonkeyPatch
+    s3_endpoint: str, s3_bucket: str, s3_client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A real IAM denial from moto: a user allowed only to list the bucket."""
     import boto3
 
     from tests.s3_server import enforce_iam
 
-    s3_client.put_object(Bucket=s3_bucket, Key="secret.bin", Body=b"x")  # type: ignore[attr-defined]
+    s3_client.put_object(Bucket=s3_bucket, Key="secret.bin", Body=b"x")
     iam = boto3.client("iam", endpoint_url=s3_endpoint)
     user = f"reader-{s3_bucket}"
     iam.create_user(UserName=user)
@@ -263,7 +264,7 @@ def test_localize_local_path_unchanged(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def model_prefix(s3_bucket: str, s3_client: object) -> str:
+def model_prefix(s3_bucket: str, s3_client: Any) -> str:
     """A small 'model directory' in S3."""
     for key, body in {
         "models/tiny/config.json": b'{"hidden_size": 8}',
@@ -271,14 +272,14 @@ def model_prefix(s3_bucket: str, s3_client: object) -> str:
         "models/tiny/tok/tokenizer.json": b"{}",
         "models/tiny-other/x": b"not part of the model",
     }.items():
-        s3_client.put_object(Bucket=s3_bucket, Key=key, Body=body)  # type: ignore[attr-defined]
+        s3_client.put_object(Bucket=s3_bucket, Key=key, Body=body)
     return f"s3://{s3_bucket}/models/tiny"
 
 
 def test_localize_downloads_then_skips_unchanged(
     model_prefix: str,
     s3_bucket: str,
-    s3_client: object,
+    s3_client: Any,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -301,10 +302,10 @@ def test_localize_downloads_then_skips_unchanged(
     assert fetched == []  # everything already there with the same size and ETag
 
     # Same size, new content: the ETag differs, so exactly that file is fetched again.
-    s3_client.put_object(  # type: ignore[attr-defined]
+    s3_client.put_object(
         Bucket=s3_bucket, Key="models/tiny/model-00001.safetensors", Body=b"B" * 1000
     )
-    s3_client.delete_object(Bucket=s3_bucket, Key="models/tiny/tok/tokenizer.json")  # type: ignore[attr-defined]
+    s3_client.delete_object(Bucket=s3_bucket, Key="models/tiny/tok/tokenizer.json")
     storage.localize(model_prefix, cache_dir=cache)
     assert fetched == [f"{model_prefix}/model-00001.safetensors"]
     assert (path / "model-00001.safetensors").read_bytes() == b"B" * 1000
@@ -319,9 +320,9 @@ def test_localize_downloads_then_skips_unchanged(
 
 
 def test_localize_single_file_and_default_cache(
-    s3_bucket: str, s3_client: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    s3_bucket: str, s3_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    s3_client.put_object(Bucket=s3_bucket, Key="data/train.jsonl", Body=b'{"text": "hi"}\n')  # type: ignore[attr-defined]
+    s3_client.put_object(Bucket=s3_bucket, Key="data/train.jsonl", Body=b'{"text": "hi"}\n')
     monkeypatch.delenv("APPLIANCE_S3_CACHE", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     path = storage.localize(f"s3://{s3_bucket}/data/train.jsonl")
