@@ -1,0 +1,135 @@
+"""`evaluate` equals the same quantity computed with transformers (+ peft) on the same records.
+
+Tolerance: 1e-5 relative error on the loss (fp32, CPU); the token count is exact.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import PeftModel
+from tokenizers import Tokenizer
+
+from appliance.data import DataError
+from appliance.errors import ConfigError, ModelError
+from appliance.evaluate import evaluate
+from appliance.hf_checkpoint import read_model_args
+from appliance.lora import LoraSpec, LoraWeights
+from tests.helpers_model import load_hf, make_model
+from tests.helpers_tokenizer import sentences
+
+RTOL = 1e-5
+
+
+def write_jsonl(path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def reference(model, tokenizer_file, texts, seq_len) -> tuple[float, int]:
+    """Summed next-token NLL / predicted tokens, one forward per record, as transformers gives."""
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for text in texts:
+            ids = torch.tensor([tok.encode(text, add_special_tokens=True).ids[:seq_len]])
+            if ids.shape[1] < 2:
+                continue
+            logits = model(input_ids=ids).logits.float()[0]
+            total += float(F.cross_entropy(logits[:-1], ids[0, 1:], reduction="sum"))
+            n += ids.shape[1] - 1
+    return total / n, n
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("eval") / "model", "llama-gqa-rope3-tied")
+
+
+@pytest.fixture
+def texts():
+    # 1-word texts are 2 tokens with BOS; a long one is truncated by seq_len=10
+    return sentences(23, seed=4, min_words=1, max_words=20) + ["", "cat", " ".join(["dog"] * 40)]
+
+
+def test_base_model_loss_matches_transformers(model_dir, texts, tmp_path):
+    data = write_jsonl(tmp_path / "eval.jsonl", [{"text": t} for t in texts])
+    # batch_tokens=25: several engine calls, some records alone, the long ones truncated
+    ours = evaluate(model_dir, data, seq_len=10, batch_tokens=25)
+    loss, n = reference(load_hf(model_dir), model_dir / "tokenizer.json", texts, seq_len=10)
+    assert ours["tokens"] == n
+    assert abs(ours["loss"] - loss) / loss < RTOL
+    # the empty text is BOS only (predicts nothing); the 40-word one counts seq_len - 1
+    assert n == sum(min(len(t.split()) + 1, 10) - 1 for t in texts)
+
+
+def test_adapter_loss_matches_peft(model_dir, texts, tmp_path):
+    lora = LoraWeights(read_model_args(model_dir), LoraSpec(rank=4, alpha=8.0), seed=3)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for block in lora.blocks:
+            for _, B in block.values():
+                B.copy_(torch.randn(B.shape, generator=g) * 0.1)
+    lora.save(tmp_path / "adapter")
+    data = write_jsonl(tmp_path / "eval.jsonl", [{"text": t} for t in texts])
+
+    ours = evaluate(model_dir, data, seq_len=16, adapter_dir=tmp_path / "adapter")
+    peft = PeftModel.from_pretrained(load_hf(model_dir), tmp_path / "adapter").eval()
+    loss, n = reference(peft, model_dir / "tokenizer.json", texts, seq_len=16)
+    base, _ = reference(load_hf(model_dir), model_dir / "tokenizer.json", texts, seq_len=16)
+    assert ours["tokens"] == n
+    assert abs(ours["loss"] - loss) / loss < RTOL
+    assert abs(loss - base) / base > 1e-3  # the adapter changes the loss: the check has teeth
+
+
+def test_blank_lines_are_skipped_and_grouping_does_not_change_the_result(model_dir, tmp_path):
+    texts = sentences(9, seed=1, min_words=3)
+    path = tmp_path / "eval.jsonl"
+    path.write_text("\n" + "\n\n".join(json.dumps({"text": t}) for t in texts) + "\n  \n")
+    one_by_one = evaluate(model_dir, path, seq_len=32, batch_tokens=1)
+    all_at_once = evaluate(model_dir, path, seq_len=32, batch_tokens=10_000)
+    assert one_by_one["tokens"] == all_at_once["tokens"] == sum(len(t.split()) for t in texts)
+    assert abs(one_by_one["loss"] - all_at_once["loss"]) / all_at_once["loss"] < RTOL
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"text": "the cat"', "malformed JSON"),
+        ('{"body": "the cat"}', 'no "text"'),
+        ('{"text": 3}', '"text" must be a string'),
+        ('{"prompt": "a", "completion": "b"}', 'no "text"'),
+        ("[1, 2]", "expected a JSON object"),
+    ],
+)
+def test_bad_record_names_file_and_line(model_dir, tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"text": "the cat sat"}) + "\n\n" + line + "\n")
+    with pytest.raises(DataError) as e:
+        evaluate(model_dir, path, seq_len=8)
+    assert f"{path}:3" in str(e.value)
+    assert message in str(e.value)
+
+
+def test_bad_arguments_and_empty_data(model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        evaluate(model_dir, tmp_path / "missing.jsonl", seq_len=8)
+    data = write_jsonl(tmp_path / "one.jsonl", [{"text": "the cat"}])
+    with pytest.raises(ConfigError, match="--seq-len must be ≥ 2"):
+        evaluate(model_dir, data, seq_len=1)
+    short = write_jsonl(tmp_path / "short.jsonl", [{"text": ""}, {"text": ""}])
+    with pytest.raises(DataError, match="no record has 2 or more tokens"):
+        evaluate(model_dir, short, seq_len=8)
+    with pytest.raises(ModelError, match="does not exist"):
+        evaluate(tmp_path / "nope", data, seq_len=8)
+
+
+def test_adapter_for_another_model_is_refused(model_dir, tmp_path):
+    other = make_model(tmp_path / "other", "llama-mha", hidden_size=32, intermediate_size=48)
+    LoraWeights(read_model_args(other), LoraSpec(rank=2)).save(tmp_path / "adapter")
+    data = write_jsonl(tmp_path / "one.jsonl", [{"text": "the cat"}])
+    with pytest.raises(ModelError, match="rank or model mismatch"):
+        evaluate(model_dir, data, seq_len=8, adapter_dir=tmp_path / "adapter")
