@@ -1,0 +1,531 @@
+"""The appliance's metrics: every name declared once, and one small recorder per actor.
+
+Each actor records what it observes with Ray's metrics API (`ray.util.metrics`); the Ray metrics
+agent on every node serves those numbers at `http://<node>:<port>/metrics`, next to Ray's own node
+metrics (CPU, memory, object store, and, where a GPU exists, GPU utilization and memory).
+Prometheus scrapes that endpoint; Grafana draws `helm/appliance/dashboards/*.json`.
+
+Names in code start with `appliance_`; Prometheus shows them with Ray's `ray_` prefix, and counters
+with a `_total` suffix (`appliance_tokens` → `ray_appliance_tokens_total`). `REGISTRY` is the one
+list; docs/metrics.md is its table (`python -m appliance.metrics` prints it) and a test keeps the
+two equal.
+
+Recorders are cheap no-ops until Ray is initialized in the process (the engine and the actor
+classes run without Ray in tests); the Ray metric objects are created on first use.
+
+    TrainerMetrics(rank=0).record_step(stats)            # Trainer, once per step
+    TokenizerMetrics(worker=3).record_totals(...)        # TokenizeWorker, after each batch
+    DriverMetrics().batches_in_flight(n)                 # driver step loop
+    WeightStoreMetrics().record(bytes_held)              # WeightStore, after loading
+
+The embedded Ray started by `appliance train` serves the endpoint on a fixed port:
+`ray.init(address="local", ..., **ray_init_kwargs(port))`, then print `metrics_url(port)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+KINDS = (COUNTER, GAUGE, HISTOGRAM)
+PREFIX = "appliance_"
+RAY_PREFIX = "ray_"  # what Ray's exporter puts in front of every metric name
+
+#: Phases of `appliance_phase_seconds`. A trainer's phases partition its step time; whatever it
+#: does not attribute is recorded as `other`. `checkpoint` with `rank="driver"` is the driver
+#: writing a checkpoint between steps (not part of any step).
+PHASES = ("forward", "backward", "optimizer", "data_wait", "h2d_stall", "checkpoint", "other")
+#: What `DriverMetrics.restart(kind)` accepts.
+RESTART_KINDS = ("trainer", "tokenizer", "weight_store", "driver")
+#: The `rank` label value for phases the driver measures (checkpoints).
+DRIVER_RANK = "driver"
+
+#: Bucket bounds of `appliance_step_seconds`: a tiny demo step on a CPU (~50 ms) to a 70B step
+#: streamed from host memory (~75 s on an A10), with room on both sides.
+STEP_SECONDS_BOUNDARIES = (
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric: its name in code, Prometheus type, unit, labels and meaning."""
+
+    name: str  # passed to ray.util.metrics; starts with `appliance_`
+    kind: str  # counter | gauge | histogram
+    unit: str  # what one unit of the value is ("seconds", "bytes", "ratio" = 0..1, ...)
+    description: str
+    tag_keys: tuple[str, ...] = ()
+    boundaries: tuple[float, ...] = ()  # histogram bucket upper bounds
+
+    def __post_init__(self) -> None:
+        if not self.name.startswith(PREFIX):
+            raise ValueError(f"metric {self.name!r} must start with {PREFIX!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"metric {self.name!r}: kind must be one of {KINDS}")
+        if self.kind == COUNTER and self.name.endswith("_total"):
+            raise ValueError(f"counter {self.name!r}: Ray's exporter adds `_total` itself")
+        if (self.kind == HISTOGRAM) != bool(self.boundaries):
+            raise ValueError(f"metric {self.name!r}: boundaries are for histograms, and only them")
+
+    @property
+    def prometheus_name(self) -> str:
+        """The name to query in Prometheus (a histogram adds `_bucket`, `_sum`, `_count`)."""
+        return RAY_PREFIX + self.name + ("_total" if self.kind == COUNTER else "")
+
+    @property
+    def sample_names(self) -> tuple[str, ...]:
+        """The sample names this metric appears under in a scrape."""
+        if self.kind == HISTOGRAM:
+            return tuple(self.prometheus_name + s for s in ("_bucket", "_sum", "_count"))
+        return (self.prometheus_name,)
+
+    @property
+    def help(self) -> str:
+        """The `# HELP` text: the description with its unit."""
+        return f"{self.description} [{self.unit}]"
+
+
+# ---------------------------------------------------------------------- the names (once)
+
+# Trainer (label rank: the trainer's rank, "0" on one GPU)
+TOKENS = MetricSpec(
+    "appliance_tokens", COUNTER, "tokens",
+    "Input tokens trained on (micro-batch size x sequence length x micro-batches, per step).",
+    ("rank",),
+)  # fmt: skip
+STEPS = MetricSpec("appliance_steps", COUNTER, "steps", "Optimizer steps completed.", ("rank",))
+STEP = MetricSpec(
+    "appliance_step", GAUGE, "steps", "Number of the last completed step (1-based).", ("rank",)
+)
+STEP_SECONDS = MetricSpec(
+    "appliance_step_seconds", HISTOGRAM, "seconds",
+    "Wall-clock seconds per optimizer step, data wait included (for quantiles; Ray approximates "
+    "a histogram's _sum from bucket midpoints, so totals come from appliance_step_time_seconds).",
+    ("rank",), STEP_SECONDS_BOUNDARIES,
+)  # fmt: skip
+STEP_TIME_SECONDS = MetricSpec(
+    "appliance_step_time_seconds", COUNTER, "seconds",
+    "Wall-clock seconds spent in optimizer steps: the exact sum of step seconds, which the "
+    "trainer's phases add up to.",
+    ("rank",),
+)  # fmt: skip
+PHASE_SECONDS = MetricSpec(
+    "appliance_phase_seconds", COUNTER, "seconds",
+    "Seconds per phase: forward, backward, optimizer, data_wait (waiting for a batch), h2d_stall "
+    "(compute waiting for weights to arrive), checkpoint, other (step time no phase claimed). "
+    'Rank "driver" carries checkpoints the driver writes between steps.',
+    ("rank", "phase"),
+)  # fmt: skip
+H2D_BYTES = MetricSpec(
+    "appliance_h2d_bytes", COUNTER, "bytes",
+    "Bytes of base-model block weights copied host to device.", ("rank",),
+)  # fmt: skip
+H2D_SECONDS = MetricSpec(
+    "appliance_h2d_seconds", COUNTER, "seconds",
+    "Seconds the host-to-device weight copies took on the copy stream (overlaps compute; "
+    "bandwidth = rate of bytes / rate of seconds).",
+    ("rank",),
+)  # fmt: skip
+MODEL_FLOPS = MetricSpec(
+    "appliance_model_flops", COUNTER, "FLOP",
+    "Model FLOPs of the steps (about 6 x parameters x tokens with recompute); its rate is the "
+    "achieved FLOP/s.",
+    ("rank",),
+)  # fmt: skip
+LOSS = MetricSpec(
+    "appliance_loss", GAUGE, "nats/token",
+    "Training loss of the last step (mean next-token cross-entropy over the global batch).",
+    ("rank",),
+)  # fmt: skip
+LEARNING_RATE = MetricSpec(
+    "appliance_learning_rate", GAUGE, "1", "Learning rate of the last step.", ("rank",)
+)
+MFU = MetricSpec(
+    "appliance_mfu_ratio", GAUGE, "ratio",
+    "Model FLOPs utilization of the last step: model FLOPs / step seconds / the GPU's peak dense "
+    "bf16 FLOP/s. Absent on a CPU or an unknown GPU.",
+    ("rank",),
+)  # fmt: skip
+GPU_BUSY = MetricSpec(
+    "appliance_gpu_busy_ratio", GAUGE, "ratio",
+    "Share of the last step the compute stream was busy, from CUDA events, h2d stalls excluded. "
+    "Absent on a CPU.",
+    ("rank",),
+)  # fmt: skip
+GPU_NVML_UTILIZATION = MetricSpec(
+    "appliance_gpu_nvml_utilization_ratio", GAUGE, "ratio",
+    "Mean NVML GPU utilization over the last step, sampled at 20 Hz (what nvidia-smi shows: the "
+    "share of time any kernel ran). Absent without a GPU or without nvidia-ml-py.",
+    ("rank",),
+)  # fmt: skip
+GPU_MEMORY_ALLOCATED = MetricSpec(
+    "appliance_gpu_memory_allocated_bytes", GAUGE, "bytes",
+    "GPU memory held by tensors after the last step (torch.cuda.memory_allocated). Absent on a CPU.",
+    ("rank",),
+)  # fmt: skip
+GPU_MEMORY_RESERVED = MetricSpec(
+    "appliance_gpu_memory_reserved_bytes", GAUGE, "bytes",
+    "GPU memory reserved by PyTorch's caching allocator after the last step "
+    "(torch.cuda.memory_reserved). Absent on a CPU.",
+    ("rank",),
+)  # fmt: skip
+
+# TokenizeWorker (label worker: the worker's index)
+TOKENIZER_TOKENS = MetricSpec(
+    "appliance_tokenizer_tokens", COUNTER, "tokens",
+    "Tokens packed into batches by this tokenizer worker (read-ahead included).", ("worker",),
+)  # fmt: skip
+TOKENIZER_DOCUMENTS = MetricSpec(
+    "appliance_tokenizer_documents", COUNTER, "documents",
+    "Documents (dataset records) tokenized by this worker.", ("worker",),
+)  # fmt: skip
+TOKENIZER_ERRORS = MetricSpec(
+    "appliance_tokenizer_errors", COUNTER, "records",
+    "Bad records this worker skipped (unreadable JSON, missing or empty text).", ("worker",),
+)  # fmt: skip
+TOKENIZER_SECONDS = MetricSpec(
+    "appliance_tokenizer_seconds", COUNTER, "seconds",
+    "Seconds this worker spent reading, tokenizing and packing (its busy time).", ("worker",),
+)  # fmt: skip
+TOKENIZER_QUEUE_DEPTH = MetricSpec(
+    "appliance_tokenizer_queue_depth", GAUGE, "batches",
+    "Packed batches ready in this worker, waiting to be asked for.", ("worker",),
+)  # fmt: skip
+
+# Driver
+BATCHES_IN_FLIGHT = MetricSpec(
+    "appliance_batches_in_flight", GAUGE, "batches",
+    "Micro-batches requested from tokenizer workers and not yet consumed by a step (the prefetch "
+    "window).",
+)  # fmt: skip
+RESTARTS = MetricSpec(
+    "appliance_restarts", COUNTER, "restarts",
+    "Actor restarts after a failure, by kind: trainer, tokenizer, weight_store, driver (--resume).",
+    ("kind",),
+)  # fmt: skip
+CHECKPOINTS = MetricSpec(
+    "appliance_checkpoints", COUNTER, "checkpoints",
+    'Checkpoints written (their seconds: appliance_phase_seconds{phase="checkpoint"}).',
+)  # fmt: skip
+
+# WeightStore (one per node; Ray's NodeAddress label tells the nodes apart)
+WEIGHT_STORE_BYTES = MetricSpec(
+    "appliance_weight_store_bytes", GAUGE, "bytes",
+    "Bytes of base-model weights this node's WeightStore holds in the Ray object store.",
+)  # fmt: skip
+
+REGISTRY: tuple[MetricSpec, ...] = (
+    TOKENS, STEPS, STEP, STEP_SECONDS, STEP_TIME_SECONDS, PHASE_SECONDS, H2D_BYTES, H2D_SECONDS,
+    MODEL_FLOPS, LOSS, LEARNING_RATE, MFU, GPU_BUSY, GPU_NVML_UTILIZATION, GPU_MEMORY_ALLOCATED,
+    GPU_MEMORY_RESERVED, TOKENIZER_TOKENS, TOKENIZER_DOCUMENTS, TOKENIZER_ERRORS,
+    TOKENIZER_SECONDS, TOKENIZER_QUEUE_DEPTH, BATCHES_IN_FLIGHT, RESTARTS, CHECKPOINTS,
+    WEIGHT_STORE_BYTES,
+)  # fmt: skip
+
+
+def by_name() -> dict[str, MetricSpec]:
+    """The registry keyed by name in code."""
+    return {spec.name: spec for spec in REGISTRY}
+
+
+# ---------------------------------------------------------------------- Ray start-up
+
+#: How often every Ray process pushes its metrics to the node's agent. Ray's default is 10 s;
+#: 1 s (Ray's floor) lets a 1 s Prometheus scrape see each step within about a second.
+METRICS_REPORT_INTERVAL_MS = 1000
+
+
+def ray_init_kwargs(
+    metrics_port: int, report_interval_ms: int = METRICS_REPORT_INTERVAL_MS
+) -> dict[str, Any]:
+    """Keyword arguments for the embedded `ray.init(address="local", ...)`.
+
+    `_metrics_export_port` fixes the port of the node's Prometheus endpoint (Ray otherwise picks
+    a random one; it binds 0.0.0.0). `_system_config` shortens Ray's metrics report interval;
+    the environment variable `RAY_metrics_report_interval_ms` does the same for a cluster started
+    with `ray start`. Both are only honoured by a `ray.init` that starts Ray, not one that
+    connects to a running cluster (where KubeRay sets the port, 8080).
+    """
+    if not 0 < metrics_port < 65536:
+        raise ValueError(f"--metrics-port must be a TCP port (got {metrics_port})")
+    return {
+        "_metrics_export_port": int(metrics_port),
+        "_system_config": {"metrics_report_interval_ms": int(report_interval_ms)},
+    }
+
+
+def metrics_url(port: int, host: str = "127.0.0.1") -> str:
+    """The URL of the node's Prometheus endpoint, to print at start."""
+    return f"http://{host}:{port}/metrics"
+
+
+# ---------------------------------------------------------------------- peak FLOP/s for MFU
+
+#: Dense bf16 tensor-core peak FLOP/s (no sparsity) by device-name substring, from the vendors'
+#: data sheets; the first match wins, so longer names come first.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("A10G", 70e12),
+    ("A10", 125e12),
+    ("L4", 121e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+)
+
+
+def peak_flops_per_second(device_name: str | None) -> float | None:
+    """Peak dense bf16 FLOP/s of a GPU by its name (`torch.cuda.get_device_name()`), or None."""
+    if not device_name:
+        return None
+    for key, flops in PEAK_BF16_FLOPS:
+        if key.lower() in device_name.lower():
+            return flops
+    return None
+
+
+# ---------------------------------------------------------------------- recorders
+
+_objects: dict[str, Any] = {}
+_objects_lock = threading.Lock()
+
+
+def ray_metrics_enabled() -> bool:
+    """True when this process is connected to Ray (a driver after ray.init, or any actor)."""
+    ray = sys.modules.get("ray")  # never import Ray just to find out it is not running
+    return ray is not None and ray.is_initialized()
+
+
+def _ray_metric(spec: MetricSpec) -> Any:
+    """The process's one ray.util.metrics object for `spec`, created on first use."""
+    metric = _objects.get(spec.name)
+    if metric is None:
+        with _objects_lock:
+            metric = _objects.get(spec.name)
+            if metric is None:
+                from ray.util import metrics as ray_metrics
+
+                if spec.kind == COUNTER:
+                    metric = ray_metrics.Counter(spec.name, spec.help, spec.tag_keys)
+                elif spec.kind == GAUGE:
+                    metric = ray_metrics.Gauge(spec.name, spec.help, spec.tag_keys)
+                else:
+                    metric = ray_metrics.Histogram(
+                        spec.name, spec.help, list(spec.boundaries), spec.tag_keys
+                    )
+                _objects[spec.name] = metric
+    return metric
+
+
+class _Recorder:
+    """Shared plumbing: fixed tags, skip when Ray is off, skip absent (None) values."""
+
+    def __init__(self, **tags: object):
+        self.tags = {k: str(v) for k, v in tags.items()}
+
+    @property
+    def enabled(self) -> bool:
+        return ray_metrics_enabled()
+
+    def _tags(self, spec: MetricSpec, extra: Mapping[str, str]) -> dict[str, str]:
+        merged = {**self.tags, **extra}
+        return {k: merged[k] for k in spec.tag_keys}
+
+    def _inc(self, spec: MetricSpec, value: float | None, **extra: str) -> None:
+        # Counters only go up: Ray rejects 0 and negatives, and nothing is lost by skipping them.
+        if value is not None and value > 0:
+            _ray_metric(spec).inc(float(value), tags=self._tags(spec, extra))
+
+    def _set(self, spec: MetricSpec, value: float | None, **extra: str) -> None:
+        if value is not None:
+            _ray_metric(spec).set(float(value), tags=self._tags(spec, extra))
+
+    def _observe(self, spec: MetricSpec, value: float | None, **extra: str) -> None:
+        if value is not None:
+            _ray_metric(spec).observe(float(value), tags=self._tags(spec, extra))
+
+
+class TrainerMetrics(_Recorder):
+    """What a Trainer records, once per optimizer step.
+
+    `rank` labels the series ("0" on one GPU). `peak_flops` (FLOP/s, e.g. from
+    `peak_flops_per_second(torch.cuda.get_device_name())`) lets `record_step` derive MFU from
+    `stats["flops"]` when the stats carry no `mfu` of their own; None leaves MFU absent.
+    """
+
+    def __init__(self, rank: int | str = 0, peak_flops: float | None = None):
+        super().__init__(rank=rank)
+        self.peak_flops = peak_flops
+        self._warned_overlap = False
+
+    def record_step(self, stats: Mapping[str, Any]) -> None:
+        """Record one step's stats (the dict `Trainer.step` returns). No-op without Ray.
+
+        Required keys:
+          loss (float), tokens (int, input tokens in the step), step_seconds (float, wall clock,
+          data wait included).
+        Optional keys (absent or None: that metric is not recorded):
+          lr; step (1-based number of the step just finished);
+          phase_seconds: {phase: seconds} with phases from PHASES except "other" — they must not
+            overlap (h2d_stall is not also inside forward/backward); the rest of step_seconds is
+            recorded as phase "other";
+          h2d_bytes, h2d_seconds; flops (model FLOPs of the step); mfu (0..1, else derived from
+          flops and peak_flops); gpu_busy_ratio (0..1, CUDA events); nvml_util_mean (0..1, from
+          gpu_monitor.NvmlSampler.take_mean()); gpu_mem_allocated, gpu_mem_reserved (bytes).
+        Other keys are ignored.
+        """
+        if not self.enabled:
+            return
+        step_seconds = float(stats["step_seconds"])
+        phases = dict(stats.get("phase_seconds") or {})
+        unknown = sorted(set(phases) - set(PHASES[:-1]))
+        if unknown:
+            raise ValueError(f"unknown phase(s) {unknown}: expected some of {PHASES[:-1]}")
+        attributed = sum(phases.values())
+        if attributed > step_seconds * 1.01 + 1e-3 and not self._warned_overlap:
+            self._warned_overlap = True
+            logger.warning(
+                "phase seconds (%.3f) exceed the step's seconds (%.3f): phases overlap, so the "
+                "step-time breakdown over-counts",
+                attributed,
+                step_seconds,
+            )
+        phases["other"] = max(0.0, step_seconds - attributed)
+
+        self._inc(TOKENS, stats["tokens"])
+        self._inc(STEPS, 1)
+        self._set(STEP, stats.get("step"))
+        self._observe(STEP_SECONDS, step_seconds)
+        self._inc(STEP_TIME_SECONDS, step_seconds)
+        for phase, seconds in phases.items():
+            self._inc(PHASE_SECONDS, seconds, phase=phase)
+        self._inc(H2D_BYTES, stats.get("h2d_bytes"))
+        self._inc(H2D_SECONDS, stats.get("h2d_seconds"))
+        flops = stats.get("flops")
+        self._inc(MODEL_FLOPS, flops)
+        self._set(LOSS, stats["loss"])
+        self._set(LEARNING_RATE, stats.get("lr"))
+        mfu = stats.get("mfu")
+        if mfu is None and flops and self.peak_flops and step_seconds > 0:
+            mfu = flops / step_seconds / self.peak_flops
+        self._set(MFU, mfu)
+        self._set(GPU_BUSY, stats.get("gpu_busy_ratio"))
+        self._set(GPU_NVML_UTILIZATION, stats.get("nvml_util_mean"))
+        self._set(GPU_MEMORY_ALLOCATED, stats.get("gpu_mem_allocated"))
+        self._set(GPU_MEMORY_RESERVED, stats.get("gpu_mem_reserved"))
+
+
+class TokenizerMetrics(_Recorder):
+    """What a TokenizeWorker records; `worker` is its index (the `worker` label)."""
+
+    def __init__(self, worker: int | str):
+        super().__init__(worker=worker)
+        self._last = {"tokens": 0, "documents": 0, "errors": 0, "seconds": 0.0}
+
+    def record(
+        self,
+        tokens: int = 0,
+        documents: int = 0,
+        errors: int = 0,
+        seconds: float = 0.0,
+        queue_depth: int | None = None,
+    ) -> None:
+        """Add work done since the last call (increments). No-op without Ray.
+
+        tokens: tokens packed; documents: records tokenized; errors: bad records skipped;
+        seconds: busy time; queue_depth: packed batches now ready in the worker (None: unknown).
+        """
+        if not self.enabled:
+            return
+        self._inc(TOKENIZER_TOKENS, tokens)
+        self._inc(TOKENIZER_DOCUMENTS, documents)
+        self._inc(TOKENIZER_ERRORS, errors)
+        self._inc(TOKENIZER_SECONDS, seconds)
+        self._set(TOKENIZER_QUEUE_DEPTH, queue_depth)
+
+    def record_totals(
+        self,
+        tokens_total: int,
+        documents_total: int,
+        errors_total: int = 0,
+        seconds_total: float = 0.0,
+        queue_depth: int | None = None,
+    ) -> None:
+        """Record from the worker's cumulative counters (e.g. TokenizeWorker.tokens_total,
+        .documents_total, .skipped_total, .tokenize_seconds): the increments since the last call
+        are added. No-op without Ray."""
+        now = {
+            "tokens": tokens_total,
+            "documents": documents_total,
+            "errors": errors_total,
+            "seconds": seconds_total,
+        }
+        delta = {k: v - self._last[k] for k, v in now.items()}
+        self._last = now
+        self.record(**delta, queue_depth=queue_depth)
+
+
+class DriverMetrics(_Recorder):
+    """What the driver (the `appliance train` process) records. Safe to create before ray.init."""
+
+    def batches_in_flight(self, n: int) -> None:
+        """Micro-batches requested from workers and not yet consumed, after each step."""
+        if self.enabled:
+            self._set(BATCHES_IN_FLIGHT, n)
+
+    def restart(self, kind: str) -> None:
+        """One restart after a failure; `kind` is one of RESTART_KINDS."""
+        if kind not in RESTART_KINDS:
+            raise ValueError(f"restart kind {kind!r}: expected one of {RESTART_KINDS}")
+        if self.enabled:
+            self._inc(RESTARTS, 1, kind=kind)
+
+    def checkpoint_seconds(self, seconds: float) -> None:
+        """One checkpoint written between steps, taking `seconds` (phase checkpoint, rank driver)."""
+        if self.enabled:
+            self._inc(CHECKPOINTS, 1)
+            self._inc(PHASE_SECONDS, seconds, rank=DRIVER_RANK, phase="checkpoint")
+
+
+class WeightStoreMetrics(_Recorder):
+    """What a WeightStore records (one per node)."""
+
+    def record(self, bytes_held: int) -> None:
+        """Bytes of base weights held in the object store, after loading. No-op without Ray."""
+        if self.enabled:
+            self._set(WEIGHT_STORE_BYTES, bytes_held)
+
+
+# ---------------------------------------------------------------------- docs/metrics.md
+
+TABLE_HEADER = (
+    "| Prometheus name | type | unit | labels | meaning |",
+    "| --- | --- | --- | --- | --- |",
+)
+
+
+def markdown_row(spec: MetricSpec) -> str:
+    labels = ", ".join(f"`{k}`" for k in spec.tag_keys) or "-"
+    description = spec.description.replace("|", "\\|")
+    return f"| `{spec.prometheus_name}` | {spec.kind} | {spec.unit} | {labels} | {description} |"
+
+
+def markdown_table() -> str:
+    """The metrics table of docs/metrics.md (a test keeps the file equal to this)."""
+    return "\n".join([*TABLE_HEADER, *(markdown_row(s) for s in REGISTRY)])
+
+
+if __name__ == "__main__":
+    print(markdown_table())
