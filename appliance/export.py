@@ -1,0 +1,197 @@
+"""`appliance export`: base model + LoRA adapter merged into a plain Hugging Face checkpoint.
+
+For every adapted linear layer W' = W + (B @ A) · alpha / rank, computed in fp32 and stored in
+W's own dtype; every other tensor is copied unchanged. The result loads with
+`AutoModelForCausalLM.from_pretrained` (no peft needed) and gives the adapted model's logits.
+
+Memory: tensors are read and written one output shard at a time (a shard holds whole blocks, up
+to `max_shard_bytes`), so host memory holds one shard, never the whole model. Safety: everything
+is written into a temporary directory beside the output, which is renamed into place only when
+complete; a crash leaves no half-written checkpoint under the output's name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from . import hf_checkpoint
+from .errors import ModelError
+from .lora import LoraWeights, load_adapter
+
+DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
+# copied verbatim when present (config.json is required and always copied)
+EXTRA_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "tokenizer.model",
+)
+_DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "BF16": 2,
+    "F16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _check_output(output: Path) -> None:
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise ModelError(
+            f"--output {output} already exists and is not empty; choose a new directory "
+            "(export never overwrites)"
+        )
+
+
+def _tensor_bytes(ckpt: hf_checkpoint.SafetensorsCheckpoint) -> dict[str, int]:
+    """Stored size of every tensor, from the safetensors headers (no tensor is read)."""
+    sizes = {}
+    by_file: dict[Path, list[str]] = {}
+    for name, path in ckpt.files.items():
+        by_file.setdefault(path, []).append(name)
+    for path, names in by_file.items():
+        with safe_open(path, "pt") as f:
+            for name in names:
+                s = f.get_slice(name)
+                n = 1
+                for d in s.get_shape():
+                    n *= d
+                sizes[name] = n * _DTYPE_BYTES.get(s.get_dtype(), 4)
+    return sizes
+
+
+def plan_shards(names_bytes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """Group tensor names into shards in model order, never splitting a block across shards.
+
+    Order: embeddings, blocks 0..L-1, everything else (final norm, LM head). A unit bigger
+    than `max_shard_bytes` gets a shard of its own.
+    """
+    units: dict[object, list[str]] = {}
+    for name in names_bytes:
+        m = _LAYER.match(name)
+        key: object = ("block", int(m.group(1))) if m else ("global", name)
+        units.setdefault(key, []).append(name)
+
+    def order(key):
+        kind, v = key
+        if kind == "block":
+            return (1, v, "")
+        return (0 if "embed_tokens" in v else 2, 0, v)
+
+    shards: list[list[str]] = []
+    current: list[str] = []
+    size = 0
+    for key in sorted(units, key=order):
+        group = sorted(units[key])
+        n = sum(names_bytes[x] for x in group)
+        if current and size + n > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current += group
+        size += n
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _read(ckpt: hf_checkpoint.SafetensorsCheckpoint, names: list[str]) -> dict[str, torch.Tensor]:
+    """Tensors in their stored dtype (SafetensorsCheckpoint.read converts; we must not)."""
+    by_file: dict[Path, list[str]] = {}
+    for n in names:
+        by_file.setdefault(ckpt.files[n], []).append(n)
+    out = {}
+    for path, group in by_file.items():
+        try:
+            with safe_open(path, "pt") as f:
+                for n in group:
+                    out[n] = f.get_tensor(n)
+        except (OSError, RuntimeError) as e:
+            raise ModelError(f"{path}: cannot read safetensors file: {e}") from None
+    return out
+
+
+def _merge(tensors: dict[str, torch.Tensor], lora: LoraWeights) -> int:
+    """Fold the adapter into the adapted weights among `tensors`, in place; returns how many."""
+    merged = 0
+    for i, block in enumerate(lora.blocks):
+        for module, (A, B) in block.items():
+            name = f"model.layers.{i}.{module}.weight"
+            if name not in tensors:
+                continue
+            W = tensors[name]
+            delta = (B.detach().float().cpu() @ A.detach().float().cpu()) * lora.spec.scale
+            tensors[name] = (W.float() + delta).to(W.dtype)  # (out, in)
+            merged += 1
+    return merged
+
+
+def export_merged(
+    model_dir: str | Path,
+    adapter_dir: str | Path,
+    output_dir: str | Path,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Write `model_dir` with `adapter_dir` merged in as a new HF checkpoint at `output_dir`."""
+    model_dir, output = Path(model_dir), Path(output_dir)
+    _check_output(output)
+    args = hf_checkpoint.read_model_args(model_dir)
+    ckpt = hf_checkpoint.SafetensorsCheckpoint(model_dir)
+    lora = load_adapter(adapter_dir, args)
+    shards = plan_shards(_tensor_bytes(ckpt), max_shard_bytes)
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    # beside the output (same filesystem, so the final rename is atomic); mkdir honours the umask
+    tmp = output.parent / f".{output.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        weight_map: dict[str, str] = {}
+        total_bytes, merged = 0, 0
+        for k, names in enumerate(shards):
+            fname = (
+                "model.safetensors"
+                if len(shards) == 1
+                else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            )
+            tensors = _read(ckpt, names)
+            merged += _merge(tensors, lora)
+            tensors = {n: t.contiguous() for n, t in tensors.items()}
+            save_file(tensors, tmp / fname, metadata={"format": "pt"})
+            total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+            weight_map.update(dict.fromkeys(names, fname))
+            del tensors
+        expected = sum(len(b) for b in lora.blocks)
+        if merged != expected:  # load_adapter checked shapes, so this means missing weights
+            raise ModelError(f"{model_dir}: only {merged} of {expected} adapted weights found")
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        shutil.copy2(model_dir / "config.json", tmp / "config.json")
+        for name in EXTRA_FILES:
+            if (model_dir / name).is_file():
+                shutil.copy2(model_dir / name, tmp / name)
+        _check_output(output)  # someone may have written there meanwhile
+        if output.exists():
+            output.rmdir()  # empty: replace it
+        os.rename(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output
