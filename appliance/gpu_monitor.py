@@ -123,7 +123,9 @@ def _nvml_handle(pynvml, cuda_index: int):  # type: ignore[no-untyped-def]
         return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
     except Exception:  # no torch CUDA, or an old torch/driver without UUIDs: fall through
         pass
-    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    visible = [
+        v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()
+    ]
     if visible:
         entry = visible[cuda_index]
         if entry.isdigit():

@@ -168,7 +168,8 @@ GPU_NVML_UTILIZATION = MetricSpec(
 )  # fmt: skip
 GPU_MEMORY_ALLOCATED = MetricSpec(
     "appliance_gpu_memory_allocated_bytes", GAUGE, "bytes",
-    "GPU memory held by tensors after the last step (torch.cuda.memory_allocated). Absent on a CPU.",
+    "GPU memory held by tensors after the last step (torch.cuda.memory_allocated). Absent on "
+    "a CPU.",
     ("rank",),
 )  # fmt: skip
 GPU_MEMORY_RESERVED = MetricSpec(
@@ -386,13 +387,13 @@ class TrainerMetrics(_Recorder):
           gpu_monitor.NvmlSampler.take_mean()); gpu_mem_allocated, gpu_mem_reserved (bytes).
         Other keys are ignored.
         """
+        phases = dict(stats.get("phase_seconds") or {})
+        unknown = sorted(set(phases) - set(PHASES[:-1]))
+        if unknown:  # checked with Ray off too, so engine tests catch a misspelt phase
+            raise ValueError(f"unknown phase(s) {unknown}: expected some of {PHASES[:-1]}")
         if not self.enabled:
             return
         step_seconds = float(stats["step_seconds"])
-        phases = dict(stats.get("phase_seconds") or {})
-        unknown = sorted(set(phases) - set(PHASES[:-1]))
-        if unknown:
-            raise ValueError(f"unknown phase(s) {unknown}: expected some of {PHASES[:-1]}")
         attributed = sum(phases.values())
         if attributed > step_seconds * 1.01 + 1e-3 and not self._warned_overlap:
             self._warned_overlap = True
@@ -493,7 +494,8 @@ class DriverMetrics(_Recorder):
             self._inc(RESTARTS, 1, kind=kind)
 
     def checkpoint_seconds(self, seconds: float) -> None:
-        """One checkpoint written between steps, taking `seconds` (phase checkpoint, rank driver)."""
+        """One checkpoint written between steps, taking `seconds` (phase `checkpoint`, rank
+        `driver`)."""
         if self.enabled:
             self._inc(CHECKPOINTS, 1)
             self._inc(PHASE_SECONDS, seconds, rank=DRIVER_RANK, phase="checkpoint")
