@@ -1,0 +1,613 @@
+"""`appliance bench`: the streamed step against its floor and against resident training.
+
+    python -m appliance.bench --preset tiny --json bench.json            # seconds, on a CPU
+    python -m appliance.bench --preset 7b --gpu-memory-budget 24GiB     # on a GPU
+
+A preset is a Llama shape with random weights made in memory (nothing is downloaded). The same
+model and batches run twice in one process: streamed (under `--gpu-memory-budget`, so blocks that
+do not fit are copied host→device every pass) and resident (every block on the device, when the
+whole model fits the device; else the row says "does not fit"). Each mode runs warm-up steps,
+then timed optimizer steps.
+
+The floor of one step (DESIGN.md, "Speed") is max(2·W / B, F / P): W = bytes of the blocks the
+mode streams, B = bandwidth measured here (a pinned host→device copy of 256 MiB on CUDA; a host
+memcpy of 256 MiB on CPU, where nothing is really copied: weights are read in place), F = the
+step's FLOPs (≈ 6·N·T), P = the measured dense matmul rate in the compute dtype (bf16 on GPU,
+fp32 on CPU). Every row reports its time against that floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .blocks import FlatIndex, dtype_from_name, unpack
+from .engine import StreamedEngine
+from .errors import ConfigError
+from .hf_checkpoint import block_names
+from .lora import LoraSpec, LoraWeights
+from .model import ModelArgs
+
+MiB, GiB = 2**20, 2**30
+COPY_BYTES = 256 * MiB  # per bandwidth measurement
+LR = 1e-4
+
+
+def _llama(
+    vocab: int, hidden: int, inter: int, layers: int, heads: int, kv: int, **kw
+) -> ModelArgs:
+    return ModelArgs(
+        architecture="LlamaForCausalLM",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=hidden // heads,
+        rms_norm_eps=kw.pop("rms_norm_eps", 1e-5),
+        rope_theta=kw.pop("rope_theta", 10000.0),
+        max_position_embeddings=kw.pop("max_position_embeddings", 4096),
+        **kw,
+    )
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Tokens of one step: micro_batches × micro_batch_size × seq_len, and how many steps."""
+
+    micro_batch_size: int
+    seq_len: int
+    micro_batches: int
+    steps: int  # timed steps (after `warmup` untimed ones)
+    warmup: int = 1
+
+
+@dataclass(frozen=True)
+class Preset:
+    args: ModelArgs
+    gpu: Shape
+    cpu: Shape | None  # None: refused on CPU (too big to be useful there)
+
+
+_GPU_SHAPE = Shape(micro_batch_size=1, seq_len=2048, micro_batches=8, steps=3)
+PRESETS: dict[str, Preset] = {
+    # runs in seconds on a CPU
+    "tiny": Preset(
+        _llama(2048, 256, 688, 4, 4, 2),
+        gpu=Shape(2, 128, 4, 3),
+        cpu=Shape(2, 128, 4, 3),
+    ),
+    # Llama-3.2-1B: GQA, llama3 RoPE, tied embeddings, 128k vocabulary
+    "1b": Preset(
+        _llama(
+            128256, 2048, 8192, 16, 32, 8,
+            rope_theta=500000.0,
+            max_position_embeddings=131072,
+            rope_scaling=(
+                ("factor", 32.0),
+                ("high_freq_factor", 4.0),
+                ("low_freq_factor", 1.0),
+                ("original_max_position_embeddings", 8192.0),
+            ),
+            tie_word_embeddings=True,
+        ),
+        gpu=_GPU_SHAPE,
+        cpu=Shape(1, 128, 2, 1),
+    ),
+    # Llama-2 shapes
+    "7b": Preset(_llama(32000, 4096, 11008, 32, 32, 32), gpu=_GPU_SHAPE, cpu=None),
+    "13b": Preset(_llama(32000, 5120, 13824, 40, 40, 40), gpu=_GPU_SHAPE, cpu=None),
+    "70b": Preset(_llama(32000, 8192, 28672, 80, 64, 8), gpu=_GPU_SHAPE, cpu=None),
+}  # fmt: skip
+
+
+# ---------------------------------------------------------------- random weights
+
+
+class SyntheticBlockSource:
+    """A block source of random weights, each block made on first use (then kept).
+
+    Values are N(0, 0.02) tiled from one pool of random numbers at a different offset per tensor:
+    making 70B parameters with a random generator would take minutes, a copy takes seconds. Norm
+    weights are 1. Blocks are built directly as flat buffers (`flat_block`), so a CUDA engine
+    page-locks and uploads them without another copy; `block(i)` returns views of the same
+    memory.
+    """
+
+    POOL = 2**24 - 3  # odd length: consecutive rows of a tiled matrix do not repeat
+
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, seed: int = 0):
+        self.args, self.dtype = args, dtype
+        gen = torch.Generator().manual_seed(seed)
+        self._pool = (torch.randn(self.POOL, generator=gen) * 0.02).to(dtype)
+        self._seed = seed
+        self._flat: dict[int, tuple[np.ndarray, FlatIndex]] = {}
+        self._globals: dict[str, torch.Tensor] | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.args.num_layers
+
+    def _shapes(self, i: int) -> dict[str, tuple[int, ...]]:
+        a, prefix = self.args, f"model.layers.{i}."
+        shapes = {}
+        for name in block_names(a, i):
+            key = name[len(prefix) :]
+            module, kind = key.rsplit(".", 1)
+            if "layernorm" in module:
+                shapes[key] = (a.hidden_size,)
+            elif kind == "weight":
+                shapes[key] = a.module_shape(module)
+            else:  # bias
+                shapes[key] = (a.module_shape(module)[0],)
+        return shapes
+
+    def _fill(self, t: torch.Tensor, name: str, i: int) -> None:
+        if "norm" in name:
+            t.fill_(1.0)
+            return
+        flat, n, P = t.view(-1), t.numel(), self.POOL
+        o = (hash((self._seed, i, name)) & 0xFFFFFFFF) % P  # str hash: per process, fine here
+        done = 0
+        while done < n:
+            k = min(n - done, P - o)
+            flat[done : done + k].copy_(self._pool[o : o + k])
+            done, o = done + k, 0
+
+    def flat_block(self, i: int) -> tuple[np.ndarray, FlatIndex]:
+        """Block i as one flat byte buffer + index (made now if first asked)."""
+        if i not in self._flat:
+            shapes = self._shapes(i)
+            esize = self.dtype.itemsize
+            dname = str(self.dtype).removeprefix("torch.")
+            index: FlatIndex = {}
+            offset = 0
+            for key, shape in shapes.items():
+                index[key] = (offset, shape, dname)
+                offset += -(-math.prod(shape) * esize // 64) * 64  # 64-byte aligned, as pack()
+            buf = np.empty(offset, dtype=np.uint8)
+            for key, t in unpack(buf, index).items():
+                self._fill(t, key, i)
+            self._flat[i] = (buf, index)
+        return self._flat[i]
+
+    def block(self, i: int) -> dict[str, torch.Tensor]:
+        return unpack(*self.flat_block(i))
+
+    def globals(self) -> dict[str, torch.Tensor]:
+        if self._globals is None:
+            a = self.args
+            g = {
+                "model.embed_tokens.weight": torch.empty(
+                    a.vocab_size, a.hidden_size, dtype=self.dtype
+                ),
+                "model.norm.weight": torch.empty(a.hidden_size, dtype=self.dtype),
+            }
+            if not a.tie_word_embeddings:
+                g["lm_head.weight"] = torch.empty(a.vocab_size, a.hidden_size, dtype=self.dtype)
+            for name, t in g.items():
+                self._fill(t, name, -1)
+            self._globals = g
+        return self._globals
+
+
+# ---------------------------------------------------------------- measurements
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        return f"{p.name} ({p.total_memory / GiB:.0f} GiB)"
+    return f"{cpu_name()} ({torch.get_num_threads()} threads, {os.cpu_count()} CPUs)"
+
+
+def measure_bandwidth(device: torch.device, nbytes: int = COPY_BYTES, reps: int = 5) -> float:
+    """Bytes/s: pinned host→device copies on CUDA, host memcpy on CPU (the best of `reps`)."""
+    best = math.inf
+    if device.type == "cuda":
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst.copy_(src, non_blocking=True)  # warm-up
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        del src, dst
+        torch.cuda.empty_cache()
+    else:
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def measure_matmul(device: torch.device, dtype: torch.dtype, n: int, reps: int) -> float:
+    """FLOP/s of an (n, n) @ (n, n) matmul in `dtype` (the best of `reps`)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    best = math.inf
+    for r in range(reps + 2):  # two warm-ups
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if r >= 2:
+            best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def host_memory_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# ---------------------------------------------------------------- the runs
+
+
+def _batches(
+    args: ModelArgs, shape: Shape, seed: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(shape.micro_batches):
+        ids = torch.randint(
+            0, args.vocab_size, (shape.micro_batch_size, shape.seq_len + 1), generator=gen
+        )
+        out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    return out
+
+
+def _release_cuda(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        # the engine caps the whole process; the next run sets its own cap (or none)
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+def _run_mode(
+    mode: str,
+    source: SyntheticBlockSource,
+    batches: list,
+    shape: Shape,
+    device: torch.device,
+    dtype: torch.dtype,
+    budget: int | None,
+    bandwidth: float,
+    matmul: float,
+) -> dict:
+    args, L = source.args, source.args.num_layers
+    row: dict = {"mode": mode, "tokens_per_step": sum(ids.numel() for ids, _ in batches)}
+    lora = LoraWeights(args, LoraSpec(), device, seed=0)
+    engine = StreamedEngine(
+        source,
+        lora,
+        device=device,
+        dtype=dtype,
+        gpu_memory_budget=budget if mode == "streamed" else None,
+    )
+    try:
+        if mode == "resident" and device.type == "cuda":
+            # Decide before running whether every block stays on the device (the engine's own
+            # plan, with the whole device as budget); if not, this mode does not exist here.
+            try:
+                engine._plan(batches)
+            except ConfigError as e:
+                return {**row, "fits": False, "reason": f"does not fit: {e}"}
+            if len(engine.weights.resident) < L:
+                return {
+                    **row,
+                    "fits": False,
+                    "reason": f"does not fit: {len(engine.weights.resident)} of {L} blocks fit "
+                    f"in {torch.cuda.get_device_properties(device).total_memory / GiB:.0f} GiB",
+                }
+        losses, timed = [], []
+        for s in range(shape.warmup + shape.steps):
+            stats = engine.train_step(batches, LR)
+            losses.append(stats.loss)
+            if s >= shape.warmup:
+                timed.append(stats)
+        if device.type == "cuda":
+            resident = len(engine.weights.resident)  # the engine's plan under this budget
+        else:  # weights are read in place; "streamed" counts every block as if copied (nominal)
+            resident = L if mode == "resident" else 0
+        block_bytes = engine.weights.block_bytes()
+    except torch.cuda.OutOfMemoryError as e:
+        return {**row, "fits": False, "reason": f"CUDA out of memory: {str(e).splitlines()[0]}"}
+    finally:
+        del engine, lora
+        _release_cuda(device)
+
+    W = (L - resident) * block_bytes
+    step = statistics.mean(s.step_seconds for s in timed)
+    flops = timed[0].flops
+    h2d_bytes = statistics.mean(s.h2d_bytes for s in timed)
+    h2d_seconds = statistics.mean(s.h2d_seconds for s in timed)
+    floor_h2d, floor_compute = 2 * W / bandwidth, flops / matmul
+    floor = max(floor_h2d, floor_compute)
+    busy = [s.gpu_busy_ratio for s in timed if s.gpu_busy_ratio is not None]
+    return {
+        **row,
+        "fits": True,
+        "resident_blocks": resident,
+        "blocks": L,
+        "streamed_bytes": W,
+        "step_seconds": step,
+        "step_seconds_min": min(s.step_seconds for s in timed),
+        "tokens_per_second": row["tokens_per_step"] / step,
+        "flops_per_step": flops,
+        "floor_h2d_seconds": floor_h2d,
+        "floor_compute_seconds": floor_compute,
+        "floor_seconds": floor,
+        "ratio": step / floor,
+        "h2d_bytes_per_step": h2d_bytes,
+        "h2d_seconds_per_step": h2d_seconds,
+        "h2d_stall_seconds_per_step": statistics.mean(s.phase_seconds["h2d_stall"] for s in timed),
+        "gpu_busy_ratio": statistics.mean(busy) if busy else None,
+        "phase_seconds": {
+            k: statistics.mean(s.phase_seconds[k] for s in timed) for k in timed[0].phase_seconds
+        },
+        "losses": losses,
+    }
+
+
+def run_bench(
+    preset: str,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    gpu_memory_budget: int | None = None,
+    micro_batch_size: int | None = None,
+    seq_len: int | None = None,
+    micro_batches: int | None = None,
+    steps: int | None = None,
+    warmup: int | None = None,
+) -> dict:
+    """Run `preset` streamed and resident; returns every measured number (see module doc).
+
+    `None` picks the preset's default for the device; dtype defaults to bf16 on CUDA, fp32 on
+    CPU. ConfigError for a preset that cannot run here, with what to do instead.
+    """
+    if preset not in PRESETS:
+        raise ConfigError(f"--preset {preset!r} is unknown; one of {', '.join(PRESETS)}")
+    p, device = PRESETS[preset], torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu")
+    if device.type == "cpu":
+        if p.cpu is None:
+            cpu_ok = ", ".join(k for k, v in PRESETS.items() if v.cpu)
+            raise ConfigError(
+                f"--preset {preset} needs a GPU (--device cuda): on a CPU only {cpu_ok} run "
+                "in useful time"
+            )
+        if gpu_memory_budget is not None:
+            raise ConfigError("--gpu-memory-budget applies to --device cuda only")
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    default = p.gpu if device.type == "cuda" else p.cpu
+    shape = Shape(
+        micro_batch_size or default.micro_batch_size,
+        seq_len or default.seq_len,
+        micro_batches or default.micro_batches,
+        default.steps if steps is None else steps,
+        default.warmup if warmup is None else warmup,
+    )
+    for flag, v in (
+        ("--micro-batch-size", shape.micro_batch_size),
+        ("--seq-len", shape.seq_len),
+        ("--micro-batches", shape.micro_batches),
+        ("--steps", shape.steps),
+    ):
+        if v < 1:
+            raise ConfigError(f"{flag} must be ≥ 1, got {v}")
+    if shape.warmup < 0:
+        raise ConfigError(f"--warmup must be ≥ 0, got {shape.warmup}")
+    args = p.args
+    weight_bytes = args.param_count() * dtype.itemsize
+    available = host_memory_available()
+    if available is not None and weight_bytes > 0.9 * available:
+        raise ConfigError(
+            f"--preset {preset}: its {str(dtype).removeprefix('torch.')} weights need "
+            f"{weight_bytes / GiB:.1f} GiB of host memory; {available / GiB:.1f} GiB is available "
+            "here (the blocks stream from host memory, so all of them live there)"
+        )
+
+    if device.type == "cuda":
+        _release_cuda(device)  # a cap left by an earlier engine in this process would skew this
+        n, reps = 8192, 10
+    else:
+        n, reps = 2048, 3
+    bandwidth = measure_bandwidth(device)
+    matmul = measure_matmul(device, dtype, n, reps)
+    dname = str(dtype).removeprefix("torch.")
+    source = SyntheticBlockSource(args, dtype)
+    batches = _batches(args, shape)
+    modes = [
+        _run_mode(m, source, batches, shape, device, dtype, gpu_memory_budget, bandwidth, matmul)
+        for m in ("streamed", "resident")
+    ]
+    spec = LoraSpec()
+    return {
+        "preset": preset,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device.type,
+        "device_name": device_name(device),
+        "host": {
+            "cpu": cpu_name(),
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+        },
+        "torch": torch.__version__,
+        "dtype": dname,
+        "model": {
+            "vocab_size": args.vocab_size,
+            "hidden_size": args.hidden_size,
+            "intermediate_size": args.intermediate_size,
+            "num_layers": args.num_layers,
+            "num_heads": args.num_heads,
+            "num_kv_heads": args.num_kv_heads,
+            "params": args.param_count(),
+            "block_bytes": args.block_param_count() * dtype.itemsize,
+            "weight_bytes": weight_bytes,
+        },
+        "lora": {"rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.targets)},
+        "shape": {**asdict(shape), "tokens_per_step": modes[0]["tokens_per_step"]},
+        "gpu_memory_budget": gpu_memory_budget,
+        "bandwidth": {
+            "bytes_per_second": bandwidth,
+            "kind": f"pinned host→device copy of {COPY_BYTES // MiB} MiB"
+            if device.type == "cuda"
+            else f"host memcpy of {COPY_BYTES // MiB} MiB; on a CPU the weights are read in "
+            "place, so the streamed row's 2W/B is nominal",
+        },
+        "matmul": {"flops_per_second": matmul, "kind": f"{dname} ({n}, {n}) @ ({n}, {n})"},
+        "modes": modes,
+    }
+
+
+# ---------------------------------------------------------------- output
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
+def _g(x: float, digits: int = 4) -> str:
+    return f"{x:.{digits}g}"
+
+
+def format_table(result: dict) -> str:
+    """The result as a header and a Markdown table (what `print_table` prints)."""
+    m, s = result["model"], result["shape"]
+    budget = result["gpu_memory_budget"]
+    lines = [
+        f"preset {result['preset']}: {m['num_layers']} layers, hidden {m['hidden_size']}, "
+        f"{_count(m['params'])} params, {result['dtype']} on {result['device_name']}",
+        f"B = {result['bandwidth']['bytes_per_second'] / 1e9:.3g} GB/s "
+        f"({result['bandwidth']['kind']})",
+        f"P = {result['matmul']['flops_per_second'] / 1e12:.3g} TFLOP/s "
+        f"({result['matmul']['kind']})",
+        f"tokens/step = {s['micro_batches']} micro-batches × {s['micro_batch_size']} × "
+        f"{s['seq_len']} = {s['tokens_per_step']}; {s['warmup']} warm-up + {s['steps']} timed "
+        f"steps; GPU memory budget: {f'{budget / GiB:.3g} GiB' if budget else 'none'}",
+        "",
+        "| mode | tokens/step | step s | tokens/s | W GB | 2W/B s | F TFLOP | F/P s | floor s "
+        "| time/floor |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["modes"]:
+        if not r["fits"]:
+            lines.append(f"| {r['mode']} | {r['tokens_per_step']} | {r['reason']} |" + " — |" * 7)
+            continue
+        lines.append(
+            f"| {r['mode']} | {r['tokens_per_step']} | {_g(r['step_seconds'])} "
+            f"| {_g(r['tokens_per_second'])} | {_g(r['streamed_bytes'] / 1e9)} "
+            f"| {_g(r['floor_h2d_seconds'])} | {_g(r['flops_per_step'] / 1e12)} "
+            f"| {_g(r['floor_compute_seconds'])} | {_g(r['floor_seconds'])} | {r['ratio']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def print_table(result: dict) -> None:
+    print(format_table(result))
+
+
+def write_json(result: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def main_from_cli(
+    preset: str,
+    device: str,
+    gpu_memory_budget: int | None = None,
+    json_path: str | None = None,
+    dtype: str | None = None,
+    **shape: int,
+) -> dict:
+    """What `appliance bench` runs: the bench, its table on stdout, and the JSON if asked."""
+    result = run_bench(
+        preset,
+        device,
+        dtype_from_name(dtype) if dtype and dtype != "auto" else None,
+        gpu_memory_budget,
+        **shape,
+    )
+    print_table(result)
+    if json_path:
+        write_json(result, json_path)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .config import parse_bytes
+
+    ap = argparse.ArgumentParser(
+        prog="python -m appliance.bench", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--preset", choices=list(PRESETS), default="tiny")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    ap.add_argument("--gpu-memory-budget", default=None, help="e.g. 24GiB: forces streaming")
+    ap.add_argument("--micro-batch-size", type=int, default=None)
+    ap.add_argument("--seq-len", type=int, default=None)
+    ap.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first")
+    ap.add_argument("--json", dest="json_path", default=None, help="also write the results here")
+    a = ap.parse_args(argv)
+    device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        budget = parse_bytes(a.gpu_memory_budget) if a.gpu_memory_budget else None
+    except ValueError as e:
+        ap.error(f"--gpu-memory-budget: {e}")
+    names = ("micro_batch_size", "seq_len", "micro_batches", "steps", "warmup")
+    shape = {k: getattr(a, k) for k in names if getattr(a, k) is not None}
+    try:
+        main_from_cli(a.preset, device, budget, a.json_path, a.dtype, **shape)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
