@@ -8,7 +8,8 @@
 #   make deploy-tools                   # helm, checkov, hadolint, kubernetes-validate (offline checks)
 #
 # Deploy options (environment or make variables): MODEL=s3://... DATA=s3://... OUTPUT=s3://...
-# STEPS=N TRAIN_CONFIG=file.yaml IMAGE=repo:tag (skip build+push) AUTO_APPROVE=1 MONITORING=0
+# STEPS=N TRAIN_CONFIG=file.yaml CHART_VALUES=extra-values.yaml IMAGE=repo:tag (skip build+push)
+# AUTO_APPROVE=1 MONITORING=0
 # DEPLOY_OUT_DIR=dir (rendered values and manifests; default build/deploy/$(GPU_CLASS)).
 # See docs/deploy.md.
 
@@ -16,7 +17,7 @@ IMAGE_NAME ?= appliance
 IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 GPU_CLASS ?= a10
 DRY_RUN ?=
-export GPU_CLASS DRY_RUN MODEL DATA OUTPUT STEPS TRAIN_CONFIG IMAGE AUTO_APPROVE MONITORING FORCE DEPLOY_OUT_DIR
+export GPU_CLASS DRY_RUN HELM MODEL DATA OUTPUT STEPS TRAIN_CONFIG CHART_VALUES IMAGE AUTO_APPROVE MONITORING FORCE DEPLOY_OUT_DIR
 
 .PHONY: image deploy destroy deploy-tools
 

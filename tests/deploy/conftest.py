@@ -115,7 +115,8 @@ def crd_validator(kind: str, version: str = "v1") -> Any:
     path = SCHEMAS / crd_file
     if not path.exists():
         pytest.skip(f"KubeRay CRD schema {path} is not there (shared/ sits beside the repo)")
-    crd = yaml.safe_load(path.read_text())
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the CRDs are ~1 MB of YAML
+    crd = yaml.load(path.read_text(), Loader=loader)
     assert crd["spec"]["names"]["kind"] == kind
     (ver,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
     schema = _strict(copy.deepcopy(ver["schema"]["openAPIV3Schema"]))

@@ -66,6 +66,12 @@ def all_pods(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return pods
 
 
+def train_config_maps(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-train-config")
+    ]
+
+
 def volume(pod: dict[str, Any], name: str) -> dict[str, Any]:
     (vol,) = [v for v in pod["spec"]["volumes"] if v["name"] == name]
     return vol
@@ -275,7 +281,7 @@ def test_the_rayjob_runs_appliance_train_on_the_charts_cluster_with_the_job_args
         "--steps", "100",
     ]  # fmt: skip
     # The inline config reaches the head (where the driver runs) at that path.
-    config = one(docs, "ConfigMap")
+    (config,) = train_config_maps(docs)
     assert yaml.safe_load(config["data"]["train.yaml"]) == yaml.safe_load(job_values["config"])
     head = head_pod(docs)
     assert volume(head, "train-config")["configMap"]["name"] == config["metadata"]["name"]
@@ -289,7 +295,7 @@ def test_a_config_file_from_the_image_and_extra_args_reach_the_entrypoint(render
     assert args[args.index("--config") + 1] == "/opt/appliance/configs/70b.yaml"
     assert args[-2:] == ["--gpu-memory-budget", "24GiB"]
     assert "--steps" not in args  # steps: null leaves the config's value
-    assert by_kind(docs, "ConfigMap") == []  # no inline config, nothing mounted
+    assert train_config_maps(docs) == []  # no inline config, nothing mounted
 
 
 def test_arguments_with_spaces_are_quoted_for_the_shell() -> None:
