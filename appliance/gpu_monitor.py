@@ -11,7 +11,8 @@ kernel ran. The appliance reports it beside its own CUDA-event busy ratio, so a 
     ...
     if sampler: sampler.stop()
 
-Importable without a GPU and without nvidia-ml-py (`pynvml`): `for_cuda_device` returns None then.
+NVML comes from nvidia-ml-py (`pynvml`) when installed, else from the copy Ray ships (Ray's own GPU
+metrics use it). Importable without a GPU: `for_cuda_device` returns None where NVML cannot start.
 """
 
 from __future__ import annotations
@@ -49,9 +50,8 @@ class NvmlSampler:
         available (no nvidia-ml-py, no driver, no GPU). CUDA indices honour
         CUDA_VISIBLE_DEVICES (Ray sets it per actor); NVML's do not, so the device is found by
         UUID when torch knows it, else through CUDA_VISIBLE_DEVICES."""
-        try:
-            import pynvml
-        except ImportError:
+        pynvml = _import_pynvml()
+        if pynvml is None:
             return None
         try:
             pynvml.nvmlInit()
@@ -112,6 +112,23 @@ class NvmlSampler:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _import_pynvml():  # type: ignore[no-untyped-def]
+    """nvidia-ml-py's `pynvml` if installed, else the copy Ray ships (what Ray's own GPU metrics
+    use), else None."""
+    try:
+        import pynvml
+
+        return pynvml
+    except ImportError:
+        pass
+    try:
+        import ray._private.thirdparty.pynvml as pynvml
+
+        return pynvml
+    except ImportError:
+        return None
 
 
 def _nvml_handle(pynvml, cuda_index: int):  # type: ignore[no-untyped-def]

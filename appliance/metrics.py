@@ -163,7 +163,7 @@ GPU_BUSY = MetricSpec(
 GPU_NVML_UTILIZATION = MetricSpec(
     "appliance_gpu_nvml_utilization_ratio", GAUGE, "ratio",
     "Mean NVML GPU utilization over the last step, sampled at 20 Hz (what nvidia-smi shows: the "
-    "share of time any kernel ran). Absent without a GPU or without nvidia-ml-py.",
+    "share of time any kernel ran). Absent without a GPU.",
     ("rank",),
 )  # fmt: skip
 GPU_MEMORY_ALLOCATED = MetricSpec(
