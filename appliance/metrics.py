@@ -254,13 +254,35 @@ def ray_init_kwargs(
     the environment variable `RAY_metrics_report_interval_ms` does the same for a cluster started
     with `ray start`. Both are only honoured by a `ray.init` that starts Ray, not one that
     connects to a running cluster (where KubeRay sets the port, 8080).
+
+    Raises ConfigError when the port is taken: Ray would otherwise time out after ~30 s with
+    "The current node timed out during startup".
     """
+    from .errors import ConfigError
+
     if not 0 < metrics_port < 65536:
-        raise ValueError(f"--metrics-port must be a TCP port (got {metrics_port})")
+        raise ConfigError(f"--metrics-port must be a TCP port (got {metrics_port})")
+    if not port_is_free(metrics_port):
+        raise ConfigError(
+            f"--metrics-port {metrics_port} is already in use (another appliance run, or another "
+            "service): stop it, or pick a free port with --metrics-port"
+        )
     return {
         "_metrics_export_port": int(metrics_port),
         "_system_config": {"metrics_report_interval_ms": int(report_interval_ms)},
     }
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a TCP port can be bound on all interfaces, as Ray's metrics agent will."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
 
 
 def metrics_url(port: int, host: str = "127.0.0.1") -> str:

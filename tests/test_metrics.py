@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from appliance import metrics as M
+from appliance.errors import ConfigError
 from appliance.gpu_monitor import NvmlSampler
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -237,6 +238,7 @@ def test_recorders_never_import_ray_and_do_nothing_without_it():
     code = """
 import sys
 from appliance import metrics as M
+from appliance.errors import ConfigError
 from tests.test_metrics import RecordEverything
 RecordEverything().record()
 assert "ray" not in sys.modules, "recording imported ray"
@@ -337,12 +339,23 @@ def test_driver_checkpoint_goes_to_phase_checkpoint_rank_driver(fake_ray):
 
 
 def test_ray_init_kwargs_and_url():
-    kw = M.ray_init_kwargs(8080)
-    assert kw["_metrics_export_port"] == 8080
+    port = free_port()
+    kw = M.ray_init_kwargs(port)
+    assert kw["_metrics_export_port"] == port
     assert kw["_system_config"]["metrics_report_interval_ms"] == 1000
     assert M.metrics_url(8080) == "http://127.0.0.1:8080/metrics"
-    with pytest.raises(ValueError, match="--metrics-port"):
+    with pytest.raises(ConfigError, match="--metrics-port must be a TCP port"):
         M.ray_init_kwargs(0)
+
+
+def test_ray_init_kwargs_refuses_a_port_in_use():
+    """Ray itself would time out after ~30 s with a message that does not name the port."""
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"--metrics-port {port} is already in use"):
+            M.ray_init_kwargs(port)
 
 
 def test_ray_init_accepts_the_kwargs_by_name():
@@ -352,7 +365,7 @@ def test_ray_init_accepts_the_kwargs_by_name():
     import ray._private.worker as worker
 
     source = inspect.getsource(worker.init)
-    for key in M.ray_init_kwargs(8080):
+    for key in M.ray_init_kwargs(free_port()):
         assert f'kwargs.pop("{key}"' in source, key
 
 
