@@ -26,8 +26,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def _unwrap(e: BaseException) -> BaseException:
     """A user error raised inside a Ray actor arrives wrapped; show the original message."""
-    cause = getattr(e, "cause", None)
-    return cause if isinstance(cause, BaseException) else e
+    while isinstance(getattr(e, "cause", None), BaseException):
+        e = e.cause  # type: ignore[attr-defined]
+    return e
 
 
 def friendly_errors(fn):

@@ -64,6 +64,9 @@ class RunState:
     consumed: int = 0  # micro-batches consumed so far (position in the worker schedule)
     cursors: dict[int, dict] = field(default_factory=dict)
     losses: list[float] = field(default_factory=list)
+    target_tokens: int = 0  # tokens trained on (labels != -100)
+    skipped: dict[int, int] = field(default_factory=dict)  # bad records skipped, per worker
+    tokenizer_pids: set[int] = field(default_factory=set)  # processes that tokenized
 
 
 # ---------------------------------------------------------------------- setup
@@ -239,6 +242,9 @@ class Run:
         cfg, inp = self.cfg, self.inp
         cpus = int(ray.available_resources().get("CPU", os.cpu_count() or 1))
         self.num_workers = cfg.tokenize_workers or default_num_workers(cpus)
+        if self.num_workers + 1 > cpus:  # an actor without a CPU would wait forever
+            raise ConfigError(f"--tokenize-workers {self.num_workers} needs {self.num_workers + 1} "
+                              f"CPUs (one per worker + the trainer); Ray has {cpus}")
         self.store = ray.remote(num_cpus=0)(WeightStore).remote(str(inp.model_dir), inp.dtype)
         self.handles = ray.get(self.store.handles.remote())
         self.epochs = None if cfg.steps else (cfg.epochs or 1)
@@ -293,6 +299,9 @@ class Run:
             st.consumed += len(refs)
             st.cursors.update({int(w): c for w, c in stats["cursors"].items()})
             st.losses.append(stats["loss"])
+            st.target_tokens += stats["target_tokens"]
+            st.skipped.update({int(w): n for w, n in stats["skipped_records"].items()})
+            st.tokenizer_pids.update(stats["pids"])
             stats["batches_in_flight"] = requested - st.consumed
             self.progress.step(st.step, stats)
         return st
@@ -338,7 +347,9 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
         if started_here and ray.is_initialized():
             ray.shutdown()
     summary = {"steps": run.state.step, "final_loss": run.state.losses[-1] if run.state.losses
-               else None, "output": cfg.output, "seconds": time.perf_counter() - t0}
+               else None, "output": cfg.output, "seconds": time.perf_counter() - t0,
+               "target_tokens": run.state.target_tokens,
+               "skipped_records": sum(run.state.skipped.values())}
     if before is not None:
         summary.update(eval_loss_before=before, eval_loss_after=after,
                        eval_loss_drop=1 - after / before)

@@ -1,0 +1,170 @@
+"""`appliance train` end to end on embedded Ray: the three actor kinds train a tiny HF checkpoint.
+
+The actor plumbing must change nothing: the per-step losses equal the same run with the engine
+called in-process (same data order), the adapter loads with peft, tokenization happens in the
+worker processes, and the weights are shared into the trainer, not copied.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import ray
+import torch
+from peft import PeftModel
+
+from appliance.blocks import DictBlockSource
+from appliance.config import build_config
+from appliance.driver import Run, prepare, schedule, train, worker_kwargs
+from appliance.engine import StreamedEngine, lr_at
+from appliance.lora import load_adapter
+from appliance.progress import Progress
+from appliance.tokenize_worker import TokenizeWorker
+from appliance.trainer import Trainer, TrainerSettings
+from appliance.weight_store import WeightStore
+from tests.helpers_model import load_hf, make_model
+from tests.helpers_tokenizer import sentences
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("m") / "model", "llama-gqa-rope3-tied")
+
+
+def write_jsonl(path, n=60, seed=0):
+    path.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(n, seed=seed)))
+    return path
+
+
+def config(model_dir, data, output, **kw):
+    base = dict(model=str(model_dir), data=str(data), output=str(output), seq_len=16,
+                micro_batch_size=2, micro_batches_per_step=2, tokenize_workers=2, lr=1e-2,
+                warmup_steps=1, lora_rank=4, lora_alpha=8.0, log_format="json")
+    return build_config({}, {**base, **kw})
+
+
+def in_process_losses(cfg, model_dir, total_steps, counts=None):
+    """The same run without Ray: plain workers, the same schedule, the engine in-process."""
+    inp = prepare(build_config({}, {**cfg.to_dict(), "output": cfg.output + "-ref"}))
+    n = cfg.tokenize_workers
+    epochs = None if cfg.steps else 1
+    workers = [TokenizeWorker(**worker_kwargs(inp, w, n, epochs)) for w in range(n)]
+    settings = TrainerSettings(lora=cfg.lora_spec(), grad_clip=cfg.grad_clip, seed=cfg.seed)
+    trainer = Trainer(WeightStore(str(model_dir), "float32").handles(), settings)
+    order = schedule(counts, n, total_steps * cfg.micro_batches_per_step)
+    losses = []
+    M = cfg.micro_batches_per_step
+    for step in range(total_steps):
+        batches = [workers[w].next_batch() for w in order[step * M : (step + 1) * M]]
+        lr = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
+                   min_lr_ratio=cfg.min_lr_ratio)
+        losses.append(trainer.step(batches, lr)["loss"])
+    return losses, trainer
+
+
+def test_actors_train_and_losses_equal_the_in_process_engine(ray_local, model_dir, tmp_path):
+    data = write_jsonl(tmp_path / "data.jsonl")
+    cfg = config(model_dir, data, tmp_path / "out", steps=6)
+    summary = train(cfg, Progress("json"))
+    run = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert run["status"] == "complete" and summary["steps"] == 6
+
+    ref_losses, ref_trainer = in_process_losses(cfg, model_dir, 6)
+    np.testing.assert_allclose(run["losses"], ref_losses, rtol=1e-6)
+    assert run["losses"][-1] < run["losses"][0]  # it learned something
+
+    # the adapter loads with peft, no missing/unexpected keys, and reproduces our logits
+    base = load_hf(model_dir)
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "out")
+    ids = torch.randint(3, 40, (2, 12))
+    source = DictBlockSource.from_hf(model_dir, torch.float32)
+    ours = StreamedEngine(source, load_adapter(tmp_path / "out", source.args)).logits(ids)
+    with torch.no_grad():
+        theirs = peft_model(input_ids=ids).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    # and it is the in-process run's adapter
+    ref_sd = ref_trainer.lora.peft_state_dict()
+    got = load_adapter(tmp_path / "out", source.args).peft_state_dict()
+    for k in ref_sd:
+        torch.testing.assert_close(got[k], ref_sd[k], rtol=1e-5, atol=1e-7)
+
+
+def test_tokenization_happens_in_the_workers_and_each_token_is_trained_once(
+    ray_local, model_dir, tmp_path
+):
+    data = write_jsonl(tmp_path / "data.jsonl", n=90, seed=3)
+    cfg = config(model_dir, data, tmp_path / "out", epochs=1, tokenize_workers=2)
+    run = Run(prepare(cfg), Progress("json"))
+    run.create_actors()
+    trainer_pid = ray.get(run.trainer.info.remote())["pid"]
+    worker_pids = {ray.get(w.stats.remote())["pid"] for w in run.workers}
+    state = run.train()
+
+    assert state.tokenizer_pids == worker_pids
+    assert trainer_pid not in worker_pids and len(worker_pids) == 2
+    # one epoch: every batch of every shard consumed exactly once...
+    assert state.consumed == sum(run.counts)
+    # ...so the trained targets are all the dataset's tokens but each worker stream's first
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    docs = [json.loads(line)["text"] for line in data.read_text().splitlines()]
+    dataset_tokens = sum(len(tok.encode(d).ids) + 1 for d in docs)  # + EOS per document
+    assert state.target_tokens == dataset_tokens - cfg.tokenize_workers
+
+
+def test_schedule_round_robins_and_skips_used_up_workers():
+    assert schedule(None, 3, 7) == [0, 1, 2, 0, 1, 2, 0]
+    assert schedule([2, 4, 1], 3, 100) == [0, 1, 2, 0, 1, 1, 1]
+
+
+def test_weights_are_shared_into_the_trainer_not_copied(ray_local, tmp_path):
+    big = make_model(tmp_path / "big", "llama-mha", hidden_size=384, intermediate_size=1024,
+                     num_hidden_layers=8, with_tokenizer=False)
+    small = make_model(tmp_path / "small", "llama-mha", with_tokenizer=False)
+    settings = TrainerSettings(lora=build_config({}, {"lora_rank": 2}).lora_spec())
+    RemoteStore, RemoteTrainer = ray.remote(WeightStore), ray.remote(Trainer)
+
+    def trainer_private_bytes(model):
+        store = RemoteStore.remote(str(model), "float32")
+        handles = ray.get(store.handles.remote())
+        trainer = RemoteTrainer.remote(handles, settings)
+        # touch every weight once: a step over one short row
+        batch = _batch(1, 8)
+        ray.get(trainer.step.remote([batch], 1e-3))
+        info = ray.get(trainer.info.remote())
+        return info, handles.nbytes
+
+    small_info, _ = trainer_private_bytes(small)
+    big_info, model_bytes = trainer_private_bytes(big)
+    assert model_bytes > 40 * 2**20
+    grown = big_info["uss"] - small_info["uss"]
+    assert grown < 0.25 * model_bytes, (grown, model_bytes)
+    assert big_info["rss"] - big_info["uss"] > 0.9 * model_bytes  # mapped, shared pages
+
+
+def _batch(rows, T):
+    from appliance.data import Batch
+
+    ids = np.arange(rows * T, dtype=np.int64).reshape(rows, T) % 50 + 3
+    return Batch(ids, ids.copy(), {}, 0, 0, 0, ids.size, 0)
+
+
+def test_trainer_and_store_work_as_plain_classes(model_dir):
+    store = WeightStore(str(model_dir), "float32")
+    handles = store.handles()
+    assert store.handles() is handles and store.load_count == 1
+    trainer = Trainer(handles, TrainerSettings(lora=build_config({}, {}).lora_spec()))
+    stats = trainer.step([_batch(2, 8)], 1e-3)
+    assert math.isfinite(stats["loss"]) and stats["tokens"] == 16
+    assert set(stats["phase_seconds"]) >= {"forward", "backward", "optimizer", "data_wait"}
