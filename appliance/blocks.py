@@ -92,7 +92,9 @@ def unpack(buf: np.ndarray | torch.Tensor, index: FlatIndex) -> dict[str, torch.
     The views must never be written: Ray's object store buffers are immutable.
     """
     if isinstance(buf, np.ndarray):
-        with warnings.catch_warnings():  # torch warns that the array is not writable; we never write
+        with (
+            warnings.catch_warnings()
+        ):  # torch warns that the array is not writable; we never write
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.from_numpy(buf)
     else:

@@ -75,10 +75,20 @@ def _train_options(fn):
 
 
 @main.command()
-@click.option("--config", "config_file", type=click.Path(dir_okay=False),
-              help="YAML file whose keys are the flags below (with underscores).")
-@click.option("--cluster", "cluster", is_flag=False, flag_value="auto", default=None,
-              help="Run on an existing Ray cluster: ADDRESS, or bare for $RAY_ADDRESS.")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False),
+    help="YAML file whose keys are the flags below (with underscores).",
+)
+@click.option(
+    "--cluster",
+    "cluster",
+    is_flag=False,
+    flag_value="auto",
+    default=None,
+    help="Run on an existing Ray cluster: ADDRESS, or bare for $RAY_ADDRESS.",
+)
 @_train_options
 @friendly_errors
 def train(config_file: str | None, **flags) -> None:
@@ -93,7 +103,7 @@ def train(config_file: str | None, **flags) -> None:
 @main.command("eval")
 @click.option("--model", required=True, help="Base model directory or s3:// prefix.")
 @click.option("--adapter", default=None, help="LoRA adapter directory (PEFT format).")
-@click.option("--data", required=True, help="A .jsonl file of {\"text\": ...} records.")
+@click.option("--data", required=True, help='A .jsonl file of {"text": ...} records.')
 @click.option("--seq-len", type=int, required=True, help="Truncate each record to N tokens.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
 @click.option("--dtype", type=click.Choice(C.CHOICES["dtype"]), default="auto")
@@ -106,9 +116,14 @@ def eval_cmd(model: str, adapter: str | None, data: str, seq_len: int, device: s
     from .trainer import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
-    result = evaluate(storage.localize(model), storage.localize(data), seq_len,
-                      adapter_dir=storage.localize(adapter) if adapter else None, device=dev,
-                      dtype=dtype_from_name(resolve_dtype(dtype, dev)))
+    result = evaluate(
+        storage.localize(model),
+        storage.localize(data),
+        seq_len,
+        adapter_dir=storage.localize(adapter) if adapter else None,
+        device=dev,
+        dtype=dtype_from_name(resolve_dtype(dtype, dev)),
+    )
     click.echo(json.dumps(result))
 
 
@@ -136,15 +151,21 @@ def export(model: str, adapter: str, output: str) -> None:
 @click.option("--steps", type=int, default=None, help="Timed steps.")
 @click.option("--json", "json_path", default=None, help="Also write the results here.")
 @friendly_errors
-def bench(preset: str, device: str, gpu_memory_budget: str | None, json_path: str | None,
-          **shape) -> None:
+def bench(
+    preset: str, device: str, gpu_memory_budget: str | None, json_path: str | None, **shape
+) -> None:
     """Streamed vs resident step time against the floor max(2W/B_h2d, F/P)."""
     from . import bench as B
     from .trainer import resolve_device
 
     budget = C.parse_bytes(gpu_memory_budget) if gpu_memory_budget else None
-    B.main_from_cli(preset=preset, device=resolve_device(device), gpu_memory_budget=budget,
-                    json_path=json_path, **{k: v for k, v in shape.items() if v is not None})
+    B.main_from_cli(
+        preset=preset,
+        device=resolve_device(device),
+        gpu_memory_budget=budget,
+        json_path=json_path,
+        **{k: v for k, v in shape.items() if v is not None},
+    )
 
 
 if __name__ == "__main__":

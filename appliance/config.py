@@ -29,18 +29,28 @@ def _f(default: Any, help: str, **kw) -> Any:
 @dataclass
 class TrainConfig:
     # ---- what to train
-    model: str | None = _f(None, "Base model: a Hugging Face directory or s3:// prefix (config.json, "
-                                 "*.safetensors, tokenizer.json). Omit for the built-in demo.")
+    model: str | None = _f(
+        None,
+        "Base model: a Hugging Face directory or s3:// prefix (config.json, "
+        "*.safetensors, tokenizer.json). Omit for the built-in demo.",
+    )
     data: str | None = _f(None, "Training data: a .jsonl/.txt file, a directory of them, or s3://.")
-    output: str | None = _f(None, "Where the adapter and checkpoints go (directory or s3:// prefix).")
+    output: str | None = _f(
+        None, "Where the adapter and checkpoints go (directory or s3:// prefix)."
+    )
     # ---- how long
-    steps: int | None = _f(None, "Optimizer steps to run (default: 1 epoch when --epochs is unset).")
+    steps: int | None = _f(
+        None, "Optimizer steps to run (default: 1 epoch when --epochs is unset)."
+    )
     epochs: int | None = _f(None, "Passes over the data (alternative to --steps).")
     # ---- shapes
     seq_len: int = _f(256, "Tokens per training row.")
     micro_batch_size: int = _f(4, "Rows per micro-batch (one forward through a block).")
-    micro_batches_per_step: int = _f(4, "Micro-batches per optimizer step; each block's weights are "
-                                         "transferred once per pass for all of them.")
+    micro_batches_per_step: int = _f(
+        4,
+        "Micro-batches per optimizer step; each block's weights are "
+        "transferred once per pass for all of them.",
+    )
     # ---- optimisation
     lr: float = _f(2e-4, "Peak learning rate (AdamW).")
     warmup_steps: int = _f(10, "Linear warm-up steps before the cosine decay.")
@@ -52,17 +62,23 @@ class TrainConfig:
     lora_rank: int = _f(16, "LoRA rank r.")
     lora_alpha: float = _f(32.0, "LoRA alpha (scale = alpha / rank).")
     lora_dropout: float = _f(0.0, "Dropout on the LoRA input.")
-    lora_targets: tuple[str, ...] = _f(tuple(TARGET_MODULES), "Modules to adapt, comma-separated: "
-                                       + ",".join(TARGET_MODULES) + ".")
+    lora_targets: tuple[str, ...] = _f(
+        tuple(TARGET_MODULES),
+        "Modules to adapt, comma-separated: " + ",".join(TARGET_MODULES) + ".",
+    )
     # ---- hardware
     device: str = _f("auto", "auto | cpu | cuda.")
-    dtype: str = _f("auto", "Compute dtype: auto (bfloat16 on GPU, float32 on CPU) | float32 | "
-                            "bfloat16 | float16.")
-    gpu_memory_budget: str | None = _f(None, "Cap the appliance's GPU memory, e.g. 24GiB; blocks "
-                                             "beyond it are streamed.")
+    dtype: str = _f(
+        "auto",
+        "Compute dtype: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16 | float16.",
+    )
+    gpu_memory_budget: str | None = _f(
+        None, "Cap the appliance's GPU memory, e.g. 24GiB; blocks beyond it are streamed."
+    )
     # ---- data pipeline
-    tokenize_workers: int | None = _f(None, "Tokenizer worker actors (default: the CPUs beside the "
-                                            "trainer).")
+    tokenize_workers: int | None = _f(
+        None, "Tokenizer worker actors (default: the CPUs beside the trainer)."
+    )
     prefetch: int = _f(2, "Optimizer steps' worth of batches kept in flight ahead of the trainer.")
     on_bad_record: str = _f("fail", "fail | skip: what to do with a malformed data record.")
     # ---- output, checkpoints, faults
@@ -72,15 +88,21 @@ class TrainConfig:
     overwrite: bool = _f(False, "Replace an --output that holds a different run.")
     max_restarts: int = _f(3, "Trainer/worker restarts allowed before the run fails.")
     # ---- running
-    cluster: str | None = _f(None, "Run on an existing Ray cluster at this address (or 'auto' for "
-                                   "RAY_ADDRESS) instead of embedded Ray.", cli=False)
+    cluster: str | None = _f(
+        None,
+        "Run on an existing Ray cluster at this address (or 'auto' for "
+        "RAY_ADDRESS) instead of embedded Ray.",
+        cli=False,
+    )
     log_format: str = _f("rich", "rich (live progress) | json (one object per step) | plain.")
     metrics_port: int = _f(8080, "Port of the Prometheus metrics endpoint (embedded Ray).")
 
     def lora_spec(self):
         from .lora import LoraSpec
 
-        return LoraSpec(self.lora_rank, self.lora_alpha, self.lora_dropout, tuple(self.lora_targets))
+        return LoraSpec(
+            self.lora_rank, self.lora_alpha, self.lora_dropout, tuple(self.lora_targets)
+        )
 
     def budget_bytes(self) -> int | None:
         return parse_bytes(self.gpu_memory_budget) if self.gpu_memory_budget else None
@@ -172,8 +194,11 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def build_config(file_values: dict[str, Any] | None = None, flag_values: dict[str, Any] | None = None,
-                 source: str = "config file") -> TrainConfig:
+def build_config(
+    file_values: dict[str, Any] | None = None,
+    flag_values: dict[str, Any] | None = None,
+    source: str = "config file",
+) -> TrainConfig:
     """Merge defaults ← file ← flags, then validate; raise ConfigError listing every problem."""
     errors: list[str] = []
     values: dict[str, Any] = {}
@@ -204,8 +229,14 @@ def validate(cfg: TrainConfig) -> list[str]:
         if v is not None and v < minimum:
             errs.append(f"{flag(name)} must be ≥ {minimum} (got {v})")
 
-    for name in ("seq_len", "micro_batch_size", "micro_batches_per_step", "lora_rank", "prefetch",
-                 "keep_checkpoints"):
+    for name in (
+        "seq_len",
+        "micro_batch_size",
+        "micro_batches_per_step",
+        "lora_rank",
+        "prefetch",
+        "keep_checkpoints",
+    ):
         positive(name)
     for name in ("steps", "epochs", "checkpoint_every", "tokenize_workers"):
         positive(name)
@@ -221,10 +252,14 @@ def validate(cfg: TrainConfig) -> list[str]:
         errs.append(f"--min-lr-ratio must be in [0, 1] (got {cfg.min_lr_ratio})")
     bad = [t for t in cfg.lora_targets if t not in TARGET_MODULES]
     if bad or not cfg.lora_targets:
-        errs.append(f"--lora-targets: {','.join(bad) or '(none)'} not among {','.join(TARGET_MODULES)}")
+        errs.append(
+            f"--lora-targets: {','.join(bad) or '(none)'} not among {','.join(TARGET_MODULES)}"
+        )
     for name, options in CHOICES.items():
         if getattr(cfg, name) not in options:
-            errs.append(f"{flag(name)} must be one of {' | '.join(options)} (got {getattr(cfg, name)!r})")
+            errs.append(
+                f"{flag(name)} must be one of {' | '.join(options)} (got {getattr(cfg, name)!r})"
+            )
     if cfg.steps is not None and cfg.epochs is not None:
         errs.append("--steps and --epochs are exclusive: give one")
     if cfg.gpu_memory_budget is not None:

@@ -34,8 +34,12 @@ PLACES = ["near", "under", "beside", "behind"]
 COUNT = "one two three four five six seven eight nine ten".split()
 
 DEMO_MODEL = dict(
-    hidden_size=96, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=512,
+    hidden_size=96,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
 )
 
 
@@ -58,12 +62,17 @@ def write_corpus(path: Path, documents: int, seed: int) -> Path:
 
 
 def write_tokenizer(model_dir: Path) -> Tokenizer:
-    words = sorted({w for s in SUBJECTS for w in (s, *SUBJECTS[s])} | set(PLACES) | set(COUNT)
-                   | {"the", "count", "."})
+    words = sorted(
+        {w for s in SUBJECTS for w in (s, *SUBJECTS[s])}
+        | set(PLACES)
+        | set(COUNT)
+        | {"the", "count", "."}
+    )
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.train_from_iterator([" ".join(words)],
-                            trainers.WordLevelTrainer(special_tokens=SPECIALS, min_frequency=1))
+    tok.train_from_iterator(
+        [" ".join(words)], trainers.WordLevelTrainer(special_tokens=SPECIALS, min_frequency=1)
+    )
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tok.save(str(model_dir / "tokenizer.json"))
     return tok
@@ -72,7 +81,7 @@ def write_tokenizer(model_dir: Path) -> Tokenizer:
 def write_model(model_dir: Path, vocab_size: int, seed: int) -> None:
     """A random Llama checkpoint in Hugging Face's layout (std 0.02 init, unit norms)."""
     c = DEMO_MODEL
-    H, I, L = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    H, inter, L = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
     hs = H // c["num_attention_heads"]
     kv = c["num_key_value_heads"] * hs
     g = torch.Generator().manual_seed(seed)
@@ -80,28 +89,40 @@ def write_model(model_dir: Path, vocab_size: int, seed: int) -> None:
     def init(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * 0.02
 
-    tensors = {"model.embed_tokens.weight": torch.randn(vocab_size, H, generator=g),
-               "model.norm.weight": torch.ones(H),
-               # a frozen random head needs room for confident logits: rows of norm ≈ 2
-               "lm_head.weight": torch.randn(vocab_size, H, generator=g) * (2 / H**0.5)}
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(vocab_size, H, generator=g),
+        "model.norm.weight": torch.ones(H),
+        # a frozen random head needs room for confident logits: rows of norm ≈ 2
+        "lm_head.weight": torch.randn(vocab_size, H, generator=g) * (2 / H**0.5),
+    }
     for i in range(L):
         p = f"model.layers.{i}."
-        tensors.update({
-            p + "input_layernorm.weight": torch.ones(H),
-            p + "post_attention_layernorm.weight": torch.ones(H),
-            p + "self_attn.q_proj.weight": init(H, H),
-            p + "self_attn.k_proj.weight": init(kv, H),
-            p + "self_attn.v_proj.weight": init(kv, H),
-            p + "self_attn.o_proj.weight": init(H, H),
-            p + "mlp.gate_proj.weight": init(I, H),
-            p + "mlp.up_proj.weight": init(I, H),
-            p + "mlp.down_proj.weight": init(H, I),
-        })
+        tensors.update(
+            {
+                p + "input_layernorm.weight": torch.ones(H),
+                p + "post_attention_layernorm.weight": torch.ones(H),
+                p + "self_attn.q_proj.weight": init(H, H),
+                p + "self_attn.k_proj.weight": init(kv, H),
+                p + "self_attn.v_proj.weight": init(kv, H),
+                p + "self_attn.o_proj.weight": init(H, H),
+                p + "mlp.gate_proj.weight": init(inter, H),
+                p + "mlp.up_proj.weight": init(inter, H),
+                p + "mlp.down_proj.weight": init(H, inter),
+            }
+        )
     save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size,
-        **c, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
-        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        **c,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
         "torch_dtype": "float32",
     }
     (model_dir / "config.json").write_text(json.dumps(config, indent=2))
@@ -116,10 +137,22 @@ def make_demo(root: str | Path, seed: int = 0) -> dict[str, str]:
     write_model(model_dir, tok.get_vocab_size(), seed)
     train = write_corpus(root / "train.jsonl", documents=2000, seed=seed + 1)
     held_out = write_corpus(root / "eval.jsonl", documents=64, seed=seed + 2)
-    return {"model": str(model_dir), "data": str(train), "eval_data": str(held_out),
-            "output": str(root / "output")}
+    return {
+        "model": str(model_dir),
+        "data": str(train),
+        "eval_data": str(held_out),
+        "output": str(root / "output"),
+    }
 
 
 # Settings for the demo run: small rows, enough steps for the adapter to learn the grammar.
-DEMO_SETTINGS = dict(steps=300, seq_len=64, micro_batch_size=4, micro_batches_per_step=2, lr=3e-3,
-                     warmup_steps=20, lora_rank=16, lora_alpha=32.0)
+DEMO_SETTINGS = dict(
+    steps=300,
+    seq_len=64,
+    micro_batch_size=4,
+    micro_batches_per_step=2,
+    lr=3e-3,
+    warmup_steps=20,
+    lora_rank=16,
+    lora_alpha=32.0,
+)

@@ -12,9 +12,11 @@ ref, weights from the store to the trainer through shared memory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
 import tempfile
 import time
 from collections import deque
@@ -23,21 +25,76 @@ from pathlib import Path
 from typing import Any
 
 from . import storage
+from .checkpoint import CheckpointError, json_bytes, load_latest_checkpoint, save_checkpoint
 from .config import TrainConfig, flag
-from .data import check_dataset
+from .data import DataError, check_dataset
 from .engine import lr_at
-from .errors import ConfigError, ModelError
+from .errors import ApplianceError, ConfigError, ModelError
 from .hf_checkpoint import read_model_args, tokenizer_path
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from .metrics import DriverMetrics
 from .progress import Progress
 from .tokenize_worker import ACTOR_OPTIONS, TokenizeWorker, default_num_workers
 from .trainer import Trainer, TrainerSettings, resolve_device, resolve_dtype
 from .weight_store import WeightStore
 
 RUN_FILE = "run.json"
+TRAINER_STATE = "trainer_state.pt"  # LoRA weights + optimizer + step + RNG (torch.save)
+DRIVER_STATE = "driver_state.json"  # step, schedule position, worker cursors, losses
+CONFIG_FILE = "config.json"  # the run's resolved config
+FAULT_ENV = "APPLIANCE_FAULT_KILL_DURING_CHECKPOINT"  # tests: SIGKILL mid-write at this step
+
+
+class RestartsExhausted(ApplianceError):
+    """More actor failures than --max-restarts allows."""
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    from .storage import StorageError
+
+    return (ApplianceError, DataError, StorageError, CheckpointError)
+
+
+def _cause_chain(e: BaseException) -> list[BaseException]:
+    """The exception and what it wraps (Ray nests an actor's failure in `.cause`)."""
+    chain = [e]
+    while isinstance(getattr(chain[-1], "cause", None), BaseException) and len(chain) < 10:
+        chain.append(chain[-1].cause)  # type: ignore[attr-defined]
+    return chain
+
+
+@contextlib.contextmanager
+def _fault_injection(step: int):
+    """If $APPLIANCE_FAULT_KILL_DURING_CHECKPOINT names this step, die by SIGKILL after the
+    checkpoint's first file is written: how the tests prove a torn write loses nothing."""
+    if os.environ.get(FAULT_ENV) != str(step):
+        yield
+        return
+    real_write = storage.write_bytes
+
+    def write_then_die(uri: str, data: bytes) -> None:
+        real_write(uri, data)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    storage.write_bytes = write_then_die
+    try:
+        yield
+    finally:
+        storage.write_bytes = real_write
+
+
 # the keys that define a run: changing one makes an existing output a different run
-IDENTITY_KEYS = ("model", "data", "seq_len", "lora_rank", "lora_alpha", "lora_targets", "seed",
-                 "micro_batch_size", "micro_batches_per_step")
+IDENTITY_KEYS = (
+    "model",
+    "data",
+    "seq_len",
+    "lora_rank",
+    "lora_alpha",
+    "lora_targets",
+    "seed",
+    "micro_batch_size",
+    "micro_batches_per_step",
+)
 
 
 @dataclass
@@ -68,6 +125,27 @@ class RunState:
     skipped: dict[int, int] = field(default_factory=dict)  # bad records skipped, per worker
     tokenizer_pids: set[int] = field(default_factory=set)  # processes that tokenized
 
+    def to_json(self) -> dict:
+        return {
+            "step": self.step,
+            "consumed": self.consumed,
+            "cursors": {str(w): c for w, c in self.cursors.items()},
+            "losses": self.losses,
+            "target_tokens": self.target_tokens,
+            "skipped": {str(w): n for w, n in self.skipped.items()},
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> RunState:
+        return cls(
+            step=d["step"],
+            consumed=d["consumed"],
+            cursors={int(w): c for w, c in d["cursors"].items()},
+            losses=list(d["losses"]),
+            target_tokens=d["target_tokens"],
+            skipped={int(w): n for w, n in d["skipped"].items()},
+        )
+
 
 # ---------------------------------------------------------------------- setup
 
@@ -96,11 +174,15 @@ def prepare(cfg: TrainConfig) -> Inputs:
     check_dataset(data_path, tok)  # errors here are clear; inside an actor they'd be wrapped
     problems = []
     if cfg.seq_len > args.max_position_embeddings:
-        problems.append(f"{flag('seq_len')} {cfg.seq_len} exceeds the model's "
-                        f"max_position_embeddings ({args.max_position_embeddings})")
+        problems.append(
+            f"{flag('seq_len')} {cfg.seq_len} exceeds the model's "
+            f"max_position_embeddings ({args.max_position_embeddings})"
+        )
     if args.sliding_window and cfg.seq_len > args.sliding_window:
-        problems.append(f"{flag('seq_len')} {cfg.seq_len} exceeds the model's sliding_window "
-                        f"({args.sliding_window}); sliding-window attention is not implemented")
+        problems.append(
+            f"{flag('seq_len')} {cfg.seq_len} exceeds the model's sliding_window "
+            f"({args.sliding_window}); sliding-window attention is not implemented"
+        )
     if args.eos_token_id is None:
         problems.append(f"{model_dir}/config.json has no eos_token_id: packing needs one")
     if problems:
@@ -112,8 +194,18 @@ def prepare(cfg: TrainConfig) -> Inputs:
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda: no CUDA GPU is visible (use --device cpu or auto)")
     check_output(cfg)
-    return Inputs(cfg, model_dir, data_path, tok, int(args.eos_token_id), args.pad_token_id,
-                  device, resolve_dtype(cfg.dtype, device), eval_data, demo_root)
+    return Inputs(
+        cfg,
+        model_dir,
+        data_path,
+        tok,
+        int(args.eos_token_id),
+        args.pad_token_id,
+        device,
+        resolve_dtype(cfg.dtype, device),
+        eval_data,
+        demo_root,
+    )
 
 
 def run_identity(cfg: TrainConfig) -> dict:
@@ -130,27 +222,40 @@ def check_output(cfg: TrainConfig) -> None:
         same = previous.get("identity") == run_identity(cfg)
         if cfg.resume:
             if not same:
-                changed = [k for k in IDENTITY_KEYS
-                           if previous.get("identity", {}).get(k) != run_identity(cfg)[k]]
-                raise ConfigError(f"--resume: {out} holds a run with different "
-                                  f"{', '.join(flag(k) for k in changed)}; resuming would break it")
+                changed = [
+                    k
+                    for k in IDENTITY_KEYS
+                    if previous.get("identity", {}).get(k) != run_identity(cfg)[k]
+                ]
+                raise ConfigError(
+                    f"--resume: {out} holds a run with different "
+                    f"{', '.join(flag(k) for k in changed)}; resuming would break it"
+                )
             return
         if not cfg.overwrite:
             what = "the same run" if same else "a different run"
-            raise ConfigError(f"--output {out} already holds {what} "
-                              f"({previous.get('status', 'unknown')}); pass --resume to continue "
-                              "it or --overwrite to replace it")
+            raise ConfigError(
+                f"--output {out} already holds {what} "
+                f"({previous.get('status', 'unknown')}); pass --resume to continue "
+                "it or --overwrite to replace it"
+            )
         return
     if cfg.resume:
         raise ConfigError(f"--resume: {out} holds no run to resume ({RUN_FILE} not found)")
     if not cfg.overwrite and storage.list_files(out):
-        raise ConfigError(f"--output {out} is not empty and holds no appliance run; choose an "
-                          "empty directory or pass --overwrite")
+        raise ConfigError(
+            f"--output {out} is not empty and holds no appliance run; choose an "
+            "empty directory or pass --overwrite"
+        )
 
 
 def write_run_file(cfg: TrainConfig, status: str, extra: dict | None = None) -> None:
-    record = {"identity": run_identity(cfg), "config": cfg.to_dict(), "status": status,
-              **(extra or {})}
+    record = {
+        "identity": run_identity(cfg),
+        "config": cfg.to_dict(),
+        "status": status,
+        **(extra or {}),
+    }
     storage.write_bytes(storage.join(cfg.output, RUN_FILE), json.dumps(record, indent=2).encode())
 
 
@@ -166,19 +271,34 @@ def write_adapter(output: str, files: dict[str, bytes]) -> None:
 def trainer_settings(inp: Inputs) -> TrainerSettings:
     cfg = inp.cfg
     return TrainerSettings(
-        lora=cfg.lora_spec(), device=inp.device, dtype=inp.dtype,
-        gpu_memory_budget=cfg.budget_bytes(), weight_decay=cfg.weight_decay,
-        grad_clip=cfg.grad_clip, seed=cfg.seed, base_model=str(cfg.model),
+        lora=cfg.lora_spec(),
+        device=inp.device,
+        dtype=inp.dtype,
+        gpu_memory_budget=cfg.budget_bytes(),
+        weight_decay=cfg.weight_decay,
+        grad_clip=cfg.grad_clip,
+        seed=cfg.seed,
+        base_model=str(cfg.model),
     )
 
 
-def worker_kwargs(inp: Inputs, index: int, num_workers: int, epochs: int | None,
-                  cursor: dict | None = None) -> dict:
+def worker_kwargs(
+    inp: Inputs, index: int, num_workers: int, epochs: int | None, cursor: dict | None = None
+) -> dict:
     cfg = inp.cfg
-    return dict(data_path=str(inp.data_path), tokenizer_path=str(inp.tokenizer),
-                worker_index=index, num_workers=num_workers, seq_len=cfg.seq_len,
-                micro_batch_size=cfg.micro_batch_size, eos_id=inp.eos_id, pad_id=inp.pad_id,
-                epochs=epochs, on_bad_record=cfg.on_bad_record, cursor=cursor)
+    return dict(
+        data_path=str(inp.data_path),
+        tokenizer_path=str(inp.tokenizer),
+        worker_index=index,
+        num_workers=num_workers,
+        seq_len=cfg.seq_len,
+        micro_batch_size=cfg.micro_batch_size,
+        eos_id=inp.eos_id,
+        pad_id=inp.pad_id,
+        epochs=epochs,
+        on_bad_record=cfg.on_bad_record,
+        cursor=cursor,
+    )
 
 
 def count_batches(kwargs: dict) -> int:
@@ -215,36 +335,41 @@ class Run:
     def __init__(self, inp: Inputs, progress: Progress):
         self.inp, self.cfg, self.progress = inp, inp.cfg, progress
         self.state = RunState()
+        self.metrics = DriverMetrics()
+        self.restarts = 0
 
     def start_ray(self) -> None:
         import ray
 
         if ray.is_initialized():
             return
-        try:
-            from .metrics import ray_init_kwargs
-        except ImportError:  # metrics layer not landed yet
-            def ray_init_kwargs(port: int) -> dict:
-                return {}
+        from .metrics import metrics_url, ray_init_kwargs
 
         if self.cfg.cluster:
             address = None if self.cfg.cluster == "auto" else self.cfg.cluster
-            ray.init(address=address or os.environ.get("RAY_ADDRESS", "auto"),
-                     log_to_driver=False)
+            ray.init(address=address or os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
         else:
-            ray.init(address="local", include_dashboard=False, log_to_driver=False,
-                     **ray_init_kwargs(self.cfg.metrics_port))
-            self.progress.note(f"metrics: http://127.0.0.1:{self.cfg.metrics_port}/metrics")
+            ray.init(
+                address="local",
+                include_dashboard=False,
+                log_to_driver=False,
+                **ray_init_kwargs(self.cfg.metrics_port),
+            )
+            self.progress.note(f"metrics: {metrics_url(self.cfg.metrics_port)}")
 
     def create_actors(self) -> None:
+        """The weight store, the data schedule, then (from the resumed state, if any) the
+        tokenizer workers and the trainer."""
         import ray
 
         cfg, inp = self.cfg, self.inp
         cpus = int(ray.available_resources().get("CPU", os.cpu_count() or 1))
         self.num_workers = cfg.tokenize_workers or default_num_workers(cpus)
         if self.num_workers + 1 > cpus:  # an actor without a CPU would wait forever
-            raise ConfigError(f"--tokenize-workers {self.num_workers} needs {self.num_workers + 1} "
-                              f"CPUs (one per worker + the trainer); Ray has {cpus}")
+            raise ConfigError(
+                f"--tokenize-workers {self.num_workers} needs {self.num_workers + 1} "
+                f"CPUs (one per worker + the trainer); Ray has {cpus}"
+            )
         self.store = ray.remote(num_cpus=0)(WeightStore).remote(str(inp.model_dir), inp.dtype)
         self.handles = ray.get(self.store.handles.remote())
         self.epochs = None if cfg.steps else (cfg.epochs or 1)
@@ -253,20 +378,95 @@ class Run:
             self.total_steps = int(cfg.steps)
         else:
             count = ray.remote(**ACTOR_OPTIONS)(count_batches)
-            per_epoch = ray.get([count.remote(worker_kwargs(inp, w, self.num_workers, 1))
-                                 for w in range(self.num_workers)])
+            per_epoch = ray.get(
+                [
+                    count.remote(worker_kwargs(inp, w, self.num_workers, 1))
+                    for w in range(self.num_workers)
+                ]
+            )
             self.counts = [n * self.epochs for n in per_epoch]
             self.total_steps = math.ceil(sum(self.counts) / cfg.micro_batches_per_step)
         total_micro = self.total_steps * cfg.micro_batches_per_step
         self.order = schedule(self.counts, self.num_workers, total_micro)
-        self.workers = [self._make_worker(w) for w in range(self.num_workers)]
         self.trainer = self._make_trainer()
+        if cfg.resume:
+            self.restore()
+        self.workers = [self._make_worker(w) for w in range(self.num_workers)]
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self) -> None:
+        import ray
+
+        t0 = time.perf_counter()
+        files = dict(ray.get(self.trainer.adapter_files.remote()))
+        files[TRAINER_STATE] = ray.get(self.trainer.state_bytes.remote())
+        files[DRIVER_STATE] = json_bytes(self.state.to_json())
+        files[CONFIG_FILE] = json_bytes(self.cfg.to_dict())
+        with _fault_injection(self.state.step):
+            save_checkpoint(self.cfg.output, self.state.step, files, self.cfg.keep_checkpoints)
+        self.metrics.checkpoint_seconds(time.perf_counter() - t0)
+
+    def restore(self) -> None:
+        """Put the trainer and the run state back to the latest complete checkpoint (or to the
+        start when there is none); the weight store is untouched."""
+        import ray
+
+        ckpt = load_latest_checkpoint(self.cfg.output)
+        for problem in ckpt.skipped if ckpt else []:
+            self.progress.note(f"warning: skipped a damaged checkpoint: {problem}")
+        if ckpt is None:
+            self.state = RunState()
+            return
+        self.state = RunState.from_json(json.loads(ckpt.files[DRIVER_STATE]))
+        ray.get(self.trainer.load_state_bytes.remote(ckpt.files[TRAINER_STATE]))
+        self.progress.note(f"resumed from {ckpt.name} (step {self.state.step})")
+
+    # ------------------------------------------------------------ faults
+
+    def recover(self, error: BaseException) -> None:
+        """Recreate what died and rewind to a consistent point, or re-raise.
+
+        A dead trainer is recreated over the same weight store and restored from the last
+        checkpoint; dead tokenizer workers are recreated from the cursors of the last batches
+        the trainer consumed. User errors (bad data) and bugs are not retried.
+        """
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        chain = _cause_chain(error)
+        user = next((c for c in chain if isinstance(c, _user_error_types())), None)
+        if user is not None:
+            raise user
+        if not any(isinstance(c, RayActorError) for c in chain):
+            raise error
+        trainer_died = isinstance(error, RayActorError) and not isinstance(error, RayTaskError)
+        kind = "trainer" if trainer_died else "tokenizer"
+        self.restarts += 1
+        self.progress.restarts = self.restarts
+        self.metrics.restart(kind)
+        if self.restarts > self.cfg.max_restarts:
+            raise RestartsExhausted(
+                f"giving up after {self.cfg.max_restarts} restarts "
+                f"(--max-restarts); last failure ({kind}): {chain[-1]}"
+            )
+        self.progress.note(
+            f"{kind} failed ({type(chain[-1]).__name__}); restart "
+            f"{self.restarts}/{self.cfg.max_restarts}"
+        )
+        if trainer_died:
+            self.trainer = self._make_trainer()
+            self.restore()
+        for w in self.workers:  # queued requests are void: every worker restarts at its cursor
+            ray.kill(w)
+        self.workers = [self._make_worker(w) for w in range(self.num_workers)]
 
     def _make_worker(self, w: int):
         import ray
 
-        kwargs = worker_kwargs(self.inp, w, self.num_workers, self.epochs,
-                               self.state.cursors.get(w))
+        kwargs = worker_kwargs(
+            self.inp, w, self.num_workers, self.epochs, self.state.cursors.get(w)
+        )
         return ray.remote(**ACTOR_OPTIONS)(TokenizeWorker).remote(**kwargs)
 
     def _make_trainer(self):
@@ -281,20 +481,32 @@ class Run:
         """The step loop with a bounded window of batch requests in flight."""
         import ray
 
-        cfg, st = self.cfg, self.state
+        cfg = self.cfg
         M = cfg.micro_batches_per_step
         window = cfg.prefetch * M  # micro-batches requested ahead of the trainer
         pending: deque = deque()
-        requested = st.consumed
-        self.progress.start(self.total_steps, st.step)
-        while st.step < self.total_steps:
+        requested = self.state.consumed
+        self.progress.start(self.total_steps, self.state.step)
+        while self.state.step < self.total_steps:
+            st = self.state
             while requested < len(self.order) and requested - st.consumed < window + M:
                 pending.append(self.workers[self.order[requested]].next_batch.remote())
                 requested += 1
             refs = [pending.popleft() for _ in range(min(M, len(self.order) - st.consumed))]
-            lr = lr_at(st.step, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
-                       total_steps=self.total_steps, min_lr_ratio=cfg.min_lr_ratio)
-            stats = ray.get(self.trainer.step.remote(refs, lr))
+            lr = lr_at(
+                st.step,
+                lr=cfg.lr,
+                warmup_steps=cfg.warmup_steps,
+                total_steps=self.total_steps,
+                min_lr_ratio=cfg.min_lr_ratio,
+            )
+            try:
+                stats = ray.get(self.trainer.step.remote(refs, lr))
+            except Exception as e:  # noqa: BLE001 - recover() re-raises what it cannot handle
+                self.recover(e)
+                pending.clear()
+                requested = self.state.consumed
+                continue
             st.step += 1
             st.consumed += len(refs)
             st.cursors.update({int(w): c for w, c in stats["cursors"].items()})
@@ -303,8 +515,12 @@ class Run:
             st.skipped.update({int(w): n for w, n in stats["skipped_records"].items()})
             st.tokenizer_pids.update(stats["pids"])
             stats["batches_in_flight"] = requested - st.consumed
+            self.metrics.batches_in_flight(stats["batches_in_flight"])
             self.progress.step(st.step, stats)
-        return st
+            every = cfg.checkpoint_every
+            if st.step == self.total_steps or (every and st.step % every == 0):
+                self.save_checkpoint()
+        return self.state
 
     def evaluate(self, path: Path) -> float:
         """Mean next-token loss over `path` (the demo's held-out corpus), via the trainer."""
@@ -322,8 +538,9 @@ class Run:
 
         files = ray.get(self.trainer.adapter_files.remote())
         write_adapter(self.cfg.output, files)
-        write_run_file(self.cfg, "complete", {"steps": self.state.step,
-                                              "losses": self.state.losses})
+        write_run_file(
+            self.cfg, "complete", {"steps": self.state.step, "losses": self.state.losses}
+        )
 
 
 def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
@@ -346,13 +563,18 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
     finally:
         if started_here and ray.is_initialized():
             ray.shutdown()
-    summary = {"steps": run.state.step, "final_loss": run.state.losses[-1] if run.state.losses
-               else None, "output": cfg.output, "seconds": time.perf_counter() - t0,
-               "target_tokens": run.state.target_tokens,
-               "skipped_records": sum(run.state.skipped.values())}
+    summary = {
+        "steps": run.state.step,
+        "final_loss": run.state.losses[-1] if run.state.losses else None,
+        "output": cfg.output,
+        "seconds": time.perf_counter() - t0,
+        "target_tokens": run.state.target_tokens,
+        "skipped_records": sum(run.state.skipped.values()),
+    }
     if before is not None:
-        summary.update(eval_loss_before=before, eval_loss_after=after,
-                       eval_loss_drop=1 - after / before)
+        summary.update(
+            eval_loss_before=before, eval_loss_after=after, eval_loss_drop=1 - after / before
+        )
     progress.finish(summary)
     return summary
 

@@ -42,7 +42,9 @@ class StepStats:
     tokens: int  # input positions processed (B·T·M)
     target_tokens: int  # positions with a label
     grad_norm: float
-    phase_seconds: dict[str, float] = field(default_factory=dict)  # forward, backward, optimizer, h2d_stall
+    phase_seconds: dict[str, float] = field(
+        default_factory=dict
+    )  # forward, backward, optimizer, h2d_stall
     h2d_bytes: int = 0
     h2d_seconds: float = 0.0
     gpu_busy_ratio: float | None = None  # compute-stream busy time / step time (CUDA only)
@@ -78,7 +80,9 @@ class DeviceWeights:
                 self._host.append((flat, index, _register_pinned(flat)))
             biggest = max(f.numel() for f, _, _ in self._host)
             if not all(p for _, _, p in self._host):
-                self._staging = [torch.empty(biggest, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+                self._staging = [
+                    torch.empty(biggest, dtype=torch.uint8, pin_memory=True) for _ in range(2)
+                ]
                 self._staging_free: list[torch.cuda.Event | None] = [None, None]
                 self._next_staging = 0
 
@@ -101,7 +105,9 @@ class DeviceWeights:
                 k = self._next_staging
                 self._next_staging = 1 - k
                 if self._staging_free[k] is not None:
-                    self._staging_free[k].synchronize()  # the previous copy out of this slot is done
+                    self._staging_free[
+                        k
+                    ].synchronize()  # the previous copy out of this slot is done
                 buf = self._staging[k][: flat.numel()]
                 buf.copy_(flat)  # host memcpy into page-locked memory
                 dev.copy_(buf, non_blocking=True)
@@ -137,6 +143,13 @@ class DeviceWeights:
         """Drop block i from the device unless it is resident."""
         if self.cuda and i not in self.resident:
             self._on_device.pop(i, None)
+
+    def stall_seconds(self) -> float:
+        """Seconds compute has waited for weights so far this step (syncs CUDA)."""
+        if not self.cuda:
+            return 0.0
+        torch.cuda.synchronize(self.device)
+        return sum(a.elapsed_time(b) for a, b in self._stall_events) / 1e3
 
     def take_timings(self) -> tuple[int, float, float]:
         """(h2d bytes, h2d copy seconds, h2d stall seconds) since the last call; syncs CUDA."""
@@ -203,10 +216,15 @@ class StreamedEngine:
         self.budget = gpu_memory_budget
         if self.device.type == "cuda" and gpu_memory_budget:
             total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_memory_budget / total), self.device)
+            torch.cuda.set_per_process_memory_fraction(
+                min(1.0, gpu_memory_budget / total), self.device
+            )
         self.weights = DeviceWeights(source, self.device, dtype)
         self.optimizer = torch.optim.AdamW(
-            lora.parameters(), lr=0.0, betas=betas, weight_decay=weight_decay,
+            lora.parameters(),
+            lr=0.0,
+            betas=betas,
+            weight_decay=weight_decay,
             foreach=self.device.type == "cuda",
         )
         self.step_count = 0
@@ -223,7 +241,9 @@ class StreamedEngine:
             return
         a, L = self.args, self.args.num_layers
         esize = self.dtype.itemsize
-        budget = self.budget or int(torch.cuda.get_device_properties(self.device).total_memory * 0.9)
+        budget = self.budget or int(
+            torch.cuda.get_device_properties(self.device).total_memory * 0.9
+        )
         block = self.weights.block_bytes()
         fixed = sum(t.numel() * esize for t in self.weights.globals.values())
         fixed += self.lora.num_parameters() * 4 * 4  # param, grad, two Adam moments (fp32)
@@ -290,7 +310,9 @@ class StreamedEngine:
                     self.weights.release(i)  # the last block stays: it is the first of backward
         return hs, saved
 
-    def forward_backward(self, micro_batches: list[MicroBatch], step: int) -> tuple[float, int, dict]:
+    def forward_backward(
+        self, micro_batches: list[MicroBatch], step: int
+    ) -> tuple[float, int, dict]:
         """Accumulate LoRA gradients for one global batch; returns (loss, target tokens, seconds)."""
         if not self._planned:
             self._plan(micro_batches)
@@ -303,7 +325,7 @@ class StreamedEngine:
         hs, saved = self._forward(micro_batches, step, dropout=True, save=True)
         # head: the loss of the whole global batch, and d(loss)/d(last hidden states)
         grads, loss = [], torch.zeros((), device=self.device)
-        for h, lab in zip(hs, labels):
+        for h, lab in zip(hs, labels, strict=True):
             h = h.detach().requires_grad_(True)
             part = M.loss_sum(h, lab, g, self.args) / denom
             part.backward()
@@ -313,10 +335,13 @@ class StreamedEngine:
         self.weights.prefetch(L - 1)
         self._sync()
         t1 = time.perf_counter()
+        forward_stall = self.weights.stall_seconds()
         for i in reversed(range(L)):
             w = self.weights.get(i)
             self.weights.prefetch(i - 1)
-            lora = self.lora.context(i, self.dtype)  # with grad: the fp32 → dtype cast is on the tape
+            lora = self.lora.context(
+                i, self.dtype
+            )  # with grad: the fp32 → dtype cast is on the tape
             for m in range(len(micro_batches)):
                 x = saved[i][m].to(self.device, non_blocking=True).requires_grad_(True)
                 saved[i][m] = None  # free the saved input as soon as it is consumed
@@ -329,7 +354,10 @@ class StreamedEngine:
             self.weights.release(i)
         self._sync()
         t2 = time.perf_counter()
-        return float(loss), n_target, {"forward": t1 - t0, "backward": t2 - t1}
+        backward_stall = self.weights.stall_seconds() - forward_stall
+        # phases must not overlap: the time spent waiting for weights is h2d_stall, not compute
+        phases = {"forward": t1 - t0 - forward_stall, "backward": t2 - t1 - backward_stall}
+        return float(loss), n_target, phases
 
     def optimizer_step(self, lr: float) -> float:
         params = self.lora.parameters()
@@ -363,9 +391,16 @@ class StreamedEngine:
             busy = max(0.0, busy_start.elapsed_time(busy_end) / 1e3 - stall) / (t2 - t0)
         tokens = sum(ids.numel() for ids, _ in micro_batches)
         return StepStats(
-            loss=loss, tokens=tokens, target_tokens=n_target, grad_norm=norm, phase_seconds=phases,
-            h2d_bytes=h2d_bytes, h2d_seconds=h2d_seconds, gpu_busy_ratio=busy,
-            step_seconds=t2 - t0, flops=self.flops_per_step(tokens),
+            loss=loss,
+            tokens=tokens,
+            target_tokens=n_target,
+            grad_norm=norm,
+            phase_seconds=phases,
+            h2d_bytes=h2d_bytes,
+            h2d_seconds=h2d_seconds,
+            gpu_busy_ratio=busy,
+            step_seconds=t2 - t0,
+            flops=self.flops_per_step(tokens),
         )
 
     def flops_per_step(self, tokens: int) -> float:
@@ -380,7 +415,7 @@ class StreamedEngine:
         hs, _ = self._forward(micro_batches, step=0, dropout=False, save=False)
         self.weights.release(self.args.num_layers - 1)
         total, n = 0.0, 0
-        for h, (_, lab) in zip(hs, micro_batches):
+        for h, (_, lab) in zip(hs, micro_batches, strict=True):
             lab = lab.to(self.device)
             total += float(M.loss_sum(h, lab, self.weights.globals, self.args))
             n += int((lab != -100).sum())
@@ -417,7 +452,9 @@ class StreamedEngine:
         return e
 
 
-def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1) -> float:
+def lr_at(
+    step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1
+) -> float:
     """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at `total_steps`."""
     import math
 

@@ -27,7 +27,9 @@ def _read_json(path: Path, what: str) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise ModelError(f"{path}: no {what} found; is this a Hugging Face model directory?") from None
+        raise ModelError(
+            f"{path}: no {what} found; is this a Hugging Face model directory?"
+        ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelError(f"{path}: cannot read {what}: {e}") from None
 

@@ -47,8 +47,9 @@ def peft_key(block: int, module: str, which: str) -> str:
 class LoraWeights:
     """The trainable parameters: for each block, module → (A, B) as fp32 leaf tensors."""
 
-    def __init__(self, args: ModelArgs, spec: LoraSpec, device: torch.device | str = "cpu",
-                 seed: int = 0):
+    def __init__(
+        self, args: ModelArgs, spec: LoraSpec, device: torch.device | str = "cpu", seed: int = 0
+    ):
         self.args, self.spec = args, spec
         gen = torch.Generator().manual_seed(seed)
         self.blocks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
@@ -74,7 +75,10 @@ class LoraWeights:
         return sum(p.numel() for p in self.parameters())
 
     def context(
-        self, i: int, dtype: torch.dtype, generator: torch.Generator | None = None,
+        self,
+        i: int,
+        dtype: torch.dtype,
+        generator: torch.Generator | None = None,
         dropout: float | None = None,
     ) -> LoraContext:
         """Block i's adapters cast to the compute dtype (the cast is differentiable)."""
@@ -117,7 +121,9 @@ class LoraWeights:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         save_file(self.peft_state_dict(), out_dir / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-        (out_dir / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(self.spec, base_model), indent=2))
+        (out_dir / ADAPTER_CONFIG).write_text(
+            json.dumps(adapter_config(self.spec, base_model), indent=2)
+        )
 
 
 def adapter_config(spec: LoraSpec, base_model: str = "") -> dict:
@@ -146,8 +152,9 @@ def read_spec(adapter_dir: str | Path) -> LoraSpec:
     try:
         cfg = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ModelError(f"{path}: no adapter_config.json; pass a directory written by appliance "
-                         "train (or PEFT)") from None
+        raise ModelError(
+            f"{path}: no adapter_config.json; pass a directory written by appliance train (or PEFT)"
+        ) from None
     except (OSError, json.JSONDecodeError) as e:
         raise ModelError(f"{path}: cannot read adapter config: {e}") from None
     if cfg.get("peft_type") != "LORA":
@@ -161,12 +168,14 @@ def read_spec(adapter_dir: str | Path) -> LoraSpec:
     if cfg.get("use_rslora"):
         raise ModelError(f"{path}: use_rslora=true is not supported")
     targets = tuple(t for t in TARGET_MODULES if TARGET_MODULES[t].split(".")[-1] in names)
-    return LoraSpec(int(cfg["r"]), float(cfg["lora_alpha"]), float(cfg.get("lora_dropout", 0.0)),
-                    targets)
+    return LoraSpec(
+        int(cfg["r"]), float(cfg["lora_alpha"]), float(cfg.get("lora_dropout", 0.0)), targets
+    )
 
 
-def load_adapter(adapter_dir: str | Path, args: ModelArgs,
-                 device: torch.device | str = "cpu") -> LoraWeights:
+def load_adapter(
+    adapter_dir: str | Path, args: ModelArgs, device: torch.device | str = "cpu"
+) -> LoraWeights:
     spec = read_spec(adapter_dir)
     path = Path(adapter_dir) / ADAPTER_WEIGHTS
     if not path.is_file():

@@ -55,15 +55,15 @@ class ModelArgs:
 
     def module_shape(self, module: str) -> tuple[int, int]:
         """(out_features, in_features) of a block's linear module, e.g. `self_attn.q_proj`."""
-        C, I, hs = self.hidden_size, self.intermediate_size, self.head_dim
+        C, inter, hs = self.hidden_size, self.intermediate_size, self.head_dim
         return {
             "self_attn.q_proj": (self.num_heads * hs, C),
             "self_attn.k_proj": (self.num_kv_heads * hs, C),
             "self_attn.v_proj": (self.num_kv_heads * hs, C),
             "self_attn.o_proj": (C, self.num_heads * hs),
-            "mlp.gate_proj": (I, C),
-            "mlp.up_proj": (I, C),
-            "mlp.down_proj": (C, I),
+            "mlp.gate_proj": (inter, C),
+            "mlp.up_proj": (inter, C),
+            "mlp.down_proj": (C, inter),
         }[module]
 
     def block_param_count(self) -> int:
@@ -200,7 +200,9 @@ def block_forward(
     lora: LoraContext | None = None,
 ) -> torch.Tensor:
     """One transformer block: (B, T, C) → (B, T, C)."""
-    x = x + attention(rms_norm(x, w["input_layernorm.weight"], args.rms_norm_eps), w, args, cos, sin, lora)
+    x = x + attention(
+        rms_norm(x, w["input_layernorm.weight"], args.rms_norm_eps), w, args, cos, sin, lora
+    )
     return x + mlp(rms_norm(x, w["post_attention_layernorm.weight"], args.rms_norm_eps), w, lora)
 
 
@@ -226,4 +228,6 @@ def loss_sum(
     `labels[b, t]` is the target for position t (already shifted by the data pipeline).
     """
     lg = logits(h, g, args)
-    return F.cross_entropy(lg.view(-1, lg.size(-1)), labels.reshape(-1), ignore_index=-100, reduction="sum")
+    return F.cross_entropy(
+        lg.view(-1, lg.size(-1)), labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )

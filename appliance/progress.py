@@ -39,8 +39,12 @@ class Progress:
         self.total, self.first = total_steps, first_step
         self.t0 = time.perf_counter()
         if self.format == "rich":
-            self.live = Live(self._table(first_step, None), console=self.console,
-                             refresh_per_second=4, transient=False)
+            self.live = Live(
+                self._table(first_step, None),
+                console=self.console,
+                refresh_per_second=4,
+                transient=False,
+            )
             self.live.start()
 
     def step(self, step: int, stats: dict) -> None:
@@ -48,10 +52,17 @@ class Progress:
         self._seconds += stats["step_seconds"]
         self._wait += stats["phase_seconds"].get("data_wait", 0.0)
         if self.format == "json":
-            record = {"step": step, "loss": stats["loss"], "tokens": stats["tokens"],
-                      "lr": stats["lr"], "step_seconds": stats["step_seconds"],
-                      "target_tokens": stats["target_tokens"], "grad_norm": stats["grad_norm"],
-                      "phase_seconds": stats["phase_seconds"], "restarts": self.restarts}
+            record = {
+                "step": step,
+                "loss": stats["loss"],
+                "tokens": stats["tokens"],
+                "lr": stats["lr"],
+                "step_seconds": stats["step_seconds"],
+                "target_tokens": stats["target_tokens"],
+                "grad_norm": stats["grad_norm"],
+                "phase_seconds": stats["phase_seconds"],
+                "restarts": self.restarts,
+            }
             print(json.dumps(record), file=self.stream, flush=True)
         elif self.format == "plain":
             if step == self.total or step % 10 == 0 or step == self.first + 1:
@@ -69,8 +80,10 @@ class Progress:
 
     def _line(self, step: int, stats: dict) -> str:
         tps, eta, wait = self._rates(step)
-        return (f"step {step}/{self.total}  loss {stats['loss']:.4f}  tok/s {tps:,.0f}  "
-                f"data-wait {wait:.0%}  eta {_fmt_seconds(eta)}  restarts {self.restarts}")
+        return (
+            f"step {step}/{self.total}  loss {stats['loss']:.4f}  tok/s {tps:,.0f}  "
+            f"data-wait {wait:.0%}  eta {_fmt_seconds(eta)}  restarts {self.restarts}"
+        )
 
     def _table(self, step: int, stats: dict | None) -> Table:
         table = Table(title="appliance train", show_header=True)
@@ -80,8 +93,14 @@ class Progress:
             table.add_row(f"{step}/{self.total}", "-", "-", "-", "-", str(self.restarts))
         else:
             tps, eta, wait = self._rates(step)
-            table.add_row(f"{step}/{self.total}", f"{stats['loss']:.4f}", f"{tps:,.0f}",
-                          f"{wait:.0%}", _fmt_seconds(eta), str(self.restarts))
+            table.add_row(
+                f"{step}/{self.total}",
+                f"{stats['loss']:.4f}",
+                f"{tps:,.0f}",
+                f"{wait:.0%}",
+                _fmt_seconds(eta),
+                str(self.restarts),
+            )
         return table
 
     def finish(self, summary: dict) -> None:
@@ -91,5 +110,9 @@ class Progress:
         if self.format == "json":
             print(json.dumps({"summary": summary}), file=self.stream, flush=True)
             return
-        self.console.print("[bold]done[/bold]: " + ", ".join(
-            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
+        self.console.print(
+            "[bold]done[/bold]: "
+            + ", ".join(
+                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()
+            )
+        )

@@ -40,6 +40,7 @@ from appliance.data import (
     load_tokenizer,
     parse_document,
 )
+from appliance.metrics import TokenizerMetrics
 
 ENCODE_CHUNK = 64  # documents per encode_batch call: amortizes the call, keeps read-ahead small
 
@@ -120,6 +121,7 @@ class TokenizeWorker:
         self.batches_total = 0
         self.tokenize_seconds = 0.0
         self.last_skip_reason: str | None = None
+        self.metrics = TokenizerMetrics(worker_index)  # a no-op without Ray
 
         self.seek(cursor if cursor is not None else self._cursor_at(0, 0, 0, 0))
 
@@ -157,6 +159,9 @@ class TokenizeWorker:
         if self._remaining(2) < 2:
             self._end_epoch()
         self.batches_total += 1
+        self.metrics.record_totals(
+            self.tokens_total, self.documents_total, self.skipped_total, self.tokenize_seconds
+        )
         cursor = self.cursor()
         # Bad records behind the cursor are final: fold them into the base count.
         passed = bisect.bisect_left(self._bad_docs, cursor["doc"])

@@ -20,7 +20,9 @@ from safetensors.torch import save as safetensors_bytes
 
 from .blocks import dtype_from_name
 from .engine import StreamedEngine
+from .gpu_monitor import NvmlSampler
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraSpec, LoraWeights, adapter_config
+from .metrics import TrainerMetrics, peak_flops_per_second
 from .weight_store import WeightHandles
 
 
@@ -51,26 +53,40 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 
 class Trainer:
-    def __init__(self, handles: WeightHandles, settings: TrainerSettings, metrics: Any = None):
+    def __init__(self, handles: WeightHandles, settings: TrainerSettings, rank: int = 0):
         self.settings = settings
         self.source = handles.source()  # zero-copy views of the store's buffers
         torch.manual_seed(settings.seed)
         device = torch.device(settings.device)
         self.lora = LoraWeights(self.source.args, settings.lora, device, seed=settings.seed)
         self.engine = StreamedEngine(
-            self.source, self.lora, device=device, dtype=dtype_from_name(settings.dtype),
-            gpu_memory_budget=settings.gpu_memory_budget, weight_decay=settings.weight_decay,
-            grad_clip=settings.grad_clip or None, seed=settings.seed,
+            self.source,
+            self.lora,
+            device=device,
+            dtype=dtype_from_name(settings.dtype),
+            gpu_memory_budget=settings.gpu_memory_budget,
+            weight_decay=settings.weight_decay,
+            grad_clip=settings.grad_clip or None,
+            seed=settings.seed,
         )
-        self.metrics = metrics
+        cuda = device.type == "cuda"
+        peak = peak_flops_per_second(torch.cuda.get_device_name(device)) if cuda else None
+        self.metrics = TrainerMetrics(rank=rank, peak_flops=peak)  # a no-op without Ray
+        self.nvml = NvmlSampler.for_cuda_device(torch.cuda.current_device()) if cuda else None
+        if self.nvml is not None:
+            self.nvml.start()
 
     def step(self, batches: list[Any], lr: float) -> dict:
         """One optimizer step over `batches` (data.Batch objects or object refs to them)."""
         t0 = time.perf_counter()
+        if self.nvml is not None:
+            self.nvml.take_mean()  # drop the idle time between steps
         batches = _resolve(batches)
         data_wait = time.perf_counter() - t0
-        micro = [(torch.from_numpy(np.array(b.input_ids)), torch.from_numpy(np.array(b.labels)))
-                 for b in batches]
+        micro = [
+            (torch.from_numpy(np.array(b.input_ids)), torch.from_numpy(np.array(b.labels)))
+            for b in batches
+        ]
         stats = self.engine.train_step(micro, lr).as_dict()
         stats["phase_seconds"]["data_wait"] = data_wait
         stats["step_seconds"] += data_wait
@@ -82,14 +98,17 @@ class Trainer:
         if self.settings.device == "cuda":
             stats["gpu_mem_allocated"] = torch.cuda.memory_allocated()
             stats["gpu_mem_reserved"] = torch.cuda.memory_reserved()
-        if self.metrics is not None:
-            self.metrics.record_step(stats)
+        if self.nvml is not None:
+            stats["nvml_util_mean"] = self.nvml.take_mean()
+        self.metrics.record_step(stats)
         return stats
 
     def eval_loss(self, batches: list[Any]) -> tuple[float, int]:
         batches = _resolve(batches)
-        micro = [(torch.from_numpy(np.array(b.input_ids)), torch.from_numpy(np.array(b.labels)))
-                 for b in batches]
+        micro = [
+            (torch.from_numpy(np.array(b.input_ids)), torch.from_numpy(np.array(b.labels)))
+            for b in batches
+        ]
         return self.engine.eval_loss(micro)
 
     # ------------------------------------------------------------ state
@@ -106,21 +125,33 @@ class Trainer:
     def state_bytes(self) -> bytes:
         """Optimizer state + step + LoRA weights, for checkpoints (torch.save)."""
         buf = io.BytesIO()
-        torch.save({"lora": self.lora.peft_state_dict(), **self.engine.state_dict()}, buf)
+        torch.save(
+            {
+                "lora": self.lora.peft_state_dict(),
+                "rng": torch.get_rng_state(),
+                **self.engine.state_dict(),
+            },
+            buf,
+        )
         return buf.getvalue()
 
     def load_state_bytes(self, data: bytes) -> int:
         state = torch.load(io.BytesIO(data), map_location=self.engine.device, weights_only=True)
         self.lora.load_peft_state_dict(state["lora"], "checkpoint")
         self.engine.load_state_dict(state)
+        torch.set_rng_state(state["rng"])
         return self.engine.step_count
 
     def info(self) -> dict:
         import psutil
 
         mem = psutil.Process().memory_full_info()
-        return {"pid": os.getpid(), "rss": mem.rss, "uss": mem.uss,
-                "lora_parameters": self.lora.num_parameters()}
+        return {
+            "pid": os.getpid(),
+            "rss": mem.rss,
+            "uss": mem.uss,
+            "lora_parameters": self.lora.num_parameters(),
+        }
 
 
 def _resolve(batches: list[Any]) -> list[Any]:

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 from . import hf_checkpoint
 from .blocks import FlatBlockSource, FlatIndex, dtype_from_name, pack
+from .metrics import WeightStoreMetrics
 from .model import ModelArgs
 
 
@@ -90,6 +90,7 @@ class WeightStore:
             indexes.append(index)
             del buf
         self.load_count += 1
+        WeightStoreMetrics().record(nbytes)
         self.load_seconds = time.perf_counter() - t0
         return WeightHandles(args, self.dtype, global_ref, gindex, refs, indexes, nbytes)
 
@@ -113,4 +114,3 @@ def _putter():
 def local_source(model_dir: str | Path, dtype: str) -> FlatBlockSource:
     """The same flat layout without Ray (for in-process runs and tests)."""
     return WeightStore(model_dir, dtype).handles().source()
-

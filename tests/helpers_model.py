@@ -57,8 +57,12 @@ _CONFIGS = {
 
 
 def make_model(
-    directory: str | Path, variant: str = "llama-mha", seed: int = 0, shards: bool = False,
-    with_tokenizer: bool = True, **overrides,
+    directory: str | Path,
+    variant: str = "llama-mha",
+    seed: int = 0,
+    shards: bool = False,
+    with_tokenizer: bool = True,
+    **overrides,
 ) -> Path:
     """Save a random tiny model of `variant` (+ the test tokenizer) into `directory`."""
     arch, extra = VARIANTS[variant]

@@ -51,8 +51,15 @@ def peft_reference(model_dir, lora: LoraWeights, tmp_path) -> PeftModel:
 def reference_loss(model, ids, labels) -> torch.Tensor:
     logits = model(input_ids=ids).logits.float()
     n = (labels != -100).sum()
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1),
-                           ignore_index=-100, reduction="sum") / n
+    return (
+        F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)),
+            labels.reshape(-1),
+            ignore_index=-100,
+            reduction="sum",
+        )
+        / n
+    )
 
 
 def peft_grads(model) -> dict[str, torch.Tensor]:
@@ -100,7 +107,7 @@ def test_four_micro_batches_equal_one_batch_of_four(tmp_path):
     loss4, _, _ = four.forward_backward([(ids[i : i + 1], labels[i : i + 1]) for i in range(4)], 0)
 
     assert abs(loss1 - loss4) / abs(loss1) < RTOL
-    for p1, p4 in zip(one.lora.parameters(), four.lora.parameters()):
+    for p1, p4 in zip(one.lora.parameters(), four.lora.parameters(), strict=True):
         assert rel_err(p4.grad, p1.grad) < RTOL
 
 
@@ -111,10 +118,17 @@ def test_three_optimizer_steps_reproduce_the_reference_losses(tmp_path):
     ref = peft_reference(model_dir, lora, tmp_path)
     ref_params = dict(ref.named_parameters())
     ref_opt = torch.optim.AdamW(
-        [ref_params[n] for n in (k.replace("lora_A.weight", "lora_A.default.weight")
-                                 .replace("lora_B.weight", "lora_B.default.weight")
-                                 for k in lora.peft_state_dict())],
-        lr=0.0, weight_decay=0.01,
+        [
+            ref_params[n]
+            for n in (
+                k.replace("lora_A.weight", "lora_A.default.weight").replace(
+                    "lora_B.weight", "lora_B.default.weight"
+                )
+                for k in lora.peft_state_dict()
+            )
+        ],
+        lr=0.0,
+        weight_decay=0.01,
     )
     engine = StreamedEngine(source, lora, weight_decay=0.01, grad_clip=0.5)
     ours, theirs = [], []
@@ -133,7 +147,7 @@ def test_three_optimizer_steps_reproduce_the_reference_losses(tmp_path):
         ref_opt.zero_grad()
         theirs.append(float(loss))
     assert ours[0] != ours[2]  # the adapter moved
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         assert abs(a - b) / abs(b) < RTOL, (ours, theirs)
 
 
@@ -149,7 +163,7 @@ def test_recompute_with_dropout_draws_the_forwards_masks(tmp_path):
                 B.normal_(0, 0.1)
     plain = LoraWeights(source.args, spec, seed=2)
     with torch.no_grad():
-        for p, q in zip(plain.parameters(), streamed.parameters()):
+        for p, q in zip(plain.parameters(), streamed.parameters(), strict=True):
             p.copy_(q)
     ids, labels = batch(2, 16, seed=5)
     engine = StreamedEngine(source, streamed, seed=7)
@@ -174,12 +188,12 @@ def test_recompute_with_dropout_draws_the_forwards_masks(tmp_path):
         total += float(part)
     assert ref is engine_ref
     assert abs(loss - total) / total < RTOL
-    for p, q in zip(streamed.parameters(), plain.parameters()):
+    for p, q in zip(streamed.parameters(), plain.parameters(), strict=True):
         assert rel_err(p.grad, q.grad) < RTOL
     # and dropout really dropped something: without it the loss differs
     no_drop = StreamedEngine(source, LoraWeights(source.args, LoraSpec(4, 8.0, 0.0), seed=2))
     with torch.no_grad():
-        for p, q in zip(no_drop.lora.parameters(), plain.parameters()):
+        for p, q in zip(no_drop.lora.parameters(), plain.parameters(), strict=True):
             p.copy_(q)
     assert abs(no_drop.forward_backward([(ids, labels)], 4)[0] - loss) > 1e-6
 

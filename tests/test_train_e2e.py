@@ -47,9 +47,20 @@ def write_jsonl(path, n=60, seed=0):
 
 
 def config(model_dir, data, output, **kw):
-    base = dict(model=str(model_dir), data=str(data), output=str(output), seq_len=16,
-                micro_batch_size=2, micro_batches_per_step=2, tokenize_workers=2, lr=1e-2,
-                warmup_steps=1, lora_rank=4, lora_alpha=8.0, log_format="json")
+    base = dict(
+        model=str(model_dir),
+        data=str(data),
+        output=str(output),
+        seq_len=16,
+        micro_batch_size=2,
+        micro_batches_per_step=2,
+        tokenize_workers=2,
+        lr=1e-2,
+        warmup_steps=1,
+        lora_rank=4,
+        lora_alpha=8.0,
+        log_format="json",
+    )
     return build_config({}, {**base, **kw})
 
 
@@ -66,8 +77,13 @@ def in_process_losses(cfg, model_dir, total_steps, counts=None):
     M = cfg.micro_batches_per_step
     for step in range(total_steps):
         batches = [workers[w].next_batch() for w in order[step * M : (step + 1) * M]]
-        lr = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
-                   min_lr_ratio=cfg.min_lr_ratio)
+        lr = lr_at(
+            step,
+            lr=cfg.lr,
+            warmup_steps=cfg.warmup_steps,
+            total_steps=total_steps,
+            min_lr_ratio=cfg.min_lr_ratio,
+        )
         losses.append(trainer.step(batches, lr)["loss"])
     return losses, trainer
 
@@ -129,8 +145,14 @@ def test_schedule_round_robins_and_skips_used_up_workers():
 
 
 def test_weights_are_shared_into_the_trainer_not_copied(ray_local, tmp_path):
-    big = make_model(tmp_path / "big", "llama-mha", hidden_size=384, intermediate_size=1024,
-                     num_hidden_layers=8, with_tokenizer=False)
+    big = make_model(
+        tmp_path / "big",
+        "llama-mha",
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=8,
+        with_tokenizer=False,
+    )
     small = make_model(tmp_path / "small", "llama-mha", with_tokenizer=False)
     settings = TrainerSettings(lora=build_config({}, {"lora_rank": 2}).lora_spec())
     RemoteStore, RemoteTrainer = ray.remote(WeightStore), ray.remote(Trainer)
