@@ -1,0 +1,184 @@
+"""The streamed engine on CUDA: streaming changes no number, and fp32 CUDA equals fp32 CPU.
+
+Skipped without a CUDA GPU. Tolerances: streamed vs resident (same device, same kernels) is
+bit-exact with the math attention kernel and within 5e-3 relative with the default (flash)
+attention, whose backward accumulates dQ with atomics; fp32 CUDA vs CPU is 1e-5 relative
+(DESIGN.md, "Numerics that must hold"), with TF32 off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from appliance.bench import SyntheticBlockSource, _llama
+from appliance.blocks import DictBlockSource
+from appliance.engine import StreamedEngine
+from appliance.lora import LoraSpec, LoraWeights
+from tests.helpers_model import VOCAB, make_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# 6 blocks of 51M parameters (103 MB in bf16): big next to allocator rounding and workspaces
+MID = _llama(2048, 2048, 5632, 6, 16, 4)
+SPEC = LoraSpec(rank=8, alpha=16.0)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cuda():
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # fp32 matmuls in fp32, not TF32
+    yield
+    torch.set_float32_matmul_precision(precision)
+    # engines cap the whole process's GPU memory: lift the cap for the tests that follow
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float().cpu(), b.detach().float().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def lora_with_random_b(args, device, seed=1) -> LoraWeights:
+    """The same LoRA on any device (made on the CPU), with non-zero B so every gradient is live."""
+    lora = LoraWeights(args, SPEC, device, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for block in lora.blocks:
+            for _, B in block.values():
+                B.copy_(torch.randn(B.shape, generator=g) * 0.1)
+    return lora
+
+
+def batches(vocab: int, n: int, rows: int, T: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(3, vocab, (rows, T + 1), generator=g)
+        labels = ids[:, 1:].clone()
+        labels[:, :5] = -100
+        out.append((ids[:, :-1].contiguous(), labels))
+    return out
+
+
+def half_streaming_budget(source, mbs, dtype) -> int:
+    """A budget under which about half the blocks stay resident and the rest stream.
+
+    Mirrors StreamedEngine._plan's accounting (fixed + working set + saved inputs + blocks, two
+    of them in flight), plus half a block of slack; the tests assert that blocks did stream.
+    """
+    a, es, L = source.args, dtype.itemsize, source.args.num_layers
+    block = a.block_param_count() * es
+    fixed = sum(t.numel() for t in source.globals().values()) * es
+    fixed += LoraWeights(a, SPEC).num_parameters() * 4 * 4
+    biggest = max(ids.numel() for ids, _ in mbs)
+    work = biggest * (6 * a.hidden_size + 4 * a.intermediate_size) * es * 2
+    work += biggest * a.vocab_size * 4 * 3
+    saved = L * sum(ids.numel() for ids, _ in mbs) * a.hidden_size * es
+    return int(fixed + work + saved + (L // 2 + 2.5) * block)
+
+
+def grads(engine: StreamedEngine) -> list[torch.Tensor]:
+    return [p.grad.detach().cpu().clone() for p in engine.lora.parameters()]
+
+
+def run_resident_and_streamed(dtype: torch.dtype):
+    """(loss, grads, h2d bytes of a second step) for the resident engine, then the streamed one."""
+    source = SyntheticBlockSource(MID, dtype)
+    mbs = batches(MID.vocab_size, n=3, rows=2, T=96)
+    L = MID.num_layers
+    out = []
+    for budget in (None, half_streaming_budget(source, mbs, dtype)):
+        engine = StreamedEngine(
+            source, lora_with_random_b(MID, "cuda"), device="cuda", dtype=dtype,
+            gpu_memory_budget=budget, grad_clip=None,
+        )  # fmt: skip
+        loss, n_target, _ = engine.forward_backward(mbs, step=0)
+        g = grads(engine)
+        engine.optimizer_step(lr=1e-3)
+        engine.weights.take_timings()
+        second = engine.train_step(mbs, lr=1e-3)  # blocks already seen: only streamed ones move
+        if budget is None:
+            assert engine.weights.resident == set(range(L))
+            assert second.h2d_bytes == 0
+        else:
+            streamed = L - len(engine.weights.resident)
+            assert 0 < streamed < L, f"budget {budget} did not make some blocks stream"
+            flat = source.flat_block(0)[0].nbytes
+            # each streamed block crosses once per pass: forward and backward
+            assert (2 * streamed - 1) * flat <= second.h2d_bytes <= 2 * streamed * flat
+        out.append((loss, n_target, g, second.loss))
+        del engine
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    return out
+
+
+def test_bf16_streaming_under_a_budget_equals_resident():
+    (loss_r, n_r, g_r, next_r), (loss_s, n_s, g_s, next_s) = run_resident_and_streamed(
+        torch.bfloat16
+    )
+    assert n_r == n_s
+    assert abs(loss_s - loss_r) <= 1e-6 * abs(loss_r)
+    for a, b in zip(g_s, g_r, strict=True):
+        assert rel_err(a, b) < 5e-3
+    assert abs(next_s - next_r) <= 1e-3 * abs(next_r)
+
+
+def test_bf16_streaming_is_bit_exact_with_the_math_attention_kernel():
+    with sdpa_kernel(SDPBackend.MATH):
+        (loss_r, _, g_r, next_r), (loss_s, _, g_s, next_s) = run_resident_and_streamed(
+            torch.bfloat16
+        )
+    assert loss_s == loss_r
+    assert all(torch.equal(a, b) for a, b in zip(g_s, g_r, strict=True))
+    assert next_s == next_r
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa-rope3-tied", "qwen2-bias"])
+def test_fp32_cuda_equals_cpu(variant, tmp_path):
+    model_dir = make_model(tmp_path / "model", variant)
+    source = DictBlockSource.from_hf(model_dir, torch.float32)
+    mbs = batches(VOCAB, n=2, rows=2, T=24)
+    results = []
+    for device in ("cpu", "cuda"):
+        engine = StreamedEngine(
+            source, lora_with_random_b(source.args, device), device=device, grad_clip=0.5
+        )
+        loss, _, _ = engine.forward_backward(mbs, step=0)
+        g = grads(engine)
+        engine.optimizer_step(lr=1e-2)
+        losses = [engine.train_step(mbs, lr=1e-2).loss for _ in range(2)]
+        logits = engine.logits(mbs[0][0]).cpu()
+        results.append((loss, g, losses, logits))
+    (loss_c, g_c, steps_c, logits_c), (loss_g, g_g, steps_g, logits_g) = results
+    assert abs(loss_g - loss_c) <= 1e-5 * abs(loss_c)
+    for a, b in zip(g_g, g_c, strict=True):
+        assert rel_err(a, b) < 1e-5
+    for a, b in zip(steps_g, steps_c, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (steps_g, steps_c)
+    assert rel_err(logits_g, logits_c) < 1e-5
+
+
+def test_fp32_cuda_streamed_equals_cpu():
+    source = SyntheticBlockSource(MID, torch.float32)
+    mbs = batches(MID.vocab_size, n=2, rows=1, T=128)
+    budget = half_streaming_budget(source, mbs, torch.float32)
+    cpu = StreamedEngine(source, lora_with_random_b(MID, "cpu"), grad_clip=None)
+    gpu = StreamedEngine(
+        source, lora_with_random_b(MID, "cuda"), device="cuda", gpu_memory_budget=budget,
+        grad_clip=None,
+    )  # fmt: skip
+    loss_c, _, _ = cpu.forward_backward(mbs, step=0)
+    loss_g, _, _ = gpu.forward_backward(mbs, step=0)
+    assert 0 < len(gpu.weights.resident) < MID.num_layers  # blocks streamed
+    assert abs(loss_g - loss_c) <= 1e-5 * abs(loss_c)
+    for a, b in zip(grads(gpu), grads(cpu), strict=True):
+        assert rel_err(a, b) < 1e-5
