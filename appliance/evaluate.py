@@ -31,6 +31,8 @@ DEFAULT_BATCH_TOKENS = 16384  # tokens per engine call: bounds activation memory
 def read_records(data_path: str | Path) -> Iterator[tuple[str, str]]:
     """(`file:line`, text) for each non-blank line of a .jsonl file; DataError on a bad record."""
     path = Path(data_path)
+    if path.is_dir():
+        raise ConfigError(f"--data {data_path} is a directory; eval reads one .jsonl file")
     if not path.is_file():
         raise ConfigError(f"--data {data_path}: no such file (expected a .jsonl file)")
     with open(path, "rb") as fh:

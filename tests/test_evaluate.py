@@ -117,6 +117,8 @@ def test_bad_record_names_file_and_line(model_dir, tmp_path, line, message):
 def test_bad_arguments_and_empty_data(model_dir, tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         evaluate(model_dir, tmp_path / "missing.jsonl", seq_len=8)
+    with pytest.raises(ConfigError, match="is a directory"):
+        evaluate(model_dir, tmp_path, seq_len=8)
     data = write_jsonl(tmp_path / "one.jsonl", [{"text": "the cat"}])
     with pytest.raises(ConfigError, match="--seq-len must be ≥ 2"):
         evaluate(model_dir, data, seq_len=1)
