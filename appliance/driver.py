@@ -539,7 +539,14 @@ class Run:
         files = ray.get(self.trainer.adapter_files.remote())
         write_adapter(self.cfg.output, files)
         write_run_file(
-            self.cfg, "complete", {"steps": self.state.step, "losses": self.state.losses}
+            self.cfg,
+            "complete",
+            {
+                "steps": self.state.step,
+                "losses": self.state.losses,
+                "restarts": self.restarts,
+                "skipped_records": sum(self.state.skipped.values()),
+            },
         )
 
 
