@@ -43,8 +43,13 @@ def free_port() -> int:
 def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
     # big enough that a step takes tens of milliseconds: the kills below land mid-run
-    model = make_model(root / "model", "llama-gqa-rope3-tied", hidden_size=192,
-                       intermediate_size=512, num_hidden_layers=4)
+    model = make_model(
+        root / "model",
+        "llama-gqa-rope3-tied",
+        hidden_size=192,
+        intermediate_size=512,
+        num_hidden_layers=4,
+    )
     data = root / "data.jsonl"
     data.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(400, seed=1)))
     return model, data
@@ -52,20 +57,55 @@ def inputs(tmp_path_factory):
 
 def args(inputs, output: Path, *extra: str) -> list[str]:
     model, data = inputs
-    return [sys.executable, "-m", "appliance.cli", "train", "--model", str(model), "--data",
-            str(data), "--output", str(output), "--steps", str(STEPS), "--checkpoint-every",
-            str(EVERY), "--seq-len", "32", "--micro-batch-size", "4", "--micro-batches-per-step",
-            "2", "--lora-rank", "4", "--lora-dropout", "0.1", "--lr", "5e-3", "--tokenize-workers",
-            "1", "--log-format", "json", "--metrics-port", str(free_port()), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "appliance.cli",
+        "train",
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--output",
+        str(output),
+        "--steps",
+        str(STEPS),
+        "--checkpoint-every",
+        str(EVERY),
+        "--seq-len",
+        "32",
+        "--micro-batch-size",
+        "4",
+        "--micro-batches-per-step",
+        "2",
+        "--lora-rank",
+        "4",
+        "--lora-dropout",
+        "0.1",
+        "--lr",
+        "5e-3",
+        "--tokenize-workers",
+        "1",
+        "--log-format",
+        "json",
+        "--metrics-port",
+        str(free_port()),
+        *extra,
+    ]
 
 
 class Proc:
     """An `appliance train` process whose JSON step records we read as they come."""
 
     def __init__(self, argv: list[str], env: dict | None = None):
-        self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True, start_new_session=True,
-                                  env={**os.environ, **(env or {})})
+        self.p = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
         self.steps: list[dict] = []
 
     def wait_for_step(self, n: int) -> None:

@@ -38,11 +38,35 @@ def test_train_reads_model_and_data_from_s3_and_writes_adapter_and_checkpoints_t
     out = f"s3://{s3_bucket}/runs/a"
 
     def train(*extra):
-        argv = [sys.executable, "-m", "appliance.cli", "train", "--model",
-                f"s3://{s3_bucket}/models/tiny", "--data", f"s3://{s3_bucket}/data/train.jsonl",
-                "--output", out, "--steps", "4", "--checkpoint-every", "2", "--seq-len", "16",
-                "--micro-batch-size", "2", "--lora-rank", "4", "--tokenize-workers", "1",
-                "--log-format", "json", "--metrics-port", str(free_port()), *extra]
+        argv = [
+            sys.executable,
+            "-m",
+            "appliance.cli",
+            "train",
+            "--model",
+            f"s3://{s3_bucket}/models/tiny",
+            "--data",
+            f"s3://{s3_bucket}/data/train.jsonl",
+            "--output",
+            out,
+            "--steps",
+            "4",
+            "--checkpoint-every",
+            "2",
+            "--seq-len",
+            "16",
+            "--micro-batch-size",
+            "2",
+            "--lora-rank",
+            "4",
+            "--tokenize-workers",
+            "1",
+            "--log-format",
+            "json",
+            "--metrics-port",
+            str(free_port()),
+            *extra,
+        ]
         env = {**os.environ, "HOME": str(tmp_path / "home")}  # the s3 cache goes under $HOME
         return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
 
@@ -70,10 +94,21 @@ def test_train_reads_model_and_data_from_s3_and_writes_adapter_and_checkpoints_t
 
 
 def test_a_missing_bucket_is_named_in_one_line(s3_endpoint, tmp_path):
-    argv = [sys.executable, "-m", "appliance.cli", "train", "--model", "s3://no-such-bucket/m",
-            "--data", "s3://no-such-bucket/d.jsonl", "--output", str(tmp_path / "o")]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "HOME": str(tmp_path)})
+    argv = [
+        sys.executable,
+        "-m",
+        "appliance.cli",
+        "train",
+        "--model",
+        "s3://no-such-bucket/m",
+        "--data",
+        "s3://no-such-bucket/d.jsonl",
+        "--output",
+        str(tmp_path / "o"),
+    ]
+    done = subprocess.run(
+        argv, capture_output=True, text=True, timeout=120, env={**os.environ, "HOME": str(tmp_path)}
+    )
     assert done.returncode == 1
     assert "bucket 'no-such-bucket' does not exist" in done.stderr
     assert "Traceback" not in done.stderr
