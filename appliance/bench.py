@@ -425,7 +425,7 @@ def run_bench(
         raise ConfigError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu")
     if device.type == "cpu":
         if p.cpu is None:
-            cpu_ok = ", ".join(k for k, v in PRESETS.items() if v.cpu)
+            cpu_ok = " and ".join(k for k, v in PRESETS.items() if v.cpu)
             raise ConfigError(
                 f"--preset {preset} needs a GPU (--device cuda): on a CPU only {cpu_ok} run "
                 "in useful time"
