@@ -41,4 +41,4 @@ format: install
 clean:
 	rm -rf $(VENV) .venv-tools .tools build
 
--include deploy.mk
+include deploy.mk

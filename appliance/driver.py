@@ -29,11 +29,12 @@ from .checkpoint import CheckpointError, json_bytes, load_latest_checkpoint, sav
 from .config import TrainConfig, flag
 from .data import DataError, check_dataset
 from .engine import lr_at
-from .errors import ApplianceError, ConfigError, ModelError
+from .errors import ApplianceError, ConfigError
 from .hf_checkpoint import read_model_args, tokenizer_path
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .metrics import DriverMetrics
 from .progress import Progress
+from .storage import StorageError
 from .tokenize_worker import ACTOR_OPTIONS, TokenizeWorker, default_num_workers
 from .trainer import Trainer, TrainerSettings, resolve_device, resolve_dtype
 from .weight_store import WeightStore
@@ -150,27 +151,58 @@ class RunState:
 # ---------------------------------------------------------------------- setup
 
 
-def prepare(cfg: TrainConfig) -> Inputs:
-    """Resolve the demo, fetch remote inputs, and check model, tokenizer, data and output."""
-    demo_root = None
-    eval_data = None
-    if cfg.model is None:
-        from .demo import DEMO_SETTINGS, make_demo
+def apply_demo(cfg: TrainConfig) -> Path | None:
+    """With no --model, make the built-in demo (model, corpus, held-out corpus) in a temp dir and
+    point `cfg` at it; returns the held-out corpus (None when not the demo)."""
+    if cfg.model is not None:
+        return None
+    if cfg.cluster:
+        raise ConfigError("--cluster needs --model, --data and --output (the demo runs locally)")
+    from .demo import DEMO_SETTINGS, make_demo
 
-        demo_root = tempfile.mkdtemp(prefix="appliance-demo-")
-        made = make_demo(demo_root, seed=cfg.seed)
-        defaults = TrainConfig()
-        for key, value in DEMO_SETTINGS.items():  # demo settings unless the user chose otherwise
-            if getattr(cfg, key) == getattr(defaults, key):
-                setattr(cfg, key, value)
-        cfg.model, cfg.data = made["model"], made["data"]
-        cfg.output = cfg.output or made["output"]
-        eval_data = Path(made["eval_data"])
-    assert cfg.data is not None and cfg.output is not None
-    model_dir = storage.localize(cfg.model)
+    made = make_demo(tempfile.mkdtemp(prefix="appliance-demo-"), seed=cfg.seed)
+    defaults = TrainConfig()
+    for key, value in DEMO_SETTINGS.items():  # demo settings unless the user chose otherwise
+        if getattr(cfg, key) == getattr(defaults, key):
+            setattr(cfg, key, value)
+    cfg.model, cfg.data = made["model"], made["data"]
+    cfg.output = cfg.output or made["output"]
+    return Path(made["eval_data"])
+
+
+def prepare(cfg: TrainConfig) -> Inputs:
+    """Resolve the demo, then check every input in this process (the embedded default)."""
+    eval_data = apply_demo(cfg)
+    inp = resolve_inputs(cfg)
+    inp.eval_data = eval_data
+    return inp
+
+
+def _absolute(uri: str) -> str:
+    return uri if storage.is_s3(uri) else str(Path(uri).expanduser().resolve())
+
+
+def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
+    """Fetch (s3://) and check model, tokenizer, data and output, where this runs: in the driver
+    for embedded Ray, on the trainer's node with --cluster (`where` names that node)."""
+    assert cfg.model is not None and cfg.data is not None and cfg.output is not None
+    cfg.model, cfg.data, cfg.output = (
+        _absolute(cfg.model),
+        _absolute(cfg.data),
+        _absolute(cfg.output),
+    )
+    try:
+        model_dir = storage.localize(cfg.model)
+        data_path = storage.localize(cfg.data)
+    except StorageError as e:
+        if where is None or storage.is_s3(e.uri or ""):
+            raise
+        raise ConfigError(
+            f"{e.uri} is not visible from the trainer's node {where}: with "
+            "--cluster give s3:// URIs or paths shared by every node"
+        ) from None
     args = read_model_args(model_dir)  # refuses unsupported architectures before any weight
     tok = tokenizer_path(model_dir)
-    data_path = storage.localize(cfg.data)
     check_dataset(data_path, tok)  # errors here are clear; inside an actor they'd be wrapped
     problems = []
     if cfg.seq_len > args.max_position_embeddings:
@@ -203,8 +235,6 @@ def prepare(cfg: TrainConfig) -> Inputs:
         args.pad_token_id,
         device,
         resolve_dtype(cfg.dtype, device),
-        eval_data,
-        demo_root,
     )
 
 
@@ -287,8 +317,8 @@ def worker_kwargs(
 ) -> dict:
     cfg = inp.cfg
     return dict(
-        data_path=str(inp.data_path),
-        tokenizer_path=str(inp.tokenizer),
+        data_path=cfg.data,  # a URI: each worker fetches it on its own node
+        tokenizer_path=storage.join(cfg.model, "tokenizer.json"),
         worker_index=index,
         num_workers=num_workers,
         seq_len=cfg.seq_len,
@@ -301,9 +331,24 @@ def worker_kwargs(
     )
 
 
+class ShardWorker(TokenizeWorker):
+    """A TokenizeWorker that first fetches its inputs (s3:// or a shared path) onto the node it
+    runs on: tokenizer workers go wherever the cluster has CPUs."""
+
+    def __init__(self, data_path: str, tokenizer_path: str, **kwargs: Any):
+        super().__init__(
+            str(storage.localize(data_path)), str(storage.localize(tokenizer_path)), **kwargs
+        )
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+
 def count_batches(kwargs: dict) -> int:
     """Micro-batches one worker yields in one epoch (a tokenizing pre-pass, for --epochs)."""
-    worker = TokenizeWorker(**{**kwargs, "epochs": 1, "cursor": None})
+    worker = ShardWorker(**{**kwargs, "epochs": 1, "cursor": None})
     n = 0
     while worker.next_batch() is not None:
         n += 1
@@ -332,8 +377,9 @@ def schedule(counts: list[int] | None, num_workers: int, total: int) -> list[int
 class Run:
     """One training run on Ray (embedded, or a cluster given by --cluster)."""
 
-    def __init__(self, inp: Inputs, progress: Progress):
+    def __init__(self, inp: Inputs, progress: Progress, node_id: str | None = None):
         self.inp, self.cfg, self.progress = inp, inp.cfg, progress
+        self.node_id = node_id  # the trainer's (and its weight store's) node with --cluster
         self.state = RunState()
         self.metrics = DriverMetrics()
         self.restarts = 0
@@ -346,8 +392,16 @@ class Run:
         from .metrics import metrics_url, ray_init_kwargs
 
         if self.cfg.cluster:
-            address = None if self.cfg.cluster == "auto" else self.cfg.cluster
-            ray.init(address=address or os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
+            address = self.cfg.cluster
+            if address == "auto":
+                address = os.environ.get("RAY_ADDRESS") or "auto"
+            try:
+                ray.init(address=address, log_to_driver=False)
+            except ConnectionError as e:
+                raise ConfigError(
+                    f"--cluster {address}: cannot connect to a Ray cluster: {e}"
+                ) from None
+            self.progress.note(f"connected to Ray cluster at {address}")
         else:
             ray.init(
                 address="local",
@@ -370,7 +424,11 @@ class Run:
                 f"--tokenize-workers {self.num_workers} needs {self.num_workers + 1} "
                 f"CPUs (one per worker + the trainer); Ray has {cpus}"
             )
-        self.store = ray.remote(num_cpus=0)(WeightStore).remote(str(inp.model_dir), inp.dtype)
+        self.store = (
+            ray.remote(num_cpus=0)(WeightStore)
+            .options(**self._on_trainer_node())
+            .remote(inp.cfg.model, inp.dtype)
+        )
         self.handles = ray.get(self.store.handles.remote())
         self.epochs = None if cfg.steps else (cfg.epochs or 1)
         if self.epochs is None:
@@ -467,7 +525,7 @@ class Run:
         kwargs = worker_kwargs(
             self.inp, w, self.num_workers, self.epochs, self.state.cursors.get(w)
         )
-        return ray.remote(**ACTOR_OPTIONS)(TokenizeWorker).remote(**kwargs)
+        return ray.remote(**ACTOR_OPTIONS)(ShardWorker).remote(**kwargs)
 
     def _make_trainer(self):
         import ray
@@ -475,7 +533,15 @@ class Run:
         options: dict[str, Any] = {"num_cpus": 1}
         if self.inp.device == "cuda":
             options = {"num_gpus": 1, "num_cpus": 1}
+        options.update(self._on_trainer_node())  # beside its weight store: shared memory
         return ray.remote(**options)(Trainer).remote(self.handles, trainer_settings(self.inp))
+
+    def _on_trainer_node(self) -> dict:
+        if self.node_id is None:
+            return {}
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        return {"scheduling_strategy": NodeAffinitySchedulingStrategy(self.node_id, soft=False)}
 
     def train(self) -> RunState:
         """The step loop with a bounded window of batch requests in flight."""
@@ -526,7 +592,7 @@ class Run:
         """Mean next-token loss over `path` (the demo's held-out corpus), via the trainer."""
         import ray
 
-        worker = TokenizeWorker(**worker_kwargs(self.inp, 0, 1, 1))
+        worker = ShardWorker(**{**worker_kwargs(self.inp, 0, 1, 1), "data_path": str(path)})
         batches = []
         while (b := worker.next_batch()) is not None:
             batches.append(b)
@@ -550,26 +616,71 @@ class Run:
         )
 
 
-def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
-    """Run `appliance train` and return its summary."""
-    progress = progress or Progress(cfg.log_format)
-    inp = prepare(cfg)
-    run = Run(inp, progress)
-    t0 = time.perf_counter()
+TRAINER_NODE_RESOURCE = "appliance_trainer_node"  # marks nodes for trainers, beside "GPU"
+
+
+def pick_trainer_node() -> tuple[str, str]:
+    """(node id, address) of the node for the weight store and trainer: one that carries the
+    appliance_trainer_node resource (set on GPU pods by the Helm chart), else any GPU node."""
     import ray
 
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    for key in (TRAINER_NODE_RESOURCE, "GPU"):
+        for n in sorted(nodes, key=lambda n: n["NodeManagerAddress"]):
+            if n["Resources"].get(key, 0) > 0:
+                return n["NodeID"], n["NodeManagerAddress"]
+    raise ConfigError(
+        f"--cluster: no node has a GPU (or the {TRAINER_NODE_RESOURCE} resource); "
+        "add a GPU worker group to the cluster"
+    )
+
+
+def connect(cfg: TrainConfig, progress: Progress) -> Run:
+    """Start (or join, with --cluster) Ray and check the inputs where the trainer will run."""
+    import ray
+
+    eval_data = apply_demo(cfg)
+    if not cfg.cluster:
+        inp = resolve_inputs(cfg)
+        inp.eval_data = eval_data
+        run = Run(inp, progress)
+        run.start_ray()
+        return run
+    placeholder = Run(Inputs(cfg, Path(), Path(), Path(), 0, None, "cpu", "float32"), progress)
+    placeholder.start_ray()
+    node_id, address = pick_trainer_node()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    resolve = ray.remote(num_cpus=0)(resolve_inputs).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+    )
+    try:
+        inp = ray.get(resolve.remote(cfg, address))
+    except Exception as e:
+        raise _cause_chain(e)[-1] from None
+    return Run(inp, progress, node_id)
+
+
+def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
+    """Run `appliance train` and return its summary."""
+    import ray
+
+    progress = progress or Progress(cfg.log_format)
+    t0 = time.perf_counter()
     started_here = not ray.is_initialized()
     try:
-        run.start_ray()
+        run = connect(cfg, progress)
+        cfg = run.cfg
         write_run_file(cfg, "running")
         run.create_actors()
-        before = run.evaluate(inp.eval_data) if inp.eval_data else None
+        eval_data = run.inp.eval_data
+        before = run.evaluate(eval_data) if eval_data else None
         run.train()
-        after = run.evaluate(inp.eval_data) if inp.eval_data else None
+        after = run.evaluate(eval_data) if eval_data else None
         run.finish()
     finally:
         if started_here and ray.is_initialized():
-            ray.shutdown()
+            ray.shutdown()  # also ends this job's actors on a cluster (Ctrl-C included)
     summary = {
         "steps": run.state.step,
         "final_loss": run.state.losses[-1] if run.state.losses else None,
@@ -584,6 +695,3 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
         )
     progress.finish(summary)
     return summary
-
-
-__all__ = ["train", "prepare", "Run", "schedule", "ModelError"]

@@ -143,11 +143,14 @@ class Trainer:
         return self.engine.step_count
 
     def info(self) -> dict:
+        """This process: pid, node, memory (rss, and uss = private, not shared), LoRA size."""
         import psutil
+        import ray
 
         mem = psutil.Process().memory_full_info()
         return {
             "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
             "rss": mem.rss,
             "uss": mem.uss,
             "lora_parameters": self.lora.num_parameters(),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import hf_checkpoint
+from . import hf_checkpoint, storage
 from .blocks import FlatBlockSource, FlatIndex, dtype_from_name, pack
 from .metrics import WeightStoreMetrics
 from .model import ModelArgs
@@ -73,8 +73,9 @@ class WeightStore:
 
     def _load(self) -> WeightHandles:
         t0 = time.perf_counter()
-        args = hf_checkpoint.read_model_args(self.model_dir)
-        ckpt = hf_checkpoint.SafetensorsCheckpoint(self.model_dir)
+        model_dir = storage.localize(self.model_dir)  # s3:// or a shared path, on this node
+        args = hf_checkpoint.read_model_args(model_dir)
+        ckpt = hf_checkpoint.SafetensorsCheckpoint(model_dir)
         dtype = dtype_from_name(self.dtype)
         put = _putter()
         # one block at a time: read (one copy), pack (second copy), put, drop both
@@ -100,7 +101,14 @@ class WeightStore:
             "load_seconds": self.load_seconds,
             "nbytes": self._handles.nbytes if self._handles else 0,
             "pid": os.getpid(),
+            "node_id": _node_id(),
         }
+
+
+def _node_id() -> str | None:
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
 def _putter():

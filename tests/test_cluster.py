@@ -1,0 +1,95 @@
+"""`appliance train --cluster` on a real multi-node Ray cluster on this machine: a head and two
+worker nodes; the custom resource `appliance_trainer_node` stands in for a GPU node."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from appliance.config import build_config
+from appliance.driver import TRAINER_NODE_RESOURCE, connect, write_run_file
+from appliance.errors import ConfigError
+from appliance.progress import Progress
+from tests.helpers_model import make_model
+from tests.helpers_tokenizer import sentences
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cpu_node = c.add_node(num_cpus=2)
+    gpu_node = c.add_node(num_cpus=2, resources={TRAINER_NODE_RESOURCE: 1})
+    c.wait_for_nodes()
+    yield c, cpu_node, gpu_node
+    if ray.is_initialized():
+        ray.shutdown()
+    c.shutdown()
+
+
+def test_actors_land_on_the_right_nodes_and_the_run_completes(cluster, tmp_path):
+    c, cpu_node, gpu_node = cluster
+    model = make_model(tmp_path / "model", "llama-mha")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(60)))
+    cfg = build_config(
+        {},
+        dict(
+            model=str(model),
+            data=str(data),
+            output=str(tmp_path / "out"),
+            steps=4,
+            seq_len=16,
+            micro_batch_size=2,
+            tokenize_workers=2,
+            lora_rank=4,
+            log_format="json",
+            cluster=c.address,
+        ),
+    )
+    try:
+        run = connect(cfg, Progress("json"))
+        write_run_file(run.cfg, "running")
+        run.create_actors()
+        trainer = ray.get(run.trainer.info.remote())
+        store = ray.get(run.store.stats.remote())
+        workers = ray.get([w.node_id.remote() for w in run.workers])
+        # the trainer shares memory with its weight store: same node, the trainer-capable one
+        assert trainer["node_id"] == store["node_id"] == gpu_node.node_id
+        # tokenizer workers go where the CPUs are (the head has 1 CPU, the trainer took one)
+        assert set(workers) <= {cpu_node.node_id, gpu_node.node_id, c.head_node.node_id}
+        assert cpu_node.node_id in workers
+        state = run.train()
+        run.finish()
+    finally:
+        ray.shutdown()
+    assert state.step == 4
+    assert (tmp_path / "out" / "adapter_config.json").exists()
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["status"] == "complete"
+
+
+def test_a_cluster_without_gpu_nodes_is_refused_by_name(tmp_path):
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        model = make_model(tmp_path / "model", "llama-mha")
+        data = tmp_path / "d.jsonl"
+        data.write_text(json.dumps({"text": "the cat"}) + "\n")
+        cfg = build_config(
+            {},
+            dict(
+                model=str(model),
+                data=str(data),
+                output=str(tmp_path / "o"),
+                steps=1,
+                cluster=c.address,
+            ),
+        )
+        with pytest.raises(ConfigError, match="no node has a GPU"):
+            connect(cfg, Progress("json"))
+    finally:
+        ray.shutdown()
+        c.shutdown()
