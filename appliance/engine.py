@@ -21,6 +21,7 @@ here: the engine is tested on its own against a full-model reference.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,7 +77,7 @@ class DeviceWeights:
             self._stream = torch.cuda.Stream(device)
             self._host: list[tuple[torch.Tensor, dict, bool]] = []
             for i in range(source.num_blocks):
-                flat, index = _flat_block(source, i)
+                flat, index = _flat_block(source, i, dtype)
                 self._host.append((flat, index, _register_pinned(flat)))
             biggest = max(f.numel() for f, _, _ in self._host)
             if not all(p for _, _, p in self._host):
@@ -165,16 +166,17 @@ class DeviceWeights:
         return n, copy, stall
 
 
-def _flat_block(source: BlockSource, i: int) -> tuple[torch.Tensor, dict]:
+def _flat_block(source: BlockSource, i: int, dtype: torch.dtype) -> tuple[torch.Tensor, dict]:
+    """Block i as one flat host buffer in the compute dtype (converted once here if the source
+    holds another dtype; the WeightStore already stores the compute dtype, so no copy then)."""
+    w = source.block(i)
     flat = getattr(source, "flat_block", None)
-    if flat is not None:
+    if flat is not None and all(t.dtype == dtype for t in w.values()):
         buf, index = flat(i)
     else:
-        buf, index = pack(source.block(i))
+        buf, index = pack({k: v.to(dtype) for k, v in w.items()})
     if isinstance(buf, np.ndarray):
-        import warnings
-
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # read-only shared memory: we never write through it
             warnings.simplefilter("ignore", UserWarning)
             buf = torch.from_numpy(buf)
     return buf, index
@@ -188,6 +190,9 @@ def _register_pinned(flat: torch.Tensor) -> bool:
     for flags in (0x08, 0x00):  # cudaHostRegisterReadOnly first: object-store pages are read-only
         if int(cudart.cudaHostRegister(flat.data_ptr(), flat.numel(), flags)) == 0:
             return True
+        clear = getattr(cudart, "cudaGetLastError", None)
+        if clear is not None:
+            clear()  # a refused registration must not surface as a later kernel's error
     return False
 
 
