@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from . import hf_checkpoint
+from . import data, hf_checkpoint
 from .blocks import DictBlockSource
 from .data import DataError, RawDocument, parse_document
 from .engine import MicroBatch, StreamedEngine
-from .errors import ConfigError, ModelError
+from .errors import ConfigError
 from .lora import LoraSpec, LoraWeights, load_adapter
 
 DEFAULT_BATCH_TOKENS = 16384  # tokens per engine call: bounds activation memory, not the result
@@ -50,15 +50,8 @@ def read_records(data_path: str | Path) -> Iterator[tuple[str, str]]:
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
-    """The model's tokenizer.json with any truncation/padding it ships with turned off."""
-    path = hf_checkpoint.tokenizer_path(model_dir)
-    try:
-        tok = Tokenizer.from_file(str(path))
-    except Exception as e:  # the Rust side raises a bare Exception
-        raise ModelError(f"{path}: cannot load tokenizer: {e}") from None
-    tok.no_truncation()
-    tok.no_padding()
-    return tok
+    """The model's tokenizer.json, loaded as the training pipeline loads it."""
+    return data.load_tokenizer(hf_checkpoint.tokenizer_path(model_dir))
 
 
 def encode_records(data_path: str | Path, tokenizer: Tokenizer, seq_len: int) -> list[list[int]]:
