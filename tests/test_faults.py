@@ -205,7 +205,7 @@ def test_tokenizer_worker_killed_mid_run_resumes_from_its_cursor(inputs, referen
     out = tmp_path / "out"
     proc = Proc(args(inputs, out))
     proc.wait_for_step(5)
-    proc.descendant("ray::TokenizeWorker").send_signal(signal.SIGKILL)
+    proc.descendant("ray::ShardWorker").send_signal(signal.SIGKILL)
     rc, _, err = proc.finish()
     assert rc == 0, err[-3000:]
     record = assert_same_run(out, reference)
