@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance import storage
+from appliance.errors import ApplianceError
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ _NAME_RE = re.compile(r"^step-(\d+)$")
 _TMP_PREFIX = ".tmp-"  # local temp step dirs: ".tmp-step-000123-<random>"
 
 
-class CheckpointError(Exception):
+class CheckpointError(ApplianceError):
     """No usable checkpoint, or a bad save request. ``problems`` lists each bad file."""
 
     def __init__(self, message: str, problems: list[str] | None = None) -> None:

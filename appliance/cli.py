@@ -13,15 +13,7 @@ import sys
 import click
 
 from . import config as C
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from .checkpoint import CheckpointError
-    from .data import DataError
-    from .errors import ApplianceError
-    from .storage import StorageError
-
-    return (ApplianceError, DataError, StorageError, CheckpointError)
+from .errors import ApplianceError
 
 
 def _unwrap(e: BaseException) -> BaseException:
@@ -36,7 +28,7 @@ def friendly_errors(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except _user_errors() as e:
+        except ApplianceError as e:
             for line in str(_unwrap(e)).splitlines() or [type(e).__name__]:
                 click.echo(f"error: {line}", err=True)
             sys.exit(1)

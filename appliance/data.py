@@ -24,12 +24,14 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
+from .errors import ApplianceError
+
 DATA_SUFFIXES = (".jsonl", ".txt")
 IGNORE_INDEX = -100  # label of a position without loss (PyTorch cross_entropy's ignore_index)
 ON_BAD_RECORD = ("fail", "skip")
 
 
-class DataError(Exception):
+class DataError(ApplianceError):
     """A problem with the dataset or tokenizer that the user must fix; the message names it.
 
     Takes exactly one message argument so that it pickles (and so crosses Ray actor boundaries)

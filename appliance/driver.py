@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from . import storage
-from .checkpoint import CheckpointError, json_bytes, load_latest_checkpoint, save_checkpoint
+from .checkpoint import json_bytes, load_latest_checkpoint, save_checkpoint
 from .config import TrainConfig, flag
-from .data import DataError, check_dataset
+from .data import check_dataset
 from .engine import lr_at
 from .errors import ApplianceError, ConfigError
 from .hf_checkpoint import read_model_args, tokenizer_path
@@ -48,12 +48,6 @@ FAULT_ENV = "APPLIANCE_FAULT_KILL_DURING_CHECKPOINT"  # tests: SIGKILL mid-write
 
 class RestartsExhausted(ApplianceError):
     """More actor failures than --max-restarts allows."""
-
-
-def _user_error_types() -> tuple[type[BaseException], ...]:
-    from .storage import StorageError
-
-    return (ApplianceError, DataError, StorageError, CheckpointError)
 
 
 def _cause_chain(e: BaseException) -> list[BaseException]:
@@ -100,7 +94,8 @@ IDENTITY_KEYS = (
 
 @dataclass
 class Inputs:
-    """Everything checked and resolved before Ray starts."""
+    """Everything checked and resolved before the actors start (on the trainer's node with
+    --cluster, so the paths are that node's)."""
 
     cfg: TrainConfig
     model_dir: Path
@@ -111,7 +106,6 @@ class Inputs:
     device: str
     dtype: str
     eval_data: Path | None = None
-    demo_root: str | None = None
 
 
 @dataclass
@@ -384,33 +378,6 @@ class Run:
         self.metrics = DriverMetrics()
         self.restarts = 0
 
-    def start_ray(self) -> None:
-        import ray
-
-        if ray.is_initialized():
-            return
-        from .metrics import metrics_url, ray_init_kwargs
-
-        if self.cfg.cluster:
-            address = self.cfg.cluster
-            if address == "auto":
-                address = os.environ.get("RAY_ADDRESS") or "auto"
-            try:
-                ray.init(address=address, log_to_driver=False)
-            except ConnectionError as e:
-                raise ConfigError(
-                    f"--cluster {address}: cannot connect to a Ray cluster: {e}"
-                ) from None
-            self.progress.note(f"connected to Ray cluster at {address}")
-        else:
-            ray.init(
-                address="local",
-                include_dashboard=False,
-                log_to_driver=False,
-                **ray_init_kwargs(self.cfg.metrics_port),
-            )
-            self.progress.note(f"metrics: {metrics_url(self.cfg.metrics_port)}")
-
     def create_actors(self) -> None:
         """The weight store, the data schedule, then (from the resumed state, if any) the
         tokenizer workers and the trainer."""
@@ -493,7 +460,7 @@ class Run:
         from ray.exceptions import RayActorError, RayTaskError
 
         chain = _cause_chain(error)
-        user = next((c for c in chain if isinstance(c, _user_error_types())), None)
+        user = next((c for c in chain if isinstance(c, ApplianceError)), None)
         if user is not None:
             raise user
         if not any(isinstance(c, RayActorError) for c in chain):
@@ -616,6 +583,35 @@ class Run:
         )
 
 
+def start_ray(cfg: TrainConfig, progress: Progress) -> None:
+    """Embedded Ray (address="local", metrics on --metrics-port), or join --cluster."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    from .metrics import metrics_url, ray_init_kwargs
+
+    if cfg.cluster:
+        address = cfg.cluster
+        if address == "auto":
+            address = os.environ.get("RAY_ADDRESS") or "auto"
+        try:
+            ray.init(address=address, log_to_driver=False)
+        except ConnectionError as e:
+            raise ConfigError(
+                f"--cluster {address}: cannot connect to a Ray cluster: {e}"
+            ) from None
+        progress.note(f"connected to Ray cluster at {address}")
+    else:
+        ray.init(
+            address="local",
+            include_dashboard=False,
+            log_to_driver=False,
+            **ray_init_kwargs(cfg.metrics_port),
+        )
+        progress.note(f"metrics: {metrics_url(cfg.metrics_port)}")
+
+
 TRAINER_NODE_RESOURCE = "appliance_trainer_node"  # marks nodes for trainers, beside "GPU"
 
 
@@ -643,11 +639,9 @@ def connect(cfg: TrainConfig, progress: Progress) -> Run:
     if not cfg.cluster:
         inp = resolve_inputs(cfg)
         inp.eval_data = eval_data
-        run = Run(inp, progress)
-        run.start_ray()
-        return run
-    placeholder = Run(Inputs(cfg, Path(), Path(), Path(), 0, None, "cpu", "float32"), progress)
-    placeholder.start_ray()
+        start_ray(cfg, progress)
+        return Run(inp, progress)
+    start_ray(cfg, progress)
     node_id, address = pick_trainer_node()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 
 class ApplianceError(Exception):
-    """Base class for errors caused by the user's input, not by a bug."""
+    """Base class for errors caused by the user's input, not by a bug: bad config (ConfigError),
+    model (ModelError), data (data.DataError), storage (storage.StorageError) or checkpoints
+    (checkpoint.CheckpointError). The CLI prints these; anything else is a bug and keeps its
+    traceback."""
 
 
 class ConfigError(ApplianceError):

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from appliance.errors import ApplianceError
+
 logger = logging.getLogger(__name__)
 
 S3_SCHEME = "s3://"
@@ -50,7 +52,7 @@ INVALID = "invalid"
 OTHER = "other"
 
 
-class StorageError(Exception):
+class StorageError(ApplianceError):
     """A storage operation failed. ``uri`` names the object; ``kind`` is one of the module's
     error-kind constants (``NOT_FOUND``, ``NO_BUCKET``, ``ACCESS_DENIED``, ...)."""
 

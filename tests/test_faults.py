@@ -41,7 +41,10 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("faults")
+    return build_inputs(tmp_path_factory.mktemp("faults"))
+
+
+def build_inputs(root: Path) -> tuple[Path, Path]:
     # big enough that a step takes tens of milliseconds: the kills below land mid-run
     model = make_model(
         root / "model",

@@ -1,0 +1,123 @@
+"""The `appliance` subcommands as a user types them: eval, export, bench, and Ctrl-C on train."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+
+import pytest
+import torch
+from click.testing import CliRunner
+from peft import PeftModel
+
+from appliance.cli import main
+from appliance.evaluate import evaluate
+from appliance.hf_checkpoint import read_model_args
+from appliance.lora import LoraSpec, LoraWeights
+from tests.helpers_model import load_hf, make_model
+from tests.helpers_tokenizer import sentences
+from tests.test_faults import Proc, args, build_inputs
+
+
+@pytest.fixture(scope="module")
+def model_and_adapter(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    model = make_model(root / "model", "llama-mha")
+    lora = LoraWeights(read_model_args(model), LoraSpec(rank=4, alpha=8.0), seed=3)
+    with torch.no_grad():
+        for block in lora.blocks:
+            for _, B in block.values():
+                B.normal_(0, 0.05)
+    lora.save(root / "adapter")
+    data = root / "eval.jsonl"
+    data.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(12, seed=4)))
+    return model, root / "adapter", data
+
+
+def test_eval_prints_one_json_line_with_loss_and_tokens(model_and_adapter):
+    model, adapter, data = model_and_adapter
+    result = CliRunner().invoke(
+        main,
+        [
+            "eval",
+            "--model",
+            str(model),
+            "--adapter",
+            str(adapter),
+            "--data",
+            str(data),
+            "--seq-len",
+            "10",
+            "--device",
+            "cpu",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1
+    printed = json.loads(lines[0])
+    assert set(printed) == {"loss", "tokens"}
+    assert printed == evaluate(model, data, 10, adapter_dir=adapter)
+
+
+def test_export_writes_a_checkpoint_transformers_loads_equal_to_base_plus_adapter(
+    model_and_adapter, tmp_path
+):
+    model, adapter, _ = model_and_adapter
+    out = tmp_path / "merged"
+    result = CliRunner().invoke(
+        main, ["export", "--model", str(model), "--adapter", str(adapter), "--output", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
+    with torch.no_grad():
+        merged = load_hf(out)(input_ids=ids).logits
+        reference = PeftModel.from_pretrained(load_hf(model), adapter)(input_ids=ids).logits
+    torch.testing.assert_close(merged, reference, rtol=1e-5, atol=1e-5)
+    again = CliRunner().invoke(
+        main, ["export", "--model", str(model), "--adapter", str(adapter), "--output", str(out)]
+    )
+    assert again.exit_code == 1 and "error:" in again.output and str(out) in again.output
+
+
+def test_bench_tiny_prints_the_table_and_writes_json(tmp_path):
+    result = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            "--preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--steps",
+            "1",
+            "--json",
+            str(tmp_path / "b.json"),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "streamed" in result.output and "resident" in result.output
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert data["preset"] == "tiny"
+
+
+@pytest.mark.integration
+def test_ctrl_c_stops_training_cleanly(inputs, tmp_path):
+    out = tmp_path / "out"
+    proc = Proc(args(inputs, out))
+    proc.wait_for_step(3)
+    family = proc.p.pid
+    proc.p.send_signal(signal.SIGINT)
+    rc, _, err = proc.finish(timeout=120)
+    assert rc == 130, err[-2000:]
+    assert "interrupted" in err and "Traceback" not in err
+    assert not (out / "adapter_config.json").exists()
+    # no Ray process of that run is left behind
+    left = subprocess.run(["pgrep", "-s", str(family)], capture_output=True, text=True).stdout
+    assert left.strip() == ""
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    return build_inputs(tmp_path_factory.mktemp("ctrl-c"))
