@@ -107,6 +107,8 @@ class Progress:
         if self.live is not None:
             self.live.stop()
             self.live = None
+            if not self.console.is_terminal:
+                self.console.line()  # a terminal ends the live table's line itself; a pipe not
         if self.format == "json":
             print(json.dumps({"summary": summary}), file=self.stream, flush=True)
             return
