@@ -158,11 +158,8 @@ class Trainer:
 
 
 def _resolve(batches: list[Any]) -> list[Any]:
-    try:
-        import ray
+    """Batches from object refs, fetched in order: when a tokenizer worker fails, its later
+    batches fail too, and the error raised must be the first one (the real cause)."""
+    import ray
 
-        if batches and isinstance(batches[0], ray.ObjectRef):
-            return ray.get(batches)
-    except ImportError:  # pragma: no cover
-        pass
-    return batches
+    return [ray.get(b) if isinstance(b, ray.ObjectRef) else b for b in batches]
