@@ -13,14 +13,7 @@ import sys
 import click
 
 from . import config as C
-from .errors import ApplianceError
-
-
-def _unwrap(e: BaseException) -> BaseException:
-    """A user error raised inside a Ray actor arrives wrapped; show the original message."""
-    while isinstance(getattr(e, "cause", None), BaseException):
-        e = e.cause  # type: ignore[attr-defined]
-    return e
+from .errors import ApplianceError, cause_chain
 
 
 def friendly_errors(fn):
@@ -29,7 +22,7 @@ def friendly_errors(fn):
         try:
             return fn(*args, **kwargs)
         except ApplianceError as e:
-            for line in str(_unwrap(e)).splitlines() or [type(e).__name__]:
+            for line in str(cause_chain(e)[-1]).splitlines() or [type(e).__name__]:
                 click.echo(f"error: {line}", err=True)
             sys.exit(1)
         except KeyboardInterrupt:

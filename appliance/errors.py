@@ -20,3 +20,12 @@ class ConfigError(ApplianceError):
 
 class ModelError(ApplianceError):
     """A model directory that cannot be used: missing files, unsupported architecture, bad shapes."""
+
+
+def cause_chain(e: BaseException) -> list[BaseException]:
+    """The exception and what it wraps, outermost first (Ray nests an actor's failure in
+    `.cause`, a task's in `.cause` again when it crosses another actor)."""
+    chain = [e]
+    while isinstance(getattr(chain[-1], "cause", None), BaseException) and len(chain) < 10:
+        chain.append(chain[-1].cause)  # type: ignore[attr-defined]
+    return chain

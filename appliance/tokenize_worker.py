@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from appliance import storage
 from appliance.data import (
     IGNORE_INDEX,
     ON_BAD_RECORD,
@@ -344,3 +345,18 @@ class TokenizeWorker:
         encoded[0] = (ids[offset:], mask[offset:])
         offsets[0] = offsets[0][offset:]
         self._must_resume_at = None
+
+
+class ShardWorker(TokenizeWorker):
+    """A TokenizeWorker that first fetches its inputs (s3:// or a shared path) onto the node it
+    runs on: tokenizer workers go wherever the cluster has CPUs."""
+
+    def __init__(self, data_path: str, tokenizer_path: str, **kwargs: Any):
+        super().__init__(
+            str(storage.localize(data_path)), str(storage.localize(tokenizer_path)), **kwargs
+        )
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()

@@ -18,10 +18,11 @@ from peft import PeftModel
 
 from appliance.blocks import DictBlockSource
 from appliance.config import build_config
-from appliance.driver import Run, prepare, schedule, train, worker_kwargs
+from appliance.driver import prepare, train
 from appliance.engine import StreamedEngine, lr_at
 from appliance.lora import load_adapter
 from appliance.progress import Progress
+from appliance.run import Run, schedule, worker_kwargs
 from appliance.tokenize_worker import TokenizeWorker
 from appliance.trainer import Trainer, TrainerSettings
 from appliance.weight_store import WeightStore
