@@ -22,7 +22,7 @@ from . import storage
 from .config import TrainConfig, flag
 from .data import check_dataset
 from .errors import ConfigError, cause_chain
-from .hf_checkpoint import read_model_args, tokenizer_path
+from .hf_checkpoint import SafetensorsCheckpoint, read_model_args, seq_len_problems, tokenizer_path
 from .progress import Progress
 from .run import IDENTITY_KEYS, RUN_FILE, Inputs, Run, run_identity, write_run_file
 from .storage import StorageError
@@ -80,19 +80,10 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
             "--cluster give s3:// URIs or paths shared by every node"
         ) from None
     args = read_model_args(model_dir)  # refuses unsupported architectures before any weight
+    SafetensorsCheckpoint(model_dir).check(args)  # every tensor there, readable, right shape
     tok = tokenizer_path(model_dir)
     check_dataset(data_path, tok)  # errors here are clear; inside an actor they'd be wrapped
-    problems = []
-    if cfg.seq_len > args.max_position_embeddings:
-        problems.append(
-            f"{flag('seq_len')} {cfg.seq_len} exceeds the model's "
-            f"max_position_embeddings ({args.max_position_embeddings})"
-        )
-    if args.sliding_window and cfg.seq_len > args.sliding_window:
-        problems.append(
-            f"{flag('seq_len')} {cfg.seq_len} exceeds the model's sliding_window "
-            f"({args.sliding_window}); sliding-window attention is not implemented"
-        )
+    problems = seq_len_problems(args, cfg.seq_len)
     if args.eos_token_id is None:
         problems.append(f"{model_dir}/config.json has no eos_token_id: packing needs one")
     if problems:

@@ -105,6 +105,10 @@ def evaluate(
     if batch_tokens < 1:
         raise ConfigError(f"batch_tokens must be ≥ 1, got {batch_tokens}")
     args = hf_checkpoint.read_model_args(model_dir)  # refuses unsupported models before any work
+    problems = hf_checkpoint.seq_len_problems(args, seq_len)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    hf_checkpoint.SafetensorsCheckpoint(model_dir).check(args)
     seqs = encode_records(data_path, load_tokenizer(model_dir), seq_len)
     if not seqs:
         raise DataError(

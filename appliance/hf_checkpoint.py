@@ -8,11 +8,10 @@ compute dtype however the checkpoint is stored.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from .errors import ModelError
 from .model import TARGET_MODULES, ModelArgs
@@ -20,7 +19,9 @@ from .model import TARGET_MODULES, ModelArgs
 _LINEARS = frozenset(TARGET_MODULES.values())
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-GLOBAL_NAMES = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+# what a safetensors file that cannot be read raises: a missing or unreadable file (OSError), a
+# truncated or garbled header (SafetensorError), a tensor past the end of the file (RuntimeError)
+_UNREADABLE = (OSError, RuntimeError, SafetensorError)
 
 
 def _read_json(path: Path, what: str) -> dict:
@@ -131,8 +132,7 @@ class SafetensorsCheckpoint:
             weight_map = _read_json(index, "safetensors index")["weight_map"]
             self.files = {name: self.dir / f for name, f in weight_map.items()}
         elif single.is_file():
-            with safe_open(single, "pt") as f:
-                self.files = {name: single for name in f.keys()}
+            self.files = {name: single for name in _tensor_names(single)}
         else:
             raise ModelError(
                 f"{self.dir}: no model.safetensors or model.safetensors.index.json; "
@@ -155,9 +155,76 @@ class SafetensorsCheckpoint:
                 with safe_open(path, "pt") as f:
                     for n in group:
                         out[n] = f.get_tensor(n).to(dtype)
-            except (OSError, RuntimeError) as e:
+            except _UNREADABLE as e:
                 raise ModelError(f"{path}: cannot read safetensors file: {e}") from None
         return out
+
+    def check(self, args: ModelArgs) -> None:
+        """Before any weight is read: every tensor the model needs is in a readable file, with
+        the shape config.json implies. Reads the files' headers only (cheap, however large)."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        for path in sorted(set(self.files.values())):
+            try:
+                with safe_open(path, "pt") as f:
+                    for name in f.keys():
+                        shapes[name] = tuple(f.get_slice(name).get_shape())
+            except _UNREADABLE as e:
+                raise ModelError(
+                    f"{path}: cannot read safetensors file: {e}; re-download or re-save the model"
+                ) from None
+        for name, shape in expected_shapes(args).items():
+            if name not in shapes:
+                raise ModelError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
+            if shapes[name] != shape:
+                raise ModelError(
+                    f"{self.dir}: {name} has shape {shapes[name]}, config.json implies {shape}"
+                )
+
+
+def _tensor_names(path: Path) -> list[str]:
+    try:
+        with safe_open(path, "pt") as f:
+            return list(f.keys())
+    except _UNREADABLE as e:
+        raise ModelError(
+            f"{path}: cannot read safetensors file: {e}; re-download or re-save the model"
+        ) from None
+
+
+def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every tensor name the model reads, with the shape config.json implies."""
+    C, V = args.hidden_size, args.vocab_size
+    out: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (V, C),
+        "model.norm.weight": (C,),
+    }
+    if not args.tie_word_embeddings:
+        out["lm_head.weight"] = (V, C)
+    for i in range(args.num_layers):
+        for name in block_names(args, i):
+            module, kind = name.removeprefix(f"model.layers.{i}.").rsplit(".", 1)
+            if module in _LINEARS:
+                rows, cols = args.module_shape(module)
+                out[name] = (rows, cols) if kind == "weight" else (rows,)
+            else:  # the two RMSNorm weights
+                out[name] = (C,)
+    return out
+
+
+def seq_len_problems(args: ModelArgs, seq_len: int) -> list[str]:
+    """Why `--seq-len` cannot be used with this model (empty when it can)."""
+    problems = []
+    if seq_len > args.max_position_embeddings:
+        problems.append(
+            f"--seq-len {seq_len} exceeds the model's max_position_embeddings "
+            f"({args.max_position_embeddings})"
+        )
+    if args.sliding_window and seq_len > args.sliding_window:
+        problems.append(
+            f"--seq-len {seq_len} exceeds the model's sliding_window ({args.sliding_window}); "
+            "sliding-window attention is not implemented"
+        )
+    return problems
 
 
 def block_names(args: ModelArgs, i: int) -> list[str]:
@@ -201,12 +268,3 @@ def read_block(
                     f"{expected}"
                 )
     return out
-
-
-def iter_blocks(
-    model_dir: str | Path, dtype: torch.dtype
-) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-    args = read_model_args(model_dir)
-    ckpt = SafetensorsCheckpoint(model_dir)
-    for i in range(args.num_layers):
-        yield i, read_block(ckpt, args, i, dtype)
