@@ -75,6 +75,11 @@ class TrainConfig:
     gpu_memory_budget: str | None = _f(
         None, "Cap the appliance's GPU memory, e.g. 24GiB; blocks beyond it are streamed."
     )
+    trainers: int | None = _f(
+        None,
+        "Trainers, one per GPU, training one adapter data-parallel; each takes "
+        "--micro-batches-per-step micro-batches per step (default: every GPU Ray sees, 1 on CPU).",
+    )
     # ---- data pipeline
     tokenize_workers: int | None = _f(
         None, "Tokenizer worker actors (default: the CPUs beside the trainer)."
@@ -238,7 +243,7 @@ def validate(cfg: TrainConfig) -> list[str]:
         "keep_checkpoints",
     ):
         positive(name)
-    for name in ("steps", "epochs", "checkpoint_every", "tokenize_workers"):
+    for name in ("steps", "epochs", "checkpoint_every", "tokenize_workers", "trainers"):
         positive(name)
     for name in ("warmup_steps", "max_restarts", "weight_decay", "grad_clip"):
         positive(name, 0)
