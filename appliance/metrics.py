@@ -15,7 +15,8 @@ classes run without Ray in tests); the Ray metric objects are created on first u
 
     TrainerMetrics(rank=0).record_step(stats)            # Trainer, once per step
     TokenizerMetrics(worker=3).record_totals(...)        # TokenizeWorker, after each batch
-    DriverMetrics().batches_in_flight(n)                 # driver step loop
+    DriverMetrics().batches_in_flight(n)                 # driver step loop, after each step
+    DriverMetrics().queue_depth(worker=3, n=2)           # ... and per tokenizer worker
     WeightStoreMetrics().record(bytes_held)              # WeightStore, after loading
 
 The embedded Ray started by `appliance train` serves the endpoint on a fixed port:
@@ -196,16 +197,18 @@ TOKENIZER_SECONDS = MetricSpec(
     "appliance_tokenizer_seconds", COUNTER, "seconds",
     "Seconds this worker spent reading, tokenizing and packing (its busy time).", ("worker",),
 )  # fmt: skip
-TOKENIZER_QUEUE_DEPTH = MetricSpec(
-    "appliance_tokenizer_queue_depth", GAUGE, "batches",
-    "Packed batches ready in this worker, waiting to be asked for.", ("worker",),
-)  # fmt: skip
-
 # Driver
 BATCHES_IN_FLIGHT = MetricSpec(
     "appliance_batches_in_flight", GAUGE, "batches",
     "Micro-batches requested from tokenizer workers and not yet consumed by a step (the prefetch "
     "window).",
+)  # fmt: skip
+TOKENIZER_QUEUE_DEPTH = MetricSpec(
+    "appliance_tokenizer_queue_depth", GAUGE, "batches",
+    "Per tokenizer worker, as the driver sees it after each step: batches requested from that "
+    "worker and not yet consumed by the trainer (its share of appliance_batches_in_flight; a "
+    "worker keeps no queue of its own).",
+    ("worker",),
 )  # fmt: skip
 RESTARTS = MetricSpec(
     "appliance_restarts", COUNTER, "restarts",
@@ -227,7 +230,7 @@ REGISTRY: tuple[MetricSpec, ...] = (
     TOKENS, STEPS, STEP, STEP_SECONDS, STEP_TIME_SECONDS, PHASE_SECONDS, H2D_BYTES, H2D_SECONDS,
     MODEL_FLOPS, LOSS, LEARNING_RATE, MFU, GPU_BUSY, GPU_NVML_UTILIZATION, GPU_MEMORY_ALLOCATED,
     GPU_MEMORY_RESERVED, TOKENIZER_TOKENS, TOKENIZER_DOCUMENTS, TOKENIZER_ERRORS,
-    TOKENIZER_SECONDS, TOKENIZER_QUEUE_DEPTH, BATCHES_IN_FLIGHT, RESTARTS, CHECKPOINTS,
+    TOKENIZER_SECONDS, BATCHES_IN_FLIGHT, TOKENIZER_QUEUE_DEPTH, RESTARTS, CHECKPOINTS,
     WEIGHT_STORE_BYTES,
 )  # fmt: skip
 
@@ -458,17 +461,12 @@ class TokenizerMetrics(_Recorder):
         self._last = {"tokens": 0, "documents": 0, "errors": 0, "seconds": 0.0}
 
     def record(
-        self,
-        tokens: int = 0,
-        documents: int = 0,
-        errors: int = 0,
-        seconds: float = 0.0,
-        queue_depth: int | None = None,
+        self, tokens: int = 0, documents: int = 0, errors: int = 0, seconds: float = 0.0
     ) -> None:
         """Add work done since the last call (increments). No-op without Ray.
 
         tokens: tokens packed; documents: records tokenized; errors: bad records skipped;
-        seconds: busy time; queue_depth: packed batches now ready in the worker (None: unknown).
+        seconds: busy time. (Its queue depth is the driver's to record: DriverMetrics.queue_depth.)
         """
         if not self.enabled:
             return
@@ -476,7 +474,6 @@ class TokenizerMetrics(_Recorder):
         self._inc(TOKENIZER_DOCUMENTS, documents)
         self._inc(TOKENIZER_ERRORS, errors)
         self._inc(TOKENIZER_SECONDS, seconds)
-        self._set(TOKENIZER_QUEUE_DEPTH, queue_depth)
 
     def record_totals(
         self,
@@ -484,7 +481,6 @@ class TokenizerMetrics(_Recorder):
         documents_total: int,
         errors_total: int = 0,
         seconds_total: float = 0.0,
-        queue_depth: int | None = None,
     ) -> None:
         """Record from the worker's cumulative counters (e.g. TokenizeWorker.tokens_total,
         .documents_total, .skipped_total, .tokenize_seconds): the increments since the last call
@@ -497,7 +493,7 @@ class TokenizerMetrics(_Recorder):
         }
         delta = {k: v - self._last[k] for k, v in now.items()}
         self._last = now
-        self.record(**delta, queue_depth=queue_depth)
+        self.record(**delta)
 
 
 class DriverMetrics(_Recorder):
@@ -507,6 +503,12 @@ class DriverMetrics(_Recorder):
         """Micro-batches requested from workers and not yet consumed, after each step."""
         if self.enabled:
             self._set(BATCHES_IN_FLIGHT, n)
+
+    def queue_depth(self, worker: int, n: int) -> None:
+        """Batches requested from tokenizer worker `worker` and not yet consumed by the trainer,
+        after each step (set it for every worker, 0 included, so a drained worker reads 0)."""
+        if self.enabled:
+            self._set(TOKENIZER_QUEUE_DEPTH, n, worker=str(worker))
 
     def restart(self, kind: str) -> None:
         """One restart after a failure; `kind` is one of RESTART_KINDS."""

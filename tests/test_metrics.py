@@ -89,10 +89,12 @@ class RecordEverything:
     def record(self) -> None:
         M.TrainerMetrics(rank=0, peak_flops=1e12).record_step(full_trainer_stats())
         tok = M.TokenizerMetrics(worker=1)
-        tok.record_totals(1000, 10, 1, 0.25, queue_depth=3)
-        tok.record_totals(1500, 12, 1, 0.5, queue_depth=2)
+        tok.record_totals(1000, 10, 1, 0.25)
+        tok.record_totals(1500, 12, 1, 0.5)
         driver = M.DriverMetrics()
         driver.batches_in_flight(4)
+        driver.queue_depth(worker=1, n=3)
+        driver.queue_depth(worker=1, n=2)
         driver.restart("trainer")
         driver.checkpoint_seconds(1.5)
         M.WeightStoreMetrics().record(123456789)
@@ -321,13 +323,23 @@ def test_trainer_record_step_on_cpu_leaves_gpu_metrics_absent(fake_ray):
 
 def test_tokenizer_record_totals_adds_increments(fake_ray):
     tok = M.TokenizerMetrics(worker=2)
-    tok.record_totals(100, 3, 0, 0.5, queue_depth=1)
+    tok.record_totals(100, 3, 0, 0.5)
     tok.record_totals(250, 5, 1, 0.75)
     incs = [(n, v) for n, op, v, t in fake_ray if op == "inc"]
     assert sum(v for n, v in incs if n == "appliance_tokenizer_tokens") == 250
     assert sum(v for n, v in incs if n == "appliance_tokenizer_documents") == 5
     assert sum(v for n, v in incs if n == "appliance_tokenizer_errors") == 1
     assert all(t == {"worker": "2"} for *_, t in fake_ray)
+
+
+def test_driver_records_queue_depth_per_tokenizer_worker(fake_ray):
+    driver = M.DriverMetrics()
+    driver.queue_depth(worker=0, n=3)
+    driver.queue_depth(worker=1, n=0)  # a drained worker reads 0, not "no data"
+    assert fake_ray == [
+        ("appliance_tokenizer_queue_depth", "set", 3.0, {"worker": "0"}),
+        ("appliance_tokenizer_queue_depth", "set", 0.0, {"worker": "1"}),
+    ]
 
 
 def test_driver_checkpoint_goes_to_phase_checkpoint_rank_driver(fake_ray):
