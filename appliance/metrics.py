@@ -43,8 +43,10 @@ RAY_PREFIX = "ray_"  # what Ray's exporter puts in front of every metric name
 #: does not attribute is recorded as `other`. `checkpoint` with `rank="driver"` is the driver
 #: writing a checkpoint between steps (not part of any step).
 PHASES = ("forward", "backward", "optimizer", "data_wait", "h2d_stall", "checkpoint", "other")
-#: What `DriverMetrics.restart(kind)` accepts.
-RESTART_KINDS = ("trainer", "tokenizer", "weight_store", "driver")
+#: What `DriverMetrics.restart(kind)` accepts: `trainer` (the trainer actor died and was
+#: recreated), `tokenizer` (a tokenizer worker died; all are recreated at their cursors),
+#: `driver` (an `appliance train --resume` continued from a checkpoint).
+RESTART_KINDS = ("trainer", "tokenizer", "driver")
 #: The `rank` label value for phases the driver measures (checkpoints).
 DRIVER_RANK = "driver"
 
@@ -157,8 +159,9 @@ MFU = MetricSpec(
 )  # fmt: skip
 GPU_BUSY = MetricSpec(
     "appliance_gpu_busy_ratio", GAUGE, "ratio",
-    "Share of the last step the compute stream was busy, from CUDA events, h2d stalls excluded. "
-    "Absent on a CPU.",
+    "Share of the last step the GPU's compute stream was busy: busy seconds (the sum of the "
+    "CUDA-event-timed intervals bracketing real work, waits for block weights excluded) divided "
+    "by the step's wall-clock seconds, data wait included. Absent on a CPU.",
     ("rank",),
 )  # fmt: skip
 GPU_NVML_UTILIZATION = MetricSpec(
@@ -212,7 +215,9 @@ TOKENIZER_QUEUE_DEPTH = MetricSpec(
 )  # fmt: skip
 RESTARTS = MetricSpec(
     "appliance_restarts", COUNTER, "restarts",
-    "Actor restarts after a failure, by kind: trainer, tokenizer, weight_store, driver (--resume).",
+    "Restarts, by kind: trainer (the trainer actor died and was recreated), tokenizer (a "
+    "tokenizer worker died; all workers were recreated at their cursors), driver (a --resume "
+    "continued from a checkpoint).",
     ("kind",),
 )  # fmt: skip
 CHECKPOINTS = MetricSpec(
@@ -408,8 +413,9 @@ class TrainerMetrics(_Recorder):
             overlap (h2d_stall is not also inside forward/backward); the rest of step_seconds is
             recorded as phase "other";
           h2d_bytes, h2d_seconds; flops (model FLOPs of the step); mfu (0..1, else derived from
-          flops and peak_flops); gpu_busy_ratio (0..1, CUDA events); nvml_util_mean (0..1, from
-          gpu_monitor.NvmlSampler.take_mean()); gpu_mem_allocated, gpu_mem_reserved (bytes).
+          flops and peak_flops); gpu_busy_ratio (0..1: CUDA-event busy seconds / step_seconds);
+          nvml_util_mean (0..1, from gpu_monitor.NvmlSampler.take_mean()); gpu_mem_allocated,
+          gpu_mem_reserved (bytes).
         Other keys are ignored.
         """
         phases = dict(stats.get("phase_seconds") or {})
