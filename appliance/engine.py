@@ -20,12 +20,14 @@ here: the engine is tested on its own against a full-model reference.
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from . import model as M
 from .blocks import BlockSource, pack, unpack
@@ -39,9 +41,9 @@ MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input_ids (B, T), labels (B, 
 class StepStats:
     """What one optimizer step measured. Seconds are wall-clock on the host."""
 
-    loss: float
-    tokens: int  # input positions processed (B·T·M)
-    target_tokens: int  # positions with a label
+    loss: float  # of the global batch (all data-parallel ranks)
+    tokens: int  # input positions this rank processed (B·T·M)
+    target_tokens: int  # positions with a label, over the global batch (all ranks)
     grad_norm: float
     phase_seconds: dict[str, float] = field(
         default_factory=dict
@@ -211,8 +213,13 @@ class StreamedEngine:
         betas: tuple[float, float] = (0.9, 0.999),
         grad_clip: float | None = 1.0,
         seed: int = 0,
+        group: dist.ProcessGroup | None = None,
     ):
+        """`group`: a data-parallel process group. Each rank passes its share of the global batch
+        to `train_step`; target tokens, LoRA gradients and the loss are summed over the group, so
+        every rank applies the same update. Without a group the engine is single-process."""
         self.args = source.args
+        self.group = group
         self.device = torch.device(device)
         self.dtype = dtype
         self.lora = lora
@@ -318,51 +325,81 @@ class StreamedEngine:
     def forward_backward(
         self, micro_batches: list[MicroBatch], step: int
     ) -> tuple[float, int, dict]:
-        """Accumulate LoRA gradients for one global batch; returns (loss, target tokens, seconds)."""
-        if not self._planned:
+        """Accumulate LoRA gradients for one global batch; returns (loss, target tokens, seconds).
+
+        With a data-parallel group, `micro_batches` is this rank's share (possibly empty) and the
+        returned loss, target tokens and the LoRA gradients are those of the whole global batch.
+        Call it once per optimizer step then: the gradients are summed over ranks in place.
+        """
+        if not self._planned and micro_batches:
             self._plan(micro_batches)
         L = self.args.num_layers
         g = self.weights.globals
         labels = [lab.to(self.device) for _, lab in micro_batches]
-        n_target = int(sum((lab != -100).sum() for lab in labels))
+        n_target = sum(int((lab != -100).sum()) for lab in labels)
+        if self.group is not None:  # every rank divides by the global batch's target tokens
+            count = torch.tensor([n_target], dtype=torch.int64, device=self.device)
+            dist.all_reduce(count, group=self.group)
+            n_target = int(count)
         denom = max(n_target, 1)
         t0 = time.perf_counter()
-        hs, saved = self._forward(micro_batches, step, dropout=True, save=True)
-        # head: the loss of the whole global batch, and d(loss)/d(last hidden states)
-        grads, loss = [], torch.zeros((), device=self.device)
-        for h, lab in zip(hs, labels, strict=True):
-            h = h.detach().requires_grad_(True)
-            part = M.loss_sum(h, lab, g, self.args) / denom
-            part.backward()
-            loss += part.detach()
-            grads.append(h.grad)
-        del hs
-        self.weights.prefetch(L - 1)
+        loss = torch.zeros((), device=self.device)
+        forward_stall = backward_stall = 0.0
+        if micro_batches:
+            hs, saved = self._forward(micro_batches, step, dropout=True, save=True)
+            # head: this share's part of the global batch's loss, and d(loss)/d(last hidden states)
+            grads = []
+            for h, lab in zip(hs, labels, strict=True):
+                h = h.detach().requires_grad_(True)
+                part = M.loss_sum(h, lab, g, self.args) / denom
+                part.backward()
+                loss += part.detach()
+                grads.append(h.grad)
+            del hs
+            self.weights.prefetch(L - 1)
         self._sync()
         t1 = time.perf_counter()
         forward_stall = self.weights.stall_seconds()
-        for i in reversed(range(L)):
-            w = self.weights.get(i)
-            self.weights.prefetch(i - 1)
-            lora = self.lora.context(
-                i, self.dtype
-            )  # with grad: the fp32 → dtype cast is on the tape
-            for m in range(len(micro_batches)):
-                x = saved[i][m].to(self.device, non_blocking=True).requires_grad_(True)
-                saved[i][m] = None  # free the saved input as soon as it is consumed
-                lora.generator = self._generator(step, i, m)
-                cos, sin = self._cos_sin(x.shape[1])
-                y = M.block_forward(x, w, self.args, cos, sin, lora)
-                y.backward(grads[m])
-                grads[m] = x.grad
-            del lora
-            self.weights.release(i)
+        if micro_batches:
+            for i in reversed(range(L)):
+                w = self.weights.get(i)
+                self.weights.prefetch(i - 1)
+                lora = self.lora.context(i, self.dtype)  # with grad: the fp32 → dtype cast is taped
+                for m in range(len(micro_batches)):
+                    x = saved[i][m].to(self.device, non_blocking=True).requires_grad_(True)
+                    saved[i][m] = None  # free the saved input as soon as it is consumed
+                    lora.generator = self._generator(step, i, m)
+                    cos, sin = self._cos_sin(x.shape[1])
+                    y = M.block_forward(x, w, self.args, cos, sin, lora)
+                    y.backward(grads[m])
+                    grads[m] = x.grad
+                del lora
+                self.weights.release(i)
+        if self.group is not None:
+            loss = self._all_reduce_grads_and(loss)
         self._sync()
         t2 = time.perf_counter()
         backward_stall = self.weights.stall_seconds() - forward_stall
-        # phases must not overlap: the time spent waiting for weights is h2d_stall, not compute
+        # phases must not overlap: the time spent waiting for weights is h2d_stall, not compute;
+        # the gradient all-reduce counts as backward
         phases = {"forward": t1 - t0 - forward_stall, "backward": t2 - t1 - backward_stall}
         return float(loss), n_target, phases
+
+    def _all_reduce_grads_and(self, loss: torch.Tensor) -> torch.Tensor:
+        """Sum every LoRA gradient and `loss` over the group: one flat fp32 buffer, one collective.
+
+        A rank with no micro-batches has no gradients yet: it contributes zeros."""
+        params = self.lora.parameters()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.reshape(1).to(torch.float32)])
+        dist.all_reduce(flat, group=self.group)
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return flat[-1]
 
     def optimizer_step(self, lr: float) -> float:
         params = self.lora.parameters()
@@ -461,8 +498,6 @@ def lr_at(
     step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1
 ) -> float:
     """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at `total_steps`."""
-    import math
-
     if warmup_steps > 0 and step < warmup_steps:
         return lr * (step + 1) / warmup_steps
     span = max(1, total_steps - warmup_steps)

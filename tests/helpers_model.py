@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from appliance.lora import LoraSpec, LoraWeights
 from tests.helpers_tokenizer import make_tokenizer
 
 VOCAB = 64  # ≥ the test tokenizer's vocabulary
@@ -84,3 +85,35 @@ def make_model(
 def load_hf(directory: str | Path) -> transformers.PreTrainedModel:
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     return model.eval()
+
+
+ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+SPEC = LoraSpec(rank=4, alpha=8.0, dropout=0.0, targets=ALL_TARGETS)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖, in fp32 on the CPU."""
+    a, b = a.detach().float().cpu(), b.detach().float().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def lora_with_random_b(
+    args, spec: LoraSpec = SPEC, device: str | torch.device = "cpu", seed: int = 1
+) -> LoraWeights:
+    """The same LoRA on any device (made on the CPU), with non-zero B so every gradient is live."""
+    lora = LoraWeights(args, spec, device, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for block in lora.blocks:
+            for _, B in block.values():
+                B.copy_(torch.randn(B.shape, generator=g) * 0.1)
+    return lora
+
+
+def batch(n_rows: int, T: int, seed: int = 0, vocab: int = VOCAB, prompt: int = 3):
+    """(input_ids (n_rows, T), labels (n_rows, T)); the first `prompt` positions carry no loss."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (n_rows, T + 1), generator=g)
+    labels = ids[:, 1:].clone()
+    labels[:, :prompt] = -100  # some positions carry no loss, as prompts and padding do
+    return ids[:, :-1].contiguous(), labels
