@@ -366,6 +366,7 @@ def _run_mode(
     except torch.cuda.OutOfMemoryError as e:
         return {**row, "fits": False, "reason": f"CUDA out of memory: {str(e).splitlines()[0]}"}
     finally:
+        engine.close()  # unregister the page-locked blocks before anything can free them
         del engine, lora
         _release_cuda(device)
 

@@ -20,7 +20,10 @@ here: the engine is tested on its own against a full-model reference.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
+import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -73,14 +76,15 @@ class DeviceWeights:
         self.h2d_bytes = 0
         self._h2d_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._registered: list[int] = []  # host addresses we cudaHostRegister'ed (close() undoes)
         g = source.globals()
         self.globals = {k: v.to(device=device, dtype=dtype) for k, v in g.items()}
         if self.cuda:
             self._stream = torch.cuda.Stream(device)
             self._host: list[tuple[torch.Tensor, dict, bool]] = []
             for i in range(source.num_blocks):
-                flat, index = _flat_block(source, i, dtype)
-                self._host.append((flat, index, _register_pinned(flat)))
+                flat, index, torch_pinned = _flat_block(source, i, dtype)
+                self._host.append((flat, index, torch_pinned or self._register(flat)))
             biggest = max(f.numel() for f, _, _ in self._host)
             if not all(p for _, _, p in self._host):
                 self._staging = [
@@ -89,9 +93,43 @@ class DeviceWeights:
                 self._staging_free: list[torch.cuda.Event | None] = [None, None]
                 self._next_staging = 0
 
+    def _register(self, flat: torch.Tensor) -> bool:
+        """Page-lock `flat` in place (cudaHostRegister, flags 0); False if refused (then we stage).
+
+        Flags 0: the object store maps its pages writable (numpy marks them read-only, CUDA does
+        not care), so cudaHostRegisterReadOnly is not needed.
+        """
+        lib = _cudart()
+        if lib is None or flat.numel() == 0:
+            return False
+        with torch.cuda.device(self.device):
+            if lib.cudaHostRegister(flat.data_ptr(), flat.numel(), 0) != 0:
+                lib.cudaGetLastError()  # clear it: a refused registration must not fail a kernel
+                return False
+        self._registered.append(flat.data_ptr())
+        return True
+
+    def close(self) -> None:
+        """Unregister the host memory this registered and drop device copies (idempotent).
+
+        Must run before the host buffers are freed: a freed range still registered would make a
+        later allocation at the same address look pinned (`is_pinned()` is True) while CUDA still
+        maps the old pages. The object is unusable afterwards.
+        """
+        if self.cuda:
+            torch.cuda.synchronize(self.device)  # no copy may still be reading the buffers
+        for ptr in self._registered:  # non-empty only if _cudart() found the runtime
+            lib = _cudart()
+            if lib.cudaHostUnregister(ptr) != 0:
+                lib.cudaGetLastError()
+        self._registered.clear()
+        self._on_device.clear()
+        self._host = []
+
     def block_bytes(self) -> int:
-        i = 0
-        return sum(t.numel() * self.dtype.itemsize for t in self.source.block(i).values())
+        """Bytes of one block as uploaded: flat, each tensor padded to 64 bytes (blocks.pack)."""
+        w = self.source.block(0)
+        return sum(-(-t.numel() * self.dtype.itemsize // 64) * 64 for t in w.values())
 
     def prefetch(self, i: int) -> None:
         """Start copying block i to the device (no-op on CPU or if already there)."""
@@ -168,9 +206,13 @@ class DeviceWeights:
         return n, copy, stall
 
 
-def _flat_block(source: BlockSource, i: int, dtype: torch.dtype) -> tuple[torch.Tensor, dict]:
-    """Block i as one flat host buffer in the compute dtype (converted once here if the source
-    holds another dtype; the WeightStore already stores the compute dtype, so no copy then)."""
+def _flat_block(source: BlockSource, i: int, dtype: torch.dtype) -> tuple[torch.Tensor, dict, bool]:
+    """Block i as (one flat uint8 host buffer, its index, whether torch itself pinned it).
+
+    Converted once here if the source holds another dtype; the WeightStore already stores the
+    compute dtype, so no copy then. Buffers from numpy (the object store, `pack`) are never
+    torch-pinned: for them `is_pinned()` could only be a stale registration, so it is not asked.
+    """
     w = source.block(i)
     flat = getattr(source, "flat_block", None)
     if flat is not None and all(t.dtype == dtype for t in w.values()):
@@ -180,22 +222,39 @@ def _flat_block(source: BlockSource, i: int, dtype: torch.dtype) -> tuple[torch.
     if isinstance(buf, np.ndarray):
         with warnings.catch_warnings():  # read-only shared memory: we never write through it
             warnings.simplefilter("ignore", UserWarning)
-            buf = torch.from_numpy(buf)
-    return buf, index
+            return torch.from_numpy(buf), index, False
+    return buf, index, buf.is_pinned()
 
 
-def _register_pinned(flat: torch.Tensor) -> bool:
-    """Page-lock `flat` in place (cudaHostRegister); False if CUDA refuses (then we stage)."""
-    if flat.is_pinned():
-        return True
-    cudart = torch.cuda.cudart()
-    for flags in (0x08, 0x00):  # cudaHostRegisterReadOnly first: object-store pages are read-only
-        if int(cudart.cudaHostRegister(flat.data_ptr(), flat.numel(), flags)) == 0:
-            return True
-        clear = getattr(cudart, "cudaGetLastError", None)
-        if clear is not None:
-            clear()  # a refused registration must not surface as a later kernel's error
-    return False
+@functools.cache
+def _cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime library this process has loaded, through ctypes; None if none is loaded.
+
+    `torch.cuda.cudart()` binds cudaHostRegister but not cudaGetLastError, and a refused
+    registration leaves a pending error that a later kernel-launch check would raise. Register,
+    clear and unregister therefore all go through this handle: the same runtime torch uses (found
+    in /proc/self/maps, so no second copy with its own error state and current device is loaded).
+    Without it DeviceWeights does not register and copies through pinned staging buffers.
+    """
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted(
+                {
+                    m[1]
+                    for line in f
+                    if (m := re.search(r"(/\S*/libcudart\.so[.\d]*)$", line.strip()))
+                }
+            )
+    except OSError:
+        return None
+    if not paths:
+        return None
+    lib = ctypes.CDLL(paths[0])
+    lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
+    for fn in (lib.cudaHostRegister, lib.cudaHostUnregister, lib.cudaGetLastError):
+        fn.restype = ctypes.c_int
+    return lib
 
 
 class StreamedEngine:
@@ -243,6 +302,16 @@ class StreamedEngine:
         self._planned = False
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.offload_activations = False
+
+    def close(self) -> None:
+        """Unregister pinned host memory and free device weights (DeviceWeights.close)."""
+        self.weights.close()
+
+    def __enter__(self) -> StreamedEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------ planning
 

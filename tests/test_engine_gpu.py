@@ -16,7 +16,8 @@ from appliance.bench import SyntheticBlockSource, _llama
 from appliance.blocks import DictBlockSource
 from appliance.engine import StreamedEngine
 from appliance.lora import LoraSpec, LoraWeights
-from tests.helpers_model import VOCAB, make_model
+from tests.helpers_model import VOCAB, make_model, rel_err
+from tests.helpers_model import lora_with_random_b as _lora_with_random_b
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,20 +41,8 @@ def _fresh_cuda():
     torch.cuda.set_per_process_memory_fraction(1.0)
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().float().cpu(), b.detach().float().cpu()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def lora_with_random_b(args, device, seed=1) -> LoraWeights:
-    """The same LoRA on any device (made on the CPU), with non-zero B so every gradient is live."""
-    lora = LoraWeights(args, SPEC, device, seed=seed)
-    g = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for block in lora.blocks:
-            for _, B in block.values():
-                B.copy_(torch.randn(B.shape, generator=g) * 0.1)
-    return lora
+def lora_with_random_b(args, device) -> LoraWeights:
+    return _lora_with_random_b(args, SPEC, device)
 
 
 def batches(vocab: int, n: int, rows: int, T: int, seed: int = 0):
@@ -114,6 +103,7 @@ def run_resident_and_streamed(dtype: torch.dtype):
             # each streamed block crosses once per pass: forward and backward
             assert (2 * streamed - 1) * flat <= second.h2d_bytes <= 2 * streamed * flat
         out.append((loss, n_target, g, second.loss))
+        engine.close()
         del engine
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -157,6 +147,7 @@ def test_fp32_cuda_equals_cpu(variant, tmp_path):
         engine.optimizer_step(lr=1e-2)
         losses = [engine.train_step(mbs, lr=1e-2).loss for _ in range(2)]
         logits = engine.logits(mbs[0][0]).cpu()
+        engine.close()
         results.append((loss, g, losses, logits))
     (loss_c, g_c, steps_c, logits_c), (loss_g, g_g, steps_g, logits_g) = results
     assert abs(loss_g - loss_c) <= 1e-5 * abs(loss_c)
@@ -182,3 +173,18 @@ def test_fp32_cuda_streamed_equals_cpu():
     assert abs(loss_g - loss_c) <= 1e-5 * abs(loss_c)
     for a, b in zip(grads(gpu), grads(cpu), strict=True):
         assert rel_err(a, b) < 1e-5
+    gpu.close()
+
+
+def test_blocks_are_page_locked_in_place_and_close_unlocks_them():
+    """Flat numpy blocks are registered with CUDA (no staging); close() unregisters them all."""
+    source = SyntheticBlockSource(_llama(512, 256, 688, 3, 4, 2), torch.bfloat16)
+    engine = StreamedEngine(source, lora_with_random_b(source.args, "cuda"), device="cuda")
+    host = [flat for flat, _, _ in engine.weights._host]
+    assert all(pinned for _, _, pinned in engine.weights._host)
+    assert all(flat.is_pinned() for flat in host)
+    assert not hasattr(engine.weights, "_staging")
+    engine.train_step(batches(512, n=1, rows=1, T=16), lr=1e-3)  # uploads from the locked pages
+    engine.close()
+    assert not any(flat.is_pinned() for flat in host)
+    engine.close()  # a second close is harmless
