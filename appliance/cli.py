@@ -38,7 +38,11 @@ def main() -> None:
 
 
 def _train_options(fn):
-    """One click option per TrainConfig field (defaults None: unset flags don't override files)."""
+    """One click option per TrainConfig field (defaults None: unset flags don't override files).
+
+    Values reach config.build_config as the strings typed: it converts and checks them all, so
+    every bad flag is reported at once (click's own types stop at the first). The metavar still
+    shows the type or the choices in --help."""
     for name in reversed(list(C.FIELDS)):
         f = C.FIELDS[name]
         if not f.metadata.get("cli", True):
@@ -51,10 +55,12 @@ def _train_options(fn):
         if kind is bool:
             opt = click.option(C.flag(name), name, is_flag=True, default=None, help=help_text)
         else:
-            ctype = {int: int, float: float}.get(kind, str)
+            metavar = {int: "INTEGER", float: "FLOAT", tuple: "LIST"}.get(kind, "TEXT")
             if name in C.CHOICES:
-                ctype = click.Choice(C.CHOICES[name])
-            opt = click.option(C.flag(name), name, type=ctype, default=None, help=help_text)
+                metavar = "[" + "|".join(C.CHOICES[name]) + "]"
+            opt = click.option(
+                C.flag(name), name, type=str, default=None, metavar=metavar, help=help_text
+            )
         fn = opt(fn)
     return fn
 
@@ -77,7 +83,8 @@ def _train_options(fn):
 @_train_options
 @friendly_errors
 def train(config_file: str | None, **flags) -> None:
-    """Fine-tune a LoRA adapter. With no arguments: the built-in demo on embedded Ray."""
+    """Fine-tune a LoRA adapter. With no --model: the built-in demo on embedded Ray (its own
+    model, corpus and settings; a config file and flags still override its settings)."""
     from .driver import train as run_train
 
     file_values = C.read_config_file(config_file) if config_file else {}

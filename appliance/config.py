@@ -1,8 +1,12 @@
 """The run's typed configuration: one schema for config-file keys and command-line flags.
 
 Every field is a config-file key (`seq_len: 512`) and a flag (`--seq-len 512`); its docstring
-(`help`) feeds `--help`. Values are merged defaults ← config file ← flags, then validated at once:
-every problem is reported together, each naming the flag.
+(`help`) feeds `--help`. Values are merged in layers, then validated once:
+
+    defaults ← demo settings (only when no --model is given anywhere) ← config file ← flags
+
+Every problem is reported together, each naming where the value came from: the flag
+(`--lr: 'x' is not a valid float`) or the config file and key (`--config run.yaml: lr: ...`).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import difflib
 import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,7 +87,7 @@ class TrainConfig:
     )
     # ---- data pipeline
     tokenize_workers: int | None = _f(
-        None, "Tokenizer worker actors (default: the CPUs beside the trainer)."
+        None, "Tokenizer worker actors (default: the CPUs beside the trainer, at most 4)."
     )
     prefetch: int = _f(2, "Optimizer steps' worth of batches kept in flight ahead of the trainer.")
     on_bad_record: str = _f("fail", "fail | skip: what to do with a malformed data record.")
@@ -126,6 +131,20 @@ CHOICES = {
     "log_format": ("rich", "json", "plain"),
 }
 
+# The built-in demo's settings (no --model): small rows, enough steps for the adapter to learn the
+# demo grammar. A layer between the defaults and the config file: anything the user sets wins.
+DEMO_SETTINGS: dict[str, Any] = dict(
+    steps=300,
+    seq_len=64,
+    micro_batch_size=4,
+    micro_batches_per_step=2,
+    lr=3e-3,
+    warmup_steps=20,
+    lora_rank=16,
+    lora_alpha=32.0,
+)
+RUN_LENGTH = ("steps", "epochs")  # one choice: setting either replaces the demo's steps
+
 
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
@@ -157,8 +176,9 @@ def parse_bytes(text: str | int) -> int:
     return int(n * base ** powers[unit[0]])
 
 
-def _coerce(name: str, value: Any, errors: list[str]) -> Any:
-    """Convert a config-file or flag value to the field's type, recording an error if it can't."""
+def _coerce(name: str, value: Any, errors: list[str], where: str) -> Any:
+    """Convert a config-file or flag value to the field's type, recording an error naming
+    `where` (the flag, or the file and key) if it can't."""
     if value is None:
         return None
     kind = base_type(name)
@@ -182,7 +202,7 @@ def _coerce(name: str, value: Any, errors: list[str]) -> Any:
             return float(value)
         return str(value)
     except (TypeError, ValueError):
-        errors.append(f"{flag(name)}: {value!r} is not a valid {kind.__name__}")
+        errors.append(f"{where}: {value!r} is not a valid {kind.__name__}")
         return FIELDS[name].default
 
 
@@ -204,9 +224,11 @@ def build_config(
     flag_values: dict[str, Any] | None = None,
     source: str = "config file",
 ) -> TrainConfig:
-    """Merge defaults ← file ← flags, then validate; raise ConfigError listing every problem."""
+    """Merge defaults ← demo settings (no model anywhere) ← file ← flags, then validate; raise
+    ConfigError listing every problem. `source` names the file in messages (`--config x.yaml`)."""
     errors: list[str] = []
-    values: dict[str, Any] = {}
+    from_file: dict[str, Any] = {}
+    file_key: dict[str, str] = {}  # field name -> the key as the file spells it
     for key, value in (file_values or {}).items():
         name = str(key).replace("-", "_")
         if name not in FIELDS:
@@ -214,25 +236,42 @@ def build_config(
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             errors.append(f"{source}: unknown key {key!r}{hint}")
             continue
-        values[name] = _coerce(name, value, errors)
-    for name, value in (flag_values or {}).items():
-        if value is not None:
-            values[name] = _coerce(name, value, errors)
+        file_key[name] = str(key)
+        from_file[name] = _coerce(name, value, errors, f"{source}: {key}")
+    from_flags = {
+        name: _coerce(name, value, errors, flag(name))
+        for name, value in (flag_values or {}).items()
+        if value is not None  # an unset flag leaves the file's value
+    }
+    chosen = {**from_file, **from_flags}
+    values: dict[str, Any] = {}
+    if chosen.get("model") is None:  # the built-in demo
+        values.update(DEMO_SETTINGS)
+        if any(k in chosen for k in RUN_LENGTH):
+            values.pop("steps")
+    values.update(chosen)
+
+    def label(name: str) -> str:
+        if name in from_file and name not in from_flags:
+            return f"{source}: {file_key[name]}"
+        return flag(name)
+
     cfg = TrainConfig(**values)
-    errors += validate(cfg)
+    errors += validate(cfg, label)
     if errors:
         raise ConfigError("\n".join(errors))
     return cfg
 
 
-def validate(cfg: TrainConfig) -> list[str]:
-    """Every problem with `cfg`, each naming its flag (empty when valid)."""
+def validate(cfg: TrainConfig, label: Callable[[str], str] = flag) -> list[str]:
+    """Every problem with `cfg`, each naming where its value came from: `label(field)` (the flag
+    by default); empty when valid."""
     errs = []
 
-    def positive(name: str, minimum: float = 1) -> None:
+    def at_least(name: str, minimum: float) -> None:
         v = getattr(cfg, name)
         if v is not None and v < minimum:
-            errs.append(f"{flag(name)} must be ≥ {minimum} (got {v})")
+            errs.append(f"{label(name)} must be ≥ {minimum} (got {v})")
 
     for name in (
         "seq_len",
@@ -241,41 +280,56 @@ def validate(cfg: TrainConfig) -> list[str]:
         "lora_rank",
         "prefetch",
         "keep_checkpoints",
+        "steps",
+        "epochs",
+        "checkpoint_every",
+        "tokenize_workers",
+        "trainers",
     ):
-        positive(name)
-    for name in ("steps", "epochs", "checkpoint_every", "tokenize_workers", "trainers"):
-        positive(name)
+        at_least(name, 1)
     for name in ("warmup_steps", "max_restarts", "weight_decay", "grad_clip"):
-        positive(name, 0)
+        at_least(name, 0)
     if cfg.lr <= 0:
-        errs.append(f"--lr must be > 0 (got {cfg.lr})")
+        errs.append(f"{label('lr')} must be > 0 (got {cfg.lr})")
     if cfg.lora_alpha <= 0:
-        errs.append(f"--lora-alpha must be > 0 (got {cfg.lora_alpha})")
+        errs.append(f"{label('lora_alpha')} must be > 0 (got {cfg.lora_alpha})")
     if not 0 <= cfg.lora_dropout < 1:
-        errs.append(f"--lora-dropout must be in [0, 1) (got {cfg.lora_dropout})")
+        errs.append(f"{label('lora_dropout')} must be in [0, 1) (got {cfg.lora_dropout})")
     if not 0 <= cfg.min_lr_ratio <= 1:
-        errs.append(f"--min-lr-ratio must be in [0, 1] (got {cfg.min_lr_ratio})")
+        errs.append(f"{label('min_lr_ratio')} must be in [0, 1] (got {cfg.min_lr_ratio})")
     bad = [t for t in cfg.lora_targets if t not in TARGET_MODULES]
     if bad or not cfg.lora_targets:
         errs.append(
-            f"--lora-targets: {','.join(bad) or '(none)'} not among {','.join(TARGET_MODULES)}"
+            f"{label('lora_targets')}: {','.join(bad) or '(none)'} not among "
+            f"{','.join(TARGET_MODULES)}"
         )
     for name, options in CHOICES.items():
         if getattr(cfg, name) not in options:
             errs.append(
-                f"{flag(name)} must be one of {' | '.join(options)} (got {getattr(cfg, name)!r})"
+                f"{label(name)} must be one of {' | '.join(options)} (got {getattr(cfg, name)!r})"
             )
     if cfg.steps is not None and cfg.epochs is not None:
-        errs.append("--steps and --epochs are exclusive: give one")
+        errs.append(f"{label('steps')} and {label('epochs')} are exclusive: give one")
+    if cfg.resume and cfg.overwrite:
+        errs.append(f"{label('resume')} and {label('overwrite')} are exclusive: give one")
     if cfg.gpu_memory_budget is not None:
         try:
             parse_bytes(cfg.gpu_memory_budget)
         except ValueError as e:
-            errs.append(f"--gpu-memory-budget: {e}")
+            errs.append(f"{label('gpu_memory_budget')}: {e}")
     if not 0 < cfg.metrics_port < 65536:
-        errs.append(f"--metrics-port must be a TCP port (got {cfg.metrics_port})")
-    if cfg.model is not None and cfg.data is None:
-        errs.append("--data is required with --model")
-    if cfg.model is not None and cfg.output is None:
-        errs.append("--output is required with --model")
+        errs.append(f"{label('metrics_port')} must be a TCP port (got {cfg.metrics_port})")
+    if cfg.model is None:  # the built-in demo: it brings its own model and corpus
+        if cfg.data is not None:
+            errs.append(
+                f"{label('data')} needs --model: without --model the built-in demo trains on "
+                "its own corpus; give --model too (or drop --data to run the demo)"
+            )
+        if cfg.cluster:
+            errs.append("--cluster needs --model, --data and --output (the demo runs locally)")
+    else:
+        if cfg.data is None:
+            errs.append("--data is required with --model")
+        if cfg.output is None:
+            errs.append("--output is required with --model")
     return errs

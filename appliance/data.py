@@ -54,7 +54,7 @@ class Batch:
     pid: int  # os.getpid() of the process that tokenized it
     epoch: int  # epoch its rows belong to (a batch never spans two epochs)
     n_tokens: int  # target tokens, i.e. labels != -100
-    skipped_records: int  # bad records skipped by this worker so far (running count)
+    skipped_records: int  # bad records this worker skipped so far, each counted once per run
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The built-in demo: a tiny Llama-shaped model and a corpus with learnable structure, made on the
 fly in a temp dir (nothing downloaded), so `appliance train` with no arguments shows the whole
-pipeline training for real in a few minutes on a CPU.
+pipeline training for real in a few minutes on a CPU. Its run settings (steps, seq_len, lr, ...)
+are `config.DEMO_SETTINGS`, a layer of the config below the config file and the flags.
 
 The model is written exactly as a Hugging Face checkpoint would be (config.json, model.safetensors,
 tokenizer.json) with random weights, so the demo exercises the same loading path as a real model.
@@ -143,16 +144,3 @@ def make_demo(root: str | Path, seed: int = 0) -> dict[str, str]:
         "eval_data": str(held_out),
         "output": str(root / "output"),
     }
-
-
-# Settings for the demo run: small rows, enough steps for the adapter to learn the grammar.
-DEMO_SETTINGS = dict(
-    steps=300,
-    seq_len=64,
-    micro_batch_size=4,
-    micro_batches_per_step=2,
-    lr=3e-3,
-    warmup_steps=20,
-    lora_rank=16,
-    lora_alpha=32.0,
-)

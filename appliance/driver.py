@@ -19,10 +19,12 @@ import time
 from pathlib import Path
 
 from . import storage
+from .checkpoint import LATEST_MARKER, checkpoints_uri
 from .config import TrainConfig, flag
 from .data import check_dataset
 from .errors import ConfigError, cause_chain
 from .hf_checkpoint import SafetensorsCheckpoint, read_model_args, seq_len_problems, tokenizer_path
+from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .progress import Progress
 from .run import IDENTITY_KEYS, RUN_FILE, Inputs, Run, run_identity, write_run_file
 from .storage import StorageError
@@ -31,25 +33,21 @@ from .trainer import resolve_device, resolve_dtype
 
 def apply_demo(cfg: TrainConfig) -> Path | None:
     """With no --model, make the built-in demo (model, corpus, held-out corpus) in a temp dir and
-    point `cfg` at it; returns the held-out corpus (None when not the demo)."""
+    point `cfg` at it; returns the held-out corpus (None when not the demo). The demo's run
+    settings were already applied, as a layer below the user's, by config.build_config."""
     if cfg.model is not None:
         return None
-    if cfg.cluster:
-        raise ConfigError("--cluster needs --model, --data and --output (the demo runs locally)")
-    from .demo import DEMO_SETTINGS, make_demo
+    from .demo import make_demo
 
     made = make_demo(tempfile.mkdtemp(prefix="appliance-demo-"), seed=cfg.seed)
-    defaults = TrainConfig()
-    for key, value in DEMO_SETTINGS.items():  # demo settings unless the user chose otherwise
-        if getattr(cfg, key) == getattr(defaults, key):
-            setattr(cfg, key, value)
     cfg.model, cfg.data = made["model"], made["data"]
     cfg.output = cfg.output or made["output"]
     return Path(made["eval_data"])
 
 
 def prepare(cfg: TrainConfig) -> Inputs:
-    """Resolve the demo, then check every input in this process (the embedded default)."""
+    """Resolve the demo, then check every input in this process (connect() without Ray; kept
+    for tests/test_train_e2e.py, which builds a Run from it)."""
     eval_data = apply_demo(cfg)
     inp = resolve_inputs(cfg)
     inp.eval_data = eval_data
@@ -143,6 +141,19 @@ def check_output(cfg: TrainConfig) -> None:
         )
 
 
+def remove_previous_run(output: str) -> None:
+    """--overwrite: delete what a previous run left in `output` (local or s3://): its adapter
+    (adapter_config.json first, so no moment shows a complete-looking adapter), its checkpoints
+    (the `latest` marker first, so none is ever restored into the new run), then run.json.
+    Other files are the user's and stay."""
+    storage.delete(storage.join(output, ADAPTER_CONFIG))
+    storage.delete(storage.join(output, ADAPTER_WEIGHTS))
+    checkpoints = checkpoints_uri(output)
+    storage.delete(storage.join(checkpoints, LATEST_MARKER))
+    storage.delete_prefix(checkpoints)
+    storage.delete(storage.join(output, RUN_FILE))
+
+
 def start_ray(cfg: TrainConfig, progress: Progress) -> None:
     """Embedded Ray (address="local", metrics on --metrics-port), or join --cluster."""
     import ray
@@ -225,6 +236,8 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
     try:
         run = connect(cfg, progress)
         cfg = run.cfg
+        if cfg.overwrite:
+            remove_previous_run(cfg.output)  # before the new run writes anything
         write_run_file(cfg, "running")
         run.create_actors()
         eval_data = run.inp.eval_data
@@ -233,6 +246,7 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
         after = run.evaluate(eval_data) if eval_data else None
         run.finish()
     finally:
+        progress.stop()  # the live table stops before any error line is printed
         if started_here and ray.is_initialized():
             ray.shutdown()  # also ends this job's actors on a cluster (Ctrl-C included)
     summary = {

@@ -1,11 +1,13 @@
 """What the user sees while training: a live rich display, one JSON object per step, or plain
-lines. The driver calls `start`, `step` (with the trainer's stats) and `finish`."""
+lines. The run calls `start` and `step` (with the trainer's stats); the driver calls `stop` when
+the run ends, however it ends (so an error line never lands inside a live table), then `finish`."""
 
 from __future__ import annotations
 
 import json
 import sys
 import time
+from collections.abc import Callable
 
 from rich.console import Console
 from rich.live import Live
@@ -18,10 +20,19 @@ def _fmt_seconds(s: float) -> str:
 
 
 class Progress:
-    def __init__(self, log_format: str = "rich", stream=None):
+    def __init__(
+        self,
+        log_format: str = "rich",
+        stream=None,
+        console: Console | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        """`stream` takes the step lines / JSON records (stdout); `console` the rich output
+        (default: on `stream`, or stderr in JSON mode); `clock` gives the seconds for rates."""
         self.format = log_format
         self.stream = stream or sys.stdout
-        self.console = Console(file=sys.stderr if log_format == "json" else self.stream)
+        self.console = console or Console(file=sys.stderr if log_format == "json" else self.stream)
+        self.clock = clock
         self.live: Live | None = None
         self.restarts = 0
         self._tokens = 0
@@ -37,7 +48,7 @@ class Progress:
 
     def start(self, total_steps: int, first_step: int = 0) -> None:
         self.total, self.first = total_steps, first_step
-        self.t0 = time.perf_counter()
+        self.t0 = self.clock()
         if self.format == "rich":
             self.live = Live(
                 self._table(first_step, None),
@@ -71,7 +82,7 @@ class Progress:
             self.live.update(self._table(step, stats))
 
     def _rates(self, step: int) -> tuple[float, float, float]:
-        elapsed = time.perf_counter() - self.t0
+        elapsed = self.clock() - self.t0
         tps = self._tokens / elapsed if elapsed > 0 else 0.0
         done = step - self.first
         eta = elapsed / done * (self.total - step) if done else 0.0
@@ -103,12 +114,16 @@ class Progress:
             )
         return table
 
-    def finish(self, summary: dict) -> None:
+    def stop(self) -> None:
+        """Stop the live table (if one is showing): safe to call more than once."""
         if self.live is not None:
-            self.live.stop()
+            self.live.stop()  # also gives back stdout/stderr, which a live table redirects
             self.live = None
             if not self.console.is_terminal:
                 self.console.line()  # a terminal ends the live table's line itself; a pipe not
+
+    def finish(self, summary: dict) -> None:
+        self.stop()
         if self.format == "json":
             print(json.dumps({"summary": summary}), file=self.stream, flush=True)
             return

@@ -13,7 +13,8 @@ rows; the next epoch starts a fresh stream.
 Cursor (a JSON-able dict, the position where the next row starts):
     {"epoch": e, "doc": d, "offset": o, "skipped": k, "worker": w, "num_workers": n}
 `doc` is the index of a document within this worker's shard, `offset` a token offset in that
-document's ids, `skipped` the bad records skipped before that position (all epochs). At an
+document's ids, `skipped` the bad records before that position, each counted once per run (in
+epoch 0: later epochs skip the same records again without counting them). At an
 epoch's end the cursor is `{"epoch": e + 1, "doc": 0, "offset": 0, ...}`. A fresh worker built
 with a batch's cursor produces exactly the batches that followed it.
 """
@@ -305,7 +306,8 @@ class TokenizeWorker:
             except DataError as e:
                 if self.on_bad_record == "fail":
                     raise
-                self._bad_docs.append(raw.doc)
+                if self._epoch == 0:  # later epochs meet the same records: count each once
+                    self._bad_docs.append(raw.doc)
                 self._shard_bad_seen += 1
                 self.skipped_total += 1
                 self.last_skip_reason = str(e)

@@ -38,11 +38,14 @@ def train(*argv: str) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
+def error_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("error: ")]
+
+
 def assert_user_error(code: int, output: str, *needles: str) -> None:
     assert code == 1, output
     assert "Traceback" not in output
-    lines = [line for line in output.splitlines() if line.startswith("error: ")]
-    assert lines, output
+    assert error_lines(output), output
     for needle in needles:
         assert needle in output, (needle, output)
 
@@ -101,11 +104,12 @@ def test_every_config_error_is_reported_at_once_naming_flags_and_keys(tmp_path):
     assert_user_error(
         code,
         out,
-        "unknown key 'seq_lenn' (did you mean 'seq_len'?)",
-        "--lora-rank must be ≥ 1",
-        "--lr: 'fast' is not a valid float",
-        "--micro-batch-size must be ≥ 1",
+        f"error: --config {cfg}: unknown key 'seq_lenn' (did you mean 'seq_len'?)",
+        f"error: --config {cfg}: lora_rank must be ≥ 1 (got 0)",
+        f"error: --config {cfg}: lr: 'fast' is not a valid float",
+        "error: --micro-batch-size must be ≥ 1 (got 0)",
     )
+    assert len(error_lines(out)) == 4
 
 
 def test_output_holding_a_different_run_is_refused_unless_overwrite(tmp_path, model, data):

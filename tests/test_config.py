@@ -22,26 +22,82 @@ def test_yaml_keys_may_use_hyphens_and_values_are_coerced_to_the_field_type():
     assert cfg.lora_spec().modules == ["self_attn.q_proj", "self_attn.v_proj"]
 
 
-def test_every_problem_is_reported_together_each_naming_its_flag():
+def test_every_problem_is_reported_together_naming_the_flag_or_the_file_and_key():
     with pytest.raises(ConfigError) as e:
         C.build_config(
-            {"lerning_rate": 1, "lora_dropout": 1.5, "steps": 2.5},
+            {"lora_rnk": 1, "lora_dropout": 1.5, "steps": 2.5},
             {"epochs": 1, "lora_targets": "q,zz", "log_format": "xml"},
+            source="--config run.yaml",
         )
     lines = str(e.value).splitlines()
-    assert any("unknown key 'lerning_rate'" in line for line in lines)
-    assert any(line.startswith("--lora-dropout must be in [0, 1)") for line in lines)
-    assert any(line.startswith("--steps: 2.5 is not a valid int") for line in lines)
-    assert any(line.startswith("--lora-targets: zz not among") for line in lines)
-    assert any(line.startswith("--log-format must be one of") for line in lines)
-    assert len(lines) == 5
+    assert sorted(lines) == sorted(
+        [
+            "--config run.yaml: unknown key 'lora_rnk' (did you mean 'lora_rank'?)",
+            "--config run.yaml: lora_dropout must be in [0, 1) (got 1.5)",
+            "--config run.yaml: steps: 2.5 is not a valid int",
+            "--lora-targets: zz not among q,k,v,o,gate,up,down",
+            "--log-format must be one of rich | json | plain (got 'xml')",
+        ]
+    )
+
+
+def test_flag_values_arrive_as_strings_and_every_bad_one_is_reported():
+    with pytest.raises(ConfigError) as e:
+        C.build_config({}, {"seq_len": "abc", "lr": "x", "lora_rank": "0", "steps": "5"})
+    assert str(e.value).splitlines() == [
+        "--seq-len: 'abc' is not a valid int",
+        "--lr: 'x' is not a valid float",
+        "--lora-rank must be ≥ 1 (got 0)",
+    ]
+    cfg = C.build_config({}, {"seq_len": "32", "lr": "1e-3", "device": "cpu", "steps": "5"})
+    assert (cfg.seq_len, cfg.lr, cfg.device, cfg.steps) == (32, 1e-3, "cpu", 5)
+
+
+def test_a_flag_overrides_the_file_and_is_named_instead_of_it():
+    with pytest.raises(ConfigError) as e:
+        C.build_config({"lora_rank": 0, "seq_len": 0}, {"seq_len": "-1"}, source="--config f")
+    assert sorted(str(e.value).splitlines()) == [
+        "--config f: lora_rank must be ≥ 1 (got 0)",
+        "--seq-len must be ≥ 1 (got -1)",
+    ]
 
 
 def test_steps_and_epochs_are_exclusive_and_model_needs_data_and_output():
     with pytest.raises(ConfigError, match="--steps and --epochs are exclusive"):
-        C.build_config({}, {"steps": 3, "epochs": 1})
+        C.build_config({}, {"model": "/m", "data": "/d", "output": "/o", "steps": 3, "epochs": 1})
     with pytest.raises(ConfigError, match="--data is required with --model"):
         C.build_config({}, {"model": "/m", "output": "/o"})
+    with pytest.raises(ConfigError, match="--resume and --overwrite are exclusive"):
+        C.build_config({}, {"resume": True, "overwrite": True})
+
+
+def test_without_a_model_the_demo_settings_sit_below_the_file_and_the_flags():
+    demo = C.build_config({}, {})
+    assert {k: getattr(demo, k) for k in C.DEMO_SETTINGS} == C.DEMO_SETTINGS
+    assert demo.model is None and demo.epochs is None
+    # a flag equal to the plain default still wins over the demo's value
+    cfg = C.build_config({"lr": 0.01}, {"seq_len": "256"})
+    assert (cfg.seq_len, cfg.lr, cfg.micro_batches_per_step) == (256, 0.01, 2)
+    # choosing the run's length (either way) replaces the demo's 300 steps
+    cfg = C.build_config({}, {"epochs": "1"})
+    assert (cfg.steps, cfg.epochs) == (None, 1)
+    cfg = C.build_config({"steps": 7}, {})
+    assert (cfg.steps, cfg.epochs) == (7, None)
+
+
+def test_with_a_model_the_demo_settings_do_not_apply():
+    for file_values, flags in (({"model": "/m"}, {}), ({}, {"model": "/m"})):
+        cfg = C.build_config(file_values, {**flags, "data": "/d", "output": "/o"})
+        assert (cfg.steps, cfg.seq_len, cfg.lr) == (None, 256, 2e-4)
+
+
+def test_data_without_a_model_is_refused_naming_both_flags():
+    with pytest.raises(ConfigError) as e:
+        C.build_config({}, {"data": "mine.jsonl"})
+    (line,) = str(e.value).splitlines()
+    assert line.startswith("--data needs --model")
+    with pytest.raises(ConfigError, match="--cluster needs --model"):
+        C.build_config({}, {"cluster": "auto"})
 
 
 @pytest.mark.parametrize(

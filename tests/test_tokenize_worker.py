@@ -224,7 +224,7 @@ def test_resume_from_any_cursor_reproduces_the_rest(data, tok, w, n):
     cursors = [b.cursor for b in batches]
     assert any(c["offset"] > 0 for c in cursors), "no mid-document cursor was tested"
     assert any(c["epoch"] == 1 and c["doc"] == 0 for c in cursors[:-1]), "no epoch boundary"
-    assert bad_in_shard > 0 and batches[-1].skipped_records == 2 * bad_in_shard
+    assert bad_in_shard > 0 and batches[-1].skipped_records == bad_in_shard  # once, not per epoch
     for k, b in enumerate(batches):
         cursor = json.loads(json.dumps(b.cursor))  # as stored in a checkpoint
         assert_same_batches(
@@ -389,6 +389,24 @@ def test_skip_counts_bad_records_in_batches_and_stats(tmp_path, tok):
     )
     assert s["tokens"] == len(stream) and s["pid"] == os.getpid() and s["batches"] == 4
     assert s["tokens_per_second"] > 0
+
+
+@pytest.mark.parametrize("epochs", [2, None])
+def test_each_bad_record_is_counted_once_per_run_not_once_per_epoch(tmp_path, tok, epochs):
+    f = write_jsonl(
+        tmp_path / "d.jsonl",
+        [{"text": "the cat sat on the mat"}, "{bad", {"text": "a dog ran far away"}, {"x": 1}],
+    )
+    w = new_worker(f, tok, seq_len=4, mbs=1, on_bad_record="skip", epochs=epochs)
+    batches = all_batches(w) if epochs else [w.next_batch() for _ in range(40)]
+    assert max(b.epoch for b in batches) >= 1  # the bad records were read again, and skipped
+    assert batches[-1].skipped_records == 2 and w.stats()["skipped_records"] == 2
+    # a worker resumed in a later epoch carries the count on without adding to it
+    later = next(b for b in batches if b.epoch == 1)
+    resumed = new_worker(
+        f, tok, seq_len=4, mbs=1, on_bad_record="skip", epochs=epochs, cursor=later.cursor
+    )
+    assert resumed.next_batch().skipped_records == 2
 
 
 def test_worker_with_an_empty_shard(tmp_path, tok):
