@@ -378,6 +378,7 @@ def _run_mode(
     floor_h2d, floor_compute = 2 * W / bandwidth, flops / matmul
     floor = max(floor_h2d, floor_compute)
     busy = [s.gpu_busy_ratio for s in timed if s.gpu_busy_ratio is not None]
+    busy_seconds = [s.gpu_busy_seconds for s in timed if s.gpu_busy_seconds is not None]
     return {
         **row,
         "fits": True,
@@ -395,6 +396,7 @@ def _run_mode(
         "h2d_bytes_per_step": h2d_bytes,
         "h2d_seconds_per_step": h2d_seconds,
         "h2d_stall_seconds_per_step": statistics.mean(s.phase_seconds["h2d_stall"] for s in timed),
+        "gpu_busy_seconds_per_step": statistics.mean(busy_seconds) if busy_seconds else None,
         "gpu_busy_ratio": statistics.mean(busy) if busy else None,
         "phase_seconds": {
             k: statistics.mean(s.phase_seconds[k] for s in timed) for k in timed[0].phase_seconds

@@ -20,6 +20,7 @@ here: the engine is tested on its own against a full-model reference.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import math
@@ -53,7 +54,8 @@ class StepStats:
     )  # forward, backward, optimizer, h2d_stall
     h2d_bytes: int = 0
     h2d_seconds: float = 0.0
-    gpu_busy_ratio: float | None = None  # compute-stream busy time / step time (CUDA only)
+    gpu_busy_seconds: float | None = None  # see StreamedEngine.train_step (CUDA only)
+    gpu_busy_ratio: float | None = None  # gpu_busy_seconds / step_seconds (CUDA only)
     step_seconds: float = 0.0
     flops: float = 0.0
 
@@ -299,6 +301,7 @@ class StreamedEngine:
             foreach=self.device.type == "cuda",
         )
         self.step_count = 0
+        self._busy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._planned = False
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.offload_activations = False
@@ -375,18 +378,20 @@ class StreamedEngine:
         L = self.args.num_layers
         g = self.weights.globals
         with torch.no_grad():
-            hs = [M.embed(ids.to(self.device), g) for ids, _ in micro_batches]
+            with self._busy():
+                hs = [M.embed(ids.to(self.device), g) for ids, _ in micro_batches]
             saved: list[list[torch.Tensor]] = [[] for _ in range(L)]
             for i in range(L):
                 w = self.weights.get(i)
                 self.weights.prefetch(i + 1)
-                lora = self.lora.context(i, self.dtype, dropout=None if dropout else 0.0)
-                for m, h in enumerate(hs):
-                    if save:
-                        saved[i].append(self._save(h))
-                    lora.generator = self._generator(step, i, m)
-                    cos, sin = self._cos_sin(h.shape[1])
-                    hs[m] = M.block_forward(h, w, self.args, cos, sin, lora)
+                with self._busy():
+                    lora = self.lora.context(i, self.dtype, dropout=None if dropout else 0.0)
+                    for m, h in enumerate(hs):
+                        if save:
+                            saved[i].append(self._save(h))
+                        lora.generator = self._generator(step, i, m)
+                        cos, sin = self._cos_sin(h.shape[1])
+                        hs[m] = M.block_forward(h, w, self.args, cos, sin, lora)
                 if i + 1 < L:
                     self.weights.release(i)  # the last block stays: it is the first of backward
         return hs, saved
@@ -418,12 +423,13 @@ class StreamedEngine:
             hs, saved = self._forward(micro_batches, step, dropout=True, save=True)
             # head: this share's part of the global batch's loss, and d(loss)/d(last hidden states)
             grads = []
-            for h, lab in zip(hs, labels, strict=True):
-                h = h.detach().requires_grad_(True)
-                part = M.loss_sum(h, lab, g, self.args) / denom
-                part.backward()
-                loss += part.detach()
-                grads.append(h.grad)
+            with self._busy():
+                for h, lab in zip(hs, labels, strict=True):
+                    h = h.detach().requires_grad_(True)
+                    part = M.loss_sum(h, lab, g, self.args) / denom
+                    part.backward()
+                    loss += part.detach()
+                    grads.append(h.grad)
             del hs
             self.weights.prefetch(L - 1)
         self._sync()
@@ -433,16 +439,17 @@ class StreamedEngine:
             for i in reversed(range(L)):
                 w = self.weights.get(i)
                 self.weights.prefetch(i - 1)
-                lora = self.lora.context(i, self.dtype)  # with grad: the fp32 → dtype cast is taped
-                for m in range(len(micro_batches)):
-                    x = saved[i][m].to(self.device, non_blocking=True).requires_grad_(True)
-                    saved[i][m] = None  # free the saved input as soon as it is consumed
-                    lora.generator = self._generator(step, i, m)
-                    cos, sin = self._cos_sin(x.shape[1])
-                    y = M.block_forward(x, w, self.args, cos, sin, lora)
-                    y.backward(grads[m])
-                    grads[m] = x.grad
-                del lora
+                with self._busy():
+                    lora = self.lora.context(i, self.dtype)  # with grad: the cast is on the tape
+                    for m in range(len(micro_batches)):
+                        x = saved[i][m].to(self.device, non_blocking=True).requires_grad_(True)
+                        saved[i][m] = None  # free the saved input as soon as it is consumed
+                        lora.generator = self._generator(step, i, m)
+                        cos, sin = self._cos_sin(x.shape[1])
+                        y = M.block_forward(x, w, self.args, cos, sin, lora)
+                        y.backward(grads[m])
+                        grads[m] = x.grad
+                    del lora
                 self.weights.release(i)
         if self.group is not None:
             loss = self._all_reduce_grads_and(loss)
@@ -483,23 +490,36 @@ class StreamedEngine:
         return norm
 
     def train_step(self, micro_batches: list[MicroBatch], lr: float) -> StepStats:
-        """One optimizer step over `micro_batches` (the global batch)."""
+        """One optimizer step over `micro_batches` (the global batch, or this rank's share of it).
+
+        GPU busy time (CUDA only; None on CPU): `gpu_busy_seconds` sums, over the step, the
+        compute-stream time between CUDA events bracketing real work: the embedding; each block's
+        micro-batches in the forward and in the backward, from after the stream has waited for
+        that block's weights (so h2d stalls are excluded) to after its last micro-batch; the head;
+        and clipping + AdamW. Not counted: waits for weights, the data-parallel all-reduce, and any
+        time outside the engine (data wait, logging). Limits: a bracket counts its whole span, so
+        gaps inside it where the GPU idled because the host was slow to launch kernels count as
+        busy; and "busy" means the stream was working, not that the SMs were full.
+        `gpu_busy_ratio` = gpu_busy_seconds / step_seconds (this method's own wall time); a
+        trainer that also waits for data should divide by its longer step time instead.
+        """
+        self._busy_events.clear()  # eval_loss / logits between steps are not this step's work
         t0 = time.perf_counter()
-        busy_start = self._event()
         loss, n_target, phases = self.forward_backward(micro_batches, self.step_count)
         t1 = time.perf_counter()
-        norm = self.optimizer_step(lr)
-        busy_end = self._event()
+        with self._busy():
+            norm = self.optimizer_step(lr)
         self._sync()
         t2 = time.perf_counter()
         self.step_count += 1
         h2d_bytes, h2d_seconds, stall = self.weights.take_timings()
         phases["optimizer"] = t2 - t1
         phases["h2d_stall"] = stall
-        # everything the compute stream did minus the time it sat waiting for weights
-        busy = None
-        if busy_start is not None:
-            busy = max(0.0, busy_start.elapsed_time(busy_end) / 1e3 - stall) / (t2 - t0)
+        busy = ratio = None
+        if self.device.type == "cuda":
+            busy = sum(a.elapsed_time(b) for a, b in self._busy_events) / 1e3
+            ratio = busy / (t2 - t0)
+        self._busy_events.clear()
         tokens = sum(ids.numel() for ids, _ in micro_batches)
         return StepStats(
             loss=loss,
@@ -509,7 +529,8 @@ class StreamedEngine:
             phase_seconds=phases,
             h2d_bytes=h2d_bytes,
             h2d_seconds=h2d_seconds,
-            gpu_busy_ratio=busy,
+            gpu_busy_seconds=busy,
+            gpu_busy_ratio=ratio,
             step_seconds=t2 - t0,
             flops=self.flops_per_step(tokens),
         )
@@ -555,12 +576,18 @@ class StreamedEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _event(self) -> torch.cuda.Event | None:
+    @contextlib.contextmanager
+    def _busy(self):
+        """Bracket compute-stream work with CUDA events (train_step sums them); no-op on CPU."""
         if self.device.type != "cuda":
-            return None
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        return e
+            yield
+            return
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._busy_events.append((start, end))
 
 
 def lr_at(

@@ -184,7 +184,10 @@ def test_blocks_are_page_locked_in_place_and_close_unlocks_them():
     assert all(pinned for _, _, pinned in engine.weights._host)
     assert all(flat.is_pinned() for flat in host)
     assert not hasattr(engine.weights, "_staging")
-    engine.train_step(batches(512, n=1, rows=1, T=16), lr=1e-3)  # uploads from the locked pages
+    stats = engine.train_step(batches(512, n=1, rows=1, T=16), lr=1e-3)  # from the locked pages
+    # busy spans are disjoint intervals of one stream inside the step: positive, at most the step
+    assert 0 < stats.gpu_busy_seconds <= stats.step_seconds
+    assert stats.gpu_busy_ratio == stats.gpu_busy_seconds / stats.step_seconds
     engine.close()
     assert not any(flat.is_pinned() for flat in host)
     engine.close()  # a second close is harmless
