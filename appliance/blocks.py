@@ -92,9 +92,7 @@ def unpack(buf: np.ndarray | torch.Tensor, index: FlatIndex) -> dict[str, torch.
     The views must never be written: Ray's object store buffers are immutable.
     """
     if isinstance(buf, np.ndarray):
-        with (
-            warnings.catch_warnings()
-        ):  # torch warns that the array is not writable; we never write
+        with warnings.catch_warnings():  # torch warns the array is not writable; we never write
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.from_numpy(buf)
     else:
@@ -130,9 +128,6 @@ class FlatBlockSource:
     def flat_block(self, i: int) -> tuple[np.ndarray, FlatIndex]:
         """Block i as its one flat buffer (uploaded to the GPU in a single copy)."""
         return self.block_bufs[i], self.block_index[i]
-
-    def nbytes(self) -> int:
-        return self.global_buf.nbytes + sum(b.nbytes for b in self.block_bufs)
 
 
 def dtype_from_name(name: str) -> torch.dtype:

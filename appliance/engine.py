@@ -36,7 +36,7 @@ import torch.distributed as dist
 from . import model as M
 from .blocks import BlockSource, pack, unpack
 from .errors import ConfigError
-from .lora import LoraWeights
+from .lora import LoraSpec, LoraWeights
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input_ids (B, T), labels (B, T)), labels shifted
 
@@ -265,7 +265,7 @@ class StreamedEngine:
     def __init__(
         self,
         source: BlockSource,
-        lora: LoraWeights,
+        lora: LoraWeights | None,
         *,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
@@ -278,12 +278,16 @@ class StreamedEngine:
     ):
         """`group`: a data-parallel process group. Each rank passes its share of the global batch
         to `train_step`; target tokens, LoRA gradients and the loss are summed over the group, so
-        every rank applies the same update. Without a group the engine is single-process."""
+        every rank applies the same update. Without a group the engine is single-process.
+
+        `lora=None`: the base model alone, for `eval_loss` and `logits` (no optimizer; training
+        methods refuse)."""
         self.args = source.args
         self.group = group
         self.device = torch.device(device)
         self.dtype = dtype
-        self.lora = lora
+        # no adapters: an empty LoraWeights, whose per-block contexts add nothing
+        self.lora = lora if lora is not None else LoraWeights(self.args, LoraSpec(targets=()))
         self.seed = seed
         self.grad_clip = grad_clip
         self.budget = gpu_memory_budget
@@ -293,13 +297,15 @@ class StreamedEngine:
                 min(1.0, gpu_memory_budget / total), self.device
             )
         self.weights = DeviceWeights(source, self.device, dtype)
-        self.optimizer = torch.optim.AdamW(
-            lora.parameters(),
-            lr=0.0,
-            betas=betas,
-            weight_decay=weight_decay,
-            foreach=self.device.type == "cuda",
-        )
+        self.optimizer = None
+        if lora is not None:
+            self.optimizer = torch.optim.AdamW(
+                lora.parameters(),
+                lr=0.0,
+                betas=betas,
+                weight_decay=weight_decay,
+                foreach=self.device.type == "cuda",
+            )
         self.step_count = 0
         self._busy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._planned = False
@@ -405,6 +411,8 @@ class StreamedEngine:
         returned loss, target tokens and the LoRA gradients are those of the whole global batch.
         Call it once per optimizer step then: the gradients are summed over ranks in place.
         """
+        if self.optimizer is None:
+            raise ValueError("this engine was built with lora=None: it evaluates, it cannot train")
         if not self._planned and micro_batches:
             self._plan(micro_batches)
         L = self.args.num_layers

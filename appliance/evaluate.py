@@ -19,11 +19,11 @@ import torch
 from tokenizers import Tokenizer
 
 from . import data, hf_checkpoint
-from .blocks import DictBlockSource
 from .data import DataError, RawDocument, parse_document
 from .engine import MicroBatch, StreamedEngine
 from .errors import ConfigError
-from .lora import LoraSpec, LoraWeights, load_adapter
+from .lora import load_adapter
+from .weight_store import local_source
 
 DEFAULT_BATCH_TOKENS = 16384  # tokens per engine call: bounds activation memory, not the result
 
@@ -118,16 +118,17 @@ def evaluate(
     # Longest first: the engine sizes its GPU plan on the first call, which must be the biggest.
     seqs.sort(key=len, reverse=True)
 
-    source = DictBlockSource.from_hf(model_dir, dtype)
-    if adapter_dir is not None:
-        lora = load_adapter(adapter_dir, args, device)
-    else:  # B = 0 adds exact zeros: the base model (the engine's optimizer needs one parameter)
-        lora = LoraWeights(args, LoraSpec(rank=1, alpha=1.0, targets=("q",)), device)
+    # The flat layout the trainers use, without Ray: one host copy of the weights, which a CUDA
+    # engine page-locks and uploads in place (no second packed copy).
+    source = local_source(model_dir, str(dtype).removeprefix("torch."))
+    lora = load_adapter(adapter_dir, args, device) if adapter_dir is not None else None
     engine = StreamedEngine(source, lora, device=device, dtype=dtype)
-
-    total, n = 0.0, 0
-    for group in groups(seqs, batch_tokens):
-        nll, count = engine.eval_loss([micro_batch(ids) for ids in group])
-        total += nll
-        n += count
+    try:
+        total, n = 0.0, 0
+        for group in groups(seqs, batch_tokens):
+            nll, count = engine.eval_loss([micro_batch(ids) for ids in group])
+            total += nll
+            n += count
+    finally:
+        engine.close()
     return {"loss": total / n, "tokens": n}

@@ -61,6 +61,20 @@ def test_eval_prints_one_json_line_with_loss_and_tokens(model_and_adapter):
     assert printed == evaluate(model, data, 10, adapter_dir=adapter)
 
 
+def test_eval_refuses_a_seq_len_above_the_models_sliding_window(tmp_path):
+    model = make_model(tmp_path / "model", "mistral", sliding_window=16)
+    data = tmp_path / "eval.jsonl"
+    data.write_text(json.dumps({"text": "the cat sat"}) + "\n")
+    flags = ["eval", "--model", str(model), "--data", str(data), "--device", "cpu"]
+    ok = CliRunner().invoke(main, [*flags, "--seq-len", "16"])
+    assert ok.exit_code == 0, ok.output
+    result = CliRunner().invoke(main, [*flags, "--seq-len", "17"])
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.output
+    assert lines[0].startswith("error: --seq-len 17") and "sliding_window (16)" in lines[0]
+
+
 def test_export_writes_a_checkpoint_transformers_loads_equal_to_base_plus_adapter(
     model_and_adapter, tmp_path
 ):
