@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1
-# The appliance image: CUDA 12.6 runtime, torch 2.13.0 built for CUDA 12.6, Ray and the appliance.
+# The appliance image: CUDA 12.6 runtime, torch 2.13.0 built for CUDA 12.6, Ray 2.60.0 and the
+# appliance; the example configs at /opt/appliance/configs/ (`--config /opt/appliance/configs/...`).
 #
 #   make image                                   # docker build -t appliance:0.1.0 .
 #   docker run --rm --gpus all --shm-size=64g -v "$PWD/models:/models" -v "$PWD/data:/data" \
@@ -19,6 +20,9 @@ FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION} AS build
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_CUDA=cu126
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_CUDA}
+# Ray must be the version the Helm chart tells KubeRay (helm/appliance/values.yaml rayVersion),
+# and the same on every pod of a cluster: pinned here, not left to pyproject's `ray>=`.
+ARG RAY_VERSION=2.60.0
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -39,11 +43,12 @@ COPY appliance ./appliance
 # fails the build if a CPU or mismatched CUDA torch slipped in (cu126 -> torch.version.cuda 12.6,
 # which must also be the base image's CUDA).
 ARG CUDA_VERSION
-RUN pip install --constraint constraints.txt . \
+RUN pip install --constraint constraints.txt . "ray[default]==${RAY_VERSION}" \
     && python -c "import torch, ray, appliance; \
 want = '${TORCH_CUDA}'[2:-1] + '.' + '${TORCH_CUDA}'[-1]; \
 assert torch.version.cuda == want, (torch.version.cuda, want); \
 assert '${CUDA_VERSION}'.startswith(want + '.'), ('base image CUDA ${CUDA_VERSION}', want); \
+assert ray.__version__ == '${RAY_VERSION}', (ray.__version__, '${RAY_VERSION}'); \
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'ray', ray.__version__)"
 
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION}
@@ -58,13 +63,18 @@ RUN apt-get update \
     && (userdel --remove ubuntu 2>/dev/null || true) \
     && useradd --create-home --uid 1000 --user-group --shell /bin/bash appliance
 COPY --from=build /opt/venv /opt/venv
+# The example configs at a path that does not depend on the Python version (they also ship inside
+# the package): `--config /opt/appliance/configs/llama3-8b-4090.yaml` (chart value job.configFile).
+COPY appliance/configs/ /opt/appliance/configs/
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 # Numeric, so that Kubernetes can verify runAsNonRoot without a runAsUser.
 USER 1000:1000
 WORKDIR /home/appliance
-# 8080: Ray's per-node metrics endpoint (Prometheus, ray_appliance_*). 8265: Ray dashboard.
+# 8080: Ray's per-node metrics endpoint (Prometheus, ray_appliance_*). 8265: the Ray dashboard,
+# served only where the image runs a cluster head (`ray start --head`, the chart's head pod);
+# `appliance train` alone starts embedded Ray without a dashboard.
 EXPOSE 8080 8265
 ENTRYPOINT ["appliance"]
 CMD ["--help"]

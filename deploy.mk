@@ -4,20 +4,25 @@
 #   make image                          # docker build -t appliance:0.1.0 .
 #   make deploy GPU_CLASS=a10           # terraform + KubeRay + monitoring + the chart on AWS
 #   make deploy GPU_CLASS=4090 DRY_RUN=1  # print every command, render the manifests; no cloud
+#   make deploy GPU_CLASS=a10 GPU_INSTANCE_TYPE=g5.12xlarge  # another g5/g6e size (scripts/deploy.sh)
 #   make destroy GPU_CLASS=a10 [FORCE=1]
 #   make deploy-tools                   # helm, checkov, hadolint, kubernetes-validate (offline checks)
 #
 # Deploy options (environment or make variables): MODEL=s3://... DATA=s3://... OUTPUT=s3://...
 # STEPS=N TRAIN_CONFIG=file.yaml CHART_VALUES=extra-values.yaml IMAGE=repo:tag (skip build+push)
-# AUTO_APPROVE=1 MONITORING=0
+# AUTO_APPROVE=1 MONITORING=0 RELEASE=name (helm release; default appliance)
+# GPU_INSTANCE_TYPE=type: terraform's gpu_instance_type plus the matching chart sizes (GPUs, CPUs,
+# memory, /dev/shm); only types scripts/deploy.sh knows, of the class's family (g5.* or g6e.*).
 # DEPLOY_OUT_DIR=dir (rendered values and manifests; default build/deploy/$(GPU_CLASS)).
 # See docs/deploy.md.
 
 IMAGE_NAME ?= appliance
 IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 GPU_CLASS ?= a10
+GPU_INSTANCE_TYPE ?=
 DRY_RUN ?=
-export GPU_CLASS DRY_RUN HELM MODEL DATA OUTPUT STEPS TRAIN_CONFIG CHART_VALUES IMAGE AUTO_APPROVE MONITORING FORCE DEPLOY_OUT_DIR
+export GPU_CLASS GPU_INSTANCE_TYPE DRY_RUN HELM MODEL DATA OUTPUT STEPS TRAIN_CONFIG CHART_VALUES \
+  IMAGE AUTO_APPROVE MONITORING FORCE DEPLOY_OUT_DIR RELEASE
 
 .PHONY: image deploy destroy deploy-tools
 

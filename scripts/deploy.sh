@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Deploy the appliance to AWS, or tear it down. Called by deploy.mk:
 #
-#   make deploy  GPU_CLASS=a10|4090 [DRY_RUN=1] [MODEL=s3://...] [DATA=s3://...] [OUTPUT=s3://...]
-#                [STEPS=N] [TRAIN_CONFIG=path.yaml] [CHART_VALUES=extra-values.yaml]
-#                [IMAGE=repo:tag] [AUTO_APPROVE=1] [MONITORING=0]
+#   make deploy  GPU_CLASS=a10|4090 [GPU_INSTANCE_TYPE=g5.12xlarge] [DRY_RUN=1] [MODEL=s3://...]
+#                [DATA=s3://...] [OUTPUT=s3://...] [STEPS=N] [TRAIN_CONFIG=path.yaml]
+#                [CHART_VALUES=extra-values.yaml] [IMAGE=repo:tag] [AUTO_APPROVE=1] [MONITORING=0]
+#                [RELEASE=appliance]
 #   make destroy GPU_CLASS=a10|4090 [DRY_RUN=1] [FORCE=1] [AUTO_APPROVE=1]
+#
+# GPU_INSTANCE_TYPE (or TF_VAR_gpu_instance_type): another instance type of the class's family
+# (g5.* for a10, g6e.* for 4090) from the table below; terraform gets it, and the chart gets the
+# matching gpuClassOverrides (GPUs, CPUs, memory, /dev/shm per worker pod).
 #
 # deploy:  terraform apply (VPC, EKS + GPU node group, device plugin, S3, IRSA, ECR)
 #          -> aws eks update-kubeconfig -> docker build + push to ECR (unless IMAGE is given)
@@ -36,6 +41,7 @@ CHART_DIR=helm/appliance
 KUBERAY_VERSION="${KUBERAY_VERSION:-1.4.2}"
 KUBE_PROMETHEUS_STACK_VERSION="${KUBE_PROMETHEUS_STACK_VERSION:-}"
 MONITORING_NAMESPACE=prometheus-system
+GPU_INSTANCE_TYPE="${GPU_INSTANCE_TYPE:-${TF_VAR_gpu_instance_type:-}}"
 
 die() {
   echo "deploy.sh: $*" >&2
@@ -43,9 +49,47 @@ die() {
 }
 
 case "$GPU_CLASS" in
-  a10 | 4090) ;;
+  a10) INSTANCE_FAMILY=g5 DEFAULT_INSTANCE_TYPE=g5.8xlarge ;;
+  4090) INSTANCE_FAMILY=g6e DEFAULT_INSTANCE_TYPE=g6e.8xlarge ;;
   *) die "GPU_CLASS must be a10 or 4090 (got '$GPU_CLASS')" ;;
 esac
+
+# GPU instance types the chart can be sized for: type, GPUs, then per worker pod: CPUs (vCPUs
+# minus 4 for the node), memory (under EKS's allocatable) and /dev/shm. The weight store is one
+# copy per node, so shm follows host RAM, not the GPU count; memory leaves shm 8Gi plus 4Gi per
+# extra GPU (each GPU runs a trainer). The 8xlarge rows are the chart's gpuClasses presets.
+GPU_INSTANCE_SIZES="
+g5.2xlarge    1    4   27Gi   19Gi
+g5.4xlarge    1   12   56Gi   44Gi
+g5.8xlarge    1   28  116Gi  100Gi
+g5.16xlarge   1   60  232Gi  200Gi
+g5.12xlarge   4   44  176Gi  156Gi
+g5.24xlarge   4   92  360Gi  320Gi
+g5.48xlarge   8  188  720Gi  640Gi
+g6e.2xlarge   1    4   56Gi   44Gi
+g6e.4xlarge   1   12  116Gi  100Gi
+g6e.8xlarge   1   28  232Gi  200Gi
+g6e.16xlarge  1   60  470Gi  420Gi
+g6e.12xlarge  4   44  360Gi  320Gi
+g6e.24xlarge  4   92  720Gi  640Gi
+g6e.48xlarge  8  188 1440Gi 1300Gi
+"
+
+known_instance_types() {
+  awk -v family="$INSTANCE_FAMILY." 'index($1, family) == 1 {print $1}' <<<"$GPU_INSTANCE_SIZES" \
+    | paste -sd ' ' -
+}
+
+# "GPUS CPU MEMORY SHM" of an instance type of this GPU class; fails for any other type.
+instance_sizes() {
+  awk -v type="$1" -v family="$INSTANCE_FAMILY." \
+    '$1 == type && index($1, family) == 1 {print $2, $3, $4, $5; found = 1} END {exit !found}' \
+    <<<"$GPU_INSTANCE_SIZES"
+}
+
+if [[ -n "$GPU_INSTANCE_TYPE" ]] && ! instance_sizes "$GPU_INSTANCE_TYPE" >/dev/null; then
+  die "GPU_INSTANCE_TYPE=$GPU_INSTANCE_TYPE is not a GPU_CLASS=$GPU_CLASS instance type this script can size the chart for; known: $(known_instance_types)"
+fi
 
 # Print a command, then run it (DRY_RUN: only print it).
 run() {
@@ -98,13 +142,19 @@ approve_flag() {
   [[ -n "$AUTO_APPROVE" ]] && echo "-auto-approve" || true
 }
 
+# The -var arguments of every terraform apply/destroy.
+tf_vars() {
+  TF_VARS=(-var "gpu_class=$GPU_CLASS")
+  if [[ -n "$GPU_INSTANCE_TYPE" ]]; then TF_VARS+=(-var "gpu_instance_type=$GPU_INSTANCE_TYPE"); fi
+}
+
 read_outputs() {
   CLUSTER="$(tf_output cluster_name "appliance-$GPU_CLASS")"
   REGION="$(tf_output region "us-east-1")"
   BUCKET="$(tf_output bucket_name "appliance-$GPU_CLASS-dry-run-bucket")"
   ROLE_ARN="$(tf_output irsa_role_arn "arn:aws:iam::000000000000:role/appliance-$GPU_CLASS-irsa-dry-run")"
   ECR_URL="$(tf_output ecr_repository_url "000000000000.dkr.ecr.us-east-1.amazonaws.com/appliance-$GPU_CLASS")"
-  GPU_INSTANCE_TYPE="$(tf_output gpu_instance_type "$([[ $GPU_CLASS == a10 ]] && echo g5.8xlarge || echo g6e.8xlarge)")"
+  NODE_INSTANCE_TYPE="$(tf_output gpu_instance_type "${GPU_INSTANCE_TYPE:-$DEFAULT_INSTANCE_TYPE}")"
   GPU_NODE_COUNT="$(tf_output gpu_node_count 1)"
   NAMESPACE="$(tf_output kubernetes_namespace appliance)"
   SERVICE_ACCOUNT="$(tf_output service_account_name appliance)"
@@ -148,16 +198,28 @@ grafana:
 EOF
 }
 
+job_paths() {
+  JOB_MODEL="${MODEL:-s3://$BUCKET/models/base}"
+  JOB_DATA="${DATA:-s3://$BUCKET/data}"
+  JOB_OUTPUT="${OUTPUT:-s3://$BUCKET/runs/$RELEASE-$GPU_CLASS}"
+}
+
 write_chart_values() {
-  local image_repo="$1" image_tag="$2"
-  local model="${MODEL:-s3://$BUCKET/models/base}"
-  local data="${DATA:-s3://$BUCKET/data}"
-  local output="${OUTPUT:-s3://$BUCKET/runs/$RELEASE-$GPU_CLASS}"
+  local image_repo="$1" image_tag="$2" sizes gpus cpu memory shm
+  sizes="$(instance_sizes "$NODE_INSTANCE_TYPE")" \
+    || die "terraform's gpu_instance_type $NODE_INSTANCE_TYPE is not one this script can size the chart for (known: $(known_instance_types)); pass GPU_INSTANCE_TYPE= one of those"
+  read -r gpus cpu memory shm <<<"$sizes"
+  job_paths
   {
     echo "# Written by scripts/deploy.sh from the terraform outputs; helm -f uses it."
     echo "gpuClass: \"$GPU_CLASS\""
+    echo "# Worker pods sized for $NODE_INSTANCE_TYPE (scripts/deploy.sh GPU_INSTANCE_SIZES)."
     echo "gpuClassOverrides:"
-    echo "  instanceType: $GPU_INSTANCE_TYPE"
+    echo "  instanceType: $NODE_INSTANCE_TYPE"
+    echo "  gpusPerNode: $gpus"
+    echo "  cpu: \"$cpu\""
+    echo "  memory: $memory"
+    echo "  shmSize: $shm"
     echo "image:"
     echo "  repository: $image_repo"
     echo "  tag: \"$image_tag\""
@@ -167,9 +229,9 @@ write_chart_values() {
     echo "worker:"
     echo "  replicas: $GPU_NODE_COUNT"
     echo "job:"
-    echo "  model: $model"
-    echo "  data: $data"
-    echo "  output: $output"
+    echo "  model: $JOB_MODEL"
+    echo "  data: $JOB_DATA"
+    echo "  output: $JOB_OUTPUT"
     if [[ -n "${STEPS:-}" ]]; then echo "  steps: $STEPS"; fi
     echo "monitoring:"
     echo "  podMonitor:"
@@ -177,22 +239,52 @@ write_chart_values() {
   } >"$OUT_DIR/values.generated.yaml"
 }
 
+# metadata.name of the first object in a rendered manifest ("" when the file is absent).
+rendered_name() {
+  local file="$OUT_DIR/manifests/appliance/templates/$1"
+  [[ -f "$file" ]] || return 0
+  sed -n 's/^  name: //p' "$file" | head -n 1
+}
+
+# The job reads MODEL and DATA as soon as it starts: say what must be in the bucket by then.
+print_uploads() {
+  job_paths
+  local uploads=()
+  [[ -n "${MODEL:-}" ]] || uploads+=("aws s3 sync /path/to/base-model $JOB_MODEL   # config.json, *.safetensors, tokenizer.json")
+  [[ -n "${DATA:-}" ]] || uploads+=("aws s3 sync /path/to/data-dir $JOB_DATA   # .jsonl/.txt files")
+  ((${#uploads[@]} > 0)) || return 0
+  echo
+  echo "Before the training job can succeed, upload to the new bucket (or pass MODEL=/DATA=):"
+  printf '  %s\n' "${uploads[@]}"
+  echo "then start the job again: kubectl delete rayjob -n $NAMESPACE $JOB_NAME, and make deploy."
+}
+
 print_next_steps() {
+  # The names the chart gave its objects (appliance.fullname in _helpers.tpl: <release>-appliance,
+  # or the release alone when it contains "appliance"; fullnameOverride; ...), read back from the
+  # rendered manifests so that they are right whatever RELEASE and CHART_VALUES were.
+  local cluster_name
+  cluster_name="$(rendered_name raycluster.yaml)"
+  JOB_NAME="$(rendered_name rayjob.yaml)"
+  [[ -n "$cluster_name" ]] || die "no RayCluster in $OUT_DIR/manifests: the chart rendered nothing?"
   echo
   if [[ -n "$DRY_RUN" ]]; then
     echo "Dry run: nothing was changed. Rendered chart: $OUT_DIR/manifests. After a real deploy:"
   else
     echo "Deployed GPU class $GPU_CLASS to cluster $CLUSTER. Watch the run:"
   fi
+  echo "  kubectl get raycluster,rayjob,pods -n $NAMESPACE"
+  if [[ -n "$JOB_NAME" ]]; then
+    echo "  kubectl logs -n $NAMESPACE -f job/$JOB_NAME"
+  fi
   cat <<EOF
-  kubectl get raycluster,rayjob,pods -n $NAMESPACE
-  kubectl logs -n $NAMESPACE -f job/$RELEASE-train
 Ray dashboard:
-  kubectl port-forward -n $NAMESPACE svc/$RELEASE-head-svc 8265:8265      # http://127.0.0.1:8265
+  kubectl port-forward -n $NAMESPACE svc/$cluster_name-head-svc 8265:8265      # http://127.0.0.1:8265
 Grafana (dashboards in folder "Appliance"):
   kubectl port-forward -n $MONITORING_NAMESPACE svc/prometheus-grafana 3000:80   # http://127.0.0.1:3000
   kubectl get secret -n $MONITORING_NAMESPACE prometheus-grafana -o jsonpath='{.data.admin-password}' | base64 -d
 EOF
+  if [[ -n "$JOB_NAME" ]]; then print_uploads; fi
 }
 
 deploy() {
@@ -200,10 +292,11 @@ deploy() {
   [[ -n "${IMAGE:-}" ]] || require_tools docker
   helm version >/dev/null # fail early when there is no helm
   mkdir -p "$OUT_DIR"
-  echo "== terraform: VPC, EKS with the $GPU_CLASS GPU node group, S3, IRSA, ECR"
+  echo "== terraform: VPC, EKS with the $GPU_CLASS GPU node group (${GPU_INSTANCE_TYPE:-$DEFAULT_INSTANCE_TYPE}), S3, IRSA, ECR"
+  tf_vars
   run terraform -chdir="$TF_DIR" init -input=false
   # shellcheck disable=SC2046  # approve_flag is empty or one word
-  run terraform -chdir="$TF_DIR" apply -input=false $(approve_flag) -var "gpu_class=$GPU_CLASS"
+  run terraform -chdir="$TF_DIR" apply -input=false $(approve_flag) "${TF_VARS[@]}"
   read_outputs
 
   echo "== kubeconfig"
@@ -262,6 +355,7 @@ destroy() {
   require_tools terraform aws
   helm version >/dev/null
   read_outputs
+  tf_vars
   echo "== kubeconfig"
   run aws eks update-kubeconfig --name "$CLUSTER" --region "$REGION"
   echo "== helm releases (the RayCluster first, so its pods and volumes go before the nodes)"
@@ -272,11 +366,11 @@ destroy() {
   if [[ -n "$FORCE" ]]; then
     # force_destroy must be in the state before destroy honours it.
     # shellcheck disable=SC2046
-    run terraform -chdir="$TF_DIR" apply -input=false $(approve_flag) -var "gpu_class=$GPU_CLASS" \
+    run terraform -chdir="$TF_DIR" apply -input=false $(approve_flag) "${TF_VARS[@]}" \
       -var force_destroy=true -target=aws_s3_bucket.this -target=aws_ecr_repository.this
   fi
   # shellcheck disable=SC2046
-  run terraform -chdir="$TF_DIR" destroy -input=false $(approve_flag) -var "gpu_class=$GPU_CLASS"
+  run terraform -chdir="$TF_DIR" destroy -input=false $(approve_flag) "${TF_VARS[@]}"
   if [[ -z "$FORCE" ]]; then
     echo "(A bucket or image repository that still holds objects stops terraform destroy; rerun with FORCE=1 to delete them too.)"
   fi

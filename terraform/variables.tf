@@ -27,7 +27,7 @@ variable "gpu_class" {
 }
 
 variable "gpu_instance_type" {
-  description = "Explicit EC2 instance type of the GPU nodes, overriding the gpu_class default (g5.8xlarge for a10, g6e.8xlarge for 4090). Size the chart's gpuClassOverrides to match."
+  description = "Explicit EC2 instance type of the GPU nodes, overriding the gpu_class default (g5.8xlarge for a10, g6e.8xlarge for 4090). make deploy GPU_INSTANCE_TYPE=... sets it and sizes the chart to match; otherwise size the chart's gpuClassOverrides yourself."
   type        = string
   default     = null
 }

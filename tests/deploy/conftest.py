@@ -1,8 +1,9 @@
 """Shared helpers for the deployment checks: tool paths, helm rendering, schema validation.
 
 The tools come from `bash scripts/install-tools.sh` (run by `make test` and `make deploy-tools`):
-.tools/bin/helm, .venv-tools/bin/{checkov,hadolint,kubernetes-validate}, .tools/node.
-A test whose tool is truly absent is skipped with the command that installs it.
+.tools/bin/helm, .venv-tools/bin/{checkov,hadolint,kubernetes-validate,shellcheck}, .tools/node;
+where those are absent, the same tool on PATH is used. A test whose tool is truly absent is
+skipped with the command that installs it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -23,12 +26,25 @@ CHART = ROOT / "helm" / "appliance"
 TERRAFORM = ROOT / "terraform"
 SCHEMAS = ROOT.parent / "shared" / "schemas"
 
-HELM = ROOT / ".tools" / "bin" / "helm"
 TOOLS_VENV = ROOT / ".venv-tools" / "bin"
-CHECKOV = TOOLS_VENV / "checkov"
-HADOLINT = TOOLS_VENV / "hadolint"
-KUBERNETES_VALIDATE = TOOLS_VENV / "kubernetes-validate"
+
+
+def tool(local: Path) -> Path:
+    """The repo-local tool (install-tools.sh) if it is there, else the same name on PATH, else
+    the repo-local path (which `require` then skips on)."""
+    if local.exists():
+        return local
+    found = shutil.which(local.name)
+    return Path(found) if found else local
+
+
+HELM = tool(ROOT / ".tools" / "bin" / "helm")
+CHECKOV = tool(TOOLS_VENV / "checkov")
+HADOLINT = tool(TOOLS_VENV / "hadolint")
+KUBERNETES_VALIDATE = tool(TOOLS_VENV / "kubernetes-validate")
+SHELLCHECK = tool(TOOLS_VENV / "shellcheck")
 NODE_MODELS = ROOT / ".tools" / "node"
+DOCKERFILE = ROOT / "Dockerfile"
 PODMONITOR_VALIDATOR = Path(__file__).with_name("validate_podmonitor.mjs")
 
 GPU_CLASSES = ("a10", "4090")
@@ -40,7 +56,7 @@ INSTALL_HINT = "run `bash scripts/install-tools.sh` (make deploy-tools)"
 def require(path: Path) -> Path:
     """Skip the calling test when a tool binary is absent (make test installs them first)."""
     if not path.exists():
-        pytest.skip(f"{path.relative_to(ROOT)} is not installed: {INSTALL_HINT}")
+        pytest.skip(f"{path.relative_to(ROOT)} is not installed (nor on PATH): {INSTALL_HINT}")
     return path
 
 
@@ -163,3 +179,85 @@ def unquote(value: Any) -> Any:
     if isinstance(value, dict):
         return {unquote(k): unquote(v) for k, v in value.items() if k != "__is_block__"}
     return value
+
+
+# -- the image and the job's command line --------------------------------------------------------
+
+
+def dockerfile_instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keyword, _, rest = line.partition(" ")
+            out.append((keyword.upper(), rest.strip()))
+    return out
+
+
+def image_file(path: str) -> Path | None:
+    """The repository file that lands at `path` in the final image, through the final stage's
+    `COPY <context dir>/ <image dir>/` instructions; None when no COPY puts a file there."""
+    steps = dockerfile_instructions()
+    last_from = max(i for i, (kw, _) in enumerate(steps) if kw == "FROM")
+    for keyword, rest in steps[last_from:]:
+        if keyword != "COPY" or rest.startswith("--from"):
+            continue
+        *sources, dest = rest.split()
+        for source in sources:
+            if source.endswith("/") and dest.endswith("/") and path.startswith(dest):
+                candidate = ROOT / source / path[len(dest) :]
+                if candidate.is_file():
+                    return candidate
+    return None
+
+
+def trainer_node_resource() -> str:
+    """The Ray custom resource `appliance train --cluster` places trainers by."""
+    try:
+        from appliance.cluster import TRAINER_NODE_RESOURCE
+    except ImportError:  # before the cluster module, it lived in the driver
+        from appliance.driver import TRAINER_NODE_RESOURCE
+    return TRAINER_NODE_RESOURCE
+
+
+def entrypoint_config(docs: list[dict[str, Any]]) -> Any:
+    """Parse the rendered RayJob's entrypoint with the real `appliance train` command-line parser,
+    read its --config where the driver would find it (a ConfigMap mounted on the head, or a file
+    the image ships) and build the run's config: appliance.config.build_config, which raises
+    ConfigError on an unknown key or a bad value, as `appliance train` would at run time."""
+    from appliance import config as C
+    from appliance.cli import train as train_command
+
+    (job,) = [d for d in docs if d["kind"] == "RayJob"]
+    args = shlex.split(job["spec"]["entrypoint"])
+    assert args[:2] == ["appliance", "train"], args
+    params = train_command.make_context("train", args[2:]).params
+    config_path = params.pop("config_file")
+    file_values: dict[str, Any] = {}
+    if config_path is not None:
+        file_values = yaml.safe_load(config_text(docs, config_path)) or {}
+        assert isinstance(file_values, dict), config_path
+    return C.build_config(file_values, params, source=f"--config {config_path}")
+
+
+def config_text(docs: list[dict[str, Any]], path: str) -> str:
+    """The contents the driver (on the Ray head) reads at `path`: from a ConfigMap volume mounted
+    on the head, else from the image (see image_file)."""
+    (cluster,) = [d for d in docs if d["kind"] == "RayCluster"]
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in head.get("volumes", [])}
+    for mount in head["containers"][0].get("volumeMounts", []):
+        directory = mount["mountPath"].rstrip("/") + "/"
+        config_map = volumes[mount["name"]].get("configMap")
+        if config_map and path.startswith(directory):
+            (data,) = [
+                d["data"]
+                for d in docs
+                if d["kind"] == "ConfigMap" and d["metadata"]["name"] == config_map["name"]
+            ]
+            return data[path[len(directory) :]]
+    source = image_file(path)
+    assert source is not None, f"--config {path} is neither mounted on the head nor in the image"
+    return source.read_text()

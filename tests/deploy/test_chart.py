@@ -15,6 +15,7 @@ import hcl2
 import pytest
 import yaml
 
+from appliance.errors import ConfigError
 from tests.deploy.conftest import (
     CHART,
     CI_VALUES,
@@ -24,13 +25,16 @@ from tests.deploy.conftest import (
     TERRAFORM,
     by_kind,
     crd_errors,
+    entrypoint_config,
     helm_template,
+    image_file,
     kubernetes_validate,
     one,
     podmonitor_validate,
     render,
     require,
     run,
+    trainer_node_resource,
     unquote,
 )
 
@@ -80,6 +84,13 @@ def volume(pod: dict[str, Any], name: str) -> dict[str, Any]:
 def gibibytes(quantity: str) -> int:
     assert quantity.endswith("Gi"), quantity
     return int(quantity[:-2])
+
+
+def ray_start_resources(params: dict[str, str]) -> dict[str, Any]:
+    """The custom resources `ray start` gets: KubeRay runs `ray start ... --resources=<value>`
+    through a shell, so the value is shell-unquoted before it is JSON."""
+    (arg,) = shlex.split(f"--resources={params['resources']}")
+    return json.loads(arg.split("=", 1)[1])
 
 
 def terraform_kubernetes_version() -> str:
@@ -183,6 +194,51 @@ def test_worker_shm_is_a_memory_backed_emptydir_that_holds_the_object_store(rend
     memory = gibibytes(container["resources"]["limits"]["memory"])
     assert memory == gibibytes(container["resources"]["requests"]["memory"])
     assert memory >= gibibytes(shm["sizeLimit"]) + 8
+
+
+@pytest.mark.parametrize("cls", GPU_CLASSES)
+def test_the_heads_object_store_fits_in_its_memory_backed_shm(renders, cls) -> None:
+    head = one(renders[(cls, "monitoring-on")], "RayCluster")["spec"]["headGroupSpec"]
+    shm = volume(head["template"], "shm")["emptyDir"]
+    assert shm["medium"] == "Memory"
+    (container,) = head["template"]["spec"]["containers"]
+    assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    # Without object-store-memory Ray would take 30% of the pod's memory: more than /dev/shm.
+    object_store = int(head["rayStartParams"]["object-store-memory"])
+    assert object_store == (gibibytes(shm["sizeLimit"]) - 1) * GIB
+    assert gibibytes(container["resources"]["limits"]["memory"]) > gibibytes(shm["sizeLimit"])
+
+
+def test_a_bigger_head_shm_gets_a_bigger_head_object_store_and_a_tiny_one_is_refused() -> None:
+    docs = render(CI_VALUES["a10"], sets={"head.shmSize": "4Gi"})
+    head = one(docs, "RayCluster")["spec"]["headGroupSpec"]
+    assert head["rayStartParams"]["object-store-memory"] == str(3 * GIB)
+    result = helm_template(CI_VALUES["a10"], sets={"head.shmSize": "1Gi"}, check=False)
+    assert result.returncode != 0
+    assert "head.shmSize (1Gi) must be at least 2Gi" in result.stderr
+
+
+@pytest.mark.parametrize("cls", GPU_CLASSES)
+def test_gpu_workers_carry_the_custom_resource_appliance_places_trainers_by(renders, cls) -> None:
+    cluster = one(renders[(cls, "monitoring-on")], "RayCluster")["spec"]
+    (group,) = cluster["workerGroupSpecs"]
+    assert ray_start_resources(group["rayStartParams"]) == {trainer_node_resource(): 1}
+    assert "resources" not in cluster["headGroupSpec"]["rayStartParams"]
+
+
+def test_extra_worker_custom_resources_join_the_trainer_node_resource() -> None:
+    docs = render(CI_VALUES["a10"], sets={"worker.customResources.spot": "2"})
+    (group,) = one(docs, "RayCluster")["spec"]["workerGroupSpecs"]
+    assert ray_start_resources(group["rayStartParams"]) == {trainer_node_resource(): 1, "spot": 2}
+    assert crd_errors(one(docs, "RayCluster")) == []
+
+
+def test_worker_ray_start_resources_that_would_drop_the_trainer_resource_are_refused() -> None:
+    result = helm_template(
+        CI_VALUES["a10"], sets={"worker.rayStartParams.resources": '{"x": 1}'}, check=False
+    )
+    assert result.returncode != 0
+    assert "put custom resources in worker.customResources instead" in result.stderr
 
 
 @pytest.mark.parametrize("cls", GPU_CLASSES)
@@ -292,10 +348,41 @@ def test_the_rayjob_runs_appliance_train_on_the_charts_cluster_with_the_job_args
 def test_a_config_file_from_the_image_and_extra_args_reach_the_entrypoint(renders) -> None:
     docs = renders[("4090", "monitoring-off")]
     args = shlex.split(one(docs, "RayJob")["spec"]["entrypoint"])
-    assert args[args.index("--config") + 1] == "/opt/appliance/configs/70b.yaml"
+    assert args[args.index("--config") + 1] == "/opt/appliance/configs/llama3-8b-4090.yaml"
     assert args[-2:] == ["--gpu-memory-budget", "24GiB"]
     assert "--steps" not in args  # steps: null leaves the config's value
     assert train_config_maps(docs) == []  # no inline config, nothing mounted
+
+
+@pytest.mark.parametrize("cls", GPU_CLASSES)
+def test_appliance_train_accepts_the_ci_jobs_command_line_and_config(renders, cls) -> None:
+    docs = renders[(cls, "monitoring-on")]
+    job = yaml.safe_load(CI_VALUES[cls].read_text())["job"]
+    cfg = entrypoint_config(docs)
+    assert (cfg.cluster, cfg.model, cfg.data, cfg.output) == (
+        "auto", job["model"], job["data"], job["output"]
+    )  # fmt: skip
+    if "config" in job:  # inline: the ConfigMap on the head
+        assert cfg.lora_rank == yaml.safe_load(job["config"])["lora_rank"]
+        assert cfg.steps == job["steps"]
+    else:  # the image's file; the flag overrides its gpu_memory_budget
+        assert cfg.seq_len == 4096 and cfg.gpu_memory_budget == "24GiB"
+
+
+def test_every_config_file_the_ci_values_name_is_in_the_image() -> None:
+    named = 0
+    for values_file in sorted((CHART / "ci").glob("*.yaml")):
+        path = (yaml.safe_load(values_file.read_text()).get("job") or {}).get("configFile")
+        if path:
+            assert image_file(path) is not None, f"{values_file.name}: {path} is not in the image"
+            named += 1
+    assert named >= 1
+
+
+def test_a_nested_config_that_appliance_train_would_reject_is_caught() -> None:
+    docs = render(CI_VALUES["a10"], sets={"job.config": "lora:\n  rank: 16\n"})
+    with pytest.raises(ConfigError, match="unknown key 'lora'"):
+        entrypoint_config(docs)
 
 
 def test_arguments_with_spaces_are_quoted_for_the_shell() -> None:

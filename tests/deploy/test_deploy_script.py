@@ -18,16 +18,19 @@ from tests.deploy.conftest import (
     CHART,
     HELM,
     ROOT,
+    SHELLCHECK,
     TERRAFORM,
     crd_errors,
+    entrypoint_config,
+    helm_template,
     kubernetes_validate,
     require,
     run,
     unquote,
 )
 
-SHELLCHECK = ROOT / ".venv-tools" / "bin" / "shellcheck"
 INSTANCE = {"a10": "g5.8xlarge", "4090": "g6e.8xlarge"}
+DEPLOY_SH = ROOT / "scripts" / "deploy.sh"
 
 
 def make_command() -> list[str]:
@@ -38,26 +41,34 @@ def make_command() -> list[str]:
     return ["make", "--no-print-directory", "-f", "deploy.mk"]
 
 
+def executable(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
 @pytest.fixture
-def sandbox(tmp_path: Path) -> dict[str, str]:
-    """Environment whose cloud CLIs are traps and whose helm is recorded."""
+def traps(tmp_path: Path) -> dict[str, str]:
+    """Environment whose cloud CLIs, and helm, are traps that record any call."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "calls.log"
-    for tool in ("terraform", "aws", "docker", "kubectl"):
-        trap = bin_dir / tool
-        trap.write_text(f'#!/bin/sh\necho "{tool} $*" >> {calls}\nexit 97\n')
-        trap.chmod(trap.stat().st_mode | stat.S_IEXEC)
-    helm = bin_dir / "helm-recorded"
-    helm.write_text(f'#!/bin/sh\necho "helm $*" >> {calls}\nexec {require(HELM)} "$@"\n')
-    helm.chmod(helm.stat().st_mode | stat.S_IEXEC)
+    for tool in ("terraform", "aws", "docker", "kubectl", "helm"):
+        executable(bin_dir / tool, f'#!/bin/sh\necho "{tool} $*" >> {calls}\nexit 97\n')
     return {
         **os.environ,
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-        "HELM": str(helm),
+        "HELM": str(bin_dir / "helm"),
         "DEPLOY_OUT_DIR": str(tmp_path / "out"),
         "CALLS": str(calls),
     }
+
+
+@pytest.fixture
+def sandbox(traps: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    """The traps, but with a real helm whose calls are recorded."""
+    helm = tmp_path / "bin" / "helm-recorded"
+    executable(helm, f'#!/bin/sh\necho "helm $*" >> {traps["CALLS"]}\nexec {require(HELM)} "$@"\n')
+    return {**traps, "HELM": str(helm)}
 
 
 def dry_run(target: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -79,6 +90,20 @@ def printed_commands(output: str) -> list[str]:
 def tool_calls(env: dict[str, str]) -> list[str]:
     calls = Path(env["CALLS"])
     return calls.read_text().splitlines() if calls.exists() else []
+
+
+def rendered(env: dict[str, str]) -> dict[str, dict]:
+    """The dry run's rendered manifests, by kind."""
+    files = sorted((Path(env["DEPLOY_OUT_DIR"]) / "manifests").rglob("*.yaml"))
+    return {d["kind"]: d for f in files for d in yaml.safe_load_all(f.read_text()) if d}
+
+
+def instance_sizes() -> dict[str, tuple[int, str, str, str]]:
+    """deploy.sh's GPU_INSTANCE_SIZES table: type -> (GPUs, cpu, memory, shmSize)."""
+    table = re.search(r'^GPU_INSTANCE_SIZES="\n(.*?)^"', DEPLOY_SH.read_text(), re.M | re.S)
+    assert table, "GPU_INSTANCE_SIZES not found in scripts/deploy.sh"
+    rows = [line.split() for line in table.group(1).splitlines() if line.strip()]
+    return {t: (int(g), c, m, s) for t, g, c, m, s in rows}
 
 
 def terraform_default(name: str) -> str:
@@ -165,7 +190,7 @@ def test_the_dry_runs_manifests_wire_terraforms_outputs_into_the_chart(sandbox, 
 
 def test_job_arguments_and_extra_values_reach_the_rendered_chart(sandbox, tmp_path) -> None:
     config = tmp_path / "train.yaml"
-    config.write_text("lora:\n  rank: 8\n")
+    config.write_text("lora_rank: 8\nseq_len: 512\n")
     extra = tmp_path / "extra-values.yaml"
     extra.write_text("worker:\n  replicas: 2\n")
     args = [
@@ -184,7 +209,10 @@ def test_job_arguments_and_extra_values_reach_the_rendered_chart(sandbox, tmp_pa
         assert expected in entrypoint
     assert "--config /etc/appliance/train.yaml" in entrypoint
     config_map = yaml.safe_load((manifests / "train-config.yaml").read_text())
-    assert yaml.safe_load(config_map["data"]["train.yaml"]) == {"lora": {"rank": 8}}
+    assert yaml.safe_load(config_map["data"]["train.yaml"]) == {"lora_rank": 8, "seq_len": 512}
+    # What `appliance train` makes of that command line and config on the head.
+    cfg = entrypoint_config(list(rendered(sandbox).values()))
+    assert (cfg.lora_rank, cfg.seq_len, cfg.steps, cfg.model) == (8, 512, 7, "s3://b/m")
     cluster = yaml.safe_load((manifests / "raycluster.yaml").read_text())
     assert cluster["spec"]["workerGroupSpecs"][0]["replicas"] == 2  # CHART_VALUES applied
 
@@ -203,11 +231,114 @@ def test_destroy_dry_run_uninstalls_the_releases_before_terraform_destroy(sandbo
     assert tool_calls(sandbox) == ["helm version"]
 
 
-def test_an_unknown_gpu_class_stops_before_any_command(sandbox) -> None:
-    result = dry_run("deploy", sandbox, "GPU_CLASS=h100")
+def test_an_unknown_gpu_class_stops_before_any_command(traps) -> None:
+    result = dry_run("deploy", traps, "GPU_CLASS=h100")
     assert result.returncode != 0
     assert "GPU_CLASS must be a10 or 4090 (got 'h100')" in result.stdout
     assert printed_commands(result.stdout) == []
+    assert tool_calls(traps) == []
+
+
+def test_the_default_job_config_is_accepted_by_appliance_train(sandbox) -> None:
+    assert dry_run("deploy", sandbox, "GPU_CLASS=4090").returncode == 0
+    cfg = entrypoint_config(list(rendered(sandbox).values()))
+    assert cfg.cluster == "auto" and cfg.model.startswith("s3://appliance-4090-dry-run-bucket/")
+
+
+@pytest.mark.parametrize(
+    ("release", "fullname"), [("foo", "foo-appliance"), ("my-appliance", "my-appliance")]
+)
+def test_the_printed_names_are_the_ones_the_chart_gives_a_release(
+    sandbox, release, fullname
+) -> None:
+    result = dry_run("deploy", sandbox, "GPU_CLASS=a10", f"RELEASE={release}")
+    assert result.returncode == 0, result.stdout
+    docs = rendered(sandbox)
+    assert docs["RayCluster"]["metadata"]["name"] == fullname
+    assert docs["RayJob"]["metadata"]["name"] == f"{fullname}-train"
+    assert f"kubectl logs -n appliance -f job/{fullname}-train" in result.stdout
+    assert f"svc/{fullname}-head-svc 8265:8265" in result.stdout
+    assert f"helm upgrade --install {release} helm/appliance" in result.stdout
+
+
+def test_a_dry_run_says_what_to_upload_before_the_job_can_succeed(sandbox) -> None:
+    result = dry_run("deploy", sandbox, "GPU_CLASS=a10")
+    assert result.returncode == 0, result.stdout
+    bucket = "s3://appliance-a10-dry-run-bucket"
+    entrypoint = rendered(sandbox)["RayJob"]["spec"]["entrypoint"]
+    assert f"--model {bucket}/models/base" in entrypoint
+    assert f"--data {bucket}/data" in entrypoint
+    assert "Before the training job can succeed, upload" in result.stdout
+    assert f"aws s3 sync /path/to/base-model {bucket}/models/base" in result.stdout
+    assert f"aws s3 sync /path/to/data-dir {bucket}/data" in result.stdout
+
+
+def test_with_model_and_data_given_no_upload_is_asked_for(sandbox) -> None:
+    result = dry_run("deploy", sandbox, "GPU_CLASS=a10", "MODEL=s3://b/m", "DATA=s3://b/d")
+    assert result.returncode == 0, result.stdout
+    assert "aws s3 sync" not in result.stdout
+
+
+def test_a_gpu_instance_type_reaches_terraform_and_sizes_the_chart(sandbox) -> None:
+    result = dry_run("deploy", sandbox, "GPU_CLASS=a10", "GPU_INSTANCE_TYPE=g5.12xlarge")
+    assert result.returncode == 0, result.stdout
+    (apply,) = [c for c in printed_commands(result.stdout) if " apply " in c]
+    assert apply.endswith("-var gpu_class=a10 -var gpu_instance_type=g5.12xlarge")
+    (group,) = rendered(sandbox)["RayCluster"]["spec"]["workerGroupSpecs"]
+    spec = group["template"]["spec"]
+    gpus, cpu, memory, shm = instance_sizes()["g5.12xlarge"]
+    assert gpus == 4
+    assert spec["nodeSelector"] == {"node.kubernetes.io/instance-type": "g5.12xlarge"}
+    limits = spec["containers"][0]["resources"]["limits"]
+    assert (limits["nvidia.com/gpu"], limits["cpu"], limits["memory"]) == (gpus, cpu, memory)
+    assert group["rayStartParams"]["num-gpus"] == "4"
+    (shm_volume,) = [v for v in spec["volumes"] if v["name"] == "shm"]
+    assert shm_volume["emptyDir"]["sizeLimit"] == shm
+
+
+@pytest.mark.parametrize(
+    ("gpu_class", "instance_type"), [("a10", "p4d.24xlarge"), ("a10", "g6e.12xlarge")]
+)
+def test_an_instance_type_the_script_cannot_size_is_refused_before_any_command(
+    traps, gpu_class, instance_type
+) -> None:
+    result = dry_run(
+        "deploy", traps, f"GPU_CLASS={gpu_class}", f"GPU_INSTANCE_TYPE={instance_type}"
+    )
+    assert result.returncode != 0
+    (line,) = [out for out in result.stdout.splitlines() if "GPU_INSTANCE_TYPE" in out]
+    assert f"GPU_INSTANCE_TYPE={instance_type} is not a GPU_CLASS={gpu_class} instance type" in line
+    known = line.split("known: ")[1].split()
+    assert "g5.2xlarge" in known and "g5.12xlarge" in known
+    assert not [t for t in known if not t.startswith("g5.")]
+    assert printed_commands(result.stdout) == [] and tool_calls(traps) == []
+
+
+def test_every_instance_size_the_script_knows_renders_and_leaves_room_per_trainer() -> None:
+    """Each row passes the chart's own checks, and memory covers /dev/shm (one weight store per
+    node) plus 8Gi and 4Gi per extra trainer (one per GPU)."""
+    presets = yaml.safe_load((CHART / "values.yaml").read_text())["gpuClasses"]
+    for instance_type, (gpus, cpu, memory, shm) in instance_sizes().items():
+        memory_gi, shm_gi = int(memory.removesuffix("Gi")), int(shm.removesuffix("Gi"))
+        assert memory_gi >= shm_gi + 8 + 4 * (gpus - 1), instance_type
+        assert int(cpu) >= 4, instance_type
+        gpu_class = "a10" if instance_type.startswith("g5.") else "4090"
+        helm_template(
+            sets={
+                "gpuClass": gpu_class,
+                "job.enabled": "false",
+                "gpuClassOverrides.instanceType": instance_type,
+                "gpuClassOverrides.gpusPerNode": str(gpus),
+                "gpuClassOverrides.cpu": cpu,
+                "gpuClassOverrides.memory": memory,
+                "gpuClassOverrides.shmSize": shm,
+            }
+        )
+        preset = presets[gpu_class]
+        if preset["instanceType"] == instance_type:  # the chart's own sizes for its presets
+            assert (gpus, cpu, memory, shm) == (
+                preset["gpusPerNode"], preset["cpu"], preset["memory"], preset["shmSize"]
+            )  # fmt: skip
 
 
 def test_the_scripts_pass_shellcheck() -> None:

@@ -1,27 +1,28 @@
 """The Dockerfile: hadolint-clean (ignores justified inline), a CUDA runtime base whose CUDA
-matches torch's build, the pinned torch, a non-root user, the `appliance` entrypoint and ports.
+matches torch's build, the pinned torch, Ray at the chart's rayVersion, a non-root user, the
+`appliance` entrypoint and ports, the example configs at a fixed path.
 (No docker daemon here or in CI: the image itself is built by `make image` where docker runs.)"""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-from tests.deploy.conftest import HADOLINT, ROOT, require, run
+import tomllib
+import yaml
+from packaging.requirements import Requirement
 
-DOCKERFILE = ROOT / "Dockerfile"
+from tests.deploy.conftest import (
+    CHART,
+    DOCKERFILE,
+    HADOLINT,
+    ROOT,
+    dockerfile_instructions,
+    image_file,
+    require,
+    run,
+)
 
-
-def instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    text = re.sub(r"\\\n", " ", path.read_text())
-    out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            keyword, _, rest = line.partition(" ")
-            out.append((keyword.upper(), rest.strip()))
-    return out
+instructions = dockerfile_instructions
 
 
 def arg_default(name: str) -> str:
@@ -110,5 +111,26 @@ def test_the_build_context_holds_only_what_pip_install_needs() -> None:
         if kw == "COPY" and "--from" not in rest
         for src in rest.split()[:-1]
     }
-    assert copied <= allowed
+    for source in copied:  # each COPY source is an allowed path or inside one
+        assert any(source == a or source.startswith(f"{a}/") for a in allowed), source
     assert {"pyproject.toml", "appliance"} <= copied
+
+
+def test_ray_is_pinned_to_the_charts_ray_version() -> None:
+    ray_version = yaml.safe_load((CHART / "values.yaml").read_text())["rayVersion"]
+    assert arg_default("RAY_VERSION") == ray_version
+    (install,) = [rest for kw, rest in instructions() if kw == "RUN" and "--constraint" in rest]
+    assert '"ray[default]==${RAY_VERSION}"' in install
+    assert "assert ray.__version__ == '${RAY_VERSION}'" in install  # the build checks it
+    # ...and the pin is one the package itself accepts.
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    (ray,) = [Requirement(r) for r in pyproject["project"]["dependencies"] if r.startswith("ray")]
+    assert ray.specifier.contains(ray_version), (str(ray), ray_version)
+
+
+def test_the_example_configs_land_at_a_fixed_path_in_the_image() -> None:
+    configs = sorted((ROOT / "appliance" / "configs").glob("*.yaml"))
+    assert configs
+    for config in configs:
+        assert image_file(f"/opt/appliance/configs/{config.name}") == config
+    assert image_file("/opt/appliance/configs/70b.yaml") is None

@@ -87,6 +87,32 @@ shmGi, memoryGi and objectStoreBytes. Use: $gpu := include "appliance.gpu" . | f
 {{- toYaml $gpu }}
 {{- end }}
 
+{{/*
+The head's Ray object store in bytes: its /dev/shm (head.shmSize) minus 1 GiB, so that the store
+fits in shared memory (Ray's default, 30% of the pod's memory, would not: it would use /tmp).
+*/}}
+{{- define "appliance.headObjectStoreBytes" -}}
+{{- $shmGi := include "appliance.gibibytes" (list "head.shmSize" .Values.head.shmSize) | int64 }}
+{{- if lt $shmGi 2 }}
+{{- fail (printf "head.shmSize (%s) must be at least 2Gi" .Values.head.shmSize) }}
+{{- end }}
+{{- mul (sub $shmGi 1) 1073741824 | toString }}
+{{- end }}
+
+{{/*
+The workers' `ray start --resources` value: worker.customResources plus appliance_trainer_node: 1
+(what `appliance train --cluster` places its weight store and trainers by). KubeRay passes
+rayStartParams to a shell as `--resources=<value>`, so the JSON goes inside double quotes:
+"{\"appliance_trainer_node\":1}".
+*/}}
+{{- define "appliance.workerResources" -}}
+{{- if hasKey .Values.worker.rayStartParams "resources" }}
+{{- fail "worker.rayStartParams.resources would replace the chart's appliance_trainer_node resource: put custom resources in worker.customResources instead" }}
+{{- end }}
+{{- $resources := merge (dict "appliance_trainer_node" 1) (deepCopy .Values.worker.customResources) }}
+{{- printf "%q" (toJson $resources) }}
+{{- end }}
+
 {{/* One shell word: bare when safe, else single-quoted (single quotes themselves are refused). */}}
 {{- define "appliance.shellWord" -}}
 {{- $word := toString . }}
