@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from appliance import metrics as M
+from appliance.config import TrainConfig
 from tests.test_metrics import embedded_ray, record_everything_and_scrape, samples, scrape_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +33,24 @@ GPU_ONLY_METRICS = {
     "ray_node_gpus_utilization",
     "ray_node_gram_used",
     "ray_node_gram_available",
+}
+
+# Appliance series the dashboards use that only a GPU run records, so the CPU run of
+# tests/test_prometheus_e2e.py cannot show them (a key with labels excludes only selectors that
+# carry those matchers). Every other `ray_appliance_*` selector a dashboard uses must match series
+# in that real run's Prometheus data; test_gpu_only_appliance_series_are_real_and_used keeps this
+# list from rotting.
+APPLIANCE_GPU_ONLY_SERIES = {
+    "ray_appliance_gpu_busy_ratio": "timed with CUDA events on the compute stream",
+    "ray_appliance_gpu_nvml_utilization_ratio": "sampled from NVML, which needs an NVIDIA GPU",
+    "ray_appliance_gpu_memory_allocated_bytes": "torch.cuda.memory_allocated()",
+    "ray_appliance_gpu_memory_reserved_bytes": "torch.cuda.memory_reserved()",
+    "ray_appliance_mfu_ratio": "needs the peak FLOP/s of a known GPU (metrics.PEAK_BF16_FLOPS)",
+    "ray_appliance_h2d_bytes_total": "on a CPU the weights are used in place: nothing is copied, "
+    "and a counter is only created by a positive increment",
+    "ray_appliance_h2d_seconds_total": "no host-to-device copies on a CPU (as h2d_bytes)",
+    'ray_appliance_phase_seconds_total{phase="h2d_stall"}': "the wait for a weight copy, timed "
+    "with CUDA events: always 0 on a CPU, so never added to the counter",
 }
 
 # Grafana's variables, replaced by values Prometheus accepts before promtool or a query sees them.
@@ -162,6 +181,16 @@ def test_dashboards_show_what_the_issue_asks_for():
     assert stacked, "no stacked per-phase panel in step-time.json"
     titles = " ".join(p["title"].lower() for p in step_time["panels"])
     assert "data wait" in titles and "h2d stall" in titles  # called out on their own
+    for panel in stacked:  # ... and in their own colours wherever phases are stacked
+        colored = {o["matcher"]["options"] for o in panel["fieldConfig"]["overrides"]}
+        assert {"data_wait", "h2d_stall"} <= colored, panel["title"]
+    # busy (CUDA events) and NVML utilization in one panel, to read side by side
+    utilization = load(DASHBOARDS / "utilization.json")["panels"]
+    assert any(
+        {"ray_appliance_gpu_busy_ratio", "ray_appliance_gpu_nvml_utilization_ratio"}
+        <= {n for t in p.get("targets", []) for n in metric_names(t["expr"])}
+        for p in utilization
+    ), "no panel shows GPU busy beside NVML utilization"
 
 
 # ---------------------------------------------------------------------- PromQL
@@ -214,8 +243,61 @@ def live_sample_names() -> Iterator[set[str]]:
         yield {name for name, _, _ in samples(text)}
 
 
+def split_selector(selector: str) -> tuple[str, list[str]]:
+    """`name{a="x", b!="y"}` → ("name", ['a="x"', 'b!="y"']) (no commas inside label values)."""
+    name, _, matchers = selector.partition("{")
+    return name, [m.strip() for m in matchers.rstrip("}").split(",") if m.strip()]
+
+
+def appliance_selectors(expr: str) -> set[str]:
+    """The `ray_appliance_*` selectors of a (substituted) expression, label matchers included."""
+    return {m.group(0) for m in re.finditer(r"\bray_appliance_[a-zA-Z0-9_]+(\{[^}]*\})?", expr)}
+
+
+def gpu_only(selector: str) -> bool:
+    """Whether a selector only matches series a GPU run records (APPLIANCE_GPU_ONLY_SERIES)."""
+    name, matchers = split_selector(selector)
+    for key in APPLIANCE_GPU_ONLY_SERIES:
+        key_name, key_matchers = split_selector(key)
+        if key_name == name and set(key_matchers) <= set(matchers):
+            return True
+    return False
+
+
+def test_selector_helpers():
+    expr = (
+        'sum(rate(ray_appliance_phase_seconds_total{SessionName=~".+", phase="h2d_stall"}[1m])) '
+        '/ sum(rate(ray_appliance_steps_total{SessionName=~".+"}[1m])) + ray_appliance_loss'
+    )
+    found = appliance_selectors(expr)
+    assert found == {
+        'ray_appliance_phase_seconds_total{SessionName=~".+", phase="h2d_stall"}',
+        'ray_appliance_steps_total{SessionName=~".+"}',
+        "ray_appliance_loss",
+    }
+    assert [s for s in sorted(found) if gpu_only(s)] == [
+        'ray_appliance_phase_seconds_total{SessionName=~".+", phase="h2d_stall"}'
+    ]
+    assert not gpu_only('ray_appliance_phase_seconds_total{phase="data_wait"}')
+
+
+def test_gpu_only_appliance_series_are_real_and_used():
+    """Each GPU-only entry names a declared metric, says why, and some dashboard selects it."""
+    declared = {n for spec in M.REGISTRY for n in spec.sample_names}
+    used = {sel for _, e in ALL_EXPRESSIONS for sel in appliance_selectors(substitute(e))}
+    for key, reason in APPLIANCE_GPU_ONLY_SERIES.items():
+        name, _ = split_selector(key)
+        assert name in declared, key
+        assert reason.strip(), key
+        assert any(gpu_only(sel) and split_selector(sel)[0] == name for sel in used), (
+            f"{key} is listed as GPU-only but no dashboard selects it"
+        )
+
+
 @pytest.mark.integration
-def test_every_metric_the_dashboards_use_is_exported(live_sample_names):
+def test_every_metric_the_dashboards_use_is_declared_and_served(live_sample_names):
+    """Names only: an actor that records every declared metric (RecordEverything) makes them
+    appear. That real code records them is tests/test_prometheus_e2e.py's question."""
     appliance = {n for spec in M.REGISTRY for n in spec.sample_names}
     missing = {}
     for name, expr in ALL_EXPRESSIONS:
@@ -301,3 +383,16 @@ def test_compose_prometheus_scrapes_the_appliance_metrics_port(compose):
             timeout=60,
         )
         assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_metrics_port_defaults_to_8080_where_compose_and_kuberay_scrape(compose):
+    """`appliance train` without --metrics-port serves where deploy/compose's Prometheus and the
+    chart's PodMonitor (KubeRay's metrics-export-port) look, and where docs/metrics.md says."""
+    assert TrainConfig().metrics_port == 8080
+    config = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())
+    (job,) = config["scrape_configs"]
+    assert job["static_configs"][0]["targets"] == ["appliance:8080"]
+    assert "--metrics-port 8080" in compose["services"]["appliance"]["command"]
+    raycluster = (ROOT / "helm" / "appliance" / "templates" / "raycluster.yaml").read_text()
+    assert raycluster.count('"metrics-export-port" "8080"') == 2  # head and workers
+    assert "http://127.0.0.1:8080/metrics" in (ROOT / "docs" / "metrics.md").read_text()
