@@ -342,7 +342,7 @@ def _run_mode(
             # Decide before running whether every block stays on the device (the engine's own
             # plan, with the whole device as budget); if not, this mode does not exist here.
             try:
-                engine._plan(batches)
+                engine.plan(batches)
             except ConfigError as e:
                 return {**row, "fits": False, "reason": f"does not fit: {e}"}
             if len(engine.weights.resident) < L:
@@ -569,34 +569,9 @@ def write_json(result: dict, path: str | Path) -> None:
     Path(path).write_text(json.dumps(result, indent=2) + "\n")
 
 
-def main_from_cli(
-    preset: str,
-    device: str,
-    gpu_memory_budget: int | None = None,
-    json_path: str | None = None,
-    dtype: str | None = None,
-    **shape: int,
-) -> dict:
-    """What `appliance bench` runs: the bench, its table on stdout, and the JSON if asked."""
-    result = run_bench(
-        preset,
-        device,
-        dtype_from_name(dtype) if dtype and dtype != "auto" else None,
-        gpu_memory_budget,
-        **shape,
-    )
-    print_table(result)
-    if json_path:
-        write_json(result, json_path)
-    return result
-
-
-def main(argv: list[str] | None = None) -> int:
-    from .config import parse_bytes
-
-    ap = argparse.ArgumentParser(
-        prog="python -m appliance.bench", description=__doc__.split("\n")[0]
-    )
+def parser(prog: str = "python -m appliance.bench") -> argparse.ArgumentParser:
+    """The one parser of the bench's options: `python -m appliance.bench` and `appliance bench`."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--preset", choices=list(PRESETS), default="tiny")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
@@ -607,19 +582,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="timed steps")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first")
     ap.add_argument("--json", dest="json_path", default=None, help="also write the results here")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def run_from_args(a: argparse.Namespace) -> dict:
+    """Run the bench for parsed options: prints the table, writes the JSON if asked.
+
+    ConfigError for a bad option value (naming the flag)."""
+    from .config import parse_bytes
+
     device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         budget = parse_bytes(a.gpu_memory_budget) if a.gpu_memory_budget else None
     except ValueError as e:
-        ap.error(f"--gpu-memory-budget: {e}")
+        raise ConfigError(f"--gpu-memory-budget {a.gpu_memory_budget!r}: {e}") from None
     names = ("micro_batch_size", "seq_len", "micro_batches", "steps", "warmup")
     shape = {k: getattr(a, k) for k in names if getattr(a, k) is not None}
+    dtype = dtype_from_name(a.dtype) if a.dtype != "auto" else None
+    result = run_bench(a.preset, device, dtype, budget, **shape)
+    print_table(result)
+    if a.json_path:
+        write_json(result, a.json_path)
+    return result
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m appliance.bench") -> int:
+    """Parse `argv`, run, return the exit status (user errors: one `error:` line, status 1)."""
+    a = parser(prog).parse_args(argv)
     try:
-        main_from_cli(a.preset, device, budget, a.json_path, a.dtype, **shape)
+        run_from_args(a)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

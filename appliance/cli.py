@@ -133,31 +133,17 @@ def export(model: str, adapter: str, output: str) -> None:
     click.echo(f"merged checkpoint written to {output}")
 
 
-@main.command()
-@click.option("--preset", type=click.Choice(["tiny", "1b", "7b", "13b", "70b"]), default="tiny")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
-@click.option("--gpu-memory-budget", default=None, help="e.g. 24GiB: forces streaming.")
-@click.option("--micro-batch-size", type=int, default=None)
-@click.option("--seq-len", type=int, default=None)
-@click.option("--micro-batches", type=int, default=None, help="Micro-batches per step.")
-@click.option("--steps", type=int, default=None, help="Timed steps.")
-@click.option("--json", "json_path", default=None, help="Also write the results here.")
-@friendly_errors
-def bench(
-    preset: str, device: str, gpu_memory_budget: str | None, json_path: str | None, **shape
-) -> None:
-    """Streamed vs resident step time against the floor max(2W/B_h2d, F/P)."""
+@main.command(
+    context_settings={"ignore_unknown_options": True, "help_option_names": []},
+    add_help_option=False,
+)
+@click.argument("options", nargs=-1, type=click.UNPROCESSED)
+def bench(options: tuple[str, ...]) -> None:
+    """Streamed vs resident step time against the floor max(2W/B_h2d, F/P) (--help: options)."""
     from . import bench as B
-    from .trainer import resolve_device
 
-    budget = C.parse_bytes(gpu_memory_budget) if gpu_memory_budget else None
-    B.main_from_cli(
-        preset=preset,
-        device=resolve_device(device),
-        gpu_memory_budget=budget,
-        json_path=json_path,
-        **{k: v for k, v in shape.items() if v is not None},
-    )
+    # one parser for both entry points: bench's own (`python -m appliance.bench`)
+    sys.exit(B.main(list(options), prog="appliance bench"))
 
 
 if __name__ == "__main__":

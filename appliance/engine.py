@@ -324,8 +324,12 @@ class StreamedEngine:
 
     # ------------------------------------------------------------ planning
 
-    def _plan(self, micro_batches: list[MicroBatch]) -> None:
-        """Decide which blocks stay resident and where saved activations live (CUDA only)."""
+    def plan(self, micro_batches: list[MicroBatch]) -> None:
+        """Decide which blocks stay resident and where saved activations live (CUDA only).
+
+        Sized for `micro_batches` (the biggest global batch to come); the first step or eval
+        calls it if nobody did. ConfigError if even streaming every block does not fit the budget.
+        """
         self._planned = True
         if self.device.type != "cuda":
             return
@@ -414,7 +418,7 @@ class StreamedEngine:
         if self.optimizer is None:
             raise ValueError("this engine was built with lora=None: it evaluates, it cannot train")
         if not self._planned and micro_batches:
-            self._plan(micro_batches)
+            self.plan(micro_batches)
         L = self.args.num_layers
         g = self.weights.globals
         labels = [lab.to(self.device) for _, lab in micro_batches]
@@ -551,7 +555,7 @@ class StreamedEngine:
     def eval_loss(self, micro_batches: list[MicroBatch]) -> tuple[float, int]:
         """(summed NLL, predicted tokens) without dropout or gradients."""
         if not self._planned:
-            self._plan(micro_batches)
+            self.plan(micro_batches)
         hs, _ = self._forward(micro_batches, step=0, dropout=False, save=False)
         self.weights.release(self.args.num_layers - 1)
         total, n = 0.0, 0
@@ -566,7 +570,7 @@ class StreamedEngine:
         """Full logits (B, T, vocab) in fp32, for parity tests and export checks."""
         ids = input_ids.to(self.device)
         if not self._planned:
-            self._plan([(ids, ids)])
+            self.plan([(ids, ids)])
         hs, _ = self._forward([(ids, ids)], step=0, dropout=False, save=False)
         self.weights.release(self.args.num_layers - 1)
         return M.logits(hs[0], self.weights.globals, self.args)

@@ -121,6 +121,12 @@ def test_cli_prints_user_errors_as_one_line(capsys):
     assert len(err) == 1 and err[0].startswith("error: --preset 70b needs a GPU")
 
 
+def test_a_bad_gpu_memory_budget_is_one_line_naming_the_flag(capsys):
+    assert B.main(["--preset", "tiny", "--device", "cpu", "--gpu-memory-budget", "lots"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --gpu-memory-budget 'lots': 'lots' is not a size like 24GiB"]
+
+
 def test_synthetic_blocks_are_made_lazily_with_the_checkpoint_layout():
     args = B.PRESETS["tiny"].args
     src = B.SyntheticBlockSource(args, torch.bfloat16)

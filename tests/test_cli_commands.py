@@ -11,6 +11,7 @@ import torch
 from click.testing import CliRunner
 from peft import PeftModel
 
+from appliance.bench import parser as bench_parser
 from appliance.cli import main
 from appliance.evaluate import evaluate
 from appliance.hf_checkpoint import read_model_args
@@ -96,24 +97,29 @@ def test_export_writes_a_checkpoint_transformers_loads_equal_to_base_plus_adapte
 
 
 def test_bench_tiny_prints_the_table_and_writes_json(tmp_path):
-    result = CliRunner().invoke(
-        main,
-        [
-            "bench",
-            "--preset",
-            "tiny",
-            "--device",
-            "cpu",
-            "--steps",
-            "1",
-            "--json",
-            str(tmp_path / "b.json"),
-        ],
-    )
+    flags = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--steps", "1",
+             "--warmup", "0", "--json", str(tmp_path / "b.json")]  # fmt: skip
+    result = CliRunner().invoke(main, ["bench", *flags])
     assert result.exit_code == 0, result.output
     assert "streamed" in result.output and "resident" in result.output
     data = json.loads((tmp_path / "b.json").read_text())
-    assert data["preset"] == "tiny"
+    assert data["preset"] == "tiny" and data["dtype"] == "float32"
+    assert (data["shape"]["steps"], data["shape"]["warmup"]) == (1, 0)
+
+
+def test_bench_takes_the_same_options_as_python_m_appliance_bench():
+    help_text = CliRunner().invoke(main, ["bench", "--help"]).output
+    assert help_text.startswith("usage: appliance bench")
+    for action in bench_parser()._actions:
+        for flag in action.option_strings:
+            assert flag in help_text
+
+
+def test_bench_with_a_bad_gpu_memory_budget_is_one_error_line():
+    result = CliRunner().invoke(main, ["bench", "--device", "cpu", "--gpu-memory-budget", "24QB"])
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --gpu-memory-budget '24QB'")
 
 
 @pytest.mark.integration

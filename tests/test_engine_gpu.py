@@ -59,7 +59,7 @@ def batches(vocab: int, n: int, rows: int, T: int, seed: int = 0):
 def half_streaming_budget(source, mbs, dtype) -> int:
     """A budget under which about half the blocks stay resident and the rest stream.
 
-    Mirrors StreamedEngine._plan's accounting (fixed + working set + saved inputs + blocks, two
+    Mirrors StreamedEngine.plan's accounting (fixed + working set + saved inputs + blocks, two
     of them in flight), plus half a block of slack; the tests assert that blocks did stream.
     """
     a, es, L = source.args, dtype.itemsize, source.args.num_layers
