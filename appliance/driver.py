@@ -13,13 +13,13 @@ ref, weights from the store to the trainer through shared memory.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
 
 from . import storage
 from .checkpoint import LATEST_MARKER, checkpoints_uri
+from .cluster import check_shared_output, on_node, start_ray, trainer_slots
 from .config import TrainConfig, flag
 from .data import check_dataset
 from .errors import ConfigError, cause_chain
@@ -154,56 +154,8 @@ def remove_previous_run(output: str) -> None:
     storage.delete(storage.join(output, RUN_FILE))
 
 
-def start_ray(cfg: TrainConfig, progress: Progress) -> None:
-    """Embedded Ray (address="local", metrics on --metrics-port), or join --cluster."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    from .metrics import metrics_url, ray_init_kwargs
-
-    if cfg.cluster:
-        address = cfg.cluster
-        if address == "auto":
-            address = os.environ.get("RAY_ADDRESS") or "auto"
-        try:
-            ray.init(address=address, log_to_driver=False)
-        except ConnectionError as e:
-            raise ConfigError(
-                f"--cluster {address}: cannot connect to a Ray cluster: {e}"
-            ) from None
-        progress.note(f"connected to Ray cluster at {address}")
-    else:
-        ray.init(
-            address="local",
-            include_dashboard=False,
-            log_to_driver=False,
-            **ray_init_kwargs(cfg.metrics_port),
-        )
-        progress.note(f"metrics: {metrics_url(cfg.metrics_port)}")
-
-
-TRAINER_NODE_RESOURCE = "appliance_trainer_node"  # marks nodes for trainers, beside "GPU"
-
-
-def pick_trainer_node() -> tuple[str, str]:
-    """(node id, address) of the node for the weight store and trainer: one that carries the
-    appliance_trainer_node resource (set on GPU pods by the Helm chart), else any GPU node."""
-    import ray
-
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    for key in (TRAINER_NODE_RESOURCE, "GPU"):
-        for n in sorted(nodes, key=lambda n: n["NodeManagerAddress"]):
-            if n["Resources"].get(key, 0) > 0:
-                return n["NodeID"], n["NodeManagerAddress"]
-    raise ConfigError(
-        f"--cluster: no node has a GPU (or the {TRAINER_NODE_RESOURCE} resource); "
-        "add a GPU worker group to the cluster"
-    )
-
-
 def connect(cfg: TrainConfig, progress: Progress) -> Run:
-    """Start (or join, with --cluster) Ray and check the inputs where the trainer will run."""
+    """Start (or join, with --cluster) Ray and check the inputs where the trainers will run."""
     import ray
 
     eval_data = apply_demo(cfg)
@@ -212,18 +164,23 @@ def connect(cfg: TrainConfig, progress: Progress) -> Run:
         inp.eval_data = eval_data
         start_ray(cfg, progress)
         return Run(inp, progress)
-    start_ray(cfg, progress)
-    node_id, address = pick_trainer_node()
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    resolve = ray.remote(num_cpus=0)(resolve_inputs).options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+    # relative paths mean the user's directory here, not the Ray worker's on the trainer node
+    cfg.model, cfg.data, cfg.output = (
+        _absolute(cfg.model),
+        _absolute(cfg.data),
+        _absolute(cfg.output),
     )
-    try:
-        inp = ray.get(resolve.remote(cfg, address))
+    start_ray(cfg, progress)
+    slots = trainer_slots()
+    used = slots[: cfg.trainers] if cfg.trainers else slots
+    check_shared_output(cfg.output, used)
+    resolve = ray.remote(num_cpus=0)(resolve_inputs)
+    nodes = list(dict.fromkeys((s.node_id, s.address) for s in used))  # each trainer node once
+    try:  # every trainer node must see the inputs; the first node's answer is the run's
+        inp = ray.get([resolve.options(**on_node(n)).remote(cfg, a) for n, a in nodes])[0]
     except Exception as e:
         raise cause_chain(e)[-1] from None
-    return Run(inp, progress, node_id)
+    return Run(inp, progress, slots)
 
 
 def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:

@@ -13,19 +13,23 @@ step, checkpoints every --checkpoint-every steps, and recovery from a dead train
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import math
 import os
+import re
 import signal
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import storage
-from .checkpoint import json_bytes, load_latest_checkpoint, save_checkpoint
-from .config import TrainConfig
+from .checkpoint import Checkpoint, json_bytes, load_latest_checkpoint, save_checkpoint
+from .cluster import Slot, local_slots, on_node
+from .config import TrainConfig, flag
 from .engine import lr_at
 from .errors import ApplianceError, ConfigError, cause_chain
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
@@ -154,7 +158,7 @@ def write_adapter(output: str, files: dict[str, bytes]) -> None:
     storage.write_bytes(config_uri, files[ADAPTER_CONFIG])
 
 
-def trainer_settings(inp: Inputs) -> TrainerSettings:
+def trainer_settings(inp: Inputs, world_size: int = 1) -> TrainerSettings:
     cfg = inp.cfg
     return TrainerSettings(
         lora=cfg.lora_spec(),
@@ -165,6 +169,7 @@ def trainer_settings(inp: Inputs) -> TrainerSettings:
         grad_clip=cfg.grad_clip,
         seed=cfg.seed,
         base_model=str(cfg.model),
+        world_size=world_size,
     )
 
 
@@ -218,33 +223,65 @@ def schedule(counts: list[int] | None, num_workers: int, total: int) -> list[int
 class Run:
     """One training run on Ray (embedded, or a cluster given by --cluster)."""
 
-    def __init__(self, inp: Inputs, progress: Progress, node_id: str | None = None):
+    trainer_class: type = Trainer  # the actor class of each rank (tests subclass it to observe)
+
+    def __init__(self, inp: Inputs, progress: Progress, slots: list[Slot] | None = None):
         self.inp, self.cfg, self.progress = inp, inp.cfg, progress
-        self.node_id = node_id  # the trainer's (and its weight store's) node with --cluster
+        self.slots = slots  # --cluster: where trainers can go (cluster.trainer_slots)
         self.state = RunState()
         self.metrics = DriverMetrics()
         self.restarts = 0
+        self.trained = False
+
+    # ------------------------------------------------------------ setup
 
     def create_actors(self) -> None:
-        """The weight store, the data schedule, then (from the resumed state, if any) the
-        tokenizer workers and the trainer."""
+        """Trainer and worker counts (a resumed run keeps its own), one weight store per trainer
+        node, the data schedule, then the trainers (in one group) and, from the resumed state if
+        any, the tokenizer workers."""
         import ray
 
         cfg, inp = self.cfg, self.inp
-        cpus = int(ray.available_resources().get("CPU", os.cpu_count() or 1))
-        self.num_workers = cfg.tokenize_workers or default_num_workers(cpus)
-        if self.num_workers + 1 > cpus:  # an actor without a CPU would wait forever
+        ckpt = load_latest_checkpoint(cfg.output) if cfg.resume else None
+        before = json.loads(ckpt.files[DRIVER_STATE]) if ckpt else {}
+        R = _kept_on_resume(cfg, "trainers", before.get("trainers"), "it sets the global batch")
+        slots = self.slots if self.slots is not None else local_slots(inp.device, R)
+        R = R or len(slots)
+        if R > len(slots):
+            where = "trainer slots in the cluster (GPUs of trainer nodes)" if self.slots else "GPUs"
             raise ConfigError(
-                f"--tokenize-workers {self.num_workers} needs {self.num_workers + 1} "
-                f"CPUs (one per worker + the trainer); Ray has {cpus}"
+                f"--trainers {R}: Ray sees {len(slots)} {where}; one trainer needs one"
             )
-        self.store = (
-            ray.remote(num_cpus=0)(WeightStore)
-            .options(**self._on_trainer_node())
-            .remote(inp.cfg.model, inp.dtype)
+        self.num_trainers, self.ranks = R, slots[:R]
+        cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
+        W = _kept_on_resume(
+            cfg,
+            "tokenize_workers",
+            before.get("tokenize_workers"),
+            "its data cursors are per worker",
         )
-        self.handles = ray.get(self.store.handles.remote())
+        self.num_workers = W or default_num_workers(cpus - (R - 1))
+        if self.num_workers + R > cpus:  # an actor without a CPU would wait forever
+            if cfg.tokenize_workers:
+                raise ConfigError(
+                    f"--tokenize-workers {W} needs {W + R} CPUs (one per worker and one per "
+                    f"trainer); Ray has {cpus}: pass a smaller --tokenize-workers"
+                )
+            raise ConfigError(
+                f"training needs at least {R + 1} CPUs (one per trainer and one tokenizer "
+                f"worker); Ray has {cpus}: run on a machine or cluster with more CPUs"
+            )
+        # the resolved config, as used: run.json and every checkpoint's config.json say so
+        cfg.device, cfg.dtype = inp.device, inp.dtype
+        cfg.trainers, cfg.tokenize_workers = R, self.num_workers
+
+        store = ray.remote(num_cpus=0)(WeightStore)
+        nodes = list(dict.fromkeys(s.node_id for s in self.ranks))  # each trainer node once
+        self.stores = {n: store.options(**on_node(n)).remote(cfg.model, inp.dtype) for n in nodes}
+        handles = ray.get([self.stores[n].handles.remote() for n in nodes])
+        self.handles = dict(zip(nodes, handles, strict=True))
         self.epochs = None if cfg.steps else (cfg.epochs or 1)
+        G = R * cfg.micro_batches_per_step  # micro-batches per optimizer step, all ranks
         if self.epochs is None:
             self.counts = None
             self.total_steps = int(cfg.steps)
@@ -257,81 +294,36 @@ class Run:
                 ]
             )
             self.counts = [n * self.epochs for n in per_epoch]
-            self.total_steps = math.ceil(sum(self.counts) / cfg.micro_batches_per_step)
-        total_micro = self.total_steps * cfg.micro_batches_per_step
-        self.order = schedule(self.counts, self.num_workers, total_micro)
-        self.trainer = self._make_trainer()
-        if cfg.resume:
-            self.restore()
+            self.total_steps = math.ceil(sum(self.counts) / G)
+        self.order = schedule(self.counts, self.num_workers, self.total_steps * G)
+        try:
+            self.trainers = self._make_trainers()
+            if ckpt is not None:
+                self.restore(ckpt)
+                self.metrics.restart("driver")  # this process continues a killed one's run
+        except Exception as e:  # noqa: BLE001 - an actor that cannot start is not retried here
+            raise unrecoverable(e) or e from None
         self.workers = [self._make_worker(w) for w in range(self.num_workers)]
 
-    # ------------------------------------------------------------ checkpoints
-
-    def save_checkpoint(self) -> None:
+    def _make_trainers(self) -> list:
+        """R trainer actors, each beside its node's weight store; with R > 1 one process group
+        (rank 0 picks the address) that every rank joins before its engine is built."""
         import ray
 
-        t0 = time.perf_counter()
-        files = dict(ray.get(self.trainer.adapter_files.remote()))
-        files[TRAINER_STATE] = ray.get(self.trainer.state_bytes.remote())
-        files[DRIVER_STATE] = json_bytes(self.state.to_json())
-        files[CONFIG_FILE] = json_bytes(self.cfg.to_dict())
-        with _fault_injection(self.state.step):
-            save_checkpoint(self.cfg.output, self.state.step, files, self.cfg.keep_checkpoints)
-        self.metrics.checkpoint_seconds(time.perf_counter() - t0)
-
-    def restore(self) -> None:
-        """Put the trainer and the run state back to the latest complete checkpoint (or to the
-        start when there is none); the weight store is untouched."""
-        import ray
-
-        ckpt = load_latest_checkpoint(self.cfg.output)
-        for problem in ckpt.skipped if ckpt else []:
-            self.progress.note(f"warning: skipped a damaged checkpoint: {problem}")
-        if ckpt is None:
-            self.state = RunState()
-            return
-        self.state = RunState.from_json(json.loads(ckpt.files[DRIVER_STATE]))
-        ray.get(self.trainer.load_state_bytes.remote(ckpt.files[TRAINER_STATE]))
-        self.progress.note(f"resumed from {ckpt.name} (step {self.state.step})")
-
-    # ------------------------------------------------------------ faults
-
-    def recover(self, error: BaseException) -> None:
-        """Recreate what died and rewind to a consistent point, or re-raise.
-
-        A dead trainer is recreated over the same weight store and restored from the last
-        checkpoint; dead tokenizer workers are recreated from the cursors of the last batches
-        the trainer consumed. User errors (bad data) and bugs are not retried.
-        """
-        import ray
-        from ray.exceptions import RayActorError, RayTaskError
-
-        chain = cause_chain(error)
-        user = next((c for c in chain if isinstance(c, ApplianceError)), None)
-        if user is not None:
-            raise user
-        if not any(isinstance(c, RayActorError) for c in chain):
-            raise error
-        trainer_died = isinstance(error, RayActorError) and not isinstance(error, RayTaskError)
-        kind = "trainer" if trainer_died else "tokenizer"
-        self.restarts += 1
-        self.progress.restarts = self.restarts
-        self.metrics.restart(kind)
-        if self.restarts > self.cfg.max_restarts:
-            raise RestartsExhausted(
-                f"giving up after {self.cfg.max_restarts} restarts "
-                f"(--max-restarts); last failure ({kind}): {chain[-1]}"
+        R, device = self.num_trainers, self.inp.device
+        settings = trainer_settings(self.inp, R)
+        gpus = {"num_gpus": 1} if device == "cuda" else {}
+        actor = ray.remote(self.trainer_class)
+        trainers = [
+            actor.options(num_cpus=1, **gpus, **on_node(slot.node_id)).remote(
+                self.handles[slot.node_id], settings, rank
             )
-        self.progress.note(
-            f"{kind} failed ({type(chain[-1]).__name__}); restart "
-            f"{self.restarts}/{self.cfg.max_restarts}"
-        )
-        if trainer_died:
-            self.trainer = self._make_trainer()
-            self.restore()
-        for w in self.workers:  # queued requests are void: every worker restarts at its cursor
-            ray.kill(w)
-        self.workers = [self._make_worker(w) for w in range(self.num_workers)]
+            for rank, slot in enumerate(self.ranks)
+        ]
+        if R > 1:
+            address = ray.get(trainers[0].group_address.remote())
+            gather([t.join_group.remote(address) for t in trainers])
+        return trainers
 
     def _make_worker(self, w: int):
         import ray
@@ -341,38 +333,114 @@ class Run:
         )
         return ray.remote(**ACTOR_OPTIONS)(ShardWorker).remote(**kwargs)
 
-    def _make_trainer(self):
+    # ------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self) -> None:
         import ray
 
-        options: dict[str, Any] = {"num_cpus": 1}
-        if self.inp.device == "cuda":
-            options = {"num_gpus": 1, "num_cpus": 1}
-        options.update(self._on_trainer_node())  # beside its weight store: shared memory
-        return ray.remote(**options)(Trainer).remote(self.handles, trainer_settings(self.inp))
+        t0 = time.perf_counter()
+        rank0 = self.trainers[0]  # every rank holds the same adapter and optimizer state
+        files = dict(ray.get(rank0.adapter_files.remote()))
+        files[TRAINER_STATE] = ray.get(rank0.state_bytes.remote())
+        driver = {
+            **self.state.to_json(),
+            "trainers": self.num_trainers,
+            "tokenize_workers": self.num_workers,
+        }
+        files[DRIVER_STATE] = json_bytes(driver)
+        files[CONFIG_FILE] = json_bytes(self.cfg.to_dict())
+        with _fault_injection(self.state.step):
+            save_checkpoint(self.cfg.output, self.state.step, files, self.cfg.keep_checkpoints)
+        self.metrics.checkpoint_seconds(time.perf_counter() - t0)
 
-    def _on_trainer_node(self) -> dict:
-        if self.node_id is None:
-            return {}
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    def restore(self, ckpt: Checkpoint | None = None) -> None:
+        """Put every trainer and the run state back to `ckpt` (default: the latest complete
+        checkpoint; the start when there is none); the weight stores are untouched."""
+        import ray
 
-        return {"scheduling_strategy": NodeAffinitySchedulingStrategy(self.node_id, soft=False)}
+        ckpt = ckpt or load_latest_checkpoint(self.cfg.output)
+        for problem in ckpt.skipped if ckpt else []:
+            self.progress.note(f"warning: skipped a damaged checkpoint: {problem}")
+        if ckpt is None:
+            self.state = RunState()
+            return
+        self.state = RunState.from_json(json.loads(ckpt.files[DRIVER_STATE]))
+        data = ray.put(ckpt.files[TRAINER_STATE])  # one copy, read by every rank
+        gather([t.load_state_bytes.remote(data) for t in self.trainers])
+        self.progress.note(f"resumed from {ckpt.name} (step {self.state.step})")
+
+    # ------------------------------------------------------------ faults
+
+    def recover(self, error: BaseException) -> None:
+        """Recreate what died and rewind to a consistent point, or raise.
+
+        A dead trainer: every trainer is recreated (a fresh group) over the same weight stores
+        and restored from the last checkpoint. A dead tokenizer worker: the workers are recreated
+        from the cursors of the last batches the trainers consumed (with several trainers the
+        trainers are reset too: the ranks that got their batches are inside a collective the
+        others never join). User errors, actors that cannot start, and bugs are not retried.
+        """
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        fatal = unrecoverable(error)
+        if fatal is not None:
+            raise fatal
+        chain = cause_chain(error)
+        if not any(isinstance(c, RayActorError) for c in chain):
+            raise error
+        trainer_died = isinstance(error, RayActorError) and not isinstance(error, RayTaskError)
+        kind = "trainer" if trainer_died else "tokenizer"
+        if self.restarts >= self.cfg.max_restarts:  # this failure is not a restart
+            raise RestartsExhausted(
+                f"giving up after {self.cfg.max_restarts} restarts "
+                f"(--max-restarts); last failure ({kind}): {chain[-1]}"
+            )
+        self.restarts += 1
+        self.progress.restarts = self.restarts
+        self.metrics.restart(kind)
+        self.progress.note(
+            f"{kind} failed ({type(chain[-1]).__name__}); restart "
+            f"{self.restarts}/{self.cfg.max_restarts}"
+        )
+        if trainer_died or self.num_trainers > 1:
+            for t in self.trainers:
+                ray.kill(t)
+            self.trainers = self._make_trainers()
+            self.restore()
+        for w in self.workers:  # queued requests are void: every worker restarts at its cursor
+            ray.kill(w)
+        self.workers = [self._make_worker(w) for w in range(self.num_workers)]
+
+    def _retrying(self, call: Callable[[], Any]) -> Any:
+        """`call()`, through recovery when an actor dies; a restore that rewound a trained run
+        trains it to the end again first."""
+        while True:
+            try:
+                return call()
+            except Exception as e:  # noqa: BLE001 - recover() re-raises what it cannot handle
+                self.recover(e)
+                if self.trained and self.state.step < self.total_steps:
+                    self.train()
+
+    # ------------------------------------------------------------ the step loop
 
     def train(self) -> RunState:
-        """The step loop with a bounded window of batch requests in flight."""
-        import ray
-
+        """The step loop with a bounded window of batch requests in flight: each optimizer step
+        takes R×M micro-batches in schedule order, rank r the r-th M of them."""
         cfg = self.cfg
-        M = cfg.micro_batches_per_step
-        window = cfg.prefetch * M  # micro-batches requested ahead of the trainer
-        pending: deque = deque()
+        G = self.num_trainers * cfg.micro_batches_per_step
+        window = cfg.prefetch * G  # micro-batches requested ahead of the trainers
+        pending: deque = deque()  # (worker, ref) requested and not consumed, schedule order
         requested = self.state.consumed
         self.progress.start(self.total_steps, self.state.step)
         while self.state.step < self.total_steps:
             st = self.state
-            while requested < len(self.order) and requested - st.consumed < window + M:
-                pending.append(self.workers[self.order[requested]].next_batch.remote())
+            while requested < len(self.order) and requested - st.consumed < window + G:
+                w = self.order[requested]
+                pending.append((w, self.workers[w].next_batch.remote()))
                 requested += 1
-            refs = [pending.popleft() for _ in range(min(M, len(self.order) - st.consumed))]
+            refs = [pending.popleft()[1] for _ in range(min(G, len(self.order) - st.consumed))]
             lr = lr_at(
                 st.step,
                 lr=cfg.lr,
@@ -381,43 +449,65 @@ class Run:
                 min_lr_ratio=cfg.min_lr_ratio,
             )
             try:
-                stats = ray.get(self.trainer.step.remote(refs, lr))
+                stats = self._step(refs, lr)
+                st.step += 1
+                st.consumed += len(refs)
+                st.cursors.update({int(w): c for w, c in stats["cursors"].items()})
+                st.losses.append(stats["loss"])
+                st.target_tokens += stats["target_tokens"]
+                st.skipped.update({int(w): n for w, n in stats["skipped_records"].items()})
+                st.tokenizer_pids.update(stats["pids"])
+                stats["batches_in_flight"] = len(pending)
+                self.metrics.batches_in_flight(len(pending))
+                for w in range(self.num_workers):
+                    self.metrics.queue_depth(w, sum(1 for v, _ in pending if v == w))
+                self.progress.step(st.step, stats)
+                every = cfg.checkpoint_every
+                if st.step == self.total_steps or (every and st.step % every == 0):
+                    self.save_checkpoint()
             except Exception as e:  # noqa: BLE001 - recover() re-raises what it cannot handle
                 self.recover(e)
                 pending.clear()
                 requested = self.state.consumed
-                continue
-            st.step += 1
-            st.consumed += len(refs)
-            st.cursors.update({int(w): c for w, c in stats["cursors"].items()})
-            st.losses.append(stats["loss"])
-            st.target_tokens += stats["target_tokens"]
-            st.skipped.update({int(w): n for w, n in stats["skipped_records"].items()})
-            st.tokenizer_pids.update(stats["pids"])
-            stats["batches_in_flight"] = requested - st.consumed
-            self.metrics.batches_in_flight(stats["batches_in_flight"])
-            self.progress.step(st.step, stats)
-            every = cfg.checkpoint_every
-            if st.step == self.total_steps or (every and st.step % every == 0):
-                self.save_checkpoint()
+        self.trained = True
         return self.state
 
+    def _step(self, refs: list, lr: float) -> dict:
+        """One optimizer step on every rank; rank 0's stats (loss, grad norm and target tokens
+        are the global batch's), with tokens, cursors, pids and skipped records of all ranks."""
+        M = self.cfg.micro_batches_per_step
+        shares = [refs[r * M : (r + 1) * M] for r in range(self.num_trainers)]  # maybe empty
+        per_rank = gather(
+            [t.step.remote(s, lr) for t, s in zip(self.trainers, shares, strict=True)]
+        )
+        stats = dict(per_rank[0])
+        stats["tokens"] = sum(s["tokens"] for s in per_rank)
+        for key in ("cursors", "skipped_records"):  # rank order is schedule order: later wins
+            stats[key] = {w: v for s in per_rank for w, v in s[key].items()}
+        stats["pids"] = sorted({p for s in per_rank for p in s["pids"]})
+        return stats
+
+    # ------------------------------------------------------------ the end
+
     def evaluate(self, path: Path) -> float:
-        """Mean next-token loss over `path` (the demo's held-out corpus), via the trainer."""
+        """Mean next-token loss over `path` (the demo's held-out corpus), via rank 0."""
         import ray
 
         worker = ShardWorker(**{**worker_kwargs(self.inp, 0, 1, 1), "data_path": str(path)})
         batches = []
         while (b := worker.next_batch()) is not None:
             batches.append(b)
-        nll, n = ray.get(self.trainer.eval_loss.remote(batches))
+        nll, n = self._retrying(lambda: ray.get(self.trainers[0].eval_loss.remote(batches)))
         return nll / max(n, 1)
 
     def finish(self) -> None:
         import ray
 
-        files = ray.get(self.trainer.adapter_files.remote())
+        files = self._retrying(lambda: ray.get(self.trainers[0].adapter_files.remote()))
         write_adapter(self.cfg.output, files)
+        loads = sum(
+            s["load_count"] for s in ray.get([s.stats.remote() for s in self.stores.values()])
+        )
         write_run_file(
             self.cfg,
             "complete",
@@ -426,5 +516,92 @@ class Run:
                 "losses": self.state.losses,
                 "restarts": self.restarts,
                 "skipped_records": sum(self.state.skipped.values()),
+                "weight_store_loads": loads,  # one per trainer node, however many restarts
             },
         )
+
+
+    def stop(self) -> None:
+        """End this run's actors (the driver's ray.shutdown does it too; tests share one Ray)."""
+        import ray
+
+        for actor in [*self.workers, *self.trainers, *self.stores.values()]:
+            ray.kill(actor)
+
+
+def _kept_on_resume(cfg: TrainConfig, name: str, before: int | None, why: str) -> int | None:
+    """The count `name` a run resumed from a checkpoint keeps (`why`: what depends on it); a
+    different explicit flag is refused. Without a checkpoint, the flag's value (None: default)."""
+    given = getattr(cfg, name)
+    if before is None:
+        return given
+    if given is not None and given != before:
+        raise ConfigError(
+            f"--resume: {cfg.output} was trained with {flag(name)} {before} ({why}); "
+            f"pass {flag(name)} {before} or leave it out"
+        )
+    return before
+
+
+def gather(refs: list, grace: float = 30.0) -> list:
+    """ray.get of every ref, raising as soon as one fails. A failure that names no dead actor
+    (a rank whose collective broke because a peer died) waits up to `grace` seconds for the
+    others, to raise the peer's death instead: that is what recovery needs to see."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    def telling(e: BaseException) -> bool:
+        return any(isinstance(c, RayActorError | ApplianceError) for c in cause_chain(e))
+
+    results: dict = {}
+    waiting = list(refs)
+    while waiting:
+        [ready], waiting = ray.wait(waiting, num_returns=1)
+        try:
+            results[ready] = ray.get(ready)
+        except Exception as first:  # noqa: BLE001 - re-raised (or a better one) below
+            if telling(first) or not waiting:
+                raise
+            done, _ = ray.wait(waiting, num_returns=len(waiting), timeout=grace)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except Exception as e:  # noqa: BLE001
+                    if telling(e):
+                        raise e from None
+            raise
+    return [results[r] for r in refs]
+
+
+class ActorStartFailed(ApplianceError):
+    """An actor's __init__ raised a user error (a worker that cannot read the data, say)."""
+
+
+_RAISED = re.compile(r"^([A-Za-z_][\w.]*\.)?([A-Za-z_]\w*): ", re.MULTILINE)
+
+
+def unrecoverable(error: BaseException) -> BaseException | None:
+    """What to raise instead of retrying `error`: the user error in its chain, or the user error
+    an actor's __init__ raised (Ray passes that one on only as text); None when a restart may
+    help. Retrying either would fail the same way every time."""
+    from ray.exceptions import RayActorError
+
+    chain = cause_chain(error)
+    user = next((c for c in chain if isinstance(c, ApplianceError)), None)
+    if user is not None:
+        return user
+    died = next((c for c in chain if isinstance(c, RayActorError) and c.actor_init_failed), None)
+    if died is None:
+        return None
+    text = str(died)
+    for m in reversed(list(_RAISED.finditer(text))):  # the traceback's last "module.Error: "
+        module, name = (m.group(1) or "").rstrip("."), m.group(2)
+        try:
+            cls = getattr(importlib.import_module(module), name) if module else None
+        except ImportError:
+            cls = None
+        if isinstance(cls, type) and issubclass(cls, ApplianceError):
+            return ActorStartFailed(text[m.end() :].strip())
+        if isinstance(cls, type) and issubclass(cls, BaseException):
+            break
+    return died  # a bug in __init__: raise it with Ray's traceback text, don't retry

@@ -10,12 +10,15 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from safetensors.torch import save as safetensors_bytes
 
 from .blocks import dtype_from_name
@@ -38,6 +41,7 @@ class TrainerSettings:
     grad_clip: float = 1.0
     seed: int = 0
     base_model: str = ""
+    world_size: int = 1  # data-parallel trainers; > 1: call join_group before the first step
 
 
 def resolve_device(device: str) -> str:
@@ -52,23 +56,27 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return dtype
 
 
+def backend_for(device: str) -> str:
+    """The torch.distributed backend of data-parallel trainers on `device`."""
+    return "nccl" if device == "cuda" else "gloo"
+
+
 class Trainer:
+    """Rank `rank` of `settings.world_size` data-parallel trainers (every rank starts from the
+    same seed, so the same LoRA init; the engine's all-reduce keeps them equal)."""
+
     def __init__(self, handles: WeightHandles, settings: TrainerSettings, rank: int = 0):
         self.settings = settings
+        self.rank = rank
         self.source = handles.source()  # zero-copy views of the store's buffers
         torch.manual_seed(settings.seed)
         device = torch.device(settings.device)
+        self.device = device
         self.lora = LoraWeights(self.source.args, settings.lora, device, seed=settings.seed)
-        self.engine = StreamedEngine(
-            self.source,
-            self.lora,
-            device=device,
-            dtype=dtype_from_name(settings.dtype),
-            gpu_memory_budget=settings.gpu_memory_budget,
-            weight_decay=settings.weight_decay,
-            grad_clip=settings.grad_clip or None,
-            seed=settings.seed,
-        )
+        # with several ranks the engine needs the process group: join_group makes it
+        self.engine: StreamedEngine | None = None
+        if settings.world_size == 1:
+            self.engine = self._make_engine(None)
         cuda = device.type == "cuda"
         peak = peak_flops_per_second(torch.cuda.get_device_name(device)) if cuda else None
         self.metrics = TrainerMetrics(rank=rank, peak_flops=peak)  # a no-op without Ray
@@ -76,8 +84,50 @@ class Trainer:
         if self.nvml is not None:
             self.nvml.start()
 
+    def _make_engine(self, group: dist.ProcessGroup | None) -> StreamedEngine:
+        s = self.settings
+        return StreamedEngine(
+            self.source,
+            self.lora,
+            device=self.device,
+            dtype=dtype_from_name(s.dtype),
+            gpu_memory_budget=s.gpu_memory_budget,
+            weight_decay=s.weight_decay,
+            grad_clip=s.grad_clip or None,
+            seed=s.seed,
+            **({"group": group} if group is not None else {}),
+        )
+
+    def group_address(self) -> str:
+        """Rank 0: a free TCP port on this node's IP, as the group's init_method."""
+        import ray
+
+        ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        with socket.socket() as s:  # freed again at once: the group's store binds it next
+            s.bind((ip, 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ip}:{port}"
+
+    def join_group(self, init_method: str) -> int:
+        """Join the data-parallel group (every rank calls this at once: it blocks until all
+        have), then build the engine over it. Returns this process's pid."""
+        dist.init_process_group(
+            backend_for(self.settings.device),
+            init_method=init_method,
+            rank=self.rank,
+            world_size=self.settings.world_size,
+            timeout=timedelta(minutes=10),
+        )
+        self.engine = self._make_engine(dist.group.WORLD)
+        return os.getpid()
+
     def step(self, batches: list[Any], lr: float) -> dict:
-        """One optimizer step over `batches` (data.Batch objects or object refs to them)."""
+        """One optimizer step over `batches` (data.Batch objects or object refs to them): this
+        rank's share of the global batch, possibly none (the last step of an epoch).
+
+        Returns what the step measured; `loss`, `target_tokens` and `grad_norm` are the global
+        batch's, `tokens` this rank's."""
+        assert self.engine is not None, "join_group first: this trainer is one of several"
         t0 = time.perf_counter()
         if self.nvml is not None:
             self.nvml.take_mean()  # drop the idle time between steps
@@ -90,6 +140,10 @@ class Trainer:
         stats = self.engine.train_step(micro, lr).as_dict()
         stats["phase_seconds"]["data_wait"] = data_wait
         stats["step_seconds"] += data_wait
+        if "gpu_busy_seconds" in stats:  # CUDA-event busy time; None on CPU
+            busy = stats.pop("gpu_busy_seconds")
+            stats["gpu_busy_ratio"] = None if busy is None else busy / stats["step_seconds"]
+        stats["rank"] = self.rank
         stats["lr"] = lr
         stats["step"] = self.engine.step_count
         stats["cursors"] = {b.worker: b.cursor for b in batches}
@@ -104,6 +158,8 @@ class Trainer:
         return stats
 
     def eval_loss(self, batches: list[Any]) -> tuple[float, int]:
+        """(summed NLL, predicted tokens) of `batches` (no collective: any one rank can run it)."""
+        assert self.engine is not None
         batches = _resolve(batches)
         micro = [
             (torch.from_numpy(np.array(b.input_ids)), torch.from_numpy(np.array(b.labels)))
@@ -124,22 +180,24 @@ class Trainer:
 
     def state_bytes(self) -> bytes:
         """Optimizer state + step + LoRA weights, for checkpoints (torch.save)."""
+        assert self.engine is not None
         buf = io.BytesIO()
-        torch.save(
-            {
-                "lora": self.lora.peft_state_dict(),
-                "rng": torch.get_rng_state(),
-                **self.engine.state_dict(),
-            },
-            buf,
-        )
+        rng = {"rng": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        torch.save({"lora": self.lora.peft_state_dict(), **rng, **self.engine.state_dict()}, buf)
         return buf.getvalue()
 
     def load_state_bytes(self, data: bytes) -> int:
-        state = torch.load(io.BytesIO(data), map_location=self.engine.device, weights_only=True)
+        assert self.engine is not None
+        # to the CPU: RNG states must be CPU byte tensors; load_state_dict moves the optimizer's
+        # state to its parameters' device
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         self.lora.load_peft_state_dict(state["lora"], "checkpoint")
         self.engine.load_state_dict(state)
         torch.set_rng_state(state["rng"])
+        if self.device.type == "cuda" and "cuda_rng" in state:
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         return self.engine.step_count
 
     def info(self) -> dict:

@@ -1,5 +1,5 @@
-"""`appliance train --cluster` on a real multi-node Ray cluster on this machine: a head and two
-worker nodes; the custom resource `appliance_trainer_node` stands in for a GPU node."""
+"""`appliance train --cluster` on a real multi-node Ray cluster on this machine: a head, a CPU
+node and two trainer nodes; the custom resource `appliance_trainer_node` stands in for a GPU."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from appliance.cluster import TRAINER_NODE_RESOURCE
 from appliance.config import build_config
-from appliance.driver import TRAINER_NODE_RESOURCE, connect
+from appliance.driver import connect
 from appliance.errors import ConfigError
 from appliance.progress import Progress
 from appliance.run import write_run_file
@@ -22,20 +23,20 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def cluster():
-    # the head has no CPU and the trainer node one (the trainer's): tokenizer workers can only go
+    # the head has no CPU and each trainer node one (its trainer's): tokenizer workers can only go
     # to the CPU node, so where they land says that placement follows Ray's resources
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     cpu_node = c.add_node(num_cpus=2)
-    gpu_node = c.add_node(num_cpus=1, resources={TRAINER_NODE_RESOURCE: 1})
+    gpu_nodes = [c.add_node(num_cpus=1, resources={TRAINER_NODE_RESOURCE: 1}) for _ in range(2)]
     c.wait_for_nodes()
-    yield c, cpu_node, gpu_node
+    yield c, cpu_node, gpu_nodes
     if ray.is_initialized():
         ray.shutdown()
     c.shutdown()
 
 
-def test_actors_land_on_the_right_nodes_and_the_run_completes(cluster, tmp_path):
-    c, cpu_node, gpu_node = cluster
+def test_each_trainer_node_gets_a_store_and_a_trainer_and_the_run_completes(cluster, tmp_path):
+    c, cpu_node, gpu_nodes = cluster
     model = make_model(tmp_path / "model", "llama-mha")
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(60)))
@@ -58,18 +59,22 @@ def test_actors_land_on_the_right_nodes_and_the_run_completes(cluster, tmp_path)
         run = connect(cfg, Progress("json"))
         write_run_file(run.cfg, "running")
         run.create_actors()
-        trainer = ray.get(run.trainer.info.remote())
-        store = ray.get(run.store.stats.remote())
+        trainers = ray.get([t.info.remote() for t in run.trainers])
+        stores = ray.get([s.stats.remote() for s in run.stores.values()])
         workers = ray.get([w.node_id.remote() for w in run.workers])
-        # the trainer shares memory with its weight store: same node, the trainer-capable one
-        assert trainer["node_id"] == store["node_id"] == gpu_node.node_id
-        # tokenizer workers go where the CPUs are: the trainer took the trainer node's only one
+        # one trainer per trainer node (by default, with no GPUs), in two processes of a group
+        assert sorted(t["node_id"] for t in trainers) == sorted(n.node_id for n in gpu_nodes)
+        # each trainer shares memory with its own node's weight store: one store per node
+        assert sorted(s["node_id"] for s in stores) == sorted(n.node_id for n in gpu_nodes)
+        assert [s["load_count"] for s in stores] == [1, 1]
+        # tokenizer workers go where the CPUs are: the trainers took the trainer nodes' only ones
         assert workers == [cpu_node.node_id, cpu_node.node_id]
         state = run.train()
         run.finish()
     finally:
         ray.shutdown()
-    assert state.step == 4
+    assert state.step == 4 and run.num_trainers == 2
+    assert state.consumed == 4 * 2 * cfg.micro_batches_per_step  # each step: both ranks' share
     assert (tmp_path / "out" / "adapter_config.json").exists()
     assert json.loads((tmp_path / "out" / "run.json").read_text())["status"] == "complete"
 

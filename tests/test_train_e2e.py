@@ -123,7 +123,7 @@ def test_tokenization_happens_in_the_workers_and_each_token_is_trained_once(
     cfg = config(model_dir, data, tmp_path / "out", epochs=1, tokenize_workers=2)
     run = Run(prepare(cfg), Progress("json"))
     run.create_actors()
-    trainer_pid = ray.get(run.trainer.info.remote())["pid"]
+    trainer_pid = ray.get(run.trainers[0].info.remote())["pid"]
     worker_pids = {ray.get(w.stats.remote())["pid"] for w in run.workers}
     state = run.train()
 

@@ -1,0 +1,140 @@
+"""Ray: start it embedded, or join --cluster; where the trainers go; checks that need the cluster.
+
+start_ray        embedded Ray (address="local", metrics on --metrics-port), or ray.init of
+                 --cluster (bare: $RAY_ADDRESS)
+trainer_slots    one slot per trainer a --cluster can host: each GPU of a trainer node (a node
+                 with the appliance_trainer_node resource, else any GPU node), or one per
+                 trainer node that has no GPU
+check_output     with --cluster the driver writes run.json, checkpoints and the adapter from
+                 its own process: a local --output must be writable here and visible there
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import storage
+from .config import TrainConfig
+from .errors import ConfigError
+from .progress import Progress
+
+TRAINER_NODE_RESOURCE = "appliance_trainer_node"  # marks nodes for trainers, beside "GPU"
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one trainer goes: a node (None = wherever Ray puts it, embedded) and its address."""
+
+    node_id: str | None
+    address: str | None = None
+
+
+def start_ray(cfg: TrainConfig, progress: Progress) -> None:
+    """Embedded Ray (address="local", metrics on --metrics-port), or join --cluster."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    from .metrics import metrics_url, ray_init_kwargs
+
+    if cfg.cluster:
+        address = cfg.cluster
+        if address == "auto":
+            address = os.environ.get("RAY_ADDRESS") or "auto"
+        try:
+            ray.init(address=address, log_to_driver=False)
+        except ConnectionError as e:
+            raise ConfigError(
+                f"--cluster {address}: cannot connect to a Ray cluster: {e}"
+            ) from None
+        progress.note(f"connected to Ray cluster at {address}")
+    else:
+        ray.init(
+            address="local",
+            include_dashboard=False,
+            log_to_driver=False,
+            **ray_init_kwargs(cfg.metrics_port),
+        )
+        progress.note(f"metrics: {metrics_url(cfg.metrics_port)}")
+
+
+def trainer_slots() -> list[Slot]:
+    """Every trainer the connected cluster can host, node by node (sorted by address, so the
+    placement is deterministic): the nodes with the appliance_trainer_node resource (set on GPU
+    pods by the Helm chart), else the GPU nodes; a node gives one slot per GPU, one without GPUs
+    (a CPU trainer node) one slot."""
+    import ray
+
+    nodes = sorted(
+        (n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeManagerAddress"]
+    )
+    for key in (TRAINER_NODE_RESOURCE, "GPU"):
+        marked = [n for n in nodes if n["Resources"].get(key, 0) > 0]
+        if marked:
+            return [
+                Slot(n["NodeID"], n["NodeManagerAddress"])
+                for n in marked
+                for _ in range(max(1, int(n["Resources"].get("GPU", 0))))
+            ]
+    raise ConfigError(
+        f"--cluster: no node has a GPU (or the {TRAINER_NODE_RESOURCE} resource); "
+        "add a GPU worker group to the cluster"
+    )
+
+
+def local_slots(device: str, trainers: int | None) -> list[Slot]:
+    """Embedded Ray: one slot per GPU Ray sees on CUDA; on CPU as many as asked (default 1)."""
+    import ray
+
+    if device == "cuda":
+        return [Slot(None)] * int(ray.cluster_resources().get("GPU", 0))
+    return [Slot(None)] * (trainers or 1)
+
+
+def on_node(node_id: str | None) -> dict:
+    """Ray options that pin an actor or task to `node_id` (none when it is None)."""
+    if node_id is None:
+        return {}
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+
+
+def _can_see(path: str) -> bool:
+    return Path(path).exists()
+
+
+def check_shared_output(output: str, slots: list[Slot]) -> None:
+    """A local --output with --cluster: create it here (the driver writes into it), then check
+    that every trainer node sees the same directory (by a probe file written here)."""
+    if storage.is_s3(output):
+        return
+    import ray
+
+    shared = (
+        "with --cluster the driver writes run.json, checkpoints and the adapter itself: "
+        "give an s3:// URI or a directory shared by the driver and the trainer nodes"
+    )
+    probe = Path(output) / f".appliance-probe-{uuid.uuid4().hex}"
+    try:
+        Path(output).mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+    except OSError as e:
+        raise ConfigError(
+            f"--output {output}: cannot write there from the driver ({e.strerror}); {shared}"
+        ) from None
+    try:
+        nodes = sorted({(s.node_id, s.address) for s in slots if s.node_id is not None})
+        see = ray.remote(num_cpus=0)(_can_see)
+        seen = ray.get([see.options(**on_node(n)).remote(str(probe)) for n, _ in nodes])
+    finally:
+        probe.unlink(missing_ok=True)
+    blind = [address for (_, address), ok in zip(nodes, seen, strict=True) if not ok]
+    if blind:
+        raise ConfigError(
+            f"--output {output} is not visible from the trainer node(s) {', '.join(blind)}; "
+            f"{shared}"
+        )

@@ -1,0 +1,108 @@
+"""Data-parallel trainers through the real driver (embedded Ray, CPU, gloo).
+
+Two trainers taking M micro-batches each are one trainer taking 2M: same per-step losses (1e-5
+relative) and the same adapter, each trainer in its own process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+from appliance.config import build_config
+from appliance.driver import prepare
+from appliance.progress import Progress
+from appliance.run import Run
+from tests.helpers_model import make_model
+from tests.helpers_tokenizer import sentences
+
+pytestmark = pytest.mark.integration
+
+M = 2
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dp")
+    model = make_model(root / "model", "llama-gqa-rope3-tied")
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(70, seed=5)))
+    return model, data
+
+
+def run(inputs, output, **kw) -> tuple[Run, list[dict]]:
+    model, data = inputs
+    cfg = build_config(
+        {},
+        dict(
+            model=str(model),
+            data=str(data),
+            output=str(output),
+            seq_len=16,
+            micro_batch_size=2,
+            tokenize_workers=2,
+            lr=1e-2,
+            warmup_steps=1,
+            lora_rank=4,
+            lora_alpha=8.0,
+            log_format="json",
+            **kw,
+        ),
+    )
+    r = Run(prepare(cfg), Progress("json"))
+    r.create_actors()
+    pids = [ray.get(t.info.remote())["pid"] for t in r.trainers]
+    r.train()
+    r.finish()
+    r.stop()  # the next run needs the CPUs
+    return r, pids
+
+
+def assert_same_training(a, b, out_a, out_b) -> None:
+    np.testing.assert_allclose(a.state.losses, b.state.losses, rtol=1e-5, atol=0)
+    assert a.state.target_tokens == b.state.target_tokens
+    wa, wb = (
+        load_file(out_a / "adapter_model.safetensors"),
+        load_file(out_b / "adapter_model.safetensors"),
+    )
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-7)
+
+
+def test_two_trainers_with_m_micro_batches_train_like_one_with_2m(ray_local, inputs, tmp_path):
+    two, pids = run(inputs, tmp_path / "two", steps=5, trainers=2, micro_batches_per_step=M)
+    one, _ = run(inputs, tmp_path / "one", steps=5, trainers=1, micro_batches_per_step=2 * M)
+
+    assert len(set(pids)) == 2 and os.getpid() not in pids  # a process per trainer
+    assert two.state.step == one.state.step == 5
+    assert two.state.consumed == 5 * 2 * M
+    assert_same_training(two, one, tmp_path / "two", tmp_path / "one")
+    record = json.loads((tmp_path / "two" / "run.json").read_text())
+    assert record["config"]["trainers"] == 2 and record["weight_store_loads"] == 1
+
+
+def test_an_epoch_whose_last_step_leaves_a_rank_without_batches(ray_local, inputs, tmp_path):
+    m = 3  # the data makes 20 micro-batches: 3 steps of 2×3, then 2 for rank 0 and none for 1
+    two, _ = run(inputs, tmp_path / "two", epochs=1, trainers=2, micro_batches_per_step=m)
+    one, _ = run(inputs, tmp_path / "one", epochs=1, trainers=1, micro_batches_per_step=2 * m)
+
+    total = sum(two.counts)
+    assert 0 < total % (2 * m) <= m
+    assert two.total_steps == one.total_steps == math.ceil(total / (2 * m))
+    assert two.state.consumed == one.state.consumed == total  # every batch once
+    assert_same_training(two, one, tmp_path / "two", tmp_path / "one")
