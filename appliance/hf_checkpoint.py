@@ -53,7 +53,8 @@ def read_model_args(model_dir: str | Path) -> ModelArgs:
     if act != "silu":
         raise ModelError(f"{where}: hidden_act={act!r} is not supported (only 'silu')")
     # transformers ≥5 nests rope settings in `rope_parameters`; older files use rope_theta/rope_scaling
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope_field = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    rope = dict(cfg.get(rope_field) or {})
     rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = rope.pop("rope_type", rope.pop("type", "default"))
     rope_scaling = None
@@ -61,14 +62,18 @@ def read_model_args(model_dir: str | Path) -> ModelArgs:
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         missing = [k for k in keys if k not in rope]
         if missing:
-            raise ModelError(f"{where}: rope_scaling of type llama3 lacks {', '.join(missing)}")
+            raise ModelError(f"{where}: {rope_field} of type llama3 lacks {', '.join(missing)}")
         rope_scaling = tuple(sorted((k, float(rope[k])) for k in keys))
     elif rope_type != "default":
         raise ModelError(
-            f"{where}: rope_scaling type {rope_type!r} is not supported (only llama3 or none)"
+            f"{where}: {rope_field} type {rope_type!r} is not supported (only llama3 or none)"
         )
-    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ModelError(f"{where}: partial_rotary_factor is not supported")
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if float(partial) != 1.0:
+        raise ModelError(
+            f"{where}: partial_rotary_factor={partial} is not supported (only 1.0: RoPE on every "
+            "dimension of a head)"
+        )
 
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])

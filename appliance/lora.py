@@ -89,11 +89,12 @@ class LoraWeights:
     # ------------------------------------------------------------ PEFT format
 
     def peft_state_dict(self) -> dict[str, torch.Tensor]:
+        """PEFT key → fp32 CPU copy (a snapshot: later steps do not change it)."""
         out = {}
         for i, block in enumerate(self.blocks):
             for module, (A, B) in block.items():
-                out[peft_key(i, module, "A")] = A.detach().float().cpu().contiguous()
-                out[peft_key(i, module, "B")] = B.detach().float().cpu().contiguous()
+                for which, p in (("A", A), ("B", B)):
+                    out[peft_key(i, module, which)] = p.detach().to("cpu", torch.float32, copy=True)
         return out
 
     def load_peft_state_dict(self, sd: dict[str, torch.Tensor], where: str = "adapter") -> None:

@@ -46,6 +46,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
             },
         ),
     ),
+    "llama-attn-bias": ("LlamaForCausalLM", dict(attention_bias=True)),  # q, k, v and o biases
     "mistral": ("MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=None)),
     "qwen2-bias": ("Qwen2ForCausalLM", dict(num_key_value_heads=2, rope_theta=1000000.0)),
 }
@@ -79,6 +80,26 @@ def make_model(
     model.save_pretrained(directory, max_shard_size="100KB" if shards else "5GB")
     if with_tokenizer:
         make_tokenizer(directory)
+    return directory
+
+
+def write_config(directory: str | Path, arch: str = "LlamaForCausalLM", **changes) -> Path:
+    """Only the config.json of a tiny `arch` model (as transformers writes it), with `changes`
+    applied to the JSON (a value of None deletes the key)."""
+    import json
+
+    cfg = _CONFIGS[arch](**BASE)
+    cfg.architectures = [arch]
+    directory = Path(directory)
+    cfg.save_pretrained(directory)
+    path = directory / "config.json"
+    data = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data))
     return directory
 
 

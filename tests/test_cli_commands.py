@@ -15,8 +15,8 @@ from appliance.bench import parser as bench_parser
 from appliance.cli import main
 from appliance.evaluate import evaluate
 from appliance.hf_checkpoint import read_model_args
-from appliance.lora import LoraSpec, LoraWeights
-from tests.helpers_model import load_hf, make_model
+from appliance.lora import LoraSpec
+from tests.helpers_model import load_hf, lora_with_random_b, make_model
 from tests.helpers_tokenizer import sentences
 from tests.test_faults import Proc, args, build_inputs
 
@@ -25,12 +25,9 @@ from tests.test_faults import Proc, args, build_inputs
 def model_and_adapter(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     model = make_model(root / "model", "llama-mha")
-    lora = LoraWeights(read_model_args(model), LoraSpec(rank=4, alpha=8.0), seed=3)
-    with torch.no_grad():
-        for block in lora.blocks:
-            for _, B in block.values():
-                B.normal_(0, 0.05)
-    lora.save(root / "adapter")
+    lora_with_random_b(read_model_args(model), LoraSpec(rank=4, alpha=8.0), seed=3).save(
+        root / "adapter"
+    )
     data = root / "eval.jsonl"
     data.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(12, seed=4)))
     return model, root / "adapter", data

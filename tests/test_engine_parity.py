@@ -5,47 +5,34 @@ Tolerance: 1e-5 relative error (DESIGN.md, "Numerics that must hold").
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
-from peft import PeftModel
+from peft import PeftModel, get_peft_model_state_dict
 
 from appliance.blocks import DictBlockSource
 from appliance.engine import StreamedEngine, lr_at
+from appliance.errors import ModelError
+from appliance.hf_checkpoint import read_model_args
 from appliance.lora import LoraSpec, LoraWeights, peft_key
-from tests.helpers_model import VARIANTS, VOCAB, load_hf, make_model
+from tests.helpers_model import (
+    VARIANTS,
+    batch,
+    load_hf,
+    lora_with_random_b,
+    make_model,
+    rel_err,
+    write_config,
+)
 
 RTOL = 1e-5
-SPEC = LoraSpec(rank=4, alpha=8.0, dropout=0.0, targets=("q", "k", "v", "o", "gate", "up", "down"))
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def random_lora(args, seed=1) -> LoraWeights:
-    """LoRA with non-zero B, so every A and B gets a non-trivial gradient."""
-    lora = LoraWeights(args, SPEC, seed=seed)
-    g = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for block in lora.blocks:
-            for _, B in block.values():
-                B.copy_(torch.randn(B.shape, generator=g) * 0.1)
-    return lora
-
-
-def batch(n_rows: int, T: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (n_rows, T + 1), generator=g)
-    labels = ids[:, 1:].clone()
-    labels[:, :3] = -100  # some positions carry no loss, as prompts and padding do
-    return ids[:, :-1].contiguous(), labels
 
 
 def peft_reference(model_dir, lora: LoraWeights, tmp_path) -> PeftModel:
     lora.save(tmp_path / "adapter")
-    model = PeftModel.from_pretrained(load_hf(model_dir), tmp_path / "adapter", is_trainable=True)
-    return model
+    return PeftModel.from_pretrained(load_hf(model_dir), tmp_path / "adapter", is_trainable=True)
 
 
 def reference_loss(model, ids, labels) -> torch.Tensor:
@@ -62,8 +49,26 @@ def reference_loss(model, ids, labels) -> torch.Tensor:
     )
 
 
+def peft_params(model) -> dict[str, torch.Tensor]:
+    """PEFT's LoRA parameters under our (PEFT file) key names."""
+    return {n.replace(".default", ""): p for n, p in model.named_parameters() if "lora_" in n}
+
+
 def peft_grads(model) -> dict[str, torch.Tensor]:
-    return {n.replace(".default", ""): p.grad for n, p in model.named_parameters() if "lora_" in n}
+    return {k: p.grad for k, p in peft_params(model).items()}
+
+
+def assert_gradients_match(lora: LoraWeights, ref: PeftModel) -> None:
+    """Every A and B gradient of `lora` equals PEFT's (and PEFT has no other LoRA parameter)."""
+    ref_grads = peft_grads(ref)
+    checked = 0
+    for i, block in enumerate(lora.blocks):
+        for module, (A, B) in block.items():
+            for which, p in (("A", A), ("B", B)):
+                key = peft_key(i, module, which)
+                assert rel_err(p.grad, ref_grads[key]) < RTOL, key
+                checked += 1
+    assert checked == len(ref_grads) == lora.args.num_layers * len(lora.spec.targets) * 2
 
 
 @pytest.fixture(params=list(VARIANTS))
@@ -73,7 +78,7 @@ def variant_dir(request, tmp_path):
 
 def test_loss_and_every_lora_gradient_match_transformers_with_peft(variant_dir, tmp_path):
     source = DictBlockSource.from_hf(variant_dir, torch.float32)
-    lora = random_lora(source.args)
+    lora = lora_with_random_b(source.args)
     ref = peft_reference(variant_dir, lora, tmp_path)
     ids, labels = batch(4, 24)
 
@@ -84,15 +89,35 @@ def test_loss_and_every_lora_gradient_match_transformers_with_peft(variant_dir, 
     ref_loss.backward()
     assert n_target == int((labels != -100).sum())
     assert abs(loss - float(ref_loss)) / abs(float(ref_loss)) < RTOL
-    ref_grads = peft_grads(ref)
-    checked = 0
-    for i, block in enumerate(lora.blocks):
-        for module, (A, B) in block.items():
-            for which, p in (("A", A), ("B", B)):
-                key = peft_key(i, module, which)
-                assert rel_err(p.grad, ref_grads[key]) < RTOL, key
-                checked += 1
-    assert checked == len(ref_grads) == source.args.num_layers * 7 * 2
+    assert_gradients_match(lora, ref)
+
+
+def test_adapters_on_q_and_v_only_match_peft(tmp_path):
+    model_dir = make_model(tmp_path / "model", "llama-attn-bias")
+    source = DictBlockSource.from_hf(model_dir, torch.float32)
+    lora = lora_with_random_b(source.args, LoraSpec(rank=4, alpha=8.0, targets=("q", "v")))
+    ref = peft_reference(model_dir, lora, tmp_path)
+    ids, labels = batch(2, 20, seed=8)
+
+    loss, _, _ = StreamedEngine(source, lora).forward_backward([(ids, labels)], step=0)
+    ref_loss = reference_loss(ref, ids, labels)
+    ref_loss.backward()
+    assert abs(loss - float(ref_loss)) / abs(float(ref_loss)) < RTOL
+    assert_gradients_match(lora, ref)  # q and v only: PEFT made no other adapter either
+
+
+def test_peft_loads_our_adapter_file_with_no_missing_or_unexpected_key(tmp_path):
+    model_dir = make_model(tmp_path / "model", "qwen2-bias")
+    spec = LoraSpec(rank=4, alpha=8.0, targets=("q", "o", "down"))
+    lora = lora_with_random_b(read_model_args(model_dir), spec)
+    lora.save(tmp_path / "adapter")
+    model = PeftModel.from_pretrained(load_hf(model_dir), tmp_path / "adapter")
+    result = model.load_adapter(tmp_path / "adapter", adapter_name="again")
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    loaded = get_peft_model_state_dict(model, adapter_name="again")
+    ours = lora.peft_state_dict()
+    assert sorted(loaded) == sorted(ours)
+    assert all(torch.equal(loaded[k], ours[k]) for k in ours)
 
 
 def test_four_micro_batches_equal_one_batch_of_four(tmp_path):
@@ -101,8 +126,8 @@ def test_four_micro_batches_equal_one_batch_of_four(tmp_path):
     ids, labels = batch(4, 20, seed=3)
     labels[2, :] = -100  # uneven target counts per micro-batch: normalisation must be global
 
-    one = StreamedEngine(source, random_lora(source.args))
-    four = StreamedEngine(source, random_lora(source.args))
+    one = StreamedEngine(source, lora_with_random_b(source.args))
+    four = StreamedEngine(source, lora_with_random_b(source.args))
     loss1, _, _ = one.forward_backward([(ids, labels)], step=0)
     loss4, _, _ = four.forward_backward([(ids[i : i + 1], labels[i : i + 1]) for i in range(4)], 0)
 
@@ -111,26 +136,18 @@ def test_four_micro_batches_equal_one_batch_of_four(tmp_path):
         assert rel_err(p4.grad, p1.grad) < RTOL
 
 
-def test_three_optimizer_steps_reproduce_the_reference_losses(tmp_path):
+def test_three_optimizer_steps_reproduce_the_reference_losses_and_parameters(tmp_path):
     model_dir = make_model(tmp_path / "model", "qwen2-bias")
     source = DictBlockSource.from_hf(model_dir, torch.float32)
-    lora = random_lora(source.args)
+    lora = lora_with_random_b(source.args)
     ref = peft_reference(model_dir, lora, tmp_path)
-    ref_params = dict(ref.named_parameters())
+    ref_params = peft_params(ref)
+    # the same parameter order as ours, so AdamW sees the same list
     ref_opt = torch.optim.AdamW(
-        [
-            ref_params[n]
-            for n in (
-                k.replace("lora_A.weight", "lora_A.default.weight").replace(
-                    "lora_B.weight", "lora_B.default.weight"
-                )
-                for k in lora.peft_state_dict()
-            )
-        ],
-        lr=0.0,
-        weight_decay=0.01,
+        [ref_params[k] for k in lora.peft_state_dict()], lr=0.0, weight_decay=0.01
     )
     engine = StreamedEngine(source, lora, weight_decay=0.01, grad_clip=0.5)
+    before = lora.peft_state_dict()
     ours, theirs = [], []
     for step in range(3):
         lr = lr_at(step, lr=1e-2, warmup_steps=1, total_steps=3)
@@ -149,6 +166,11 @@ def test_three_optimizer_steps_reproduce_the_reference_losses(tmp_path):
     assert ours[0] != ours[2]  # the adapter moved
     for a, b in zip(ours, theirs, strict=True):
         assert abs(a - b) / abs(b) < RTOL, (ours, theirs)
+    # the third update is seen only in the parameters: compare them all after it
+    after = lora.peft_state_dict()
+    for key, p in after.items():
+        torch.testing.assert_close(p, ref_params[key].detach(), rtol=RTOL, atol=1e-7)
+    assert not all(torch.equal(after[k], before[k]) for k in before)  # the parameters moved
 
 
 def test_recompute_with_dropout_draws_the_forwards_masks(tmp_path):
@@ -201,9 +223,42 @@ def test_recompute_with_dropout_draws_the_forwards_masks(tmp_path):
 def test_logits_match_transformers_and_peft(tmp_path):
     model_dir = make_model(tmp_path / "model", "llama-gqa-rope3-tied")
     source = DictBlockSource.from_hf(model_dir, torch.float32)
-    lora = random_lora(source.args)
+    lora = lora_with_random_b(source.args)
     ids, _ = batch(2, 30)
     ours = StreamedEngine(source, lora).logits(ids)
     with torch.no_grad():
         theirs = peft_reference(model_dir, lora, tmp_path)(input_ids=ids).logits.float()
     assert rel_err(ours, theirs) < RTOL
+
+
+def test_lr_warms_up_linearly_then_decays_by_cosine_to_the_minimum_at_total_steps():
+    def at(step, warmup=4):
+        return lr_at(step, lr=2.0, warmup_steps=warmup, total_steps=14, min_lr_ratio=0.1)
+
+    assert [at(s) for s in range(4)] == [0.5, 1.0, 1.5, 2.0]
+    assert at(4) == 2.0  # the cosine starts at the peak
+    assert math.isclose(at(9), 2.0 * (0.1 + 0.9 * 0.5))  # halfway: the mean of peak and floor
+    assert math.isclose(at(14), 0.2) and math.isclose(at(30), 0.2)  # the floor, then held
+    assert at(0, warmup=0) == 2.0
+
+
+ROPE_YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize(
+    "arch, changes, field",
+    [
+        ("LlamaForCausalLM", dict(rope_parameters=None, rope_theta=1e4, rope_scaling=ROPE_YARN),
+         "rope_scaling type 'yarn'"),
+        ("LlamaForCausalLM", dict(rope_parameters={**ROPE_YARN, "rope_theta": 1e4}),
+         "rope_parameters type 'yarn'"),
+        ("LlamaForCausalLM", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+        ("LlamaForCausalLM", dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+        ("Qwen2ForCausalLM", dict(use_sliding_window=True), "use_sliding_window=true"),
+    ],
+)  # fmt: skip
+def test_unsupported_config_fields_are_refused_by_name(tmp_path, arch, changes, field):
+    model_dir = write_config(tmp_path / "model", arch, **changes)
+    with pytest.raises(ModelError) as e:
+        read_model_args(model_dir)
+    assert f"{model_dir / 'config.json'}: {field}" in str(e.value)

@@ -18,7 +18,7 @@ from appliance.errors import ConfigError, ModelError
 from appliance.evaluate import evaluate
 from appliance.hf_checkpoint import read_model_args
 from appliance.lora import LoraSpec, LoraWeights
-from tests.helpers_model import load_hf, make_model
+from tests.helpers_model import load_hf, lora_with_random_b, make_model
 from tests.helpers_tokenizer import sentences
 
 RTOL = 1e-5
@@ -67,12 +67,7 @@ def test_base_model_loss_matches_transformers(model_dir, texts, tmp_path):
 
 
 def test_adapter_loss_matches_peft(model_dir, texts, tmp_path):
-    lora = LoraWeights(read_model_args(model_dir), LoraSpec(rank=4, alpha=8.0), seed=3)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for block in lora.blocks:
-            for _, B in block.values():
-                B.copy_(torch.randn(B.shape, generator=g) * 0.1)
+    lora = lora_with_random_b(read_model_args(model_dir), LoraSpec(rank=4, alpha=8.0), seed=3)
     lora.save(tmp_path / "adapter")
     data = write_jsonl(tmp_path / "eval.jsonl", [{"text": t} for t in texts])
 

@@ -15,25 +15,15 @@ from safetensors import safe_open
 from appliance import export as E
 from appliance.errors import ModelError
 from appliance.hf_checkpoint import read_model_args
-from appliance.lora import LoraSpec, LoraWeights
-from tests.helpers_model import VOCAB, load_hf, make_model
+from appliance.lora import LoraSpec
+from tests.helpers_model import VOCAB, load_hf, lora_with_random_b, make_model, rel_err
 
 RTOL = 1e-5
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def save_random_adapter(model_dir, out, spec=LoraSpec(rank=4, alpha=8.0), seed=1):
     """An adapter with non-zero B, so merging changes the weights."""
-    lora = LoraWeights(read_model_args(model_dir), spec, seed=seed)
-    g = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for block in lora.blocks:
-            for _, B in block.values():
-                B.copy_(torch.randn(B.shape, generator=g) * 0.1)
-    lora.save(out)
+    lora_with_random_b(read_model_args(model_dir), spec, seed=seed).save(out)
     return out
 
 
