@@ -13,6 +13,7 @@ complete; a crash leaves no half-written checkpoint under the output's name.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -20,7 +21,6 @@ import uuid
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from . import hf_checkpoint
@@ -36,20 +36,7 @@ EXTRA_FILES = (
     "generation_config.json",
     "tokenizer.model",
 )
-_DTYPE_BYTES = {
-    "F64": 8,
-    "F32": 4,
-    "BF16": 2,
-    "F16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-}
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2}  # else 1
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -63,19 +50,11 @@ def _check_output(output: Path) -> None:
 
 def _tensor_bytes(ckpt: hf_checkpoint.SafetensorsCheckpoint) -> dict[str, int]:
     """Stored size of every tensor, from the safetensors headers (no tensor is read)."""
-    sizes = {}
-    by_file: dict[Path, list[str]] = {}
-    for name, path in ckpt.files.items():
-        by_file.setdefault(path, []).append(name)
-    for path, names in by_file.items():
-        with safe_open(path, "pt") as f:
-            for name in names:
-                s = f.get_slice(name)
-                n = 1
-                for d in s.get_shape():
-                    n *= d
-                sizes[name] = n * _DTYPE_BYTES.get(s.get_dtype(), 4)
-    return sizes
+    return {
+        name: math.prod(shape) * _DTYPE_BYTES.get(dtype, 1)
+        for name, (shape, dtype) in ckpt.headers().items()
+        if name in ckpt.files
+    }
 
 
 def plan_shards(names_bytes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
@@ -110,22 +89,6 @@ def plan_shards(names_bytes: dict[str, int], max_shard_bytes: int) -> list[list[
     if current:
         shards.append(current)
     return shards
-
-
-def _read(ckpt: hf_checkpoint.SafetensorsCheckpoint, names: list[str]) -> dict[str, torch.Tensor]:
-    """Tensors in their stored dtype (SafetensorsCheckpoint.read converts; we must not)."""
-    by_file: dict[Path, list[str]] = {}
-    for n in names:
-        by_file.setdefault(ckpt.files[n], []).append(n)
-    out = {}
-    for path, group in by_file.items():
-        try:
-            with safe_open(path, "pt") as f:
-                for n in group:
-                    out[n] = f.get_tensor(n)
-        except (OSError, RuntimeError) as e:
-            raise ModelError(f"{path}: cannot read safetensors file: {e}") from None
-    return out
 
 
 def _merge(tensors: dict[str, torch.Tensor], lora: LoraWeights) -> int:
@@ -170,7 +133,7 @@ def export_merged(
                 if len(shards) == 1
                 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
             )
-            tensors = _read(ckpt, names)
+            tensors = ckpt.read(names, dtype=None)  # as stored: merged weights keep their dtype
             merged += _merge(tensors, lora)
             tensors = {n: t.contiguous() for n, t in tensors.items()}
             save_file(tensors, tmp / fname, metadata={"format": "pt"})

@@ -147,8 +147,8 @@ class SafetensorsCheckpoint:
             if not path.is_file():
                 raise ModelError(f"{path}: shard named in the index is missing")
 
-    def read(self, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Read `names` (grouped by shard) converted to `dtype`."""
+    def read(self, names: list[str], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+        """Read `names` (grouped by shard) converted to `dtype` (None: as stored)."""
         by_file: dict[Path, list[str]] = {}
         for n in names:
             if n not in self.files:
@@ -159,7 +159,8 @@ class SafetensorsCheckpoint:
             try:
                 with safe_open(path, "pt") as f:
                     for n in group:
-                        out[n] = f.get_tensor(n).to(dtype)
+                        t = f.get_tensor(n)
+                        out[n] = t if dtype is None else t.to(dtype)
             except _UNREADABLE as e:
                 raise ModelError(f"{path}: cannot read safetensors file: {e}") from None
         return out
@@ -167,16 +168,7 @@ class SafetensorsCheckpoint:
     def check(self, args: ModelArgs) -> None:
         """Before any weight is read: every tensor the model needs is in a readable file, with
         the shape config.json implies. Reads the files' headers only (cheap, however large)."""
-        shapes: dict[str, tuple[int, ...]] = {}
-        for path in sorted(set(self.files.values())):
-            try:
-                with safe_open(path, "pt") as f:
-                    for name in f.keys():
-                        shapes[name] = tuple(f.get_slice(name).get_shape())
-            except _UNREADABLE as e:
-                raise ModelError(
-                    f"{path}: cannot read safetensors file: {e}; re-download or re-save the model"
-                ) from None
+        shapes = {name: shape for name, (shape, _) in self.headers().items()}
         for name, shape in expected_shapes(args).items():
             if name not in shapes:
                 raise ModelError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
@@ -184,6 +176,22 @@ class SafetensorsCheckpoint:
                 raise ModelError(
                     f"{self.dir}: {name} has shape {shapes[name]}, config.json implies {shape}"
                 )
+
+    def headers(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """name → (shape, safetensors dtype such as 'BF16') of every tensor in the files, from
+        their headers only (no tensor is read)."""
+        out = {}
+        for path in sorted(set(self.files.values())):
+            try:
+                with safe_open(path, "pt") as f:
+                    for name in f.keys():
+                        s = f.get_slice(name)
+                        out[name] = (tuple(s.get_shape()), s.get_dtype())
+            except _UNREADABLE as e:
+                raise ModelError(
+                    f"{path}: cannot read safetensors file: {e}; re-download or re-save the model"
+                ) from None
+        return out
 
 
 def _tensor_names(path: Path) -> list[str]:
@@ -206,13 +214,20 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     if not args.tie_word_embeddings:
         out["lm_head.weight"] = (V, C)
     for i in range(args.num_layers):
-        for name in block_names(args, i):
-            module, kind = name.removeprefix(f"model.layers.{i}.").rsplit(".", 1)
-            if module in _LINEARS:
-                rows, cols = args.module_shape(module)
-                out[name] = (rows, cols) if kind == "weight" else (rows,)
-            else:  # the two RMSNorm weights
-                out[name] = (C,)
+        out.update(block_shapes(args, i))
+    return out
+
+
+def block_shapes(args: ModelArgs, i: int) -> dict[str, tuple[int, ...]]:
+    """Block i's tensor names (full) with the shapes config.json implies."""
+    out = {}
+    for name in block_names(args, i):
+        module, kind = name.removeprefix(f"model.layers.{i}.").rsplit(".", 1)
+        if module in _LINEARS:
+            rows, cols = args.module_shape(module)
+            out[name] = (rows, cols) if kind == "weight" else (rows,)
+        else:  # the two RMSNorm weights
+            out[name] = (args.hidden_size,)
     return out
 
 
@@ -260,16 +275,12 @@ def read_block(
     ckpt: SafetensorsCheckpoint, args: ModelArgs, i: int, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """Block i's tensors keyed without the layer prefix, shapes checked against config.json."""
+    shapes = block_shapes(args, i)
+    tensors = ckpt.read(list(shapes), dtype)
+    for name, t in tensors.items():
+        if tuple(t.shape) != shapes[name]:
+            raise ModelError(
+                f"{ckpt.dir}: {name} has shape {tuple(t.shape)}, config.json implies {shapes[name]}"
+            )
     prefix = f"model.layers.{i}."
-    tensors = ckpt.read(block_names(args, i), dtype)
-    out = {name[len(prefix) :]: t for name, t in tensors.items()}
-    for key, t in out.items():
-        module = key.rsplit(".", 1)[0]
-        if key.endswith(".weight") and module in _LINEARS:
-            expected = args.module_shape(module)
-            if tuple(t.shape) != expected:
-                raise ModelError(
-                    f"{ckpt.dir}: {prefix}{key} has shape {tuple(t.shape)}, config.json implies "
-                    f"{expected}"
-                )
-    return out
+    return {name[len(prefix) :]: t for name, t in tensors.items()}

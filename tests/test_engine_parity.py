@@ -6,16 +6,18 @@ Tolerance: 1e-5 relative error (DESIGN.md, "Numerics that must hold").
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 from peft import PeftModel, get_peft_model_state_dict
+from safetensors.torch import load_file, save_file
 
 from appliance.blocks import DictBlockSource
 from appliance.engine import StreamedEngine, lr_at
 from appliance.errors import ModelError
-from appliance.hf_checkpoint import read_model_args
+from appliance.hf_checkpoint import SafetensorsCheckpoint, read_block, read_model_args
 from appliance.lora import LoraSpec, LoraWeights, peft_key
 from tests.helpers_model import (
     VARIANTS,
@@ -262,3 +264,20 @@ def test_unsupported_config_fields_are_refused_by_name(tmp_path, arch, changes, 
     with pytest.raises(ModelError) as e:
         read_model_args(model_dir)
     assert f"{model_dir / 'config.json'}: {field}" in str(e.value)
+
+
+def test_a_block_tensor_of_the_wrong_shape_is_refused_by_name(tmp_path):
+    model_dir = make_model(tmp_path / "model", "llama-mha", with_tokenizer=False)
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    name = "model.layers.1.self_attn.q_proj.weight"
+    tensors[name] = tensors[name][:, :32].contiguous()  # (64, 32): config.json implies (64, 64)
+    save_file(tensors, path, metadata={"format": "pt"})
+    args = read_model_args(model_dir)
+    ckpt = SafetensorsCheckpoint(model_dir)
+    message = f"{name} has shape (64, 32), config.json implies (64, 64)"
+    with pytest.raises(ModelError, match=re.escape(message)):
+        ckpt.check(args)  # headers only, before any weight is read
+    with pytest.raises(ModelError, match=re.escape(message)):
+        read_block(ckpt, args, 1, torch.float32)
+    assert read_block(ckpt, args, 0, torch.float32)  # the other blocks read as before

@@ -79,8 +79,8 @@ def test_sharded_source_to_sharded_export_keeps_dtype_and_unadapted_tensors(tmp_
     check_export_matches_peft(model_dir, adapter, out)
 
     src = E.hf_checkpoint.SafetensorsCheckpoint(model_dir)
-    before = E._read(src, list(src.files))
-    after = E._read(E.hf_checkpoint.SafetensorsCheckpoint(out), list(src.files))
+    before = src.read(list(src.files), dtype=None)
+    after = E.hf_checkpoint.SafetensorsCheckpoint(out).read(list(src.files), dtype=None)
     assert set(index["weight_map"]) == set(before)
     for name, t in before.items():
         assert after[name].dtype == t.dtype
