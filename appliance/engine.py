@@ -12,6 +12,10 @@ For a global batch of M micro-batches and a model of L blocks (DESIGN.md, "The s
    LoRA gradients accumulate over micro-batches into fp32 leaves.
 4. AdamW on the fp32 LoRA parameters, after gradient clipping.
 
+Data parallel (`group=`): each rank runs steps 1–3 on its share of the global batch (possibly
+none); the target-token count is summed over ranks before the head, and the LoRA gradients and
+the loss after the backward (one flat all-reduce), so step 4 is identical on every rank.
+
 Weights come from a `BlockSource` (host tensors). On CUDA, `DeviceWeights` copies block i±1 on a
 side stream from page-locked memory while block i computes, keeps the blocks that fit the memory
 budget resident, and measures the copies; on CPU every path reduces to plain tensor access. No Ray
