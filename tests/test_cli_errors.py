@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,12 +15,15 @@ import pytest
 from click.testing import CliRunner
 
 from appliance import config as C
+from appliance.checkpoint import list_checkpoints, load_latest_checkpoint
 from appliance.cli import main
+from appliance.driver import remove_previous_run
 from tests.helpers_model import make_model
 from tests.helpers_tokenizer import sentences
 from tests.test_faults import free_port
 
 CONFIGS = Path(__file__).parent.parent / "appliance" / "configs"
+pytest_plugins = ["tests.s3_server"]
 
 
 @pytest.fixture(scope="module")
@@ -51,19 +56,65 @@ def assert_user_error(code: int, output: str, *needles: str) -> None:
 
 
 def assert_no_adapter(out: Path) -> None:
-    assert not (out / "adapter_config.json").exists()
+    """No adapter_config.json anywhere under `out`: nothing that looks like a finished adapter
+    (checkpoints hold one too)."""
+    if out.exists():
+        assert not list(out.rglob("adapter_config.json")), list(out.rglob("*"))
+
+
+def assert_one_user_error(code: int, output: str, out: Path | None, *needles: str) -> None:
+    """One problem: exit 1, exactly one `error:` line holding every needle, no traceback, and
+    no adapter under `out`."""
+    assert_user_error(code, output, *needles)
+    lines = error_lines(output)
+    assert len(lines) == 1, output
+    for needle in needles:
+        assert needle in lines[0], (needle, output)
+    if out is not None:
+        assert_no_adapter(out)
+
+
+def copy_model(model: Path, to: Path, *names: str) -> Path:
+    to.mkdir()
+    for name in names:
+        shutil.copy(model / name, to / name)
+    return to
 
 
 def test_missing_model_directory(tmp_path, data):
     code, out = train("--model", tmp_path / "nope", "--data", data, "--output", tmp_path / "o")
-    assert_user_error(code, out, str(tmp_path / "nope"), "no such file or directory")
-    assert_no_adapter(tmp_path / "o")
+    assert_one_user_error(
+        code, out, tmp_path / "o", str(tmp_path / "nope"), "no such file or directory"
+    )
 
 
 def test_model_directory_without_config(tmp_path, data):
     (tmp_path / "empty").mkdir()
     code, out = train("--model", tmp_path / "empty", "--data", data, "--output", tmp_path / "o")
-    assert_user_error(code, out, "config.json")
+    assert_one_user_error(code, out, tmp_path / "o", "config.json")
+
+
+def test_model_directory_with_config_but_no_safetensors(tmp_path, model, data):
+    bare = copy_model(model, tmp_path / "bare", "config.json", "tokenizer.json")
+    code, out = train("--model", bare, "--data", data, "--output", tmp_path / "o")
+    assert_one_user_error(
+        code, out, tmp_path / "o", str(bare), "no model.safetensors", "safe_serialization=True"
+    )
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbled header"])
+def test_corrupt_model_safetensors_is_refused_naming_the_file(tmp_path, model, data, damage):
+    broken = copy_model(model, tmp_path / "broken", "config.json", "tokenizer.json")
+    weights = (model / "model.safetensors").read_bytes()
+    if damage == "truncated":
+        weights = weights[: len(weights) // 2]
+    else:
+        weights = b"\xff" * 8 + weights[8:]  # a header length far past the end of the file
+    (broken / "model.safetensors").write_bytes(weights)
+    code, out = train("--model", broken, "--data", data, "--output", tmp_path / "o")
+    assert_one_user_error(
+        code, out, tmp_path / "o", str(broken / "model.safetensors"), "cannot read safetensors"
+    )
 
 
 def test_unsupported_architecture_is_refused_by_name_before_loading(tmp_path, model, data):
@@ -73,13 +124,13 @@ def test_unsupported_architecture_is_refused_by_name_before_loading(tmp_path, mo
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (other / "config.json").write_text(json.dumps(cfg))  # no weights at all: never read
     code, out = train("--model", other, "--data", data, "--output", tmp_path / "o")
-    assert_user_error(code, out, "GPT2LMHeadModel", "not supported")
+    assert_one_user_error(code, out, tmp_path / "o", "GPT2LMHeadModel", "not supported")
 
 
 def test_missing_tokenizer(tmp_path, data):
     bare = make_model(tmp_path / "bare", "llama-mha", with_tokenizer=False)
     code, out = train("--model", bare, "--data", data, "--output", tmp_path / "o")
-    assert_user_error(code, out, "tokenizer.json")
+    assert_one_user_error(code, out, tmp_path / "o", "tokenizer.json")
 
 
 def test_empty_dataset(tmp_path, model):
@@ -87,14 +138,41 @@ def test_empty_dataset(tmp_path, model):
     code, out = train(
         "--model", model, "--data", tmp_path / "empty.jsonl", "--output", tmp_path / "o"
     )
-    assert_user_error(code, out, "empty.jsonl")
+    assert_one_user_error(code, out, tmp_path / "o", "empty.jsonl")
 
 
 def test_seq_len_above_max_position_embeddings(tmp_path, model, data):
     code, out = train(
         "--model", model, "--data", data, "--output", tmp_path / "o", "--seq-len", "100000"
     )
-    assert_user_error(code, out, "--seq-len 100000", "max_position_embeddings")
+    assert_one_user_error(code, out, tmp_path / "o", "--seq-len 100000", "max_position_embeddings")
+
+
+def test_data_without_model_is_refused_instead_of_training_the_demo(tmp_path, data):
+    code, out = train("--data", data, "--output", tmp_path / "o")
+    assert_one_user_error(code, out, tmp_path / "o", "--data needs --model")
+    assert not (tmp_path / "o").exists()
+
+
+def test_every_bad_flag_is_reported_at_once_each_naming_its_flag():
+    code, out = train("--seq-len", "abc", "--lr", "x", "--lora-rank", "0")
+    assert_user_error(code, out)
+    assert error_lines(out) == [
+        "error: --seq-len: 'abc' is not a valid int",
+        "error: --lr: 'x' is not a valid float",
+        "error: --lora-rank must be ≥ 1 (got 0)",
+    ]
+
+
+def test_a_bad_choice_lists_the_choices_and_help_still_shows_them():
+    code, out = train("--device", "tpu", "--log-format", "xml")
+    assert_user_error(code, out)
+    assert error_lines(out) == [
+        "error: --device must be one of auto | cpu | cuda (got 'tpu')",
+        "error: --log-format must be one of rich | json | plain (got 'xml')",
+    ]
+    code, help_text = train("--help")
+    assert code == 0 and "--device [auto|cpu|cuda]" in help_text
 
 
 def test_every_config_error_is_reported_at_once_naming_flags_and_keys(tmp_path):
@@ -119,17 +197,16 @@ def test_output_holding_a_different_run_is_refused_unless_overwrite(tmp_path, mo
         json.dumps({"identity": {"model": "other"}, "status": "complete"})
     )
     code, text = train("--model", model, "--data", data, "--output", out)
-    assert_user_error(code, text, "already holds a different run", "--overwrite")
-    (out / "notes.txt").unlink(missing_ok=True)
+    assert_one_user_error(code, text, out, "already holds a different run", "--overwrite")
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
     code, text = train("--model", model, "--data", data, "--output", other)
-    assert_user_error(code, text, "not empty", "--overwrite")
+    assert_one_user_error(code, text, other, "not empty", "--overwrite")
     assert (other / "notes.txt").read_text() == "mine"
 
 
-def run_cli(*argv: str) -> subprocess.CompletedProcess:
+def run_cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [
             sys.executable,
@@ -145,18 +222,12 @@ def run_cli(*argv: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=300,
-        env=dict(os.environ),
+        env={**os.environ, **(env or {})},
     )
 
 
-@pytest.mark.integration
-def test_malformed_jsonl_line_fails_with_file_and_line_or_is_skipped_and_counted(tmp_path, model):
-    data = tmp_path / "data.jsonl"
-    lines = [json.dumps({"text": s}) for s in sentences(40)]
-    lines[7] = '{"text": "unterminated'
-    lines[12] = json.dumps({"body": "no text key"})
-    data.write_text("\n".join(lines) + "\n")
-    common = [
+def data_args(model: Path, data: Path, *extra: str) -> list:
+    return [
         "--model",
         model,
         "--data",
@@ -167,20 +238,58 @@ def test_malformed_jsonl_line_fails_with_file_and_line_or_is_skipped_and_counted
         "2",
         "--tokenize-workers",
         "1",
-        "--epochs",
-        "1",
+        *extra,
     ]
 
-    failed = run_cli(*common, "--output", tmp_path / "o1")
-    assert failed.returncode == 1, failed.stderr[-2000:]
-    assert f"error: {data}:8" in failed.stderr and "Traceback" not in failed.stderr
-    assert_no_adapter(tmp_path / "o1")
 
-    skipped = run_cli(*common, "--output", tmp_path / "o2", "--on-bad-record", "skip")
+def write_lines(path: Path, bad: dict[int, str | bytes]) -> Path:
+    """40 good records, with line `i` (0-based) replaced by bad[i]."""
+    lines = [json.dumps({"text": s}).encode() for s in sentences(40)]
+    for i, line in bad.items():
+        lines[i] = line.encode() if isinstance(line, str) else line
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def assert_cli_user_error(done: subprocess.CompletedProcess, out: Path, *needles: str) -> None:
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert_one_user_error(done.returncode, done.stderr, out, *needles)
+
+
+@pytest.mark.integration
+def test_malformed_jsonl_line_fails_naming_file_and_line(tmp_path, model):
+    data = write_lines(tmp_path / "data.jsonl", {7: '{"text": "unterminated'})
+    done = run_cli(*data_args(model, data, "--epochs", "1"), "--output", tmp_path / "o")
+    assert_cli_user_error(done, tmp_path / "o", f"{data}:8: malformed JSON")
+
+
+@pytest.mark.integration
+def test_records_without_text_fail_naming_file_and_line_or_are_skipped_and_counted_once(
+    tmp_path, model
+):
+    no_text = json.dumps({"body": "no text key"})
+    data = write_lines(tmp_path / "data.jsonl", {7: no_text, 12: no_text})
+
+    failed = run_cli(*data_args(model, data, "--epochs", "1"), "--output", tmp_path / "o1")
+    assert_cli_user_error(failed, tmp_path / "o1", f'{data}:8: record has no "text"')
+
+    # two epochs read each bad record twice; each is counted once
+    skipped = run_cli(
+        *data_args(model, data, "--epochs", "2", "--on-bad-record", "skip"),
+        "--output",
+        tmp_path / "o2",
+    )
     assert skipped.returncode == 0, skipped.stderr[-2000:]
     record = json.loads((tmp_path / "o2" / "run.json").read_text())
-    assert record["skipped_records"] == 2
+    assert record["status"] == "complete" and record["skipped_records"] == 2
     assert "skipped_records 2" in skipped.stdout
+
+
+@pytest.mark.integration
+def test_non_utf8_jsonl_line_names_file_and_line(tmp_path, model):
+    data = write_lines(tmp_path / "data.jsonl", {4: b'{"text": "the cat \xff sat"}'})
+    done = run_cli(*data_args(model, data, "--steps", "2"), "--output", tmp_path / "o")
+    assert_cli_user_error(done, tmp_path / "o", f"{data}:5: not valid UTF-8")
 
 
 @pytest.mark.integration
@@ -201,9 +310,75 @@ def test_non_utf8_text_names_the_file(tmp_path, model):
         "--steps",
         "2",
     )
-    assert done.returncode == 1
-    assert str(data) in done.stderr and "UTF-8" in done.stderr and "Traceback" not in done.stderr
-    assert_no_adapter(tmp_path / "o")
+    assert_cli_user_error(done, tmp_path / "o", str(data), "UTF-8")
+
+
+def checkpoint_steps(out: Path) -> list[int]:
+    return [c.step for c in list_checkpoints(str(out))]
+
+
+@pytest.mark.integration
+def test_overwrite_removes_the_old_run_before_the_new_one_writes_anything(tmp_path, model, data):
+    out = tmp_path / "o"
+    old = run_cli(
+        *data_args(model, data, "--steps", "4", "--checkpoint-every", "2", "--lora-rank", "4"),
+        "--output",
+        out,
+    )
+    assert old.returncode == 0, old.stderr[-2000:]
+    assert checkpoint_steps(out) == [2, 4] and (out / "adapter_config.json").is_file()
+    (out / "notes.txt").write_text("mine")
+
+    # a different run over it, killed while writing its first checkpoint
+    new = data_args(model, data, "--steps", "3", "--lora-rank", "2", "--overwrite")
+    killed = run_cli(
+        *new,
+        "--checkpoint-every",
+        "1",
+        "--output",
+        out,
+        env={"APPLIANCE_FAULT_KILL_DURING_CHECKPOINT": "1"},
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert not (out / "adapter_config.json").exists()  # no complete-looking adapter at all
+    assert not (out / "adapter_model.safetensors").exists()
+    ranks = [json.loads(p.read_text())["r"] for p in out.rglob("adapter_config.json")]
+    assert set(ranks) <= {2}  # the torn checkpoint's own, if any: nothing of the old run (r=4)
+    assert load_latest_checkpoint(str(out)) is None  # nothing of the old run to restore
+    assert not set(checkpoint_steps(out)) & {2, 4}
+    record = json.loads((out / "run.json").read_text())
+    assert (record["status"], record["identity"]["lora_rank"]) == ("running", 2)
+
+    # the same run again, left alone: only the new run remains (and the user's file)
+    done = run_cli(*new, "--output", out)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert checkpoint_steps(out) == [3]
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 2
+    record = json.loads((out / "run.json").read_text())
+    assert (record["status"], record["steps"], record["identity"]["lora_rank"]) == (
+        "complete",
+        3,
+        2,
+    )
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_remove_previous_run_deletes_the_run_on_s3_and_keeps_other_files(s3_bucket, s3_client):
+    keys = [
+        "run/adapter_config.json",
+        "run/adapter_model.safetensors",
+        "run/checkpoints/latest",
+        "run/checkpoints/step-000002/manifest.json",
+        "run/checkpoints/step-000002/trainer_state.pt",
+        "run/run.json",
+        "run/notes.txt",
+        "run-other/run.json",
+    ]
+    for key in keys:
+        s3_client.put_object(Bucket=s3_bucket, Key=key, Body=b"x")
+    remove_previous_run(f"s3://{s3_bucket}/run")
+    left = [o["Key"] for o in s3_client.list_objects_v2(Bucket=s3_bucket)["Contents"]]
+    assert sorted(left) == ["run-other/run.json", "run/notes.txt"]
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)

@@ -1,0 +1,131 @@
+"""What the user sees while training: the live table, the JSON step records, and a failing run
+that stops its live table before the error line is printed."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import re
+import sys
+
+import pytest
+import ray
+from rich.console import Console
+from rich.file_proxy import FileProxy
+
+from appliance.config import build_config
+from appliance.data import DataError
+from appliance.driver import train
+from appliance.engine import lr_at
+from appliance.progress import Progress
+from tests.helpers_model import make_model
+from tests.helpers_tokenizer import sentences
+
+
+def stats(loss: float, tokens: int, step_seconds: float, data_wait: float) -> dict:
+    """The fields of a trainer step's stats that the display reads."""
+    return {
+        "loss": loss,
+        "tokens": tokens,
+        "lr": 1e-3,
+        "step_seconds": step_seconds,
+        "target_tokens": tokens,
+        "grad_norm": 1.0,
+        "phase_seconds": {"data_wait": data_wait, "forward": step_seconds - data_wait},
+    }
+
+
+def table_rows(console: Console) -> list[list[str]]:
+    """The cells of every table row (header included) that `console` printed."""
+    rows = [re.split("[│┃]", line) for line in console.export_text(clear=False).splitlines()]
+    return [[c.strip() for c in row[1:-1]] for row in rows if len(row) > 2]
+
+
+def test_the_live_table_shows_step_loss_tokens_per_second_data_wait_eta_and_restarts():
+    console = Console(record=True, file=io.StringIO(), width=120, force_terminal=False)
+    now = [100.0]
+    progress = Progress("rich", console=console, clock=lambda: now[0])
+    progress.start(total_steps=10)
+    progress.restarts = 2  # the run sets it when it recreates an actor
+    for step, loss in ((1, 3.0), (2, 2.75), (3, 2.5)):
+        now[0] += 10 / 3  # 10 s for three steps
+        progress.step(step, stats(loss, tokens=1000, step_seconds=2.0, data_wait=0.5))
+    progress.stop()
+    assert progress.live is None
+    header, row = table_rows(console)[-2:]
+    assert header == ["step", "loss", "tokens/s", "data wait", "ETA", "restarts"]
+    # 3000 tokens in 10 s; 25% of step time waiting for data; 7 steps left at 10/3 s each
+    assert row == ["3/10", "2.5000", "300", "25%", "0:00:23", "2"]
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("m") / "model", "llama-mha")
+
+
+def tiny_run(model_dir, data, output, **kw):
+    base = dict(
+        model=str(model_dir),
+        data=str(data),
+        output=str(output),
+        seq_len=16,
+        micro_batch_size=2,
+        micro_batches_per_step=2,
+        tokenize_workers=1,
+        lr=1e-2,
+        warmup_steps=2,
+        min_lr_ratio=0.1,
+        lora_rank=4,
+        steps=5,
+    )
+    return build_config({}, {**base, **kw})
+
+
+@pytest.mark.integration
+def test_json_log_has_one_record_per_step_with_the_scheduled_lr(ray_local, model_dir, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(40)))
+    cfg = tiny_run(model_dir, data, tmp_path / "out", log_format="json")
+    stream = io.StringIO()
+    summary = train(cfg, Progress("json", stream=stream))
+    records = [json.loads(line) for line in stream.getvalue().splitlines()]
+    steps, last = records[:-1], records[-1]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+    for r in steps:
+        assert math.isfinite(r["loss"]) and r["tokens"] > 0 and r["step_seconds"] > 0
+        expected = lr_at(r["step"] - 1, lr=1e-2, warmup_steps=2, total_steps=5, min_lr_ratio=0.1)
+        assert r["lr"] == pytest.approx(expected, rel=1e-12)
+    assert last == {"summary": json.loads(json.dumps(summary))}
+    assert last["summary"]["final_loss"] == steps[-1]["loss"]
+
+
+@pytest.mark.integration
+def test_a_failing_run_stops_the_live_table_before_the_error_is_printed(
+    ray_local, model_dir, tmp_path
+):
+    data = tmp_path / "data.jsonl"
+    lines = [json.dumps({"text": s}) for s in sentences(40)]
+    lines[2] = '{"text": broken'
+    data.write_text("\n".join(lines) + "\n")
+    # a terminal console: a live table there takes over sys.stdout and sys.stderr while it runs
+    console = Console(file=io.StringIO(), force_terminal=True, width=100)
+    progress = Progress("rich", console=console)
+    try:
+        with pytest.raises(DataError, match=f"{data}:3: malformed JSON"):
+            train(tiny_run(model_dir, data, tmp_path / "out"), progress)
+        assert progress.live is None
+        # stdout and stderr are the process's again: the CLI's error line goes to the terminal
+        # after the table, not into the live region
+        assert not isinstance(sys.stdout, FileProxy) and not isinstance(sys.stderr, FileProxy)
+        assert "step" in console.file.getvalue()  # the table was shown before it failed
+    finally:
+        if progress.live is not None:  # without the fix: leave pytest's streams usable
+            progress.live.stop()
