@@ -5,13 +5,14 @@ start_ray        embedded Ray (address="local", metrics on --metrics-port), or r
 trainer_slots    one slot per trainer a --cluster can host: each GPU of a trainer node (a node
                  with the appliance_trainer_node resource, else any GPU node), or one per
                  trainer node that has no GPU
-check_output     with --cluster the driver writes run.json, checkpoints and the adapter from
+check_shared_output  with --cluster the driver writes run.json, checkpoints and the adapter from
                  its own process: a local --output must be writable here and visible there
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,7 @@ def start_ray(cfg: TrainConfig, progress: Progress) -> None:
         if address == "auto":
             address = os.environ.get("RAY_ADDRESS") or "auto"
         try:
+            _reachable(address)
             ray.init(address=address, log_to_driver=False)
         except ConnectionError as e:
             raise ConfigError(
@@ -59,6 +61,18 @@ def start_ray(cfg: TrainConfig, progress: Progress) -> None:
             **ray_init_kwargs(cfg.metrics_port),
         )
         progress.note(f"metrics: {metrics_url(cfg.metrics_port)}")
+
+
+def _reachable(address: str, timeout: float = 10.0) -> None:
+    """Raise ConnectionError unless host:port accepts a TCP connection: ray.init retries an
+    address where nothing listens for minutes."""
+    host, sep, port = address.rpartition(":")
+    if not sep or "://" in address or not port.isdigit():
+        return  # "auto" (Ray looks for a local cluster itself) or a ray:// client address
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise ConnectionError(f"nothing answers at {address} ({e.strerror or e})") from None
 
 
 def trainer_slots() -> list[Slot]:

@@ -9,8 +9,8 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from appliance.cluster import TRAINER_NODE_RESOURCE
-from appliance.config import build_config
+from appliance.cluster import TRAINER_NODE_RESOURCE, start_ray
+from appliance.config import TrainConfig, build_config
 from appliance.driver import connect
 from appliance.errors import ConfigError
 from appliance.progress import Progress
@@ -35,17 +35,20 @@ def cluster():
     c.shutdown()
 
 
-def test_each_trainer_node_gets_a_store_and_a_trainer_and_the_run_completes(cluster, tmp_path):
+def test_each_trainer_node_gets_a_store_and_a_trainer_and_the_run_completes(
+    cluster, tmp_path, monkeypatch
+):
     c, cpu_node, gpu_nodes = cluster
-    model = make_model(tmp_path / "model", "llama-mha")
+    make_model(tmp_path / "model", "llama-mha")
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(60)))
+    monkeypatch.chdir(tmp_path)  # relative paths: the driver's directory, not the Ray worker's
     cfg = build_config(
         {},
         dict(
-            model=str(model),
-            data=str(data),
-            output=str(tmp_path / "out"),
+            model="model",
+            data="data.jsonl",
+            output="out",
             steps=4,
             seq_len=16,
             micro_batch_size=2,
@@ -57,6 +60,7 @@ def test_each_trainer_node_gets_a_store_and_a_trainer_and_the_run_completes(clus
     )
     try:
         run = connect(cfg, Progress("json"))
+        assert (run.cfg.model, run.cfg.output) == (str(tmp_path / "model"), str(tmp_path / "out"))
         write_run_file(run.cfg, "running")
         run.create_actors()
         trainers = ray.get([t.info.remote() for t in run.trainers])
@@ -100,3 +104,42 @@ def test_a_cluster_without_gpu_nodes_is_refused_by_name(tmp_path):
     finally:
         ray.shutdown()
         c.shutdown()
+
+
+def cluster_config(tmp_path, **kw):
+    model = make_model(tmp_path / "model", "llama-mha")
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "the cat"}) + "\n")
+    base = dict(model=str(model), data=str(data), output=str(tmp_path / "o"), steps=1)
+    return build_config({}, {**base, **kw})
+
+
+def test_a_local_output_the_driver_cannot_write_is_refused_before_training(cluster, tmp_path):
+    c, _, _ = cluster
+    (tmp_path / "file").write_text("not a directory")
+    cfg = cluster_config(tmp_path, cluster=c.address, output=str(tmp_path / "file" / "out"))
+    try:
+        with pytest.raises(ConfigError, match="cannot write there from the driver") as e:
+            connect(cfg, Progress("json"))
+    finally:
+        ray.shutdown()
+    assert "s3:// URI or a directory shared by the driver and the trainer nodes" in str(e.value)
+
+
+def test_bare_cluster_joins_the_cluster_named_by_ray_address(cluster, monkeypatch):
+    c, _, _ = cluster
+    monkeypatch.setenv("RAY_ADDRESS", c.address)
+    try:
+        start_ray(TrainConfig(cluster="auto"), Progress("json"))
+        assert ray.get_runtime_context().gcs_address == c.address
+        assert {n["NodeID"] for n in ray.nodes()} >= {n.node_id for n in cluster[2]}
+    finally:
+        ray.shutdown()
+
+
+def test_an_address_where_no_cluster_listens_is_one_clear_error():
+    with pytest.raises(
+        ConfigError, match=r"--cluster 127.0.0.1:1: cannot connect to a Ray cluster"
+    ):
+        start_ray(TrainConfig(cluster="127.0.0.1:1"), Progress("json"))
+    assert not ray.is_initialized()
