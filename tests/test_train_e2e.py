@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ from appliance.blocks import DictBlockSource
 from appliance.config import build_config
 from appliance.driver import prepare, train
 from appliance.engine import StreamedEngine, lr_at
+from appliance.hf_checkpoint import read_model_args
 from appliance.lora import load_adapter
 from appliance.progress import Progress
 from appliance.run import Run, schedule, worker_kwargs
@@ -231,3 +234,154 @@ def test_loading_holds_about_one_copy_of_the_weights(tmp_path):
     model_bytes, grown = int(out[0]), int(out[1])
     assert model_bytes > 90 * 2**20
     assert grown < 1.4 * model_bytes, (grown, model_bytes)
+
+
+# ---------------------------------------------------------------------- through the real driver
+
+
+def _finish(run: Run) -> None:
+    run.stop()  # the module's Ray is shared: free the CPUs for the next test
+
+
+def test_each_label_token_of_an_epoch_is_trained_exactly_once(ray_local, model_dir, tmp_path):
+    """The multiset of label tokens the trainers received (two of them, two workers) is the
+    dataset's tokens, less each worker stream's first token (a label only from the second on)."""
+    from collections import Counter
+
+    from tokenizers import Tokenizer
+
+    class Recording(Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.seen: list[int] = []
+
+        def step(self, batches, lr):
+            batches = [ray.get(b) if isinstance(b, ray.ObjectRef) else b for b in batches]
+            for b in batches:
+                labels = np.asarray(b.labels).ravel()
+                self.seen.extend(int(t) for t in labels[labels != -100])
+            return super().step(batches, lr)
+
+        def seen_labels(self) -> list[int]:
+            return self.seen
+
+    data = write_jsonl(tmp_path / "data.jsonl", n=90, seed=4)
+    cfg = config(model_dir, data, tmp_path / "out", epochs=1, trainers=2)
+    run = Run(prepare(cfg), Progress("json"))
+    run.trainer_class = Recording
+    run.create_actors()
+    run.train()
+    seen = Counter(t for r in run.trainers for t in ray.get(r.seen_labels.remote()))
+    _finish(run)
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    docs = [json.loads(line)["text"] for line in data.read_text().splitlines()]
+    expected = Counter(t for d in docs for t in [*tok.encode(d).ids, run.inp.eos_id])
+    bos = tok.encode(docs[0]).ids[0]
+    expected[bos] -= cfg.tokenize_workers  # each worker's stream starts with a BOS
+    assert seen == expected
+
+
+def test_batches_in_flight_stay_within_the_prefetch_window(ray_local, model_dir, tmp_path):
+    class Recorder(Progress):
+        def __init__(self):
+            super().__init__("json", stream=open(os.devnull, "w"))  # noqa: SIM115
+            self.records: list[dict] = []
+
+        def step(self, step, stats):
+            self.records.append(stats)
+            super().step(step, stats)
+
+    data = write_jsonl(tmp_path / "data.jsonl")
+    cfg = config(model_dir, data, tmp_path / "out", steps=8, prefetch=1)
+    progress = Recorder()
+    run = Run(prepare(cfg), progress)
+    run.create_actors()
+    run.train()
+    _finish(run)
+    M = cfg.micro_batches_per_step
+    in_flight = [r["batches_in_flight"] for r in progress.records]
+    assert len(in_flight) == 8
+    assert max(in_flight) <= (cfg.prefetch + 1) * M
+    assert max(in_flight) == cfg.prefetch * M  # the window is used, not just bounded
+
+
+def test_a_trainer_whose_init_raises_a_user_error_is_not_restarted(ray_local, model_dir, tmp_path):
+    from appliance.errors import ConfigError
+    from appliance.run import ActorStartFailed
+
+    class Refuses(Trainer):
+        def __init__(self, *args, **kwargs):
+            raise ConfigError("--gpu-memory-budget 1GiB is too small for this model")
+
+    data = write_jsonl(tmp_path / "data.jsonl")
+    run = Run(prepare(config(model_dir, data, tmp_path / "out", steps=2)), Progress("json"))
+    run.trainer_class = Refuses
+    run.create_actors()
+    with pytest.raises(ActorStartFailed) as e:
+        run.train()  # the first step finds the trainer dead of its __init__
+    _finish(run)
+    assert str(e.value) == "--gpu-memory-budget 1GiB is too small for this model"
+    assert run.restarts == 0
+
+
+def test_the_failure_past_max_restarts_is_not_counted_as_a_restart(ray_local, model_dir, tmp_path):
+    from appliance.run import RestartsExhausted
+
+    class DiesEveryStep(Trainer):
+        def step(self, batches, lr):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    data = write_jsonl(tmp_path / "data.jsonl")
+    cfg = config(model_dir, data, tmp_path / "out", steps=3, max_restarts=1)
+    run = Run(prepare(cfg), Progress("json"))
+    run.trainer_class = DiesEveryStep
+    run.create_actors()
+    with pytest.raises(RestartsExhausted, match=r"after 1 restarts .*last failure \(trainer\): "):
+        run.train()
+    _finish(run)
+    assert run.restarts == 1
+
+
+def test_trainer_deaths_in_a_checkpoint_and_in_finish_are_recovered(ray_local, model_dir, tmp_path):
+    """adapter_files is called by each checkpoint and by finish: the trainer dies in the first
+    checkpoint (step 2, none to restore: from the start) and again in finish (from step 4)."""
+    calls = tmp_path / "adapter_files_calls"
+
+    class DiesTwice(Trainer):
+        def adapter_files(self):
+            n = len(calls.read_text()) if calls.exists() else 0
+            calls.write_text("x" * (n + 1))
+            if n + 1 in (1, 4):  # checkpoint@2 (first try), then checkpoint@2, @4, finish
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().adapter_files()
+
+    data = write_jsonl(tmp_path / "data.jsonl")
+    runs = {}
+    for name, cls in (("ref", Trainer), ("dies", DiesTwice)):
+        cfg = config(model_dir, data, tmp_path / name, steps=4, checkpoint_every=2)
+        run = Run(prepare(cfg), Progress("json"))
+        run.trainer_class = cls
+        run.create_actors()
+        run.train()
+        run.finish()
+        _finish(run)
+        runs[name] = json.loads((tmp_path / name / "run.json").read_text())
+    ref, died = runs["ref"], runs["dies"]
+    assert len(calls.read_text()) == 5 and died["restarts"] == 2 and ref["restarts"] == 0
+    np.testing.assert_allclose(died["losses"], ref["losses"], rtol=1e-6)
+    assert died["weight_store_loads"] == 1  # the base model was loaded once, restarts or not
+    a = load_adapter(tmp_path / "dies", read_model_args(model_dir)).peft_state_dict()
+    b = load_adapter(tmp_path / "ref", read_model_args(model_dir)).peft_state_dict()
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7)
+    # the checkpoint records the config as resolved and used, not "auto"
+    ckpt = json.loads(
+        (tmp_path / "dies" / "checkpoints" / "step-000004" / "config.json").read_text()
+    )
+    assert (ckpt["device"], ckpt["dtype"], ckpt["trainers"], ckpt["tokenize_workers"]) == (
+        "cpu",
+        "float32",
+        1,
+        2,
+    )
