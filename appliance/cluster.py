@@ -1,12 +1,11 @@
 """Ray: start it embedded, or join --cluster; where the trainers go; checks that need the cluster.
 
-start_ray        embedded Ray (address="local", metrics on --metrics-port), or ray.init of
-                 --cluster (bare: $RAY_ADDRESS)
-trainer_slots    one slot per trainer a --cluster can host: each GPU of a trainer node (a node
-                 with the appliance_trainer_node resource, else any GPU node), or one per
-                 trainer node that has no GPU
-check_shared_output  with --cluster the driver writes run.json, checkpoints and the adapter from
-                 its own process: a local --output must be writable here and visible there
+- `start_ray`: embedded Ray (address="local", metrics on --metrics-port), or ray.init of
+  --cluster (bare: $RAY_ADDRESS).
+- `trainer_slots`: one slot per trainer a --cluster can host: each GPU of a trainer node (a node
+  with the appliance_trainer_node resource, else any GPU node), one per trainer node without GPUs.
+- `check_shared_output`: with --cluster the driver writes run.json, checkpoints and the adapter
+  from its own process: a local --output must be writable there and visible on the trainer nodes.
 """
 
 from __future__ import annotations

@@ -2,12 +2,15 @@
 
 `driver.py` checks the inputs and starts (or joins) Ray; a `Run` then owns the actors:
 
-    WeightStore   one per node, the base model in shared memory (survives trainer restarts)
+    WeightStore   one per trainer node, the base model in shared memory (survives restarts)
     ShardWorker   N tokenizer workers, each packing a disjoint shard into micro-batches
-    Trainer       the streamed engine + LoRA + optimizer
+    Trainer       R data-parallel ranks (one per GPU), each the streamed engine + LoRA +
+                  optimizer, beside its node's store; one torch.distributed group
 
-and drives them: a bounded window of batch requests in flight, one `trainer.step` per optimizer
-step, checkpoints every --checkpoint-every steps, and recovery from a dead trainer or worker.
+and drives them: a bounded window of batch requests in flight; each optimizer step hands rank r
+the r-th M of the step's R×M micro-batches; checkpoints (rank 0's state) every
+--checkpoint-every steps; recovery from a dead trainer (all ranks recreated, a fresh group,
+restored) or worker (recreated at its cursor).
 """
 
 from __future__ import annotations
@@ -247,11 +250,10 @@ class Run:
         R = _kept_on_resume(cfg, "trainers", before.get("trainers"), "it sets the global batch")
         slots = self.slots if self.slots is not None else local_slots(inp.device, R)
         R = R or len(slots)
-        if R > len(slots):
-            where = "trainer slots in the cluster (GPUs of trainer nodes)" if self.slots else "GPUs"
-            raise ConfigError(
-                f"--trainers {R}: Ray sees {len(slots)} {where}; one trainer needs one"
-            )
+        if not 0 < R <= len(slots):
+            where = "trainer slots (GPUs of trainer nodes)" if self.slots is not None else "GPUs"
+            asked = f"--trainers {R}" if cfg.trainers else "training"
+            raise ConfigError(f"{asked}: Ray sees {len(slots)} {where}; each trainer needs one")
         self.num_trainers, self.ranks = R, slots[:R]
         cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
         W = _kept_on_resume(
@@ -304,6 +306,7 @@ class Run:
         except Exception as e:  # noqa: BLE001 - an actor that cannot start is not retried here
             raise unrecoverable(e) or e from None
         self.workers = [self._make_worker(w) for w in range(self.num_workers)]
+        write_run_file(cfg, "running")  # now with the resolved config
 
     def _make_trainers(self) -> list:
         """R trainer actors, each beside its node's weight store; with R > 1 one process group
@@ -519,7 +522,6 @@ class Run:
                 "weight_store_loads": loads,  # one per trainer node, however many restarts
             },
         )
-
 
     def stop(self) -> None:
         """End this run's actors (the driver's ray.shutdown does it too; tests share one Ray)."""

@@ -138,11 +138,14 @@ class Trainer:
             for b in batches
         ]
         stats = self.engine.train_step(micro, lr).as_dict()
+        engine_seconds = stats["step_seconds"]
         stats["phase_seconds"]["data_wait"] = data_wait
         stats["step_seconds"] += data_wait
-        if "gpu_busy_seconds" in stats:  # CUDA-event busy time; None on CPU
-            busy = stats.pop("gpu_busy_seconds")
-            stats["gpu_busy_ratio"] = None if busy is None else busy / stats["step_seconds"]
+        # GPU busy over the whole step, data wait included (CUDA-event seconds; None on CPU)
+        busy = stats.pop("gpu_busy_seconds", None)
+        if busy is None and stats.get("gpu_busy_ratio") is not None:  # a ratio of engine time
+            busy = stats["gpu_busy_ratio"] * engine_seconds
+        stats["gpu_busy_ratio"] = None if busy is None else busy / stats["step_seconds"]
         stats["rank"] = self.rank
         stats["lr"] = lr
         stats["step"] = self.engine.step_count

@@ -31,6 +31,8 @@ pytestmark = pytest.mark.integration
 
 STEPS = 24
 EVERY = 8
+# Ray's own override: two tokenizer workers and the trainer need 3 CPUs, whatever this machine has
+FOUR_CPUS = {"RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": 4})}
 
 
 def free_port() -> int:
@@ -88,7 +90,7 @@ def args(inputs, output: Path, *extra: str) -> list[str]:
         "--lr",
         "5e-3",
         "--tokenize-workers",
-        "1",
+        "2",  # two cursors to restore, replayed through the round-robin schedule
         "--log-format",
         "json",
         "--metrics-port",
@@ -107,7 +109,7 @@ class Proc:
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, **FOUR_CPUS, **(env or {})},
         )
         self.steps: list[dict] = []
 
@@ -197,11 +199,14 @@ def test_trainer_killed_mid_run_is_recreated_and_the_run_is_unchanged(inputs, re
     proc = Proc(args(inputs, out))
     proc.wait_for_step(EVERY + 2)
     proc.descendant("ray::Trainer").send_signal(signal.SIGKILL)
-    rc, _, err = proc.finish()
+    rc, out_text, err = proc.finish()
     assert rc == 0, err[-3000:]
     record = assert_same_run(out, reference)
     assert record["restarts"] == 1
+    assert record["weight_store_loads"] == 1  # the new trainer mapped the same weights
     assert "trainer failed" in err
+    steps = [json.loads(line) for line in out_text.splitlines() if '"step"' in line]
+    assert steps[-1]["step"] == STEPS and steps[-1]["restarts"] == 1  # the JSON log says so
 
 
 def test_tokenizer_worker_killed_mid_run_resumes_from_its_cursor(inputs, reference, tmp_path):
@@ -254,7 +259,8 @@ def test_too_many_failures_end_the_run_with_the_cause(inputs, tmp_path):
     proc.descendant("ray::Trainer").send_signal(signal.SIGKILL)
     rc, _, err = proc.finish()
     assert rc == 1
-    assert "giving up after 0 restarts (--max-restarts)" in err
+    assert "giving up after 0 restarts (--max-restarts); last failure (trainer): " in err
+    assert "The actor died" in err  # the cause, from Ray
     assert "Traceback" not in err
     assert not (out / "adapter_config.json").exists()  # no adapter that looks complete
 
@@ -267,3 +273,17 @@ def test_resume_refuses_a_changed_config_naming_the_flag(inputs, tmp_path):
     rc, _, err = Proc(args(inputs, out, "--resume", "--lora-rank", "8")).finish()
     assert rc == 1
     assert "--lora-rank" in err and "Traceback" not in err
+    # the checkpoint's data cursors are per worker: another worker count would not resume it
+    rc, _, err = Proc(args(inputs, out, "--resume", "--tokenize-workers", "1")).finish()
+    assert rc == 1 and "Traceback" not in err
+    assert "was trained with --tokenize-workers 2" in err
+
+
+def test_a_one_cpu_machine_is_refused_without_blaming_an_unpassed_flag(inputs, tmp_path):
+    argv = args(inputs, tmp_path / "out")
+    i = argv.index("--tokenize-workers")
+    del argv[i : i + 2]  # the default worker count
+    rc, _, err = Proc(argv, env={"RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": 1})}).finish()
+    assert rc == 1 and "Traceback" not in err
+    assert "training needs at least 2 CPUs" in err and "Ray has 1" in err
+    assert "--tokenize-workers" not in err
