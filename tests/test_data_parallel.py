@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -44,7 +45,8 @@ def inputs(tmp_path_factory):
     return model, data
 
 
-def run(inputs, output, **kw) -> tuple[Run, list[dict]]:
+def run(inputs, output, trainer_class=None, **kw) -> tuple[Run, list[int]]:
+    """A run through the driver's Run; returns it (actors stopped) and its trainers' pids."""
     model, data = inputs
     cfg = build_config(
         {},
@@ -64,6 +66,7 @@ def run(inputs, output, **kw) -> tuple[Run, list[dict]]:
         ),
     )
     r = Run(prepare(cfg), Progress("json"))
+    r.trainer_class = trainer_class or r.trainer_class
     r.create_actors()
     pids = [ray.get(t.info.remote())["pid"] for t in r.trainers]
     r.train()
@@ -106,3 +109,31 @@ def test_an_epoch_whose_last_step_leaves_a_rank_without_batches(ray_local, input
     assert two.total_steps == one.total_steps == math.ceil(total / (2 * m))
     assert two.state.consumed == one.state.consumed == total  # every batch once
     assert_same_training(two, one, tmp_path / "two", tmp_path / "one")
+
+
+def test_a_dead_rank_restarts_every_trainer_in_a_fresh_group_and_the_run_is_unchanged(
+    ray_local, inputs, tmp_path
+):
+    from appliance.trainer import Trainer
+
+    marker = tmp_path / "rank1-killed"
+
+    class Rank1DiesOnce(Trainer):
+        def step(self, batches, lr):
+            if self.rank == 1 and self.engine.step_count == 3 and not marker.exists():
+                marker.touch()  # past the checkpoint at step 2; rank 0 is in the collective
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().step(batches, lr)
+
+    ref, _ = run(inputs, tmp_path / "ref", steps=5, trainers=2, micro_batches_per_step=M)
+    died, _ = run(
+        inputs,
+        tmp_path / "died",
+        steps=5,
+        trainers=2,
+        micro_batches_per_step=M,
+        checkpoint_every=2,
+        trainer_class=Rank1DiesOnce,
+    )
+    assert marker.exists() and died.restarts == 1
+    assert_same_training(died, ref, tmp_path / "died", tmp_path / "ref")
