@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import hashlib
 import math
 import re
 import time
@@ -374,10 +375,14 @@ class StreamedEngine:
         return self._rope[T]
 
     def _generator(self, step: int, i: int, m: int) -> torch.Generator | None:
+        """Dropout masks for block i of micro-batch m (its index in the GLOBAL batch, so that any
+        split over data-parallel ranks draws the masks one engine would) at optimizer step
+        `step`; the recompute in backward asks again and gets the same masks."""
         if self.lora.spec.dropout <= 0:
             return None
-        seed = hash((self.seed, step, i, m)) & 0x7FFF_FFFF_FFFF_FFFF
-        return torch.Generator(device=self.device).manual_seed(seed)
+        key = f"{self.seed},{step},{i},{m}".encode()  # stable across processes and Pythons
+        seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+        return torch.Generator(device=self.device).manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
 
     def _save(self, x: torch.Tensor) -> torch.Tensor:
         if not self.offload_activations:
@@ -387,8 +392,11 @@ class StreamedEngine:
 
     # ------------------------------------------------------------ the step
 
-    def _forward(self, micro_batches: list[MicroBatch], step: int, dropout: bool, save: bool):
-        """Layer-major forward under no_grad. Returns last hidden states and saved block inputs."""
+    def _forward(
+        self, micro_batches: list[MicroBatch], step: int, dropout: bool, save: bool, first: int = 0
+    ):
+        """Layer-major forward under no_grad. Returns last hidden states and saved block inputs.
+        `first`: the global-batch index of micro_batches[0] (this rank's offset)."""
         L = self.args.num_layers
         g = self.weights.globals
         with torch.no_grad():
@@ -403,7 +411,7 @@ class StreamedEngine:
                     for m, h in enumerate(hs):
                         if save:
                             saved[i].append(self._save(h))
-                        lora.generator = self._generator(step, i, m)
+                        lora.generator = self._generator(step, i, first + m)
                         cos, sin = self._cos_sin(h.shape[1])
                         hs[m] = M.block_forward(h, w, self.args, cos, sin, lora)
                 if i + 1 < L:
@@ -411,7 +419,7 @@ class StreamedEngine:
         return hs, saved
 
     def forward_backward(
-        self, micro_batches: list[MicroBatch], step: int
+        self, micro_batches: list[MicroBatch], step: int, first: int = 0
     ) -> tuple[float, int, dict]:
         """Accumulate LoRA gradients for one global batch; returns (loss, target tokens, seconds).
 
@@ -436,7 +444,7 @@ class StreamedEngine:
         loss = torch.zeros((), device=self.device)
         forward_stall = backward_stall = 0.0
         if micro_batches:
-            hs, saved = self._forward(micro_batches, step, dropout=True, save=True)
+            hs, saved = self._forward(micro_batches, step, dropout=True, save=True, first=first)
             # head: this share's part of the global batch's loss, and d(loss)/d(last hidden states)
             grads = []
             with self._busy():
@@ -460,7 +468,7 @@ class StreamedEngine:
                     for m in range(len(micro_batches)):
                         x = saved[i][m].to(self.device, non_blocking=True).requires_grad_(True)
                         saved[i][m] = None  # free the saved input as soon as it is consumed
-                        lora.generator = self._generator(step, i, m)
+                        lora.generator = self._generator(step, i, first + m)
                         cos, sin = self._cos_sin(x.shape[1])
                         y = M.block_forward(x, w, self.args, cos, sin, lora)
                         y.backward(grads[m])
@@ -505,8 +513,9 @@ class StreamedEngine:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    def train_step(self, micro_batches: list[MicroBatch], lr: float) -> StepStats:
-        """One optimizer step over `micro_batches` (the global batch, or this rank's share of it).
+    def train_step(self, micro_batches: list[MicroBatch], lr: float, first: int = 0) -> StepStats:
+        """One optimizer step over `micro_batches` (the global batch, or this rank's share of it,
+        which starts at index `first` of the global batch: dropout masks follow the global index).
 
         GPU busy time (CUDA only; None on CPU): `gpu_busy_seconds` sums, over the step, the
         compute-stream time between CUDA events bracketing real work: the embedding; each block's
@@ -521,7 +530,7 @@ class StreamedEngine:
         """
         self._busy_events.clear()  # eval_loss / logits between steps are not this step's work
         t0 = time.perf_counter()
-        loss, n_target, phases = self.forward_backward(micro_batches, self.step_count)
+        loss, n_target, phases = self.forward_backward(micro_batches, self.step_count, first)
         t1 = time.perf_counter()
         with self._busy():
             norm = self.optimizer_step(lr)

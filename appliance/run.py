@@ -481,7 +481,10 @@ class Run:
         M = self.cfg.micro_batches_per_step
         shares = [refs[r * M : (r + 1) * M] for r in range(self.num_trainers)]  # maybe empty
         per_rank = gather(
-            [t.step.remote(s, lr) for t, s in zip(self.trainers, shares, strict=True)]
+            [
+                t.step.remote(s, lr, r * M)
+                for r, (t, s) in enumerate(zip(self.trainers, shares, strict=True))
+            ]
         )
         stats = dict(per_rank[0])
         stats["tokens"] = sum(s["tokens"] for s in per_rank)

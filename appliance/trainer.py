@@ -121,9 +121,10 @@ class Trainer:
         self.engine = self._make_engine(dist.group.WORLD)
         return os.getpid()
 
-    def step(self, batches: list[Any], lr: float) -> dict:
+    def step(self, batches: list[Any], lr: float, first: int = 0) -> dict:
         """One optimizer step over `batches` (data.Batch objects or object refs to them): this
-        rank's share of the global batch, possibly none (the last step of an epoch).
+        rank's share of the global batch, possibly none (the last step of an epoch), starting at
+        index `first` of the global batch.
 
         Returns what the step measured; `loss`, `target_tokens` and `grad_norm` are the global
         batch's, `tokens` this rank's."""
@@ -137,7 +138,7 @@ class Trainer:
             (torch.from_numpy(np.array(b.input_ids)), torch.from_numpy(np.array(b.labels)))
             for b in batches
         ]
-        stats = self.engine.train_step(micro, lr).as_dict()
+        stats = self.engine.train_step(micro, lr, first).as_dict()
         engine_seconds = stats["step_seconds"]
         stats["phase_seconds"]["data_wait"] = data_wait
         stats["step_seconds"] += data_wait

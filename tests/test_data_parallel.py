@@ -83,13 +83,17 @@ def assert_same_training(a, b, out_a, out_b) -> None:
         load_file(out_b / "adapter_model.safetensors"),
     )
     assert wa.keys() == wb.keys()
+    # AdamW amplifies the rounding of near-zero gradient elements summed in another order (see
+    # tests/test_data_parallel_engine.py): 0.1% of the step size (lr 1e-2) bounds it
     for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-5)
 
 
 def test_two_trainers_with_m_micro_batches_train_like_one_with_2m(ray_local, inputs, tmp_path):
-    two, pids = run(inputs, tmp_path / "two", steps=5, trainers=2, micro_batches_per_step=M)
-    one, _ = run(inputs, tmp_path / "one", steps=5, trainers=1, micro_batches_per_step=2 * M)
+    # with LoRA dropout: rank 1's micro-batches draw the masks of their global-batch index
+    kw = dict(steps=5, lora_dropout=0.1)
+    two, pids = run(inputs, tmp_path / "two", trainers=2, micro_batches_per_step=M, **kw)
+    one, _ = run(inputs, tmp_path / "one", trainers=1, micro_batches_per_step=2 * M, **kw)
 
     assert len(set(pids)) == 2 and os.getpid() not in pids  # a process per trainer
     assert two.state.step == one.state.step == 5
