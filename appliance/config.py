@@ -83,7 +83,8 @@ class TrainConfig:
     trainers: int | None = _f(
         None,
         "Trainers, one per GPU, training one adapter data-parallel; each takes "
-        "--micro-batches-per-step micro-batches per step (default: every GPU Ray sees, 1 on CPU).",
+        "--micro-batches-per-step micro-batches per step (default: every GPU Ray sees, 1 on CPU; "
+        "with --cluster, every GPU of the trainer nodes, one per trainer node without GPUs).",
     )
     # ---- data pipeline
     tokenize_workers: int | None = _f(

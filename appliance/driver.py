@@ -2,8 +2,9 @@
 
     setup    check every input (model, tokenizer, data, output) before anything heavy starts,
              then start embedded Ray (or join --cluster)
-    train    `run.Run` creates the WeightStore, the tokenizer workers and the Trainer, keeps a
-             bounded window of batches in flight, steps the trainer, checkpoints, recovers
+    train    `run.Run` creates a WeightStore per trainer node, the tokenizer workers and the
+             trainers (one per GPU, data-parallel), keeps a bounded window of batches in flight,
+             steps the trainers, checkpoints, recovers
     cleanup  write the adapter (complete, then published), stop Ray
 
 The driver holds no tensors: batches travel from the tokenizer workers to the trainer by object
@@ -13,6 +14,7 @@ ref, weights from the store to the trainer through shared memory.
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -183,6 +185,18 @@ def connect(cfg: TrainConfig, progress: Progress) -> Run:
     return Run(inp, progress, slots)
 
 
+def _let_metrics_report(cfg: TrainConfig) -> None:
+    """Wait one metrics report interval before Ray shuts down: each process hands its numbers to
+    its node's metrics agent periodically, so without this the last step's and the final
+    checkpoint's numbers would die with the processes, unseen by Prometheus."""
+    from .metrics import METRICS_REPORT_INTERVAL_MS
+
+    ms = METRICS_REPORT_INTERVAL_MS  # what the embedded Ray is started with
+    if cfg.cluster:  # the cluster's own setting, as Ray reads it (its default is 10 s)
+        ms = int(os.environ.get("RAY_metrics_report_interval_ms", "10000"))
+    time.sleep(ms / 1e3)
+
+
 def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
     """Run `appliance train` and return its summary."""
     import ray
@@ -202,6 +216,8 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
         run.train()
         after = run.evaluate(eval_data) if eval_data else None
         run.finish()
+        if started_here:
+            _let_metrics_report(cfg)
     finally:
         progress.stop()  # the live table stops before any error line is printed
         if started_here and ray.is_initialized():

@@ -121,6 +121,14 @@ class Trainer:
         self.engine = self._make_engine(dist.group.WORLD)
         return os.getpid()
 
+    def close(self) -> None:
+        """Stop the NVML sampler and unpin the weights the engine page-locked (a plain-class
+        trainer; an actor's process ends with ray.kill, which frees both)."""
+        if self.nvml is not None:
+            self.nvml.stop()
+        if self.engine is not None:
+            self.engine.close()
+
     def step(self, batches: list[Any], lr: float, first: int = 0) -> dict:
         """One optimizer step over `batches` (data.Batch objects or object refs to them): this
         rank's share of the global batch, possibly none (the last step of an epoch), starting at
