@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from peft import PeftModel
+from safetensors.torch import load
 
 from appliance import storage
-from appliance.checkpoint import load_latest_checkpoint
+from appliance.checkpoint import list_checkpoints, load_latest_checkpoint
+from appliance.run import FAULT_ENV
 from tests.helpers_model import load_hf, make_model
 from tests.helpers_tokenizer import sentences
-from tests.test_faults import free_port
+from tests.test_faults import Proc, free_port
 
 pytest_plugins = ["tests.s3_server"]
 pytestmark = pytest.mark.integration
@@ -27,7 +31,17 @@ def upload_dir(local, uri):
             storage.upload_file(str(path), storage.join(uri, str(path.relative_to(local))))
 
 
-def test_train_reads_model_and_data_from_s3_and_writes_adapter_and_checkpoints_there(
+def cached_files(home) -> dict[str, tuple[int, int]]:
+    """What the S3 cache under `home` holds: path → (inode, mtime_ns) of every file."""
+    root = home / ".cache" / "appliance" / "s3"
+    return {
+        str(p.relative_to(root)): (p.stat().st_ino, p.stat().st_mtime_ns)
+        for p in root.rglob("*")
+        if p.is_file() and ".etags" not in p.parts
+    }
+
+
+def test_model_data_and_output_on_s3_survive_a_torn_checkpoint_write_and_resume_exactly(
     s3_endpoint, s3_bucket, tmp_path
 ):
     model = make_model(tmp_path / "model", "qwen2-bias", shards=True)
@@ -35,10 +49,10 @@ def test_train_reads_model_and_data_from_s3_and_writes_adapter_and_checkpoints_t
     data.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(80)))
     upload_dir(model, f"s3://{s3_bucket}/models/tiny")
     storage.upload_file(str(data), f"s3://{s3_bucket}/data/train.jsonl")
-    out = f"s3://{s3_bucket}/runs/a"
+    home = tmp_path / "home"  # the S3 cache goes under $HOME/.cache/appliance/s3
 
-    def train(*extra):
-        argv = [
+    def argv(out, *extra):
+        return [
             sys.executable,
             "-m",
             "appliance.cli",
@@ -50,7 +64,7 @@ def test_train_reads_model_and_data_from_s3_and_writes_adapter_and_checkpoints_t
             "--output",
             out,
             "--steps",
-            "4",
+            "6",
             "--checkpoint-every",
             "2",
             "--seq-len",
@@ -67,16 +81,45 @@ def test_train_reads_model_and_data_from_s3_and_writes_adapter_and_checkpoints_t
             str(free_port()),
             *extra,
         ]
-        env = {**os.environ, "HOME": str(tmp_path / "home")}  # the s3 cache goes under $HOME
-        return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
 
-    done = train()
-    assert done.returncode == 0, done.stderr[-3000:]
-    names = storage.list_files(out)
-    assert {"adapter_config.json", "adapter_model.safetensors", "run.json"} <= set(names)
-    assert "checkpoints/latest" in names
-    ckpt = load_latest_checkpoint(out)
-    assert ckpt.step == 4 and "trainer_state.pt" in ckpt.files  # checksums verified on load
+    env = {**os.environ, "HOME": str(home)}
+    out = f"s3://{s3_bucket}/runs/a"
+
+    # 1. killed (SIGKILL) while writing the step-4 checkpoint to S3, after its first file
+    rc, _, err = Proc(argv(out), env={**env, FAULT_ENV: "4"}).finish()
+    assert rc == -signal.SIGKILL, err[-3000:]
+    assert load_latest_checkpoint(out).step == 2  # the torn step-4 checkpoint is not published
+    assert [c.step for c in list_checkpoints(out) if c.complete] == [2]
+    cache = cached_files(home)
+    shards = sorted(p.name for p in model.glob("*.safetensors"))
+    assert len(shards) > 1
+    assert sorted(name.rsplit("/", 1)[-1] for name in cache if name.endswith(".safetensors")) == (
+        shards
+    )  # the model is on local disk once: one copy of each shard, in the cache
+
+    # 2. --resume continues from step 2 on S3 and finishes
+    rc, _, err = Proc(argv(out, "--resume"), env=env).finish()
+    assert rc == 0, err[-3000:]
+    assert "resumed from step-000002" in err
+    resumed = json.loads(storage.read_bytes(storage.join(out, "run.json")))
+    assert resumed["status"] == "complete" and resumed["steps"] == 6
+
+    # 3. an uninterrupted run: the resumed one has its losses and its adapter
+    ref = f"s3://{s3_bucket}/runs/ref"
+    rc, _, err = Proc(argv(ref), env=env).finish()
+    assert rc == 0, err[-3000:]
+    reference = json.loads(storage.read_bytes(storage.join(ref, "run.json")))
+    np.testing.assert_allclose(resumed["losses"], reference["losses"], rtol=1e-6)
+    a, b = (
+        load(storage.read_bytes(storage.join(uri, "adapter_model.safetensors")))
+        for uri in (out, ref)
+    )
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=0)
+
+    # the two later runs found the model and data in the cache: nothing downloaded again
+    assert cached_files(home) == cache
 
     # the adapter on S3 loads with peft onto the transformers model
     local = tmp_path / "adapter"
@@ -85,12 +128,6 @@ def test_train_reads_model_and_data_from_s3_and_writes_adapter_and_checkpoints_t
     peft_model = PeftModel.from_pretrained(load_hf(model), local)
     with torch.no_grad():
         assert torch.isfinite(peft_model(input_ids=torch.tensor([[1, 5, 6, 7]])).logits).all()
-
-    # the model was cached locally once, not twice: the second run's --resume reuses the cache
-    again = train("--resume")
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from step-000004" in again.stderr
-    assert json.loads(storage.read_bytes(storage.join(out, "run.json")))["status"] == "complete"
 
 
 def test_a_missing_bucket_is_named_in_one_line(s3_endpoint, tmp_path):
