@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from appliance.config import TrainConfig, build_config
 from appliance.lora import LoraSpec, LoraWeights
 from tests.helpers_tokenizer import make_tokenizer
 
@@ -138,3 +139,23 @@ def batch(n_rows: int, T: int, seed: int = 0, vocab: int = VOCAB, prompt: int = 
     labels = ids[:, 1:].clone()
     labels[:, :prompt] = -100  # some positions carry no loss, as prompts and padding do
     return ids[:, :-1].contiguous(), labels
+
+
+def tiny_train_config(model_dir, data, output, **overrides) -> TrainConfig:
+    """`appliance train` settings for a tiny model: a few seconds a run on a CPU, fast learning
+    (lr 1e-2), JSON progress; `overrides` are any TrainConfig fields."""
+    base = dict(
+        model=str(model_dir),
+        data=str(data),
+        output=str(output),
+        seq_len=16,
+        micro_batch_size=2,
+        micro_batches_per_step=2,
+        tokenize_workers=2,
+        lr=1e-2,
+        warmup_steps=1,
+        lora_rank=4,
+        lora_alpha=8.0,
+        log_format="json",
+    )
+    return build_config({}, {**base, **overrides})

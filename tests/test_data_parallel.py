@@ -17,11 +17,10 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from appliance.config import build_config
 from appliance.driver import prepare
 from appliance.progress import Progress
 from appliance.run import Run
-from tests.helpers_model import make_model
+from tests.helpers_model import make_model, tiny_train_config
 from tests.helpers_tokenizer import sentences
 
 pytestmark = pytest.mark.integration
@@ -48,23 +47,7 @@ def inputs(tmp_path_factory):
 def run(inputs, output, trainer_class=None, **kw) -> tuple[Run, list[int]]:
     """A run through the driver's Run; returns it (actors stopped) and its trainers' pids."""
     model, data = inputs
-    cfg = build_config(
-        {},
-        dict(
-            model=str(model),
-            data=str(data),
-            output=str(output),
-            seq_len=16,
-            micro_batch_size=2,
-            tokenize_workers=2,
-            lr=1e-2,
-            warmup_steps=1,
-            lora_rank=4,
-            lora_alpha=8.0,
-            log_format="json",
-            **kw,
-        ),
-    )
+    cfg = tiny_train_config(model, data, output, **kw)
     r = Run(prepare(cfg), Progress("json"))
     r.trainer_class = trainer_class or r.trainer_class
     r.create_actors()
@@ -123,11 +106,11 @@ def test_a_dead_rank_restarts_every_trainer_in_a_fresh_group_and_the_run_is_unch
     marker = tmp_path / "rank1-killed"
 
     class Rank1DiesOnce(Trainer):
-        def step(self, batches, lr):
+        def step(self, batches, lr, first=0):
             if self.rank == 1 and self.engine.step_count == 3 and not marker.exists():
                 marker.touch()  # past the checkpoint at step 2; rank 0 is in the collective
                 os.kill(os.getpid(), signal.SIGKILL)
-            return super().step(batches, lr)
+            return super().step(batches, lr, first)
 
     ref, _ = run(inputs, tmp_path / "ref", steps=5, trainers=2, micro_batches_per_step=M)
     died, _ = run(

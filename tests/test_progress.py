@@ -14,12 +14,11 @@ import ray
 from rich.console import Console
 from rich.file_proxy import FileProxy
 
-from appliance.config import build_config
 from appliance.data import DataError
 from appliance.driver import train
 from appliance.engine import lr_at
 from appliance.progress import Progress
-from tests.helpers_model import make_model
+from tests.helpers_model import make_model, tiny_train_config
 from tests.helpers_tokenizer import sentences
 
 
@@ -72,21 +71,11 @@ def model_dir(tmp_path_factory):
 
 
 def tiny_run(model_dir, data, output, **kw):
-    base = dict(
-        model=str(model_dir),
-        data=str(data),
-        output=str(output),
-        seq_len=16,
-        micro_batch_size=2,
-        micro_batches_per_step=2,
-        tokenize_workers=1,
-        lr=1e-2,
-        warmup_steps=2,
-        min_lr_ratio=0.1,
-        lora_rank=4,
-        steps=5,
+    """Five steps, one tokenizer worker, two warm-up steps: the schedule has both shapes."""
+    settings = dict(
+        tokenize_workers=1, warmup_steps=2, min_lr_ratio=0.1, steps=5, log_format="rich"
     )
-    return build_config({}, {**base, **kw})
+    return tiny_train_config(model_dir, data, output, **{**settings, **kw})
 
 
 @pytest.mark.integration

@@ -29,7 +29,7 @@ from appliance.run import Run, schedule, worker_kwargs
 from appliance.tokenize_worker import TokenizeWorker
 from appliance.trainer import Trainer, TrainerSettings
 from appliance.weight_store import WeightStore
-from tests.helpers_model import load_hf, make_model
+from tests.helpers_model import load_hf, make_model, tiny_train_config
 from tests.helpers_tokenizer import sentences
 
 
@@ -48,24 +48,6 @@ def model_dir(tmp_path_factory):
 def write_jsonl(path, n=60, seed=0):
     path.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(n, seed=seed)))
     return path
-
-
-def config(model_dir, data, output, **kw):
-    base = dict(
-        model=str(model_dir),
-        data=str(data),
-        output=str(output),
-        seq_len=16,
-        micro_batch_size=2,
-        micro_batches_per_step=2,
-        tokenize_workers=2,
-        lr=1e-2,
-        warmup_steps=1,
-        lora_rank=4,
-        lora_alpha=8.0,
-        log_format="json",
-    )
-    return build_config({}, {**base, **kw})
 
 
 def in_process_losses(cfg, model_dir, total_steps, counts=None):
@@ -94,7 +76,7 @@ def in_process_losses(cfg, model_dir, total_steps, counts=None):
 
 def test_actors_train_and_losses_equal_the_in_process_engine(ray_local, model_dir, tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl")
-    cfg = config(model_dir, data, tmp_path / "out", steps=6)
+    cfg = tiny_train_config(model_dir, data, tmp_path / "out", steps=6)
     summary = train(cfg, Progress("json"))
     run = json.loads((tmp_path / "out" / "run.json").read_text())
     assert run["status"] == "complete" and summary["steps"] == 6
@@ -123,7 +105,7 @@ def test_tokenization_happens_in_the_workers_and_each_token_is_trained_once(
     ray_local, model_dir, tmp_path
 ):
     data = write_jsonl(tmp_path / "data.jsonl", n=90, seed=3)
-    cfg = config(model_dir, data, tmp_path / "out", epochs=1, tokenize_workers=2)
+    cfg = tiny_train_config(model_dir, data, tmp_path / "out", epochs=1, tokenize_workers=2)
     run = Run(prepare(cfg), Progress("json"))
     run.create_actors()
     trainer_pid = ray.get(run.trainers[0].info.remote())["pid"]
@@ -255,18 +237,18 @@ def test_each_label_token_of_an_epoch_is_trained_exactly_once(ray_local, model_d
             super().__init__(*args, **kwargs)
             self.seen: list[int] = []
 
-        def step(self, batches, lr):
+        def step(self, batches, lr, first=0):
             batches = [ray.get(b) if isinstance(b, ray.ObjectRef) else b for b in batches]
             for b in batches:
                 labels = np.asarray(b.labels).ravel()
                 self.seen.extend(int(t) for t in labels[labels != -100])
-            return super().step(batches, lr)
+            return super().step(batches, lr, first)
 
         def seen_labels(self) -> list[int]:
             return self.seen
 
     data = write_jsonl(tmp_path / "data.jsonl", n=90, seed=4)
-    cfg = config(model_dir, data, tmp_path / "out", epochs=1, trainers=2)
+    cfg = tiny_train_config(model_dir, data, tmp_path / "out", epochs=1, trainers=2)
     run = Run(prepare(cfg), Progress("json"))
     run.trainer_class = Recording
     run.create_actors()
@@ -293,7 +275,7 @@ def test_batches_in_flight_stay_within_the_prefetch_window(ray_local, model_dir,
             super().step(step, stats)
 
     data = write_jsonl(tmp_path / "data.jsonl")
-    cfg = config(model_dir, data, tmp_path / "out", steps=8, prefetch=1)
+    cfg = tiny_train_config(model_dir, data, tmp_path / "out", steps=8, prefetch=1)
     progress = Recorder()
     run = Run(prepare(cfg), progress)
     run.create_actors()
@@ -315,7 +297,9 @@ def test_a_trainer_whose_init_raises_a_user_error_is_not_restarted(ray_local, mo
             raise ConfigError("--gpu-memory-budget 1GiB is too small for this model")
 
     data = write_jsonl(tmp_path / "data.jsonl")
-    run = Run(prepare(config(model_dir, data, tmp_path / "out", steps=2)), Progress("json"))
+    run = Run(
+        prepare(tiny_train_config(model_dir, data, tmp_path / "out", steps=2)), Progress("json")
+    )
     run.trainer_class = Refuses
     run.create_actors()
     with pytest.raises(ActorStartFailed) as e:
@@ -329,11 +313,11 @@ def test_the_failure_past_max_restarts_is_not_counted_as_a_restart(ray_local, mo
     from appliance.run import RestartsExhausted
 
     class DiesEveryStep(Trainer):
-        def step(self, batches, lr):
+        def step(self, batches, lr, first=0):
             os.kill(os.getpid(), signal.SIGKILL)
 
     data = write_jsonl(tmp_path / "data.jsonl")
-    cfg = config(model_dir, data, tmp_path / "out", steps=3, max_restarts=1)
+    cfg = tiny_train_config(model_dir, data, tmp_path / "out", steps=3, max_restarts=1)
     run = Run(prepare(cfg), Progress("json"))
     run.trainer_class = DiesEveryStep
     run.create_actors()
@@ -359,7 +343,7 @@ def test_trainer_deaths_in_a_checkpoint_and_in_finish_are_recovered(ray_local, m
     data = write_jsonl(tmp_path / "data.jsonl")
     runs = {}
     for name, cls in (("ref", Trainer), ("dies", DiesTwice)):
-        cfg = config(model_dir, data, tmp_path / name, steps=4, checkpoint_every=2)
+        cfg = tiny_train_config(model_dir, data, tmp_path / name, steps=4, checkpoint_every=2)
         run = Run(prepare(cfg), Progress("json"))
         run.trainer_class = cls
         run.create_actors()
