@@ -48,27 +48,29 @@ def apply_demo(cfg: TrainConfig) -> Path | None:
 
 
 def prepare(cfg: TrainConfig) -> Inputs:
-    """Resolve the demo, then check every input in this process (connect() without Ray; kept
-    for tests/test_train_e2e.py, which builds a Run from it)."""
+    """Embedded Ray's setup: resolve the demo, then check every input in this process."""
     eval_data = apply_demo(cfg)
+    _absolute_paths(cfg)
     inp = resolve_inputs(cfg)
     inp.eval_data = eval_data
     return inp
 
 
-def _absolute(uri: str) -> str:
-    return uri if storage.is_s3(uri) else str(Path(uri).expanduser().resolve())
+def _absolute_paths(cfg: TrainConfig) -> None:
+    """Local --model/--data/--output as absolute paths: relative ones mean the user's directory
+    here, not a Ray worker's (with --cluster, on another node)."""
+
+    def absolute(uri: str) -> str:
+        return uri if storage.is_s3(uri) else str(Path(uri).expanduser().resolve())
+
+    assert cfg.model is not None and cfg.data is not None and cfg.output is not None
+    cfg.model, cfg.data, cfg.output = absolute(cfg.model), absolute(cfg.data), absolute(cfg.output)
 
 
 def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
     """Fetch (s3://) and check model, tokenizer, data and output, where this runs: in the driver
     for embedded Ray, on the trainer's node with --cluster (`where` names that node)."""
     assert cfg.model is not None and cfg.data is not None and cfg.output is not None
-    cfg.model, cfg.data, cfg.output = (
-        _absolute(cfg.model),
-        _absolute(cfg.data),
-        _absolute(cfg.output),
-    )
     try:
         model_dir = storage.localize(cfg.model)
         data_path = storage.localize(cfg.data)
@@ -160,18 +162,11 @@ def connect(cfg: TrainConfig, progress: Progress) -> Run:
     """Start (or join, with --cluster) Ray and check the inputs where the trainers will run."""
     import ray
 
-    eval_data = apply_demo(cfg)
     if not cfg.cluster:
-        inp = resolve_inputs(cfg)
-        inp.eval_data = eval_data
+        inp = prepare(cfg)
         start_ray(cfg, progress)
         return Run(inp, progress)
-    # relative paths mean the user's directory here, not the Ray worker's on the trainer node
-    cfg.model, cfg.data, cfg.output = (
-        _absolute(cfg.model),
-        _absolute(cfg.data),
-        _absolute(cfg.output),
-    )
+    _absolute_paths(cfg)  # config.validate refuses the demo with --cluster: paths are given
     start_ray(cfg, progress)
     slots = trainer_slots()
     used = slots[: cfg.trainers] if cfg.trainers else slots

@@ -7,8 +7,11 @@ compute dtype however the checkpoint is stored.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -137,7 +140,8 @@ class SafetensorsCheckpoint:
             weight_map = _read_json(index, "safetensors index")["weight_map"]
             self.files = {name: self.dir / f for name, f in weight_map.items()}
         elif single.is_file():
-            self.files = {name: single for name in _tensor_names(single)}
+            with _opened(single) as f:
+                self.files = {name: single for name in f.keys()}
         else:
             raise ModelError(
                 f"{self.dir}: no model.safetensors or model.safetensors.index.json; "
@@ -156,13 +160,10 @@ class SafetensorsCheckpoint:
             by_file.setdefault(self.files[n], []).append(n)
         out = {}
         for path, group in by_file.items():
-            try:
-                with safe_open(path, "pt") as f:
-                    for n in group:
-                        t = f.get_tensor(n)
-                        out[n] = t if dtype is None else t.to(dtype)
-            except _UNREADABLE as e:
-                raise ModelError(f"{path}: cannot read safetensors file: {e}") from None
+            with _opened(path) as f:
+                for n in group:
+                    t = f.get_tensor(n)
+                    out[n] = t if dtype is None else t.to(dtype)
         return out
 
     def check(self, args: ModelArgs) -> None:
@@ -182,22 +183,19 @@ class SafetensorsCheckpoint:
         their headers only (no tensor is read)."""
         out = {}
         for path in sorted(set(self.files.values())):
-            try:
-                with safe_open(path, "pt") as f:
-                    for name in f.keys():
-                        s = f.get_slice(name)
-                        out[name] = (tuple(s.get_shape()), s.get_dtype())
-            except _UNREADABLE as e:
-                raise ModelError(
-                    f"{path}: cannot read safetensors file: {e}; re-download or re-save the model"
-                ) from None
+            with _opened(path) as f:
+                for name in f.keys():
+                    s = f.get_slice(name)
+                    out[name] = (tuple(s.get_shape()), s.get_dtype())
         return out
 
 
-def _tensor_names(path: Path) -> list[str]:
+@contextlib.contextmanager
+def _opened(path: Path) -> Iterator[Any]:
+    """`safe_open(path)`; any failure to read it, header or tensors, is a ModelError naming it."""
     try:
         with safe_open(path, "pt") as f:
-            return list(f.keys())
+            yield f
     except _UNREADABLE as e:
         raise ModelError(
             f"{path}: cannot read safetensors file: {e}; re-download or re-save the model"

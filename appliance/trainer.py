@@ -142,18 +142,11 @@ class Trainer:
             self.nvml.take_mean()  # drop the idle time between steps
         batches = _resolve(batches)
         data_wait = time.perf_counter() - t0
-        micro = [
-            (torch.from_numpy(np.array(b.input_ids)), torch.from_numpy(np.array(b.labels)))
-            for b in batches
-        ]
-        stats = self.engine.train_step(micro, lr, first).as_dict()
-        engine_seconds = stats["step_seconds"]
+        stats = self.engine.train_step(_tensors(batches), lr, first).as_dict()
         stats["phase_seconds"]["data_wait"] = data_wait
         stats["step_seconds"] += data_wait
         # GPU busy over the whole step, data wait included (CUDA-event seconds; None on CPU)
-        busy = stats.pop("gpu_busy_seconds", None)
-        if busy is None and stats.get("gpu_busy_ratio") is not None:  # a ratio of engine time
-            busy = stats["gpu_busy_ratio"] * engine_seconds
+        busy = stats.pop("gpu_busy_seconds")
         stats["gpu_busy_ratio"] = None if busy is None else busy / stats["step_seconds"]
         stats["rank"] = self.rank
         stats["lr"] = lr
@@ -172,12 +165,7 @@ class Trainer:
     def eval_loss(self, batches: list[Any]) -> tuple[float, int]:
         """(summed NLL, predicted tokens) of `batches` (no collective: any one rank can run it)."""
         assert self.engine is not None
-        batches = _resolve(batches)
-        micro = [
-            (torch.from_numpy(np.array(b.input_ids)), torch.from_numpy(np.array(b.labels)))
-            for b in batches
-        ]
-        return self.engine.eval_loss(micro)
+        return self.engine.eval_loss(_tensors(_resolve(batches)))
 
     # ------------------------------------------------------------ state
 
@@ -233,3 +221,12 @@ def _resolve(batches: list[Any]) -> list[Any]:
     import ray
 
     return [ray.get(b) if isinstance(b, ray.ObjectRef) else b for b in batches]
+
+
+def _tensors(batches: list[Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input_ids, labels) tensors of each batch, copied out of the read-only object-store views
+    (never written through: see Ray's zero-copy rule)."""
+    return [
+        (torch.from_numpy(np.array(b.input_ids)), torch.from_numpy(np.array(b.labels)))
+        for b in batches
+    ]

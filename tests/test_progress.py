@@ -10,7 +10,6 @@ import re
 import sys
 
 import pytest
-import ray
 from rich.console import Console
 from rich.file_proxy import FileProxy
 
@@ -56,13 +55,6 @@ def test_the_live_table_shows_step_loss_tokens_per_second_data_wait_eta_and_rest
     assert header == ["step", "loss", "tokens/s", "data wait", "ETA", "restarts"]
     # 3000 tokens in 10 s; 25% of step time waiting for data; 7 steps left at 10/3 s each
     assert row == ["3/10", "2.5000", "300", "25%", "0:00:23", "2"]
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
