@@ -19,8 +19,8 @@ from appliance.checkpoint import list_checkpoints, load_latest_checkpoint
 from appliance.cli import main
 from appliance.driver import remove_previous_run
 from tests.helpers_model import make_model
+from tests.helpers_net import free_port
 from tests.helpers_tokenizer import sentences
-from tests.test_faults import free_port
 
 CONFIGS = Path(__file__).parent.parent / "appliance" / "configs"
 pytest_plugins = ["tests.s3_server"]

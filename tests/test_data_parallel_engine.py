@@ -9,7 +9,6 @@ over ranks draws the masks the single engine draws.
 from __future__ import annotations
 
 import dataclasses
-import socket
 from pathlib import Path
 
 import torch
@@ -19,6 +18,7 @@ import torch.multiprocessing as mp
 from appliance.blocks import DictBlockSource
 from appliance.engine import StreamedEngine
 from tests.helpers_model import SPEC, batch, lora_with_random_b, make_model
+from tests.helpers_net import free_port
 
 RTOL = 1e-5
 SPEC_WITH_DROPOUT = dataclasses.replace(SPEC, dropout=0.2)
@@ -63,9 +63,7 @@ def _rank_main(rank: int, port: int, model_dir: Path, shares: list[list[int]], o
 
 
 def run_data_parallel(model_dir: Path, shares: list[list[int]], out: Path) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_rank_main, args=(port, model_dir, shares, out), nprocs=len(shares), join=True)
     return [torch.load(out / f"rank{r}.pt") for r in range(len(shares))]
 

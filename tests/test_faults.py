@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from safetensors.torch import load_file
 
 from appliance.checkpoint import list_checkpoints, load_latest_checkpoint
 from tests.helpers_model import make_model
+from tests.helpers_net import free_port
 from tests.helpers_tokenizer import sentences
 
 pytestmark = pytest.mark.integration
@@ -33,12 +33,6 @@ STEPS = 24
 EVERY = 8
 # Ray's own override: two tokenizer workers and the trainer need 3 CPUs, whatever this machine has
 FOUR_CPUS = {"RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": 4})}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -226,8 +220,8 @@ def test_kill_during_checkpoint_write_then_resume_uses_the_previous_checkpoint(
 ):
     out = tmp_path / "out"
     proc = Proc(args(inputs, out), env={"APPLIANCE_FAULT_KILL_DURING_CHECKPOINT": str(2 * EVERY)})
-    rc, _, _ = proc.finish()
-    assert rc == -signal.SIGKILL
+    rc, _, err = proc.finish()
+    assert rc == -signal.SIGKILL, err[-3000:]
     # the torn checkpoint is not published; the previous one is intact
     assert load_latest_checkpoint(str(out)).step == EVERY
     assert [c.step for c in list_checkpoints(str(out)) if c.complete] == [EVERY]

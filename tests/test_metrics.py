@@ -21,17 +21,12 @@ import pytest
 from appliance import metrics as M
 from appliance.errors import ConfigError
 from appliance.gpu_monitor import NvmlSampler
+from tests.helpers_net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "metrics.md"
 
 # ---------------------------------------------------------------------- shared with test_dashboards
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -16,7 +16,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ import pytest
 
 from appliance.config import DEMO_SETTINGS
 from appliance.demo import make_demo
+from tests.helpers_net import free_port
 from tests.test_dashboards import ALL_EXPRESSIONS, appliance_selectors, gpu_only, substitute
 
 pytestmark = pytest.mark.integration
@@ -49,12 +49,6 @@ CHECKPOINT_EVERY = 50  # mid-run checkpoints: the driver's checkpoint metrics ar
 BAD_RECORDS = 5  # in the first 500 records: the tokenizer error counter is real too
 SCRAPE_INTERVAL_S = 1
 RUN_TIMEOUT_S = 600
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_json(url: str) -> dict:

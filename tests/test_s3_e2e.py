@@ -18,8 +18,9 @@ from appliance import storage
 from appliance.checkpoint import list_checkpoints, load_latest_checkpoint
 from appliance.run import FAULT_ENV
 from tests.helpers_model import load_hf, make_model
+from tests.helpers_net import free_port
 from tests.helpers_tokenizer import sentences
-from tests.test_faults import Proc, free_port
+from tests.test_faults import Proc
 
 pytest_plugins = ["tests.s3_server"]
 pytestmark = pytest.mark.integration
