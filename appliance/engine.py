@@ -474,7 +474,8 @@ class StreamedEngine:
                         y.backward(grads[m])
                         grads[m] = x.grad
                     del lora
-                self.weights.release(i)
+                if i > 0:
+                    self.weights.release(i)  # block 0 stays: it is the first of the next forward
         if self.group is not None:
             loss = self._all_reduce_grads_and(loss)
         self._sync()
