@@ -396,6 +396,8 @@ class StreamedEngine:
         self, micro_batches: list[MicroBatch], step: int, dropout: bool, save: bool, first: int = 0
     ):
         """Layer-major forward under no_grad. Returns last hidden states and saved block inputs.
+        `save` (training): keep each block's inputs, and the last block on the device for the
+        backward; otherwise (eval, logits) every streamed block is released after use.
         `first`: the global-batch index of micro_batches[0] (this rank's offset)."""
         L = self.args.num_layers
         g = self.weights.globals
@@ -414,8 +416,8 @@ class StreamedEngine:
                         lora.generator = self._generator(step, i, first + m)
                         cos, sin = self._cos_sin(h.shape[1])
                         hs[m] = M.block_forward(h, w, self.args, cos, sin, lora)
-                if i + 1 < L:
-                    self.weights.release(i)  # the last block stays: it is the first of backward
+                if i + 1 < L or not save:
+                    self.weights.release(i)  # in training the last block stays: backward's first
         return hs, saved
 
     def forward_backward(
@@ -442,7 +444,6 @@ class StreamedEngine:
         denom = max(n_target, 1)
         t0 = time.perf_counter()
         loss = torch.zeros((), device=self.device)
-        forward_stall = backward_stall = 0.0
         if micro_batches:
             hs, saved = self._forward(micro_batches, step, dropout=True, save=True, first=first)
             # head: this share's part of the global batch's loss, and d(loss)/d(last hidden states)
@@ -571,7 +572,6 @@ class StreamedEngine:
         if not self._planned:
             self.plan(micro_batches)
         hs, _ = self._forward(micro_batches, step=0, dropout=False, save=False)
-        self.weights.release(self.args.num_layers - 1)
         total, n = 0.0, 0
         for h, (_, lab) in zip(hs, micro_batches, strict=True):
             lab = lab.to(self.device)
@@ -586,7 +586,6 @@ class StreamedEngine:
         if not self._planned:
             self.plan([(ids, ids)])
         hs, _ = self._forward([(ids, ids)], step=0, dropout=False, save=False)
-        self.weights.release(self.args.num_layers - 1)
         return M.logits(hs[0], self.weights.globals, self.args)
 
     # ------------------------------------------------------------ state
