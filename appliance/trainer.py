@@ -95,7 +95,7 @@ class Trainer:
             weight_decay=s.weight_decay,
             grad_clip=s.grad_clip or None,
             seed=s.seed,
-            **({"group": group} if group is not None else {}),
+            group=group,
         )
 
     def group_address(self) -> str:
