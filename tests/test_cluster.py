@@ -16,9 +16,17 @@ from appliance.errors import ConfigError
 from appliance.progress import Progress
 from appliance.run import write_run_file
 from tests.helpers_model import make_model
+from tests.helpers_ray import ray_descendants, wait_gone
 from tests.helpers_tokenizer import sentences
 
 pytestmark = pytest.mark.integration
+
+
+def shut_down(c: Cluster) -> None:
+    """Stop every node of `c` and wait until their processes are gone (asserted)."""
+    procs = ray_descendants()
+    c.shutdown()
+    wait_gone(procs)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +40,7 @@ def cluster():
     yield c, cpu_node, gpu_nodes
     if ray.is_initialized():
         ray.shutdown()
-    c.shutdown()
+    shut_down(c)
 
 
 def test_each_trainer_node_gets_a_store_and_a_trainer_and_the_run_completes(
@@ -103,7 +111,7 @@ def test_a_cluster_without_gpu_nodes_is_refused_by_name(tmp_path):
             connect(cfg, Progress("json"))
     finally:
         ray.shutdown()
-        c.shutdown()
+        shut_down(c)
 
 
 def cluster_config(tmp_path, **kw):

@@ -22,6 +22,7 @@ from appliance import metrics as M
 from appliance.errors import ConfigError
 from appliance.gpu_monitor import NvmlSampler
 from tests.helpers_net import free_port
+from tests.helpers_ray import ray_session
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "metrics.md"
@@ -37,17 +38,10 @@ def embedded_ray() -> Iterator[int]:
     if ray.is_initialized():  # a leftover session would serve its metrics on another port
         ray.shutdown()
     port = free_port()
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        **M.ray_init_kwargs(port),
-    )
-    try:
+    with ray_session(
+        num_cpus=2, include_dashboard=False, log_to_driver=False, **M.ray_init_kwargs(port)
+    ):
         yield port
-    finally:
-        ray.shutdown()
 
 
 def full_trainer_stats(step: int = 1) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 
 from appliance.data import IGNORE_INDEX, Batch, DataError, check_dataset
 from appliance.tokenize_worker import ACTOR_OPTIONS, TokenizeWorker, default_num_workers
+from tests.helpers_ray import ray_session
 from tests.helpers_tokenizer import make_tokenizer, sentences
 
 
@@ -455,9 +456,8 @@ def test_default_num_workers():
 def ray_local():
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
-    yield ray
-    ray.shutdown()
+    with ray_session(num_cpus=2, include_dashboard=False):
+        yield ray
 
 
 @pytest.mark.integration

@@ -1,0 +1,74 @@
+"""Ray started in the test process, and proof that it is gone again afterwards.
+
+Every fixture that starts Ray here goes through `ray_session` (or `ray_descendants` and
+`wait_gone` around a `ray.cluster_utils.Cluster`'s shutdown): it shuts Ray down, waits for the processes Ray started (GCS, raylet,
+agents, workers: descendants of this process) to exit, and fails the test if any is left. A Ray
+process outliving its test keeps CPUs busy under the next test and, left until interpreter exit,
+is one of the ways a green suite ends in a crash (issue 17).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import psutil
+
+# ray.shutdown() asks Ray's processes to end and waits for them; workers notice their raylet is
+# gone a moment later. Generous: on a loaded 2-core machine a worker can take seconds to exit.
+EXIT_WAIT_S = 60.0
+
+
+def ray_descendants() -> list[psutil.Process]:
+    """The Ray processes this process started and that are still alive (not zombies).
+
+    Workers are re-parented when their raylet dies, so this is taken while Ray is up and the
+    list is checked afterwards by `wait_gone`.
+    """
+    alive = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and _is_ray(child):
+                alive.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def _is_ray(p: psutil.Process) -> bool:
+    cmd = " ".join(p.cmdline())
+    return "ray" in cmd or p.name().startswith(("ray::", "raylet", "gcs_server"))
+
+
+def wait_gone(procs: list[psutil.Process], timeout: float = EXIT_WAIT_S) -> None:
+    """Wait until every process in `procs` has exited; kill and fail on any still alive."""
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    alive = [p for p in alive if _still_running(p)]
+    if alive:
+        described = [f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in alive]
+        for p in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        raise AssertionError(f"Ray processes left {timeout:.0f}s after shutdown: {described}")
+
+
+def _still_running(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@contextlib.contextmanager
+def ray_session(**init_kwargs) -> Iterator[None]:
+    """`ray.init(address="local", **init_kwargs)`; on exit `ray.shutdown()` and wait until every
+    process that session started has ended (asserted)."""
+    import ray
+
+    ray.init(address="local", **init_kwargs)
+    try:
+        yield
+    finally:
+        procs = ray_descendants()
+        ray.shutdown()
+        wait_gone(procs)
