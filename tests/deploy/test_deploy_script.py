@@ -17,6 +17,7 @@ import yaml
 from tests.deploy.conftest import (
     CHART,
     HELM,
+    KUBERAY_CRD_VERSION,
     ROOT,
     SHELLCHECK,
     TERRAFORM,
@@ -30,6 +31,7 @@ from tests.deploy.conftest import (
 )
 
 INSTANCE = {"a10": "g5.8xlarge", "4090": "g6e.8xlarge"}
+CLOUD_TOOLS = ("terraform", "aws", "docker", "kubectl", "helm")
 DEPLOY_SH = ROOT / "scripts" / "deploy.sh"
 
 
@@ -52,7 +54,7 @@ def traps(tmp_path: Path) -> dict[str, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "calls.log"
-    for tool in ("terraform", "aws", "docker", "kubectl", "helm"):
+    for tool in CLOUD_TOOLS:
         executable(bin_dir / tool, f'#!/bin/sh\necho "{tool} $*" >> {calls}\nexit 97\n')
     return {
         **os.environ,
@@ -120,19 +122,24 @@ def test_deploy_dry_run_prints_every_step_and_renders_the_chart(sandbox, gpu_cla
     commands = printed_commands(result.stdout)
     out = Path(sandbox["DEPLOY_OUT_DIR"])
     cluster = f"appliance-{gpu_class}"
+    repo = f"000000000000.dkr.ecr.us-east-1.amazonaws.com/{cluster}"
     expected_in_order = [
         "terraform -chdir=terraform init",
+        f"terraform -chdir=terraform workspace select -or-create=true {gpu_class}",
         f"terraform -chdir=terraform apply -input=false -var gpu_class={gpu_class}",
         "terraform -chdir=terraform output -raw cluster_name",
         "terraform -chdir=terraform output -raw irsa_role_arn",
-        f"aws eks update-kubeconfig --name {cluster} --region us-east-1",
+        f"aws eks update-kubeconfig --name {cluster} --region us-east-1 --alias {cluster}",
+        f"aws ecr describe-images --region us-east-1 --repository-name {cluster} --image-ids imageTag=",
         "aws ecr get-login-password --region us-east-1 | docker login --username AWS",
-        f"docker build -t 000000000000.dkr.ecr.us-east-1.amazonaws.com/{cluster}:",
-        f"docker push 000000000000.dkr.ecr.us-east-1.amazonaws.com/{cluster}:",
+        f"docker build --platform linux/amd64 -t {repo}:",
+        f"docker push {repo}:",
+        f"kubectl --context {cluster} apply --server-side --force-conflicts -f deploy/kuberay/crds",
         "helm repo add kuberay https://ray-project.github.io/kuberay-helm/",
-        "helm upgrade --install kuberay-operator kuberay/kuberay-operator --version",
-        "helm upgrade --install prometheus prometheus-community/kube-prometheus-stack",
+        f"helm upgrade --install kuberay-operator kuberay/kuberay-operator --version {KUBERAY_CRD_VERSION}",
+        "helm upgrade --install prometheus prometheus-community/kube-prometheus-stack --version ",
         f"helm template appliance helm/appliance --namespace appliance -f {out}/values.generated.yaml",
+        f"kubectl --context {cluster} get rayjob appliance-train --namespace appliance",
         f"helm upgrade --install appliance helm/appliance --create-namespace --namespace appliance -f {out}/values.generated.yaml",
     ]
     position = 0
@@ -145,6 +152,12 @@ def test_deploy_dry_run_prints_every_step_and_renders_the_chart(sandbox, gpu_cla
     )
     assert "kubectl port-forward -n appliance svc/appliance-head-svc 8265:8265" in result.stdout
 
+    # Every helm and kubectl call that reaches a cluster names this class's context.
+    for command in commands:
+        if command.startswith(("helm upgrade", "helm uninstall")):
+            assert command.endswith(f"--kube-context {cluster}"), command
+        if command.startswith("kubectl"):
+            assert command.startswith(f"kubectl --context {cluster} "), command
     # No cloud was touched: the traps never ran, and helm only rendered.
     assert tool_calls(sandbox) == [c for c in tool_calls(sandbox) if c.startswith("helm ")]
     assert {c.split()[1] for c in tool_calls(sandbox)} == {"version", "template"}
@@ -217,17 +230,28 @@ def test_job_arguments_and_extra_values_reach_the_rendered_chart(sandbox, tmp_pa
     assert cluster["spec"]["workerGroupSpecs"][0]["replicas"] == 2  # CHART_VALUES applied
 
 
-def test_destroy_dry_run_uninstalls_the_releases_before_terraform_destroy(sandbox) -> None:
-    result = dry_run("destroy", sandbox, "GPU_CLASS=4090", "FORCE=1")
+@pytest.mark.parametrize("gpu_class", ["a10", "4090"])
+def test_destroy_dry_run_uninstalls_the_releases_before_terraform_destroy(
+    sandbox, gpu_class
+) -> None:
+    result = dry_run("destroy", sandbox, f"GPU_CLASS={gpu_class}", "FORCE=1")
     assert result.returncode == 0, result.stdout
     commands = printed_commands(result.stdout)
+    workspace = f"terraform -chdir=terraform workspace select -or-create=true {gpu_class}"
+    (state_list,) = [
+        i for i, c in enumerate(commands) if c.startswith("terraform -chdir=terraform state list")
+    ]
+    assert commands.index(workspace) < state_list
     uninstall = [i for i, c in enumerate(commands) if c.startswith("helm uninstall")]
     (destroy,) = [
         i for i, c in enumerate(commands) if c.startswith("terraform -chdir=terraform destroy")
     ]
     assert len(uninstall) == 3 and max(uninstall) < destroy
     assert commands[uninstall[0]].startswith("helm uninstall appliance --namespace appliance")
-    assert "-var force_destroy=true" in commands[destroy - 1]
+    assert all(commands[i].endswith(f"--kube-context appliance-{gpu_class}") for i in uninstall)
+    # FORCE: only the bucket needs force_destroy first; the image repository always goes.
+    assert commands[destroy - 1].endswith("-var force_destroy=true -target=aws_s3_bucket.this")
+    assert commands[destroy].endswith(f"-var gpu_class={gpu_class}")
     assert tool_calls(sandbox) == ["helm version"]
 
 
@@ -282,7 +306,11 @@ def test_with_model_and_data_given_no_upload_is_asked_for(sandbox) -> None:
 def test_a_gpu_instance_type_reaches_terraform_and_sizes_the_chart(sandbox) -> None:
     result = dry_run("deploy", sandbox, "GPU_CLASS=a10", "GPU_INSTANCE_TYPE=g5.12xlarge")
     assert result.returncode == 0, result.stdout
-    (apply,) = [c for c in printed_commands(result.stdout) if " apply " in c]
+    (apply,) = [
+        c
+        for c in printed_commands(result.stdout)
+        if c.startswith("terraform -chdir=terraform apply")
+    ]
     assert apply.endswith("-var gpu_class=a10 -var gpu_instance_type=g5.12xlarge")
     (group,) = rendered(sandbox)["RayCluster"]["spec"]["workerGroupSpecs"]
     spec = group["template"]["spec"]
