@@ -19,6 +19,7 @@ from tests.deploy.conftest import (
     HELM,
     KUBERAY_CRD_VERSION,
     ROOT,
+    SCHEMAS,
     SHELLCHECK,
     TERRAFORM,
     crd_errors,
@@ -172,7 +173,11 @@ def test_the_dry_runs_manifests_wire_terraforms_outputs_into_the_chart(sandbox, 
     assert {"RayCluster", "RayJob", "ServiceAccount", "PodMonitor"} <= set(docs)
     for kind in ("RayCluster", "RayJob"):
         assert crd_errors(docs[kind]) == []
-    core = [f for f in files if yaml.safe_load(f.read_text())["kind"] == "ServiceAccount"]
+    core = [
+        f
+        for f in files
+        if any(d and d["kind"] == "ServiceAccount" for d in yaml.safe_load_all(f.read_text()))
+    ]
     assert kubernetes_validate(core, f"{terraform_default('kubernetes_version')}.0").returncode == 0
 
     # IRSA: the ServiceAccount the chart creates is the one the role trusts, and carries the role.
@@ -198,7 +203,12 @@ def test_the_dry_runs_manifests_wire_terraforms_outputs_into_the_chart(sandbox, 
         "labels"
     ]
     assert chart_labels == {sidecar["label"]: sidecar["labelValue"]}
-    assert stack["prometheus"]["prometheusSpec"]["podMonitorSelectorNilUsesHelmValues"] is False
+    spec = stack["prometheus"]["prometheusSpec"]
+    assert spec["podMonitorSelectorNilUsesHelmValues"] is False
+    # Prometheus keeps its data on a volume (EBS, provisioned by terraform's EBS CSI add-on).
+    claim = spec["storageSpec"]["volumeClaimTemplate"]["spec"]
+    assert claim["storageClassName"] == "gp2" and claim["resources"]["requests"]["storage"]
+    assert spec["retention"] and spec["retentionSize"]
 
 
 def test_job_arguments_and_extra_values_reach_the_rendered_chart(sandbox, tmp_path) -> None:
@@ -373,3 +383,24 @@ def test_the_scripts_pass_shellcheck() -> None:
     scripts = [ROOT / "scripts" / "deploy.sh", ROOT / "scripts" / "install-tools.sh"]
     result = run([require(SHELLCHECK), *scripts])
     assert result.returncode == 0, result.stdout
+
+
+def test_the_pinned_kuberay_is_the_one_whose_crds_the_repository_holds() -> None:
+    script = DEPLOY_SH.read_text()
+    (kuberay,) = re.findall(r'^KUBERAY_VERSION="\$\{KUBERAY_VERSION:-([0-9.]+)\}"', script, re.M)
+    assert kuberay == KUBERAY_CRD_VERSION
+    assert tuple(map(int, kuberay.split("."))) >= (1, 6)  # RayCluster upgradeStrategy
+    readme = (SCHEMAS.parent / "README.md").read_text()
+    assert f"v{kuberay}" in readme and "github.com/ray-project/kuberay" in readme
+    for path in sorted(SCHEMAS.glob("*.yaml")):
+        crd = yaml.safe_load(path.read_text())
+        assert crd["kind"] == "CustomResourceDefinition" and crd["spec"]["group"] == "ray.io"
+    assert {p.name for p in SCHEMAS.glob("*.yaml")} == {
+        "ray.io_rayclusters.yaml",
+        "ray.io_rayjobs.yaml",
+    }
+    # kube-prometheus-stack is pinned too: an unpinned chart moves under a redeploy.
+    (stack,) = re.findall(
+        r'^KUBE_PROMETHEUS_STACK_VERSION="\$\{KUBE_PROMETHEUS_STACK_VERSION:-(.*)\}"', script, re.M
+    )
+    assert re.fullmatch(r"\d+\.\d+\.\d+", stack)
