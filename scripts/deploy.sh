@@ -364,7 +364,7 @@ print_uploads() {
   echo
   echo "Before the training job can succeed, upload to the new bucket (or pass MODEL=/DATA=):"
   printf '  %s\n' "${uploads[@]}"
-  echo "then start the job again: kubectl delete rayjob -n $NAMESPACE $JOB_NAME, and make deploy."
+  echo "then run the job again: make deploy GPU_CLASS=$GPU_CLASS RERUN=1 (or pass MODEL=/DATA=, which replaces it)."
 }
 
 print_next_steps() {

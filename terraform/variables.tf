@@ -97,7 +97,7 @@ variable "bucket_name" {
 }
 
 variable "force_destroy" {
-  description = "Allow terraform destroy to delete the bucket and the image repository with their contents (checkpoints included). Set by make destroy FORCE=1."
+  description = "Allow terraform destroy to delete the bucket with its contents, checkpoints included. Set by make destroy FORCE=1. (The image repository is always deleted with its images.)"
   type        = bool
   default     = false
 }

@@ -392,9 +392,9 @@ def test_the_pinned_kuberay_is_the_one_whose_crds_the_repository_holds() -> None
     assert tuple(map(int, kuberay.split("."))) >= (1, 6)  # RayCluster upgradeStrategy
     readme = (SCHEMAS.parent / "README.md").read_text()
     assert f"v{kuberay}" in readme and "github.com/ray-project/kuberay" in readme
-    for path in sorted(SCHEMAS.glob("*.yaml")):
-        crd = yaml.safe_load(path.read_text())
-        assert crd["kind"] == "CustomResourceDefinition" and crd["spec"]["group"] == "ray.io"
+    for path in sorted(SCHEMAS.glob("*.yaml")):  # what `kubectl apply -f` gets (~1 MB each)
+        head = path.read_text()[:600]
+        assert "\nkind: CustomResourceDefinition\n" in head and "\n  group: ray.io\n" in head
     assert {p.name for p in SCHEMAS.glob("*.yaml")} == {
         "ray.io_rayclusters.yaml",
         "ray.io_rayjobs.yaml",

@@ -320,3 +320,11 @@ def test_prometheus_volumes_can_be_provisioned() -> None:
     assert "system:serviceaccount:kube-system:ebs-csi-controller-sa" in subjects
     # deploy.sh asks for that volume in the StorageClass every EKS cluster has.
     assert "storageClassName: gp2" in (ROOT / "scripts" / "deploy.sh").read_text()
+
+
+def test_destroy_deletes_the_image_repository_but_keeps_a_bucket_with_checkpoints() -> None:
+    resources = module()["resource"]
+    assert resources["aws_ecr_repository"]["this"]["force_delete"] is True  # images rebuild
+    assert ref(resources["aws_ecr_repository"]["this"]["image_tag_mutability"]) == "IMMUTABLE"
+    assert ref(resources["aws_s3_bucket"]["this"]["force_destroy"]) == "var.force_destroy"
+    assert module()["variable"]["force_destroy"]["default"] is False
