@@ -388,7 +388,7 @@ print_next_steps() {
   cat <<EOF
 Ray dashboard:
   kubectl port-forward -n $NAMESPACE svc/$cluster_name-head-svc 8265:8265      # http://127.0.0.1:8265
-Grafana (dashboards in folder "Appliance"):
+Grafana (dashboards in folders "Appliance" and "Ray"):
   kubectl port-forward -n $MONITORING_NAMESPACE svc/prometheus-grafana 3000:80   # http://127.0.0.1:3000
   kubectl get secret -n $MONITORING_NAMESPACE prometheus-grafana -o jsonpath='{.data.admin-password}' | base64 -d
 EOF
@@ -518,7 +518,11 @@ destroy() {
     [[ -n "$FORCE" ]] || die "terraform destroy failed. If the bucket still holds objects (checkpoints!), copy what you want to keep and rerun with FORCE=1 to delete them too."
     die "terraform destroy failed; rerun make destroy GPU_CLASS=$GPU_CLASS (every step before it is safe to repeat)"
   fi
-  echo "Destroyed GPU class $GPU_CLASS."
+  if [[ -n "$DRY_RUN" ]]; then
+    echo "Dry run: nothing was destroyed."
+  else
+    echo "Destroyed GPU class $GPU_CLASS."
+  fi
 }
 
 case "$ACTION" in
