@@ -629,13 +629,16 @@ def test_a_changed_pod_spec_recreates_the_clusters_pods() -> None:
     assert bad.returncode != 0 and "upgradeStrategy must be Recreate or None" in bad.stderr
 
 
-def test_the_job_checksum_changes_with_what_the_job_runs_and_only_that() -> None:
+def test_the_job_checksum_changes_with_what_the_job_runs_on_and_only_that() -> None:
     base = job_checksum(render(CI_VALUES["a10"]))
     changes = {
         "job.steps": "7",
         "job.config": "lora_rank: 4\n",
         "image.tag": "other",
         "job.extraArgs[0]": "--resume",
+        # the cluster's pods are recreated (upgradeStrategy), which kills a running job
+        "gpuClassOverrides.shmSize": "96Gi",
+        "head.shmSize": "4Gi",
     }
     for key, value in changes.items():
         assert job_checksum(render(CI_VALUES["a10"], sets={key: value})) != base, key
