@@ -1,22 +1,27 @@
 # syntax=docker/dockerfile:1
-# The appliance image: CUDA 12.6 runtime, torch 2.13.0 built for CUDA 12.6, Ray 2.60.0 and the
-# appliance; the example configs at /opt/appliance/configs/ (`--config /opt/appliance/configs/...`).
+# The appliance image: Ubuntu 24.04, torch 2.13.0 built for CUDA 12.6 (with its own CUDA runtime
+# and libraries), Ray 2.60.0 and the appliance; the example configs at /opt/appliance/configs/ (`--config /opt/appliance/configs/...`).
 #
-#   make image                                   # docker build -t appliance:0.1.0 .
+#   make image          # docker build --platform linux/amd64 -t appliance:0.1.0 .
 #   docker run --rm --gpus all --shm-size=64g -v "$PWD/models:/models" -v "$PWD/data:/data" \
 #     appliance:0.1.0 train --model /models/llama-3.1-8b --data /data/train.jsonl --output /data/run1
 #
 # The same image runs the Ray head, the GPU workers and the RayJob submitter on Kubernetes
-# (helm/appliance). See docs/deploy.md.
+# (helm/appliance). See docs/deploy.md. Build it for linux/amd64 (make image does): on Apple
+# silicon a plain `docker build` makes an arm64 image that dies with "exec format error" on the
+# g5/g6e nodes.
 #
-# The base image's CUDA and torch's build must agree: CUDA_VERSION 12.6.x <-> TORCH_CUDA cu126.
-# (PyPI's default torch 2.13.0 wheel is a CUDA 13 build; the cu12x builds of 2.13.0 come from the
-# PyTorch index: cu126 or cu129. cu126 runs on drivers >= 560, and >= 525 with minor-version
-# compatibility, which covers EKS's GPU AMIs and most rented boxes.)
-ARG CUDA_VERSION=12.6.3
+# A plain Ubuntu base, not nvidia/cuda: torch's wheel brings its own CUDA runtime and libraries
+# (the nvidia-*-cu12 wheels), so a CUDA base image only added a second copy of them, and its
+# NVIDIA_REQUIRE_CUDA made the container refuse to start on a driver older than the image's CUDA,
+# which is common on rented RTX 4090s. Torch's CUDA 12 runtime runs on any driver >= 525 (CUDA
+# minor-version compatibility); the NVIDIA Container Toolkit (`--gpus all`, the device plugin)
+# mounts the driver. The torch builds of 2.13.0 on the PyTorch index are cu126 (kept here: the
+# widest range of drivers) and cu130 (needs a driver >= 580); cu129 is not published for 2.13.
+# Move to cu130 when the PyTorch index drops cu126 (TORCH_CUDA=cu130).
 ARG UBUNTU_VERSION=24.04
 
-FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION} AS build
+FROM ubuntu:${UBUNTU_VERSION} AS build
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_CUDA=cu126
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_CUDA}
@@ -26,7 +31,7 @@ ARG RAY_VERSION=2.60.0
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-# The CUDA base image tag pins the distribution; pinning apt package versions on top only breaks
+# The base image tag pins the distribution; pinning apt package versions on top only breaks
 # the build whenever Ubuntu publishes a security update.
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -40,18 +45,16 @@ WORKDIR /src
 COPY pyproject.toml README.md constraints.txt ./
 COPY appliance ./appliance
 # constraints.txt pins torch==2.13.0, which the +cu126 build satisfies: pip keeps it. The check
-# fails the build if a CPU or mismatched CUDA torch slipped in (cu126 -> torch.version.cuda 12.6,
-# which must also be the base image's CUDA).
-ARG CUDA_VERSION
+# fails the build if a CPU or another CUDA build of torch slipped in (cu126 -> torch.version.cuda
+# 12.6).
 RUN pip install --constraint constraints.txt . "ray[default]==${RAY_VERSION}" \
     && python -c "import torch, ray, appliance; \
 want = '${TORCH_CUDA}'[2:-1] + '.' + '${TORCH_CUDA}'[-1]; \
 assert torch.version.cuda == want, (torch.version.cuda, want); \
-assert '${CUDA_VERSION}'.startswith(want + '.'), ('base image CUDA ${CUDA_VERSION}', want); \
 assert ray.__version__ == '${RAY_VERSION}', (ray.__version__, '${RAY_VERSION}'); \
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'ray', ray.__version__)"
 
-FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION}
+FROM ubuntu:${UBUNTU_VERSION}
 ENV DEBIAN_FRONTEND=noninteractive
 # python3: the venv's interpreter (same Ubuntu release as the build stage).
 # bash: KubeRay runs `ray start` under `bash -lc`. wget: KubeRay's default health probes.
@@ -66,9 +69,15 @@ COPY --from=build /opt/venv /opt/venv
 # The example configs at a path that does not depend on the Python version (they also ship inside
 # the package): `--config /opt/appliance/configs/llama3-8b-4090.yaml` (chart value job.configFile).
 COPY appliance/configs/ /opt/appliance/configs/
+# NVIDIA_DRIVER_CAPABILITIES: what the NVIDIA Container Toolkit mounts from the host driver
+# (compute: CUDA; utility: nvidia-smi, NVML). NVIDIA_DISABLE_REQUIRE: never refuse a driver for
+# its CUDA version (this base sets no NVIDIA_REQUIRE_CUDA; this keeps it so on a base that does).
+# NVIDIA_VISIBLE_DEVICES is left unset on purpose: on Kubernetes the device plugin sets it per
+# pod, and `all` here would hand every GPU to pods that asked for none (the Ray head).
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
-    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
+    NVIDIA_DISABLE_REQUIRE=1
 # Numeric, so that Kubernetes can verify runAsNonRoot without a runAsUser.
 USER 1000:1000
 WORKDIR /home/appliance

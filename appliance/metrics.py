@@ -21,11 +21,16 @@ classes run without Ray in tests); the Ray metric objects are created on first u
 
 The embedded Ray started by `appliance train` serves the endpoint on a fixed port:
 `ray.init(address="local", ..., **ray_init_kwargs(port))`, then print `metrics_url(port)`.
+
+Every metric also carries the label `run` (RUN_TAG): the run's --output, which the driver sets
+(`set_run_label`) and hands to every process of its Ray job in the environment variable RUN_ENV.
+Dashboards tell runs apart by it: Ray's SessionName is shared by every RayJob on a cluster.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 from collections.abc import Mapping
@@ -49,6 +54,10 @@ PHASES = ("forward", "backward", "optimizer", "data_wait", "h2d_stall", "checkpo
 RESTART_KINDS = ("trainer", "tokenizer", "driver")
 #: The `rank` label value for phases the driver measures (checkpoints).
 DRIVER_RANK = "driver"
+#: The label every appliance metric carries besides its own: which run recorded it.
+RUN_TAG = "run"
+#: The environment variable that carries the run label to every process of the run's Ray job.
+RUN_ENV = "APPLIANCE_RUN"
 
 #: Bucket bounds of `appliance_step_seconds`: a tiny demo step on a CPU (~50 ms) to a 70B step
 #: streamed from host memory (~75 s on an A10), with room on both sides.
@@ -327,6 +336,31 @@ def peak_flops_per_second(device_name: str | None) -> float | None:
     return None
 
 
+# ---------------------------------------------------------------------- the run label
+
+_run_label: str | None = None
+
+
+def run_label(output: str | None) -> str:
+    """The `run` label of a run: its --output (unique per run on a cluster, kept by --resume)."""
+    return output or "demo"
+
+
+def set_run_label(label: str) -> None:
+    """Label this process's metrics with `label` (the driver, at start), including metric objects
+    an earlier run in this process created."""
+    global _run_label
+    _run_label = label
+    with _objects_lock:
+        for metric in _objects.values():
+            metric.set_default_tags({RUN_TAG: label})
+
+
+def current_run_label() -> str:
+    """This process's run label: the driver's own, else RUN_ENV (Ray workers), else ""."""
+    return _run_label if _run_label is not None else os.environ.get(RUN_ENV, "")
+
+
 # ---------------------------------------------------------------------- recorders
 
 _objects: dict[str, Any] = {}
@@ -348,14 +382,16 @@ def _ray_metric(spec: MetricSpec) -> Any:
             if metric is None:
                 from ray.util import metrics as ray_metrics
 
+                tag_keys = (*spec.tag_keys, RUN_TAG)
                 if spec.kind == COUNTER:
-                    metric = ray_metrics.Counter(spec.name, spec.help, spec.tag_keys)
+                    metric = ray_metrics.Counter(spec.name, spec.help, tag_keys)
                 elif spec.kind == GAUGE:
-                    metric = ray_metrics.Gauge(spec.name, spec.help, spec.tag_keys)
+                    metric = ray_metrics.Gauge(spec.name, spec.help, tag_keys)
                 else:
                     metric = ray_metrics.Histogram(
-                        spec.name, spec.help, list(spec.boundaries), spec.tag_keys
+                        spec.name, spec.help, list(spec.boundaries), tag_keys
                     )
+                metric.set_default_tags({RUN_TAG: current_run_label()})
                 _objects[spec.name] = metric
     return metric
 

@@ -4,23 +4,34 @@
 #   make deploy  GPU_CLASS=a10|4090 [GPU_INSTANCE_TYPE=g5.12xlarge] [DRY_RUN=1] [MODEL=s3://...]
 #                [DATA=s3://...] [OUTPUT=s3://...] [STEPS=N] [TRAIN_CONFIG=path.yaml]
 #                [CHART_VALUES=extra-values.yaml] [IMAGE=repo:tag] [AUTO_APPROVE=1] [MONITORING=0]
-#                [RELEASE=appliance]
+#                [RELEASE=appliance] [RERUN=1]
 #   make destroy GPU_CLASS=a10|4090 [DRY_RUN=1] [FORCE=1] [AUTO_APPROVE=1]
 #
 # GPU_INSTANCE_TYPE (or TF_VAR_gpu_instance_type): another instance type of the class's family
 # (g5.* for a10, g6e.* for 4090) from the table below; terraform gets it, and the chart gets the
 # matching gpuClassOverrides (GPUs, CPUs, memory, /dev/shm per worker pod).
 #
-# deploy:  terraform apply (VPC, EKS + GPU node group, device plugin, S3, IRSA, ECR)
-#          -> aws eks update-kubeconfig -> docker build + push to ECR (unless IMAGE is given)
-#          -> KubeRay operator -> kube-prometheus-stack (Prometheus + Grafana; MONITORING=0 skips)
-#          -> the appliance chart, with values written from the terraform outputs
+# deploy:  terraform apply in the workspace named after the GPU class (one state per class: the
+#          a10 and 4090 stacks never replace or destroy each other)
+#          -> aws eks update-kubeconfig (context alias = the cluster name; every kubectl/helm call
+#             names that context, never whatever context is current)
+#          -> docker build --platform linux/amd64 + push to ECR, unless IMAGE is given or the tag
+#             is already in ECR (the repository is IMMUTABLE: a second push of a tag is refused)
+#          -> KubeRay's CRDs (deploy/kuberay/crds, server-side apply) and operator $KUBERAY_VERSION
+#          -> kube-prometheus-stack (pinned; Prometheus on a volume; MONITORING=0 skips)
+#          -> the appliance chart, with values written from the terraform outputs; a RayJob whose
+#             spec changed (its checksum/job annotation) is deleted first so that the new one
+#             runs (KubeRay never resubmits a finished job); RERUN=1 deletes it anyway
 #          -> prints the port-forward commands for Grafana and the Ray dashboard.
-# destroy: helm uninstall (chart, monitoring, KubeRay) -> terraform destroy.
-#          FORCE=1 first lets terraform delete a non-empty bucket and image repository.
+# destroy: every step before terraform destroy is best-effort: a missing output, a cluster that is
+#          already gone or a release that was never installed is reported and skipped.
+#          helm uninstall (chart, monitoring, KubeRay) -> terraform destroy. The image repository
+#          goes with its images (they can be rebuilt); FORCE=1 also lets terraform empty the
+#          bucket, which holds the checkpoints.
 #
 # DRY_RUN=1 touches no cloud: every command is printed (prefixed "+ "), terraform outputs are
-# replaced by placeholders, and the chart is rendered with `helm template` into
+# replaced by placeholders, queries (is the image in ECR? what does the live RayJob say?) are
+# printed and answered "no", and the chart is rendered with `helm template` into
 # $DEPLOY_OUT_DIR/manifests (default build/deploy/<gpu class>/). Needs only helm
 # (.tools/bin/helm from `make deploy-tools`, or helm on PATH).
 set -euo pipefail
@@ -34,12 +45,19 @@ DRY_RUN="${DRY_RUN:-}"
 AUTO_APPROVE="${AUTO_APPROVE:-}"
 MONITORING="${MONITORING:-1}"
 FORCE="${FORCE:-}"
+RERUN="${RERUN:-}"
 RELEASE="${RELEASE:-appliance}"
 OUT_DIR="${DEPLOY_OUT_DIR:-build/deploy/$GPU_CLASS}"
 TF_DIR=terraform
 CHART_DIR=helm/appliance
-KUBERAY_VERSION="${KUBERAY_VERSION:-1.4.2}"
-KUBE_PROMETHEUS_STACK_VERSION="${KUBE_PROMETHEUS_STACK_VERSION:-}"
+# KubeRay >= 1.6 for RayCluster upgradeStrategy; the CRDs in deploy/kuberay/crds are this release's.
+KUBERAY_VERSION="${KUBERAY_VERSION:-1.7.0}"
+KUBERAY_CRDS=deploy/kuberay/crds
+# Pinned: an unpinned chart changes Prometheus, Grafana and their CRDs under a redeploy.
+KUBE_PROMETHEUS_STACK_VERSION="${KUBE_PROMETHEUS_STACK_VERSION:-81.6.2}"
+# Prometheus keeps its data on an EBS volume (gp2: the StorageClass every EKS cluster has; the
+# EBS CSI driver add-on from terraform provisions it), so a pod restart loses no history.
+PROMETHEUS_STORAGE_GI="${PROMETHEUS_STORAGE_GI:-50}"
 MONITORING_NAMESPACE=prometheus-system
 GPU_INSTANCE_TYPE="${GPU_INSTANCE_TYPE:-${TF_VAR_gpu_instance_type:-}}"
 
@@ -105,15 +123,52 @@ run_sh() {
   [[ -n "$DRY_RUN" ]] || bash -o pipefail -c "$1"
 }
 
-# `terraform output -raw NAME`, or a placeholder in a dry run.
+# `terraform output -raw NAME`, or a placeholder in a dry run. BEST_EFFORT=1 (destroy): a missing
+# output (nothing deployed, or a half-destroyed stack) gives "" instead of stopping the script.
 tf_output() {
   local name="$1" placeholder="$2"
   if [[ -n "$DRY_RUN" ]]; then
     printf '+ terraform -chdir=%s output -raw %s   # dry run: %s\n' "$TF_DIR" "$name" "$placeholder" >&2
     echo "$placeholder"
+  elif [[ -n "${BEST_EFFORT:-}" ]]; then
+    terraform -chdir="$TF_DIR" output -raw "$name" 2>/dev/null || true
   else
     terraform -chdir="$TF_DIR" output -raw "$name"
   fi
+}
+
+# A read-only query whose answer decides what runs next (is the tag in ECR? what does the live
+# RayJob carry?): printed, then run; a dry run prints it and answers with a failure and no output.
+# The command line goes to stderr: its stdout is the answer (callers use "$(query ...)").
+# `query --status CMD...`: only the exit status matters; the command's output is dropped.
+query() {
+  local status_only=""
+  if [[ "$1" == "--status" ]]; then
+    status_only=1
+    shift
+  fi
+  {
+    printf '+'
+    printf ' %q' "$@"
+    if [[ -n "$DRY_RUN" ]]; then printf '   # dry run: not asked\n'; else printf '\n'; fi
+  } >&2
+  [[ -z "$DRY_RUN" ]] || return 1
+  if [[ -n "$status_only" ]]; then "$@" >/dev/null 2>&1; else "$@"; fi
+}
+
+# One state per GPU class: the terraform workspace named after it (state in
+# terraform/terraform.tfstate.d/<class>/), so the a10 and 4090 stacks never plan over each other.
+tf_workspace() {
+  run terraform -chdir="$TF_DIR" init -input=false
+  run terraform -chdir="$TF_DIR" workspace select -or-create=true "$GPU_CLASS"
+}
+
+# The kubeconfig context of this class's cluster (update-kubeconfig --alias); every kubectl and
+# helm call names it, so a deploy or destroy never acts on another cluster that happens to be
+# the current context.
+kube_context() {
+  KUBE_CONTEXT="$CLUSTER"
+  run aws eks update-kubeconfig --name "$CLUSTER" --region "$REGION" --alias "$KUBE_CONTEXT"
 }
 
 # `helm`: $HELM if set, else .tools/bin/helm (make deploy-tools) if present, else the one on PATH.
@@ -163,9 +218,10 @@ read_outputs() {
 image_tag() {
   local tag
   tag="$(git -C "$ROOT" rev-parse --short=12 HEAD 2>/dev/null || echo dev)"
-  # ECR tags are immutable: a dirty tree gets a unique tag.
+  # ECR tags are immutable: a dirty tree gets a tag of its own, named by a hash of its changes,
+  # so that redeploying the same edits finds the image in ECR and any other edit builds anew.
   if [[ -n "$(git -C "$ROOT" status --porcelain --untracked-files=no 2>/dev/null)" ]]; then
-    tag="$tag-dirty-$(date +%Y%m%d%H%M%S)"
+    tag="$tag-dirty-$(git -C "$ROOT" diff HEAD --binary | sha256sum | cut -c1-12)"
   fi
   echo "$tag"
 }
@@ -174,11 +230,23 @@ write_monitoring_values() {
   # kube-prometheus-stack: scrape every PodMonitor, load dashboards from labelled ConfigMaps in any
   # namespace into the folder their grafana_folder annotation names, allow the Ray dashboard to
   # embed Grafana panels.
-  cat >"$OUT_DIR/kube-prometheus-stack.values.yaml" <<'EOF'
+  # Prometheus keeps its data on a volume (retention by age, and by size at 80% of the volume so
+  # that a full disk never stops it).
+  cat >"$OUT_DIR/kube-prometheus-stack.values.yaml" <<EOF
 prometheus:
   prometheusSpec:
     podMonitorSelectorNilUsesHelmValues: false
     serviceMonitorSelectorNilUsesHelmValues: false
+    retention: 30d
+    retentionSize: $((PROMETHEUS_STORAGE_GI * 8 / 10))GB
+    storageSpec:
+      volumeClaimTemplate:
+        spec:
+          storageClassName: gp2
+          accessModes: [ReadWriteOnce]
+          resources:
+            requests:
+              storage: ${PROMETHEUS_STORAGE_GI}Gi
 grafana:
   sidecar:
     dashboards:
@@ -246,6 +314,46 @@ rendered_name() {
   sed -n 's/^  name: //p' "$file" | head -n 1
 }
 
+# The value of annotation $2 on the first object of rendered manifest $1 ("" when absent).
+rendered_annotation() {
+  local file="$OUT_DIR/manifests/appliance/templates/$1"
+  [[ -f "$file" ]] || return 0
+  sed -n "s|^    $2: ||p" "$file" | head -n 1 | tr -d '"'
+}
+
+# Whether the image tag is already in the ECR repository. The repository is IMMUTABLE, so a
+# second `docker push` of the same tag (a redeploy of the same commit) would be refused.
+image_in_ecr() {
+  local repo="$1" tag="$2"
+  query --status aws ecr describe-images --region "$REGION" --repository-name "${repo#*/}" \
+    --image-ids "imageTag=$tag"
+}
+
+# KubeRay never resubmits a RayJob whose spec changed, nor one that finished: delete the live job
+# when its checksum/job annotation differs from the one just rendered (new arguments, config or
+# image), or when RERUN=1 asks to train again; `helm upgrade` then creates it afresh. An
+# unchanged job, running or finished, is left alone.
+replace_changed_job() {
+  local job want have
+  job="$(rendered_name rayjob.yaml)"
+  [[ -n "$job" ]] || return 0
+  want="$(rendered_annotation rayjob.yaml checksum/job)"
+  have="$(query kubectl --context "$KUBE_CONTEXT" get rayjob "$job" --namespace "$NAMESPACE" \
+    --ignore-not-found -o 'go-template={{with .metadata.annotations}}{{index . "checksum/job"}}{{end}}')" \
+    || have=""
+  if [[ -z "$have" ]]; then
+    echo "(RayJob $job: none yet; helm creates it)"
+  elif [[ -n "$RERUN" ]]; then
+    echo "RayJob $job: RERUN=1, deleting it so that it runs again"
+    run kubectl --context "$KUBE_CONTEXT" delete rayjob "$job" --namespace "$NAMESPACE" --wait
+  elif [[ "$have" != "$want" ]]; then
+    echo "RayJob $job: its spec changed (checksum/job $have -> $want); deleting it so that the new one runs"
+    run kubectl --context "$KUBE_CONTEXT" delete rayjob "$job" --namespace "$NAMESPACE" --wait
+  else
+    echo "RayJob $job: unchanged, left as it is (RERUN=1 runs it again)"
+  fi
+}
+
 # The job reads MODEL and DATA as soon as it starts: say what must be in the bucket by then.
 print_uploads() {
   job_paths
@@ -256,7 +364,7 @@ print_uploads() {
   echo
   echo "Before the training job can succeed, upload to the new bucket (or pass MODEL=/DATA=):"
   printf '  %s\n' "${uploads[@]}"
-  echo "then start the job again: kubectl delete rayjob -n $NAMESPACE $JOB_NAME, and make deploy."
+  echo "then run the job again: make deploy GPU_CLASS=$GPU_CLASS RERUN=1 (or pass MODEL=/DATA=, which replaces it)."
 }
 
 print_next_steps() {
@@ -280,7 +388,7 @@ print_next_steps() {
   cat <<EOF
 Ray dashboard:
   kubectl port-forward -n $NAMESPACE svc/$cluster_name-head-svc 8265:8265      # http://127.0.0.1:8265
-Grafana (dashboards in folder "Appliance"):
+Grafana (dashboards in folders "Appliance" and "Ray"):
   kubectl port-forward -n $MONITORING_NAMESPACE svc/prometheus-grafana 3000:80   # http://127.0.0.1:3000
   kubectl get secret -n $MONITORING_NAMESPACE prometheus-grafana -o jsonpath='{.data.admin-password}' | base64 -d
 EOF
@@ -288,19 +396,19 @@ EOF
 }
 
 deploy() {
-  require_tools terraform aws
+  require_tools terraform aws kubectl
   [[ -n "${IMAGE:-}" ]] || require_tools docker
   helm version >/dev/null # fail early when there is no helm
   mkdir -p "$OUT_DIR"
-  echo "== terraform: VPC, EKS with the $GPU_CLASS GPU node group (${GPU_INSTANCE_TYPE:-$DEFAULT_INSTANCE_TYPE}), S3, IRSA, ECR"
+  echo "== terraform (workspace $GPU_CLASS): VPC, EKS with the $GPU_CLASS GPU node group (${GPU_INSTANCE_TYPE:-$DEFAULT_INSTANCE_TYPE}), S3, IRSA, ECR"
   tf_vars
-  run terraform -chdir="$TF_DIR" init -input=false
+  tf_workspace
   # shellcheck disable=SC2046  # approve_flag is empty or one word
   run terraform -chdir="$TF_DIR" apply -input=false $(approve_flag) "${TF_VARS[@]}"
   read_outputs
 
-  echo "== kubeconfig"
-  run aws eks update-kubeconfig --name "$CLUSTER" --region "$REGION"
+  echo "== kubeconfig (context $CLUSTER)"
+  kube_context
 
   local image_repo image_tag
   if [[ -n "${IMAGE:-}" ]]; then
@@ -310,25 +418,30 @@ deploy() {
   else
     image_repo="$ECR_URL"
     image_tag="$(image_tag)"
-    echo "== image: build and push $image_repo:$image_tag"
-    run_sh "aws ecr get-login-password --region $REGION | docker login --username AWS --password-stdin ${ECR_URL%%/*}"
-    run docker build -t "$image_repo:$image_tag" .
-    run docker push "$image_repo:$image_tag"
+    if image_in_ecr "$image_repo" "$image_tag"; then
+      echo "== image: $image_repo:$image_tag is already in ECR (not rebuilt)"
+    else
+      echo "== image: build (linux/amd64, what the GPU nodes run) and push $image_repo:$image_tag"
+      run_sh "aws ecr get-login-password --region $REGION | docker login --username AWS --password-stdin ${ECR_URL%%/*}"
+      run docker build --platform linux/amd64 -t "$image_repo:$image_tag" .
+      run docker push "$image_repo:$image_tag"
+    fi
   fi
 
-  echo "== KubeRay operator $KUBERAY_VERSION"
+  echo "== KubeRay $KUBERAY_VERSION: its CRDs (Helm never upgrades a chart's CRDs), then the operator"
+  run kubectl --context "$KUBE_CONTEXT" apply --server-side --force-conflicts -f "$KUBERAY_CRDS"
   run helm repo add kuberay https://ray-project.github.io/kuberay-helm/ --force-update
   run helm upgrade --install kuberay-operator kuberay/kuberay-operator --version "$KUBERAY_VERSION" \
-    --namespace kuberay-system --create-namespace --wait
+    --namespace kuberay-system --create-namespace --wait --kube-context "$KUBE_CONTEXT"
 
   if [[ "$MONITORING" != "0" ]]; then
-    echo "== monitoring: kube-prometheus-stack (Prometheus operator, Prometheus, Grafana)"
+    echo "== monitoring: kube-prometheus-stack $KUBE_PROMETHEUS_STACK_VERSION (Prometheus operator, Prometheus, Grafana)"
     write_monitoring_values
     run helm repo add prometheus-community https://prometheus-community.github.io/helm-charts --force-update
     run helm upgrade --install prometheus prometheus-community/kube-prometheus-stack \
-      ${KUBE_PROMETHEUS_STACK_VERSION:+--version "$KUBE_PROMETHEUS_STACK_VERSION"} \
+      --version "$KUBE_PROMETHEUS_STACK_VERSION" \
       --namespace "$MONITORING_NAMESPACE" --create-namespace --wait \
-      -f "$OUT_DIR/kube-prometheus-stack.values.yaml"
+      -f "$OUT_DIR/kube-prometheus-stack.values.yaml" --kube-context "$KUBE_CONTEXT"
   fi
 
   echo "== appliance chart"
@@ -346,33 +459,69 @@ deploy() {
   mkdir -p "$OUT_DIR/manifests"
   # Rendered for review in every run (and the only chart step of a dry run).
   DRY_RUN="" run helm template "$RELEASE" "$CHART_DIR" "${chart_args[@]}" --output-dir "$OUT_DIR/manifests"
-  run helm upgrade --install "$RELEASE" "$CHART_DIR" --create-namespace "${chart_args[@]}"
+  replace_changed_job
+  run helm upgrade --install "$RELEASE" "$CHART_DIR" --create-namespace "${chart_args[@]}" \
+    --kube-context "$KUBE_CONTEXT"
 
   print_next_steps
+}
+
+# A step before terraform destroy that may fail because what it acts on is already gone.
+best_effort() {
+  run "$@" || echo "(skipped: '$1 $2' failed; what it acts on is probably gone already)"
 }
 
 destroy() {
   require_tools terraform aws
   helm version >/dev/null
-  read_outputs
+  echo "== terraform state of GPU class $GPU_CLASS (workspace $GPU_CLASS)"
   tf_vars
-  echo "== kubeconfig"
-  run aws eks update-kubeconfig --name "$CLUSTER" --region "$REGION"
-  echo "== helm releases (the RayCluster first, so its pods and volumes go before the nodes)"
-  run helm uninstall "$RELEASE" --namespace "$NAMESPACE" --ignore-not-found --wait
-  run helm uninstall prometheus --namespace "$MONITORING_NAMESPACE" --ignore-not-found --wait
-  run helm uninstall kuberay-operator --namespace kuberay-system --ignore-not-found --wait
+  tf_workspace
+  local resources
+  if ! resources="$(query terraform -chdir="$TF_DIR" state list)"; then
+    [[ -n "$DRY_RUN" ]] || die "terraform state list failed (see above)"
+    resources="(dry run: assume a deployed stack)"
+  fi
+  if [[ -z "$resources" ]]; then
+    echo "Nothing deployed for GPU class $GPU_CLASS (its terraform state is empty): nothing to destroy."
+    return 0
+  fi
+  BEST_EFFORT=1 read_outputs
+
+  if [[ -z "$CLUSTER" || -z "$REGION" ]]; then
+    echo "== helm releases: skipped (no cluster_name/region output: the cluster is gone)"
+  elif ! run aws eks update-kubeconfig --name "$CLUSTER" --region "$REGION" --alias "$CLUSTER"; then
+    echo "== helm releases: skipped (cluster $CLUSTER does not answer: it is gone)"
+  else
+    KUBE_CONTEXT="$CLUSTER"
+    echo "== helm releases (the RayCluster first, so its pods and volumes go before the nodes)"
+    best_effort helm uninstall "$RELEASE" --namespace "${NAMESPACE:-appliance}" --ignore-not-found --wait \
+      --kube-context "$KUBE_CONTEXT"
+    best_effort helm uninstall prometheus --namespace "$MONITORING_NAMESPACE" --ignore-not-found --wait \
+      --kube-context "$KUBE_CONTEXT"
+    best_effort helm uninstall kuberay-operator --namespace kuberay-system --ignore-not-found --wait \
+      --kube-context "$KUBE_CONTEXT"
+  fi
+
   echo "== terraform destroy"
   if [[ -n "$FORCE" ]]; then
-    # force_destroy must be in the state before destroy honours it.
-    # shellcheck disable=SC2046
-    run terraform -chdir="$TF_DIR" apply -input=false $(approve_flag) "${TF_VARS[@]}" \
-      -var force_destroy=true -target=aws_s3_bucket.this -target=aws_ecr_repository.this
+    if grep -qx 'aws_s3_bucket.this' <<<"$resources" || [[ -n "$DRY_RUN" ]]; then
+      # force_destroy must be in the state before destroy honours it; -target on a bucket that
+      # is not in the state would create one, hence the check.
+      # shellcheck disable=SC2046
+      run terraform -chdir="$TF_DIR" apply -input=false $(approve_flag) "${TF_VARS[@]}" \
+        -var force_destroy=true -target=aws_s3_bucket.this
+    fi
   fi
   # shellcheck disable=SC2046
-  run terraform -chdir="$TF_DIR" destroy -input=false $(approve_flag) "${TF_VARS[@]}"
-  if [[ -z "$FORCE" ]]; then
-    echo "(A bucket or image repository that still holds objects stops terraform destroy; rerun with FORCE=1 to delete them too.)"
+  if ! run terraform -chdir="$TF_DIR" destroy -input=false $(approve_flag) "${TF_VARS[@]}"; then
+    [[ -n "$FORCE" ]] || die "terraform destroy failed. If the bucket still holds objects (checkpoints!), copy what you want to keep and rerun with FORCE=1 to delete them too."
+    die "terraform destroy failed; rerun make destroy GPU_CLASS=$GPU_CLASS (every step before it is safe to repeat)"
+  fi
+  if [[ -n "$DRY_RUN" ]]; then
+    echo "Dry run: nothing was destroyed."
+  else
+    echo "Destroyed GPU class $GPU_CLASS."
   fi
 }
 

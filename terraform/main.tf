@@ -11,13 +11,37 @@ data "aws_partition" "current" {}
 data "aws_caller_identity" "current" {}
 
 data "aws_availability_zones" "available" {
-  #checkov:skip=CKV_AWS_394:Only the first two zones are used (slice below) and new zones sort after them, so the subnets never move.
+  #checkov:skip=CKV_AWS_394:Two zones are picked below (GPU-offering ones first) and var.availability_zones pins them, so the subnets never move.
   state = "available"
 
   filter {
     name   = "opt-in-status"
     values = ["opt-in-not-required"]
   }
+}
+
+# The zones that offer the GPU instance type: g5 and g6e are not in every zone of a region, and a
+# node group in a zone without its type never gets a node.
+data "aws_ec2_instance_type_offerings" "gpu" {
+  location_type = "availability-zone"
+
+  filter {
+    name   = "instance-type"
+    values = [local.gpu_instance_type]
+  }
+}
+
+# vCPUs per GPU node, for the quota check on the GPU node group.
+data "aws_ec2_instance_type" "gpu" {
+  instance_type = local.gpu_instance_type
+}
+
+# "Running On-Demand G and VT instances": the vCPUs of g5/g6e instances the account may run in the
+# region. New accounts have 0, and the node group then never gets a node (the apply hangs for
+# ~20 minutes before it fails), so the plan checks it first (aws_eks_node_group.gpu).
+data "aws_servicequotas_service_quota" "gpu_vcpus" {
+  service_code = "ec2"
+  quota_code   = "L-DB2E81BA"
 }
 
 locals {
@@ -33,8 +57,13 @@ locals {
   }
   gpu_instance_type = coalesce(var.gpu_instance_type, local.gpu_instance_types[var.gpu_class])
 
-  azs         = slice(data.aws_availability_zones.available.names, 0, 2)
-  oidc_issuer = replace(aws_eks_cluster.this.identity[0].oidc[0].issuer, "https://", "")
+  # EKS wants subnets in two zones: the zones that offer the GPU type first, then any other, unless
+  # var.availability_zones names them. The GPU nodes go only where their type is offered.
+  gpu_zones      = sort(setintersection(data.aws_availability_zones.available.names, data.aws_ec2_instance_type_offerings.gpu.locations))
+  azs            = var.availability_zones != null ? var.availability_zones : slice(distinct(concat(local.gpu_zones, sort(data.aws_availability_zones.available.names))), 0, 2)
+  gpu_subnet_ids = [for i, az in local.azs : aws_subnet.private[i].id if contains(local.gpu_zones, az)]
+  gpu_vcpus      = var.gpu_node_count * data.aws_ec2_instance_type.gpu.default_vcpus
+  oidc_issuer    = replace(aws_eks_cluster.this.identity[0].oidc[0].issuer, "https://", "")
 }
 
 ################################################################################
@@ -122,6 +151,17 @@ resource "aws_route_table" "private" {
   }
 
   tags = { Name = "${local.cluster_name}-private" }
+}
+
+# S3 through a gateway endpoint (free), not the NAT gateway (charged per GB): model downloads and
+# checkpoints are tens to hundreds of GB per run.
+resource "aws_vpc_endpoint" "this" {
+  vpc_id            = aws_vpc.this.id
+  service_name      = "com.amazonaws.${var.region}.s3"
+  vpc_endpoint_type = "Gateway"
+  route_table_ids   = [aws_route_table.private.id]
+
+  tags = { Name = "${local.cluster_name}-s3" }
 }
 
 resource "aws_route_table_association" "public" {
@@ -270,6 +310,12 @@ resource "aws_eks_cluster" "this" {
   role_arn                  = aws_iam_role.cluster.arn
   enabled_cluster_log_types = ["api", "audit", "authenticator", "controllerManager", "scheduler"]
 
+  # Standard support only: when it ends, EKS upgrades the control plane instead of moving the
+  # cluster to extended support, which costs six times as much per hour.
+  upgrade_policy {
+    support_type = "STANDARD"
+  }
+
   access_config {
     authentication_mode                         = "API"
     bootstrap_cluster_creator_admin_permissions = true
@@ -358,7 +404,7 @@ resource "aws_eks_node_group" "gpu" {
   cluster_name           = aws_eks_cluster.this.name
   node_group_name_prefix = "gpu-${var.gpu_class}-"
   node_role_arn          = aws_iam_role.node.arn
-  subnet_ids             = aws_subnet.private[*].id
+  subnet_ids             = local.gpu_subnet_ids
   ami_type               = "AL2023_x86_64_NVIDIA" # NVIDIA driver and container toolkit preinstalled
   instance_types         = [local.gpu_instance_type]
   disk_size              = var.gpu_node_disk_size
@@ -386,7 +432,63 @@ resource "aws_eks_node_group" "gpu" {
     effect = "NO_SCHEDULE"
   }
 
+  lifecycle {
+    precondition {
+      condition     = length(local.gpu_subnet_ids) > 0
+      error_message = "No availability zone of ${var.region} used here offers ${local.gpu_instance_type} (zones offering it: ${jsonencode(local.gpu_zones)}): pick another region, another instance type, or set availability_zones to zones that offer it."
+    }
+    precondition {
+      condition     = data.aws_servicequotas_service_quota.gpu_vcpus.value >= local.gpu_vcpus
+      error_message = "The account's quota \"Running On-Demand G and VT instances\" in ${var.region} is ${data.aws_servicequotas_service_quota.gpu_vcpus.value} vCPUs; ${var.gpu_node_count} x ${local.gpu_instance_type} needs ${local.gpu_vcpus}. New accounts have 0. Ask for more (approval can take a day): aws service-quotas request-service-quota-increase --service-code ec2 --quota-code L-DB2E81BA --desired-value ${local.gpu_vcpus} --region ${var.region}"
+    }
+  }
+
   depends_on = [aws_iam_role_policy_attachment.node]
+}
+
+################################################################################
+# EBS CSI driver: Prometheus (make deploy) keeps its data on an EBS volume
+################################################################################
+
+data "aws_iam_policy_document" "ebs_csi_assume" {
+  statement {
+    actions = ["sts:AssumeRoleWithWebIdentity"]
+
+    principals {
+      type        = "Federated"
+      identifiers = [aws_iam_openid_connect_provider.this.arn]
+    }
+
+    condition {
+      test     = "StringEquals"
+      variable = "${local.oidc_issuer}:sub"
+      values   = ["system:serviceaccount:kube-system:ebs-csi-controller-sa"]
+    }
+
+    condition {
+      test     = "StringEquals"
+      variable = "${local.oidc_issuer}:aud"
+      values   = ["sts.amazonaws.com"]
+    }
+  }
+}
+
+resource "aws_iam_role" "ebs_csi" {
+  name_prefix        = "${local.cluster_name}-ebs-csi-"
+  assume_role_policy = data.aws_iam_policy_document.ebs_csi_assume.json
+}
+
+resource "aws_iam_role_policy_attachment" "ebs_csi" {
+  role       = aws_iam_role.ebs_csi.name
+  policy_arn = "arn:${local.partition}:iam::aws:policy/service-role/AmazonEBSCSIDriverPolicy"
+}
+
+resource "aws_eks_addon" "this" {
+  cluster_name             = aws_eks_cluster.this.name
+  addon_name               = "aws-ebs-csi-driver"
+  service_account_role_arn = aws_iam_role.ebs_csi.arn
+
+  depends_on = [aws_eks_node_group.system, aws_iam_role_policy_attachment.ebs_csi]
 }
 
 ################################################################################

@@ -168,7 +168,7 @@ resource "aws_iam_role_policy" "irsa" {
 resource "aws_ecr_repository" "this" {
   name                 = local.cluster_name
   image_tag_mutability = "IMMUTABLE"
-  force_delete         = var.force_destroy
+  force_delete         = true # images can be rebuilt: destroy never stops at them
 
   image_scanning_configuration {
     scan_on_push = true

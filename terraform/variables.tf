@@ -62,9 +62,20 @@ variable "system_node_count" {
 }
 
 variable "kubernetes_version" {
-  description = "EKS Kubernetes version."
+  description = "EKS Kubernetes version. Keep it in EKS standard support (the cluster's upgrade policy is STANDARD: when support ends, EKS upgrades it): EKS gives each version 14 months of standard support; 1.35 (on EKS since early 2026) has it into 2027."
   type        = string
-  default     = "1.33"
+  default     = "1.35"
+}
+
+variable "availability_zones" {
+  description = "The two availability zones of the subnets; null picks zones that offer the GPU instance type first. Set it to keep the subnets where they are should the offerings change."
+  type        = list(string)
+  default     = null
+
+  validation {
+    condition     = var.availability_zones == null ? true : length(var.availability_zones) == 2
+    error_message = "availability_zones must name exactly two zones (or be null)."
+  }
 }
 
 variable "vpc_cidr" {
@@ -86,7 +97,7 @@ variable "bucket_name" {
 }
 
 variable "force_destroy" {
-  description = "Allow terraform destroy to delete the bucket and the image repository with their contents (checkpoints included). Set by make destroy FORCE=1."
+  description = "Allow terraform destroy to delete the bucket with its contents, checkpoints included. Set by make destroy FORCE=1. (The image repository is always deleted with its images.)"
   type        = bool
   default     = false
 }

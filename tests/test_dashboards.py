@@ -58,7 +58,8 @@ GRAFANA_VARIABLES = {
     "$__rate_interval": "1m",
     "$__interval": "15s",
     "$__range": "1h",
-    "$session": ".+",
+    "$cluster": ".*",
+    "$run": ".*",
 }
 
 PROMQL_KEYWORDS = {
@@ -191,6 +192,30 @@ def test_dashboards_show_what_the_issue_asks_for():
         <= {n for t in p.get("targets", []) for n in metric_names(t["expr"])}
         for p in utilization
     ), "no panel shows GPU busy beside NVML utilization"
+
+
+def test_every_selector_filters_by_cluster_and_appliance_ones_by_run():
+    """Two releases scraped by one Prometheus must not mix (ray_io_cluster, which the chart's
+    PodMonitor sets), nor two runs on one cluster (the appliance's `run` label: every RayJob on
+    a cluster shares one Ray SessionName)."""
+    for p in DASHBOARD_FILES:
+        d = load(p)
+        variables = {v["name"]: v for v in d["templating"]["list"]}
+        for name, label in (("cluster", "ray_io_cluster"), ("run", "run")):
+            assert variables[name]["query"]["query"].endswith(f", {label})"), p.name
+            assert variables[name]["allValue"] == ".*", p.name  # All matches an absent label
+        for expr in expressions(d):
+            for selector in re.findall(r"\b(ray_\w+)(\{[^}]*\})?", expr):
+                name, matchers = selector
+                if name in {"ray_appliance_steps_total", "ray_io_cluster"} and not matchers:
+                    continue  # a variable's label_values() query
+                assert 'ray_io_cluster=~"$cluster"' in matchers, (p.name, expr)
+                if name.startswith("ray_appliance_"):
+                    assert 'run=~"$run"' in matchers, (p.name, expr)
+        assert not [e for e in expressions(d) if "SessionName" in e], p.name
+    podmonitor = (ROOT / "helm/appliance/templates/podmonitor.yaml").read_text()
+    assert "targetLabel: ray_io_cluster" in podmonitor
+    assert M.RUN_TAG == "run"
 
 
 # ---------------------------------------------------------------------- PromQL

@@ -17,7 +17,9 @@ import yaml
 from tests.deploy.conftest import (
     CHART,
     HELM,
+    KUBERAY_CRD_VERSION,
     ROOT,
+    SCHEMAS,
     SHELLCHECK,
     TERRAFORM,
     crd_errors,
@@ -30,6 +32,7 @@ from tests.deploy.conftest import (
 )
 
 INSTANCE = {"a10": "g5.8xlarge", "4090": "g6e.8xlarge"}
+CLOUD_TOOLS = ("terraform", "aws", "docker", "kubectl", "helm")
 DEPLOY_SH = ROOT / "scripts" / "deploy.sh"
 
 
@@ -52,7 +55,7 @@ def traps(tmp_path: Path) -> dict[str, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "calls.log"
-    for tool in ("terraform", "aws", "docker", "kubectl", "helm"):
+    for tool in CLOUD_TOOLS:
         executable(bin_dir / tool, f'#!/bin/sh\necho "{tool} $*" >> {calls}\nexit 97\n')
     return {
         **os.environ,
@@ -120,19 +123,24 @@ def test_deploy_dry_run_prints_every_step_and_renders_the_chart(sandbox, gpu_cla
     commands = printed_commands(result.stdout)
     out = Path(sandbox["DEPLOY_OUT_DIR"])
     cluster = f"appliance-{gpu_class}"
+    repo = f"000000000000.dkr.ecr.us-east-1.amazonaws.com/{cluster}"
     expected_in_order = [
         "terraform -chdir=terraform init",
+        f"terraform -chdir=terraform workspace select -or-create=true {gpu_class}",
         f"terraform -chdir=terraform apply -input=false -var gpu_class={gpu_class}",
         "terraform -chdir=terraform output -raw cluster_name",
         "terraform -chdir=terraform output -raw irsa_role_arn",
-        f"aws eks update-kubeconfig --name {cluster} --region us-east-1",
+        f"aws eks update-kubeconfig --name {cluster} --region us-east-1 --alias {cluster}",
+        f"aws ecr describe-images --region us-east-1 --repository-name {cluster} --image-ids imageTag=",
         "aws ecr get-login-password --region us-east-1 | docker login --username AWS",
-        f"docker build -t 000000000000.dkr.ecr.us-east-1.amazonaws.com/{cluster}:",
-        f"docker push 000000000000.dkr.ecr.us-east-1.amazonaws.com/{cluster}:",
+        f"docker build --platform linux/amd64 -t {repo}:",
+        f"docker push {repo}:",
+        f"kubectl --context {cluster} apply --server-side --force-conflicts -f deploy/kuberay/crds",
         "helm repo add kuberay https://ray-project.github.io/kuberay-helm/",
-        "helm upgrade --install kuberay-operator kuberay/kuberay-operator --version",
-        "helm upgrade --install prometheus prometheus-community/kube-prometheus-stack",
+        f"helm upgrade --install kuberay-operator kuberay/kuberay-operator --version {KUBERAY_CRD_VERSION}",
+        "helm upgrade --install prometheus prometheus-community/kube-prometheus-stack --version ",
         f"helm template appliance helm/appliance --namespace appliance -f {out}/values.generated.yaml",
+        f"kubectl --context {cluster} get rayjob appliance-train --namespace appliance",
         f"helm upgrade --install appliance helm/appliance --create-namespace --namespace appliance -f {out}/values.generated.yaml",
     ]
     position = 0
@@ -145,6 +153,12 @@ def test_deploy_dry_run_prints_every_step_and_renders_the_chart(sandbox, gpu_cla
     )
     assert "kubectl port-forward -n appliance svc/appliance-head-svc 8265:8265" in result.stdout
 
+    # Every helm and kubectl call that reaches a cluster names this class's context.
+    for command in commands:
+        if command.startswith(("helm upgrade", "helm uninstall")):
+            assert command.endswith(f"--kube-context {cluster}"), command
+        if command.startswith("kubectl"):
+            assert command.startswith(f"kubectl --context {cluster} "), command
     # No cloud was touched: the traps never ran, and helm only rendered.
     assert tool_calls(sandbox) == [c for c in tool_calls(sandbox) if c.startswith("helm ")]
     assert {c.split()[1] for c in tool_calls(sandbox)} == {"version", "template"}
@@ -159,7 +173,11 @@ def test_the_dry_runs_manifests_wire_terraforms_outputs_into_the_chart(sandbox, 
     assert {"RayCluster", "RayJob", "ServiceAccount", "PodMonitor"} <= set(docs)
     for kind in ("RayCluster", "RayJob"):
         assert crd_errors(docs[kind]) == []
-    core = [f for f in files if yaml.safe_load(f.read_text())["kind"] == "ServiceAccount"]
+    core = [
+        f
+        for f in files
+        if any(d and d["kind"] == "ServiceAccount" for d in yaml.safe_load_all(f.read_text()))
+    ]
     assert kubernetes_validate(core, f"{terraform_default('kubernetes_version')}.0").returncode == 0
 
     # IRSA: the ServiceAccount the chart creates is the one the role trusts, and carries the role.
@@ -185,7 +203,12 @@ def test_the_dry_runs_manifests_wire_terraforms_outputs_into_the_chart(sandbox, 
         "labels"
     ]
     assert chart_labels == {sidecar["label"]: sidecar["labelValue"]}
-    assert stack["prometheus"]["prometheusSpec"]["podMonitorSelectorNilUsesHelmValues"] is False
+    spec = stack["prometheus"]["prometheusSpec"]
+    assert spec["podMonitorSelectorNilUsesHelmValues"] is False
+    # Prometheus keeps its data on a volume (EBS, provisioned by terraform's EBS CSI add-on).
+    claim = spec["storageSpec"]["volumeClaimTemplate"]["spec"]
+    assert claim["storageClassName"] == "gp2" and claim["resources"]["requests"]["storage"]
+    assert spec["retention"] and spec["retentionSize"]
 
 
 def test_job_arguments_and_extra_values_reach_the_rendered_chart(sandbox, tmp_path) -> None:
@@ -217,17 +240,28 @@ def test_job_arguments_and_extra_values_reach_the_rendered_chart(sandbox, tmp_pa
     assert cluster["spec"]["workerGroupSpecs"][0]["replicas"] == 2  # CHART_VALUES applied
 
 
-def test_destroy_dry_run_uninstalls_the_releases_before_terraform_destroy(sandbox) -> None:
-    result = dry_run("destroy", sandbox, "GPU_CLASS=4090", "FORCE=1")
+@pytest.mark.parametrize("gpu_class", ["a10", "4090"])
+def test_destroy_dry_run_uninstalls_the_releases_before_terraform_destroy(
+    sandbox, gpu_class
+) -> None:
+    result = dry_run("destroy", sandbox, f"GPU_CLASS={gpu_class}", "FORCE=1")
     assert result.returncode == 0, result.stdout
     commands = printed_commands(result.stdout)
+    workspace = f"terraform -chdir=terraform workspace select -or-create=true {gpu_class}"
+    (state_list,) = [
+        i for i, c in enumerate(commands) if c.startswith("terraform -chdir=terraform state list")
+    ]
+    assert commands.index(workspace) < state_list
     uninstall = [i for i, c in enumerate(commands) if c.startswith("helm uninstall")]
     (destroy,) = [
         i for i, c in enumerate(commands) if c.startswith("terraform -chdir=terraform destroy")
     ]
     assert len(uninstall) == 3 and max(uninstall) < destroy
     assert commands[uninstall[0]].startswith("helm uninstall appliance --namespace appliance")
-    assert "-var force_destroy=true" in commands[destroy - 1]
+    assert all(commands[i].endswith(f"--kube-context appliance-{gpu_class}") for i in uninstall)
+    # FORCE: only the bucket needs force_destroy first; the image repository always goes.
+    assert commands[destroy - 1].endswith("-var force_destroy=true -target=aws_s3_bucket.this")
+    assert commands[destroy].endswith(f"-var gpu_class={gpu_class}")
     assert tool_calls(sandbox) == ["helm version"]
 
 
@@ -282,7 +316,11 @@ def test_with_model_and_data_given_no_upload_is_asked_for(sandbox) -> None:
 def test_a_gpu_instance_type_reaches_terraform_and_sizes_the_chart(sandbox) -> None:
     result = dry_run("deploy", sandbox, "GPU_CLASS=a10", "GPU_INSTANCE_TYPE=g5.12xlarge")
     assert result.returncode == 0, result.stdout
-    (apply,) = [c for c in printed_commands(result.stdout) if " apply " in c]
+    (apply,) = [
+        c
+        for c in printed_commands(result.stdout)
+        if c.startswith("terraform -chdir=terraform apply")
+    ]
     assert apply.endswith("-var gpu_class=a10 -var gpu_instance_type=g5.12xlarge")
     (group,) = rendered(sandbox)["RayCluster"]["spec"]["workerGroupSpecs"]
     spec = group["template"]["spec"]
@@ -345,3 +383,24 @@ def test_the_scripts_pass_shellcheck() -> None:
     scripts = [ROOT / "scripts" / "deploy.sh", ROOT / "scripts" / "install-tools.sh"]
     result = run([require(SHELLCHECK), *scripts])
     assert result.returncode == 0, result.stdout
+
+
+def test_the_pinned_kuberay_is_the_one_whose_crds_the_repository_holds() -> None:
+    script = DEPLOY_SH.read_text()
+    (kuberay,) = re.findall(r'^KUBERAY_VERSION="\$\{KUBERAY_VERSION:-([0-9.]+)\}"', script, re.M)
+    assert kuberay == KUBERAY_CRD_VERSION
+    assert tuple(map(int, kuberay.split("."))) >= (1, 6)  # RayCluster upgradeStrategy
+    readme = (SCHEMAS.parent / "README.md").read_text()
+    assert f"v{kuberay}" in readme and "github.com/ray-project/kuberay" in readme
+    for path in sorted(SCHEMAS.glob("*.yaml")):  # what `kubectl apply -f` gets (~1 MB each)
+        head = path.read_text()[:600]
+        assert "\nkind: CustomResourceDefinition\n" in head and "\n  group: ray.io\n" in head
+    assert {p.name for p in SCHEMAS.glob("*.yaml")} == {
+        "ray.io_rayclusters.yaml",
+        "ray.io_rayjobs.yaml",
+    }
+    # kube-prometheus-stack is pinned too: an unpinned chart moves under a redeploy.
+    (stack,) = re.findall(
+        r'^KUBE_PROMETHEUS_STACK_VERSION="\$\{KUBE_PROMETHEUS_STACK_VERSION:-(.*)\}"', script, re.M
+    )
+    assert re.fullmatch(r"\d+\.\d+\.\d+", stack)

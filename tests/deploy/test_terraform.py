@@ -257,3 +257,74 @@ def test_the_readme_documents_every_variable_and_output() -> None:
     readme = (TERRAFORM / "README.md").read_text()
     missing = [n for n in [*module()["variable"], *module()["output"]] if f"`{n}`" not in readme]
     assert missing == []
+
+
+# -- zones, quota, version, S3 endpoint ----------------------------------------------------------
+
+
+def test_the_gpu_nodes_go_only_to_zones_that_offer_their_instance_type() -> None:
+    (offerings,) = module()["data"]["aws_ec2_instance_type_offerings"].values()
+    assert ref(offerings["location_type"]) == "availability-zone"
+    (instance_filter,) = offerings["filter"]
+    assert ref(instance_filter["name"]) == "instance-type"
+    assert [ref(v) for v in instance_filter["values"]] == ["local.gpu_instance_type"]
+    zones = ref(module()["locals"]["gpu_zones"])
+    assert "data.aws_ec2_instance_type_offerings.gpu.locations" in zones
+    assert "local.gpu_zones" in ref(module()["locals"]["azs"])  # offered zones first
+    gpu_nodes = module()["resource"]["aws_eks_node_group"]["gpu"]
+    assert ref(gpu_nodes["subnet_ids"]) == "local.gpu_subnet_ids"
+    assert "if contains(local.gpu_zones, az)" in ref(module()["locals"]["gpu_subnet_ids"])
+
+
+def test_the_plan_refuses_a_gpu_vcpu_quota_too_small_and_says_how_to_raise_it() -> None:
+    (quota,) = module()["data"]["aws_servicequotas_service_quota"].values()
+    # "Running On-Demand G and VT instances", in vCPUs
+    assert (ref(quota["service_code"]), ref(quota["quota_code"])) == ("ec2", "L-DB2E81BA")
+    assert "default_vcpus" in ref(module()["locals"]["gpu_vcpus"])
+    gpu_nodes = module()["resource"]["aws_eks_node_group"]["gpu"]
+    checks = [c for life in gpu_nodes["lifecycle"] for c in life["precondition"]]
+    (quota_check,) = [c for c in checks if "gpu_vcpus" in ref(c["condition"])]
+    assert ">= local.gpu_vcpus" in ref(quota_check["condition"])
+    message = ref(quota_check["error_message"])
+    assert "request-service-quota-increase --service-code ec2 --quota-code L-DB2E81BA" in message
+    assert any("length(local.gpu_subnet_ids) > 0" in ref(c["condition"]) for c in checks)
+
+
+def test_the_default_kubernetes_version_is_recent_and_stays_in_standard_support() -> None:
+    major, minor = map(
+        int, unquote(module()["variable"]["kubernetes_version"]["default"]).split(".")
+    )
+    assert (major, minor) >= (1, 35)  # 1.33 left EKS standard support in 2026
+    (policy,) = module()["resource"]["aws_eks_cluster"]["this"]["upgrade_policy"]
+    assert ref(policy["support_type"]) == "STANDARD"
+
+
+def test_s3_goes_through_a_gateway_endpoint_on_the_nodes_route_table() -> None:
+    endpoint = module()["resource"]["aws_vpc_endpoint"]["this"]
+    assert ref(endpoint["vpc_endpoint_type"]) == "Gateway"
+    assert ref(endpoint["service_name"]) == "com.amazonaws.${var.region}.s3"
+    assert [ref(r) for r in endpoint["route_table_ids"]] == ["aws_route_table.private.id"]
+    nodes = module()["resource"]["aws_eks_node_group"]
+    assert all(
+        ref(g["subnet_ids"]) in ("aws_subnet.private[*].id", "local.gpu_subnet_ids")
+        for g in nodes.values()
+    )
+
+
+def test_prometheus_volumes_can_be_provisioned() -> None:
+    addon = module()["resource"]["aws_eks_addon"]["this"]
+    assert ref(addon["addon_name"]) == "aws-ebs-csi-driver"
+    assert ref(addon["service_account_role_arn"]) == "aws_iam_role.ebs_csi.arn"
+    (statement,) = module()["data"]["aws_iam_policy_document"]["ebs_csi_assume"]["statement"]
+    subjects = [ref(v) for c in statement["condition"] for v in c["values"]]
+    assert "system:serviceaccount:kube-system:ebs-csi-controller-sa" in subjects
+    # deploy.sh asks for that volume in the StorageClass every EKS cluster has.
+    assert "storageClassName: gp2" in (ROOT / "scripts" / "deploy.sh").read_text()
+
+
+def test_destroy_deletes_the_image_repository_but_keeps_a_bucket_with_checkpoints() -> None:
+    resources = module()["resource"]
+    assert resources["aws_ecr_repository"]["this"]["force_delete"] is True  # images rebuild
+    assert ref(resources["aws_ecr_repository"]["this"]["image_tag_mutability"]) == "IMMUTABLE"
+    assert ref(resources["aws_s3_bucket"]["this"]["force_destroy"]) == "var.force_destroy"
+    assert module()["variable"]["force_destroy"]["default"] is False

@@ -1,0 +1,251 @@
+"""Stand-ins for aws, docker, kubectl, helm and terraform, for running scripts/deploy.sh for real
+(no DRY_RUN) without a cloud. Each call is appended to $FAKE_CLOUD/calls.log ("tool arg arg...")
+and answered the way the real tool answers, from a small state kept in files under $FAKE_CLOUD:
+
+    tf/<workspace>/outputs.json  terraform outputs of that workspace's stack (absent: none)
+    tf/<workspace>/resources     `terraform state list` (absent or empty: nothing deployed)
+    tf/<workspace>/force         force_destroy=true has been applied to the bucket
+    workspace                    the selected terraform workspace
+    bucket-objects               the bucket holds objects: destroy fails without force_destroy
+    ecr-tags                     image tags in the (IMMUTABLE) ECR repository, one a line
+    clusters-gone                cluster names that no longer exist, one a line
+    rayjob-checksum              the live RayJob's checksum/job annotation (absent: no RayJob)
+
+`terraform apply` creates the stack of its -var gpu_class in the selected workspace, and fails as
+a plan that would replace another class's stack if that workspace already holds one; `docker push`
+of a tag already in ECR fails as ECR's immutability does; `terraform destroy` without force_destroy
+stops at a non-empty bucket after deleting the cluster, as the real destroy does.
+
+helm `template`, `version` and `lint` run the real helm ($REAL_HELM). Written by the tests of
+tests/deploy/test_deploy_script.py into a tmp dir as `<tool>` wrappers that exec this file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+STATE = Path(os.environ["FAKE_CLOUD"])
+ACCOUNT = "000000000000"
+REGION = "us-east-1"
+
+
+def lines(name: str) -> list[str]:
+    path = STATE / name
+    return path.read_text().split() if path.exists() else []
+
+
+def add_line(name: str, value: str) -> None:
+    with open(STATE / name, "a") as f:
+        f.write(value + "\n")
+
+
+def fail(message: str, code: int = 1) -> None:
+    print(message, file=sys.stderr)
+    sys.exit(code)
+
+
+def option(args: list[str], name: str) -> str | None:
+    """The value of `--name value` or `--name=value` in args."""
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def tf_vars(args: list[str]) -> dict[str, str]:
+    return dict(args[i + 1].split("=", 1) for i, a in enumerate(args) if a == "-var")
+
+
+# -- terraform -----------------------------------------------------------------------------------
+
+
+def workspace_dir() -> Path:
+    name = (STATE / "workspace").read_text() if (STATE / "workspace").exists() else "default"
+    path = STATE / "tf" / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def outputs() -> dict[str, str]:
+    path = workspace_dir() / "outputs.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def resources() -> list[str]:
+    path = workspace_dir() / "resources"
+    return path.read_text().split() if path.exists() else []
+
+
+def stack(gpu_class: str) -> tuple[dict[str, str], list[str]]:
+    """The outputs and state of a deployed stack of one GPU class."""
+    cluster = f"appliance-{gpu_class}"
+    instance = {"a10": "g5.8xlarge", "4090": "g6e.8xlarge"}[gpu_class]
+    out = {
+        "cluster_name": cluster,
+        "region": REGION,
+        "bucket_name": f"{cluster}-bucket",
+        "irsa_role_arn": f"arn:aws:iam::{ACCOUNT}:role/{cluster}-irsa",
+        "ecr_repository_url": f"{ACCOUNT}.dkr.ecr.{REGION}.amazonaws.com/{cluster}",
+        "gpu_class": gpu_class,
+        "gpu_instance_type": instance,
+        "gpu_node_count": "1",
+        "kubernetes_namespace": "appliance",
+        "service_account_name": "appliance",
+    }
+    state = [
+        "aws_eks_cluster.this",
+        "aws_ecr_repository.this",
+        "aws_s3_bucket.this",
+        "aws_vpc.this",
+    ]
+    return out, state
+
+
+def terraform(args: list[str]) -> None:
+    args = [a for a in args if not a.startswith("-chdir=")]
+    command, rest = args[0], args[1:]
+    ws = workspace_dir()
+    if command == "init":
+        return
+    if command == "workspace" and rest[0] == "select":
+        (STATE / "workspace").write_text(rest[-1])
+        return
+    if command == "output":
+        name = rest[-1]
+        if name not in outputs():
+            fail(f'Error: Output "{name}" not found')
+        print(outputs()[name], end="")
+        return
+    if command == "state" and rest[0] == "list":
+        print("\n".join(resources()))
+        return
+    if command == "apply":
+        variables = tf_vars(rest)
+        if any(a.startswith("-target=") for a in rest):
+            if variables.get("force_destroy") == "true":
+                (ws / "force").touch()
+            return
+        gpu_class = variables["gpu_class"]
+        deployed = outputs().get("gpu_class")
+        if deployed and deployed != gpu_class:
+            fail(f"Plan: the {deployed} stack would be replaced by a {gpu_class} one")
+        out, state = stack(gpu_class)
+        (ws / "outputs.json").write_text(json.dumps(out))
+        (ws / "resources").write_text("\n".join(state))
+        return
+    if command == "destroy":
+        cluster = outputs().get("cluster_name")
+        if cluster:
+            add_line("clusters-gone", cluster)
+        if (STATE / "bucket-objects").exists() and not (ws / "force").exists():
+            # Everything but the bucket is gone; so are the outputs that named it.
+            (ws / "resources").write_text("aws_s3_bucket.this")
+            kept = {k: v for k, v in outputs().items() if k in ("bucket_name", "region")}
+            (ws / "outputs.json").write_text(json.dumps(kept))
+            fail(
+                "Error: deleting S3 Bucket: BucketNotEmpty: The bucket you tried to delete is not empty"
+            )
+        for name in ("outputs.json", "resources", "force"):
+            (ws / name).unlink(missing_ok=True)
+        return
+    fail(f"fake terraform: unexpected command {args}", 2)
+
+
+# -- aws, docker, kubectl, helm ------------------------------------------------------------------
+
+
+def aws(args: list[str]) -> None:
+    service, command = args[0], args[1]
+    if (service, command) == ("eks", "update-kubeconfig"):
+        name = option(args, "--name")
+        if name in lines("clusters-gone"):
+            fail(
+                "An error occurred (ResourceNotFoundException) when calling the DescribeCluster "
+                f"operation: No cluster found for name: {name}.",
+                254,
+            )
+        print(f"Added new context {option(args, '--alias')} to /root/.kube/config")
+        return
+    if (service, command) == ("ecr", "describe-images"):
+        tag = option(args, "--image-ids").split("=", 1)[1]
+        if tag not in lines("ecr-tags"):
+            fail(
+                "An error occurred (ImageNotFoundException) when calling the DescribeImages "
+                f"operation: The image with imageId {{imageTag:'{tag}'}} does not exist",
+                254,
+            )
+        print(json.dumps({"imageDetails": [{"imageTags": [tag]}]}))
+        return
+    if (service, command) == ("ecr", "get-login-password"):
+        print("fake-password")
+        return
+    fail(f"fake aws: unexpected command {args}", 2)
+
+
+def docker(args: list[str]) -> None:
+    if args[0] == "login":
+        sys.stdin.read()
+        print("Login Succeeded")
+        return
+    if args[0] == "build":
+        return
+    if args[0] == "push":
+        repository, tag = args[1].rsplit(":", 1)
+        if tag in lines("ecr-tags"):
+            fail(
+                f"tag invalid: The image tag '{tag}' already exists in the '{repository}' "
+                "repository and cannot be overwritten because the repository is immutable."
+            )
+        add_line("ecr-tags", tag)
+        return
+    fail(f"fake docker: unexpected command {args}", 2)
+
+
+def cluster_reachable(args: list[str]) -> None:
+    context = option(args, "--context") or option(args, "--kube-context")
+    if context is None:
+        fail("fake: no kube context given: the call would act on whatever context is current", 3)
+    if context in lines("clusters-gone"):
+        fail("Error: Kubernetes cluster unreachable: dial tcp: lookup on 127.0.0.53: no such host")
+
+
+def kubectl(args: list[str]) -> None:
+    cluster_reachable(args)
+    checksum = STATE / "rayjob-checksum"
+    if args[2:4] == ["get", "rayjob"]:
+        if checksum.exists():
+            print(checksum.read_text(), end="")
+        return
+    if args[2:4] == ["delete", "rayjob"]:
+        if not checksum.exists():
+            fail(f'Error from server (NotFound): rayjobs.ray.io "{args[4]}" not found')
+        checksum.unlink()
+        return
+    if args[2] == "apply":
+        return
+    fail(f"fake kubectl: unexpected command {args}", 2)
+
+
+def helm(args: list[str]) -> None:
+    if args[0] in ("template", "version", "lint"):
+        os.execv(os.environ["REAL_HELM"], ["helm", *args])
+    if args[0] == "repo":
+        return
+    cluster_reachable(args)
+    if args[0] in ("upgrade", "uninstall"):
+        return
+    fail(f"fake helm: unexpected command {args}", 2)
+
+
+TOOLS = {"terraform": terraform, "aws": aws, "docker": docker, "kubectl": kubectl, "helm": helm}
+
+if __name__ == "__main__":
+    tool, args = sys.argv[1], sys.argv[2:]
+    with open(STATE / "calls.log", "a") as log:
+        log.write(" ".join([tool, *args]) + "\n")
+    TOOLS[tool](args)

@@ -1,0 +1,254 @@
+"""`make deploy` and `make destroy` for real (no DRY_RUN), twice and out of order, against the
+stand-ins of tests/deploy/fake_cloud.py: aws, docker, kubectl, helm and terraform that record each
+call and answer as the real ones would (the tag already in ECR, the cluster already gone, an
+output missing, a bucket that still holds checkpoints). The assertions are on the calls made and
+their order."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.deploy.conftest import HELM, ROOT, require
+from tests.deploy.test_deploy_script import CLOUD_TOOLS, make_command
+
+FAKE = Path(__file__).with_name("fake_cloud.py")
+ECR = "000000000000.dkr.ecr.us-east-1.amazonaws.com"
+
+
+class Cloud:
+    """The fake cloud's state directory and the environment that puts the fakes on PATH."""
+
+    def __init__(self, tmp_path: Path):
+        self.state = tmp_path / "cloud"
+        self.state.mkdir()
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        for tool in CLOUD_TOOLS:
+            path = bin_dir / tool
+            path.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "{FAKE}" {tool} "$@"\n')
+            path.chmod(path.stat().st_mode | stat.S_IEXEC)
+        self.out = tmp_path / "out"
+        self.env = {
+            **os.environ,
+            "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+            "HELM": str(bin_dir / "helm"),
+            "REAL_HELM": str(require(HELM)),
+            "FAKE_CLOUD": str(self.state),
+            "AUTO_APPROVE": "1",
+        }
+
+    def make(self, target: str, *args: str) -> subprocess.CompletedProcess[str]:
+        """`make TARGET ARGS...`, with only this call's tool calls left in the log."""
+        (self.state / "calls.log").unlink(missing_ok=True)
+        gpu_class = next((a.split("=")[1] for a in args if a.startswith("GPU_CLASS=")), "a10")
+        return subprocess.run(
+            [*make_command(), target, f"DEPLOY_OUT_DIR={self.out / gpu_class}", *args],
+            cwd=ROOT,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=120,
+        )
+
+    def calls(self) -> list[str]:
+        log = self.state / "calls.log"
+        return log.read_text().splitlines() if log.exists() else []
+
+    def outputs(self, workspace: str) -> dict[str, str]:
+        path = self.state / "tf" / workspace / "outputs.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def rendered_job_checksum(self, gpu_class: str) -> str:
+        manifest = self.out / gpu_class / "manifests/appliance/templates/rayjob.yaml"
+        (line,) = [x for x in manifest.read_text().splitlines() if "checksum/job:" in x]
+        return line.split(":", 1)[1].strip()
+
+
+@pytest.fixture
+def cloud(tmp_path: Path) -> Cloud:
+    return Cloud(tmp_path)
+
+
+def in_order(calls: list[str], *expected: str) -> None:
+    """Each expected prefix matches a call, in this order."""
+    position = 0
+    for prefix in expected:
+        later = [i for i, c in enumerate(calls) if i >= position and c.startswith(prefix)]
+        assert later, f"no call starting {prefix!r} after call {position}:\n" + "\n".join(calls)
+        position = later[0] + 1
+
+
+def starting(calls: list[str], prefix: str) -> list[str]:
+    return [c for c in calls if c.startswith(prefix)]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("gpu_class", ["a10", "4090"])
+def test_a_second_deploy_reuses_the_image_and_reruns_the_job_only_when_it_changed(
+    cloud, gpu_class
+) -> None:
+    cluster = f"appliance-{gpu_class}"
+    first = cloud.make("deploy", f"GPU_CLASS={gpu_class}")
+    assert first.returncode == 0, first.stdout
+    calls = cloud.calls()
+    in_order(
+        calls,
+        "terraform -chdir=terraform init",
+        f"terraform -chdir=terraform workspace select -or-create=true {gpu_class}",
+        f"terraform -chdir=terraform apply -input=false -auto-approve -var gpu_class={gpu_class}",
+        f"aws eks update-kubeconfig --name {cluster} --region us-east-1 --alias {cluster}",
+        f"aws ecr describe-images --region us-east-1 --repository-name {cluster}",
+        "aws ecr get-login-password",
+        f"docker build --platform linux/amd64 -t {ECR}/{cluster}:",
+        f"docker push {ECR}/{cluster}:",
+        f"kubectl --context {cluster} apply --server-side --force-conflicts -f deploy/kuberay/crds",
+        "helm upgrade --install kuberay-operator kuberay/kuberay-operator --version 1.7.0",
+        "helm upgrade --install prometheus prometheus-community/kube-prometheus-stack",
+        "helm template appliance helm/appliance",
+        f"kubectl --context {cluster} get rayjob appliance-train",
+        "helm upgrade --install appliance helm/appliance",
+    )
+    assert starting(calls, "kubectl --context") == [c for c in calls if c.startswith("kubectl")]
+    # Helm created the RayJob with the rendered checksum.
+    checksum = cloud.rendered_job_checksum(gpu_class)
+    (cloud.state / "rayjob-checksum").write_text(checksum)
+
+    # The same deploy again: the tag is in ECR (IMMUTABLE: a push would be refused), so nothing
+    # is built or pushed; the job is unchanged, so it is left alone (running or finished).
+    second = cloud.make("deploy", f"GPU_CLASS={gpu_class}")
+    assert second.returncode == 0, second.stdout
+    calls = cloud.calls()
+    assert starting(calls, "docker") == [] and starting(calls, "aws ecr get-login") == []
+    assert "already in ECR (not rebuilt)" in second.stdout
+    assert starting(calls, "kubectl --context") == [
+        f"kubectl --context {cluster} apply --server-side --force-conflicts -f deploy/kuberay/crds",
+        f"kubectl --context {cluster} get rayjob appliance-train --namespace appliance "
+        "--ignore-not-found -o go-template={{with .metadata.annotations}}"
+        '{{index . "checksum/job"}}{{end}}',
+    ]
+    assert "RayJob appliance-train: unchanged" in second.stdout
+    assert (cloud.state / "rayjob-checksum").exists()
+
+    # New job arguments: the live RayJob is deleted before helm upgrades the release (KubeRay
+    # would never resubmit it), and helm creates the new one.
+    third = cloud.make("deploy", f"GPU_CLASS={gpu_class}", "STEPS=7")
+    assert third.returncode == 0, third.stdout
+    calls = cloud.calls()
+    in_order(
+        calls,
+        "helm template appliance helm/appliance",
+        f"kubectl --context {cluster} get rayjob appliance-train",
+        f"kubectl --context {cluster} delete rayjob appliance-train --namespace appliance --wait",
+        "helm upgrade --install appliance helm/appliance",
+    )
+    assert not (cloud.state / "rayjob-checksum").exists()
+    assert cloud.rendered_job_checksum(gpu_class) != checksum
+
+
+@pytest.mark.integration
+def test_rerun_deletes_an_unchanged_job_so_that_it_trains_again(cloud) -> None:
+    assert cloud.make("deploy", "GPU_CLASS=a10").returncode == 0
+    (cloud.state / "rayjob-checksum").write_text(cloud.rendered_job_checksum("a10"))
+    again = cloud.make("deploy", "GPU_CLASS=a10", "RERUN=1")
+    assert again.returncode == 0, again.stdout
+    in_order(
+        cloud.calls(),
+        "kubectl --context appliance-a10 get rayjob appliance-train",
+        "kubectl --context appliance-a10 delete rayjob appliance-train",
+        "helm upgrade --install appliance helm/appliance",
+    )
+
+
+@pytest.mark.integration
+def test_the_two_gpu_classes_keep_separate_states(cloud) -> None:
+    assert cloud.make("deploy", "GPU_CLASS=a10").returncode == 0
+    # In one shared state, this apply would plan to replace the a10 stack (the fake refuses it).
+    deploy_4090 = cloud.make("deploy", "GPU_CLASS=4090")
+    assert deploy_4090.returncode == 0, deploy_4090.stdout
+    assert cloud.outputs("a10")["cluster_name"] == "appliance-a10"
+    assert cloud.outputs("4090")["cluster_name"] == "appliance-4090"
+
+    destroy_4090 = cloud.make("destroy", "GPU_CLASS=4090")
+    assert destroy_4090.returncode == 0, destroy_4090.stdout
+    calls = cloud.calls()
+    in_order(
+        calls,
+        "terraform -chdir=terraform workspace select -or-create=true 4090",
+        "terraform -chdir=terraform state list",
+        "aws eks update-kubeconfig --name appliance-4090 --region us-east-1 --alias appliance-4090",
+        "helm uninstall appliance --namespace appliance --ignore-not-found --wait "
+        "--kube-context appliance-4090",
+        "helm uninstall prometheus",
+        "helm uninstall kuberay-operator",
+        "terraform -chdir=terraform destroy -input=false -auto-approve -var gpu_class=4090",
+    )
+    assert not [c for c in calls if "appliance-a10" in c]
+    assert cloud.outputs("4090") == {}
+    assert cloud.outputs("a10")["cluster_name"] == "appliance-a10"  # untouched
+
+
+@pytest.mark.integration
+def test_destroy_stops_at_a_bucket_with_checkpoints_and_a_force_rerun_finishes(cloud) -> None:
+    assert cloud.make("deploy", "GPU_CLASS=a10").returncode == 0
+    (cloud.state / "bucket-objects").touch()
+
+    first = cloud.make("destroy", "GPU_CLASS=a10")
+    assert first.returncode != 0
+    assert "rerun with FORCE=1" in first.stdout
+    # The image repository is not what stopped it: it is deleted with its images.
+    assert "aws_ecr_repository" not in first.stdout
+
+    # The rerun: the cluster is gone and its outputs with it; every step before terraform
+    # destroy is skipped instead of stopping the script.
+    rerun = cloud.make("destroy", "GPU_CLASS=a10", "FORCE=1")
+    assert rerun.returncode == 0, rerun.stdout
+    calls = cloud.calls()
+    in_order(
+        calls,
+        "terraform -chdir=terraform workspace select -or-create=true a10",
+        "terraform -chdir=terraform state list",
+        "terraform -chdir=terraform output -raw cluster_name",
+        "terraform -chdir=terraform apply -input=false -auto-approve -var gpu_class=a10 "
+        "-var force_destroy=true -target=aws_s3_bucket.this",
+        "terraform -chdir=terraform destroy -input=false -auto-approve -var gpu_class=a10",
+    )
+    assert starting(calls, "helm uninstall") == [] and starting(calls, "aws eks") == []
+    assert "no cluster_name/region output: the cluster is gone" in rerun.stdout
+    assert cloud.outputs("a10") == {}
+
+
+@pytest.mark.integration
+def test_destroy_when_the_cluster_is_gone_but_its_outputs_remain(cloud) -> None:
+    assert cloud.make("deploy", "GPU_CLASS=4090").returncode == 0
+    (cloud.state / "clusters-gone").write_text("appliance-4090\n")
+    result = cloud.make("destroy", "GPU_CLASS=4090")
+    assert result.returncode == 0, result.stdout
+    calls = cloud.calls()
+    in_order(
+        calls,
+        "aws eks update-kubeconfig --name appliance-4090",
+        "terraform -chdir=terraform destroy",
+    )
+    assert starting(calls, "helm uninstall") == []  # never against whatever context is current
+    assert "cluster appliance-4090 does not answer" in result.stdout
+
+
+@pytest.mark.integration
+def test_destroying_a_class_that_was_never_deployed_does_nothing(cloud) -> None:
+    result = cloud.make("destroy", "GPU_CLASS=4090", "FORCE=1")
+    assert result.returncode == 0, result.stdout
+    assert "nothing to destroy" in result.stdout
+    assert cloud.calls() == [
+        "helm version",
+        "terraform -chdir=terraform init -input=false",
+        "terraform -chdir=terraform workspace select -or-create=true 4090",
+        "terraform -chdir=terraform state list",
+    ]
