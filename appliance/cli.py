@@ -146,5 +146,18 @@ def bench(options: tuple[str, ...]) -> None:
     sys.exit(B.main(list(options), prog="appliance bench"))
 
 
+def entry() -> None:
+    """The `appliance` executable: `main`, then an exit that is safe with Ray's threads still
+    running (appliance/exit.py says why)."""
+    from . import exit as E
+
+    E.install()  # before Ray is imported, so that it runs after Ray's own exit hook
+    try:
+        main()
+    except SystemExit as e:
+        E.set_exit_code(E.exit_code_of(e))
+        raise
+
+
 if __name__ == "__main__":
-    main()
+    entry()

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import pytest
 
+from appliance import exit as appliance_exit
 from tests.helpers_ray import ray_session
+
+# Ray's native threads outlive ray.shutdown() and can crash the interpreter's exit after a green
+# run (issue 17; appliance/exit.py has the evidence): end this process the way `appliance` ends,
+# with pytest's own exit status, once every atexit handler has run. Installed here, before any
+# test module imports Ray, so that it runs after Ray's own exit hook.
+appliance_exit.install()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    appliance_exit.set_exit_code(int(exitstatus))
 
 
 @pytest.fixture(scope="module")

@@ -23,9 +23,14 @@ pytestmark = pytest.mark.integration
 
 
 def shut_down(c: Cluster) -> None:
-    """Stop every node of `c` and wait until their processes are gone (asserted)."""
+    """Stop every node of `c` and wait until their processes are gone (asserted).
+
+    `Cluster.shutdown` leaves the GCS connection it opened for `wait_for_nodes` (its
+    `global_state`, a C++ thread named `global.accessor`) running into interpreter exit;
+    disconnect it here."""
     procs = ray_descendants()
     c.shutdown()
+    c.global_state.disconnect()
     wait_gone(procs)
 
 
