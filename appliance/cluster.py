@@ -33,6 +33,11 @@ SHM_DIR = "/dev/shm"
 SHM_MARGIN_BYTES = GIB
 #: Ray refuses a smaller object store (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES).
 RAY_MIN_OBJECT_STORE_BYTES = 75 * 1024**2
+#: Share of the RAM available at start left to processes (trainers, tokenizer workers, Ray's
+#: own) when /dev/shm is as large as RAM itself (a default tmpfs is half of RAM, some hosts'
+#: all of it): a store sized to /dev/shm alone would leave them nothing, and Ray refuses to
+#: start when the store leaves tasks under 5% of RAM.
+RAM_RESERVE_FRACTION = 0.2
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,8 @@ def object_store_bytes(cfg: TrainConfig, shm_dir: str = SHM_DIR) -> tuple[int | 
     """The embedded Ray object store's size in bytes and where it came from.
 
     --object-store-memory when given; else what /dev/shm holds now less a margin
-    (SHM_MARGIN_BYTES, or a tenth of a small /dev/shm), never under Ray's minimum. Ray's own
+    (SHM_MARGIN_BYTES, or a tenth of a small /dev/shm) and at most 80% of the RAM available
+    (RAM_RESERVE_FRACTION), never under Ray's minimum. Ray's own
     default is 30% of RAM, capped by /dev/shm: `docker run --shm-size=100g` on a 128 GiB host got a
     38 GiB store, and a 34B or 70B weight store spilled to disk. None (Ray's default) where there
     is no /dev/shm (macOS).
@@ -67,8 +73,20 @@ def object_store_bytes(cfg: TrainConfig, shm_dir: str = SHM_DIR) -> tuple[int | 
     if available is None:
         return None, "Ray's default (no /dev/shm)"
     margin = min(SHM_MARGIN_BYTES, available // 10)
-    size = max(available - margin, RAY_MIN_OBJECT_STORE_BYTES)
-    return size, f"{shm_dir} holds {available / GIB:.1f} GiB"
+    size, source = available - margin, f"{shm_dir} holds {available / GIB:.1f} GiB"
+    ram = ram_available_bytes()
+    ram_cap = int(ram * (1 - RAM_RESERVE_FRACTION))
+    if ram_cap < size:
+        size = ram_cap
+        source = f"{1 - RAM_RESERVE_FRACTION:.0%} of the {ram / GIB:.1f} GiB of RAM available"
+    return max(size, RAY_MIN_OBJECT_STORE_BYTES), source
+
+
+def ram_available_bytes() -> int:
+    """RAM available to new allocations now (cgroup-aware where psutil is: `free`'s available)."""
+    import psutil
+
+    return psutil.virtual_memory().available
 
 
 def weight_store_bytes(model_dir: str | Path, dtype: str) -> int:

@@ -1,6 +1,6 @@
 """Ray started in the test process, and proof that it is gone again afterwards.
 
-Every fixture that starts Ray here goes through `ray_session` (or `ray_descendants` and
+Every fixture that starts Ray here goes through `ray_session` (or `node_processes` and
 `wait_gone` around a `ray.cluster_utils.Cluster`'s shutdown): it shuts Ray down, waits for the processes Ray started (GCS, raylet,
 agents, workers: descendants of this process) to exit, and fails the test if any is left. A Ray
 process outliving its test keeps CPUs busy under the next test and, left until interpreter exit,
@@ -33,6 +33,21 @@ def ray_descendants() -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             pass
     return alive
+
+
+def node_processes(nodes) -> list[psutil.Process]:
+    """The processes of `ray.cluster_utils.Cluster` nodes (GCS, raylet, agents) and their
+    descendants (the workers): only those nodes', whatever else runs beside them."""
+    procs = []
+    for node in nodes:
+        for infos in node.all_processes.values():
+            for info in infos:
+                try:
+                    top = psutil.Process(info.process.pid)
+                    procs += [top, *top.children(recursive=True)]
+                except psutil.NoSuchProcess:
+                    pass
+    return procs
 
 
 def _is_ray(p: psutil.Process) -> bool:

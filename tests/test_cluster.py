@@ -16,7 +16,7 @@ from appliance.errors import ConfigError
 from appliance.progress import Progress
 from appliance.run import write_run_file
 from tests.helpers_model import make_model
-from tests.helpers_ray import ray_descendants, wait_gone
+from tests.helpers_ray import node_processes, wait_gone
 from tests.helpers_tokenizer import sentences
 
 pytestmark = pytest.mark.integration
@@ -28,7 +28,7 @@ def shut_down(c: Cluster) -> None:
     `Cluster.shutdown` leaves the GCS connection it opened for `wait_for_nodes` (its
     `global_state`, a C++ thread named `global.accessor`) running into interpreter exit;
     disconnect it here."""
-    procs = ray_descendants()
+    procs = node_processes(c.list_all_nodes())  # not the other cluster a test may run beside
     c.shutdown()
     c.global_state.disconnect()
     wait_gone(procs)

@@ -89,8 +89,19 @@ def test_the_object_store_follows_the_tmpfs_on_dev_shm(sized, case) -> None:
     total = {"600m": 600 * MIB, "3g": 3 * GIB}[size]
     assert got["available"] == total - fill_mib * MIB  # what it really holds, not its size
     margin = min(cluster.SHM_MARGIN_BYTES, got["available"] // 10)
-    assert got["store"] == got["available"] - margin
+    assert got["store"] == got["available"] - margin  # these tmpfs are far smaller than RAM
     assert got["override"] == 300 * MIB  # --object-store-memory wins
+
+
+def test_a_dev_shm_as_large_as_ram_leaves_the_processes_a_fifth_of_it(monkeypatch) -> None:
+    # /dev/shm on this machine's kind is as large as its RAM: sized to it, Ray refused to start
+    shm, ram = 24 * GIB, 20 * GIB
+    monkeypatch.setattr(cluster, "shm_available_bytes", lambda _dir: shm)
+    monkeypatch.setattr(cluster, "ram_available_bytes", lambda: ram)
+    size, source = cluster.object_store_bytes(TrainConfig())
+    assert size == int(ram * 0.8) and source == "80% of the 20.0 GiB of RAM available"
+    monkeypatch.setattr(cluster, "ram_available_bytes", lambda: 200 * GIB)
+    assert cluster.object_store_bytes(TrainConfig()) == (shm - GIB, "/dev/shm holds 24.0 GiB")
 
 
 def test_a_dev_shm_too_small_for_ray_still_gets_rays_minimum(sized) -> None:
