@@ -37,9 +37,9 @@ import torch
 from .blocks import FlatIndex, dtype_from_name, unpack
 from .engine import StreamedEngine
 from .errors import ConfigError
-from .hf_checkpoint import block_names
 from .lora import LoraSpec, LoraWeights
 from .model import ModelArgs
+from .models import block_shapes
 
 MiB, GiB = 2**20, 2**30
 COPY_BYTES = 256 * MiB  # per bandwidth measurement
@@ -143,18 +143,7 @@ class SyntheticBlockSource:
         return self.args.num_layers
 
     def _shapes(self, i: int) -> dict[str, tuple[int, ...]]:
-        a, prefix = self.args, f"model.layers.{i}."
-        shapes = {}
-        for name in block_names(a, i):
-            key = name[len(prefix) :]
-            module, kind = key.rsplit(".", 1)
-            if "layernorm" in module:
-                shapes[key] = (a.hidden_size,)
-            elif kind == "weight":
-                shapes[key] = a.module_shape(module)
-            else:  # bias
-                shapes[key] = (a.module_shape(module)[0],)
-        return shapes
+        return block_shapes(self.args)
 
     def _fill(self, t: torch.Tensor, name: str, i: int) -> None:
         if "norm" in name:

@@ -1,0 +1,23 @@
+"""Llama, Mistral, Qwen2: the block of model.py (pre-norm attention and SwiGLU MLP)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import model as M
+
+NORMS = ("input_layernorm", "post_attention_layernorm")
+LINEARS = tuple(M.TARGET_MODULES.values())  # q, k, v, o, gate, up, down
+TARGETS = tuple(M.TARGET_MODULES)
+
+
+def block_forward(
+    x: torch.Tensor,
+    w: dict[str, torch.Tensor],
+    args: M.ModelArgs,
+    layer: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    lora: M.LoraContext | None,
+) -> torch.Tensor:
+    return M.block_forward(x, w, args, cos, sin, lora)
