@@ -6,6 +6,7 @@ No timing is asserted: only that every number is measured, consistent and writte
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -14,8 +15,11 @@ import pytest
 import torch
 
 from appliance import bench as B
+from appliance.engine import StreamedEngine
 from appliance.errors import ConfigError
 from appliance.hf_checkpoint import block_names
+from appliance.lora import LoraSpec, LoraWeights
+from appliance.models import block_shapes
 
 ROW_FIELDS = {
     "mode", "tokens_per_step", "fits", "resident_blocks", "blocks", "streamed_bytes",
@@ -177,3 +181,35 @@ def test_1b_streamed_under_a_small_budget_agrees_with_resident():
     assert abs(s[0] - r[0]) <= 1e-6 * abs(r[0])
     for a, b in zip(s, r, strict=True):
         assert abs(a - b) <= 1e-3 * abs(b), (s, r)
+
+
+# published parameter counts (Gemma 3 12B: its text part, without the 0.4B vision tower)
+FAMILY_PARAMS = {
+    "qwen3-8b": 8.19e9,
+    "gemma2-9b": 9.24e9,
+    "gemma3-12b": 11.77e9,
+    "phi4-mini": 3.84e9,
+}
+
+
+@pytest.mark.parametrize("preset", sorted(FAMILY_PARAMS))
+def test_family_presets_have_their_models_real_size_and_run_shrunk_on_a_cpu(preset):
+    args = B.PRESETS[preset].args
+    assert abs(args.param_count() / FAMILY_PARAMS[preset] - 1) < 0.01, args.param_count()
+    # the same family and features at a tiny width: the synthetic source builds its blocks and
+    # a streamed step runs on them (windows and soft caps on: seq_len 32 > 16)
+    tiny = dataclasses.replace(
+        args, vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2 if
+        args.layer_types is None else 6, num_heads=4, num_kv_heads=2, head_dim=16,
+        sliding_window=16,
+        layer_types=args.layer_types and args.layer_types[:6],
+        rope_scaling=None if args.partial_rotary_factor == 1 else (
+            ("long_factor", (1.0,) * 6), ("original_max_position_embeddings", 16.0),
+            ("rope_type", "longrope"), ("short_factor", (1.0,) * 6)),
+    )  # fmt: skip
+    src = B.SyntheticBlockSource(tiny, torch.float32)
+    w = src.block(1)
+    assert {k: tuple(t.shape) for k, t in w.items()} == block_shapes(tiny)
+    ids = torch.randint(0, 128, (2, 32))
+    stats = StreamedEngine(src, LoraWeights(tiny, LoraSpec(rank=2))).train_step([(ids, ids)], 1e-3)
+    assert math.isfinite(stats.loss)
