@@ -251,6 +251,7 @@ def attend(
     scale: float | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of q (B, nh, T, hs) over k, v (B, nkv, T, hs) → (B, nh, T, hs).
 
@@ -259,14 +260,18 @@ def attend(
     kernels, fastest first: SDPA's causal fast path (no window shorter than T, no softcap);
     SDPA with an explicit boolean mask (a window shorter than T); scores written out in full,
     softmax in fp32 (softcap, which SDPA cannot take), as transformers' eager attention does.
+    `mask`: a bool (B, 1, T, T) of what else may be seen (True: may), e.g. packed documents'
+    same-document mask; it takes the masked paths.
     """
     T, gqa = q.shape[2], q.shape[1] != k.shape[1]
-    if softcap is None and (window is None or window >= T):
+    if mask is None and softcap is None and (window is None or window >= T):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     i = torch.arange(T, device=q.device)
     keep = i[None, :] <= i[:, None]  # (T, T): key j ≤ query t
     if window is not None and window < T:
         keep = keep & (i[:, None] - i[None, :] < window)
+    if mask is not None:
+        keep = keep & mask  # (B, 1, T, T)
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
     if gqa:  # query head h reads key/value head h // (nh / nkv)

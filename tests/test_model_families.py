@@ -118,3 +118,18 @@ def test_attention_kernels_agree_where_their_domains_meet():
         attend(q, k, v, window=4, softcap=1e6), attend(q, k, v, window=4), atol=1e-6
     )
     assert not torch.allclose(attend(q, k, v, window=4), fast)
+
+
+@pytest.mark.parametrize("softcap", [None, 1.0])
+def test_a_document_mask_makes_a_packed_document_attend_as_if_alone(softcap):
+    """model.attend's `mask` (packed documents) composes with the window and the soft cap."""
+    from appliance.model import attend
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, n, 12, 8, generator=g) for n in (4, 2, 2))
+    segments = torch.tensor([[0] * 5 + [1] * 7])
+    mask = (segments[:, :, None] == segments[:, None, :])[:, None]  # (1, 1, T, T)
+    packed = attend(q, k, v, window=4, softcap=softcap, mask=mask)
+    alone = attend(q[:, :, 5:], k[:, :, 5:], v[:, :, 5:], window=4, softcap=softcap)
+    torch.testing.assert_close(packed[:, :, 5:], alone)
+    assert not torch.allclose(attend(q, k, v, window=4, softcap=softcap)[:, :, 5:], alone)

@@ -5,7 +5,7 @@ A family is a module of pure functions and tables (see llama.py, qwen3.py, gemma
 - NORMS: the block's RMSNorm weights (hidden-sized), LINEARS: its linear modules (HF names);
 - TARGETS: the LoRA target short names it has (and FUSED, for fused modules, the Llama
   targets each one stands for);
-- block_forward(x, w, args, layer, cos, sin, lora): one block, (B, T, C) → (B, T, C).
+- block_forward(x, w, args, layer, cos, sin, lora, mask): one block, (B, T, C) → (B, T, C).
 
 Everything here is keyed by the block's HF tensor names without the `model.layers.{i}.` prefix.
 Attention kernels (model.attend): Llama, Mistral, Qwen2, Qwen3 and Phi-3 run SDPA's causal fast
@@ -78,11 +78,12 @@ def block_forward(
     cos: torch.Tensor,
     sin: torch.Tensor,
     lora: M.LoraContext | None = None,
+    mask: torch.Tensor | None = None,
     layer: int = 0,
 ) -> torch.Tensor:
     """Block `layer` of the model's family: (B, T, C) → (B, T, C). cos/sin: the table that block
-    takes (ModelArgs.local_rope)."""
-    return family(args).block_forward(x, w, args, layer, cos, sin, lora)
+    takes (ModelArgs.local_rope); `mask`: see model.attend (None: causal)."""
+    return family(args).block_forward(x, w, args, layer, cos, sin, lora, mask)
 
 
 def resolve_targets(args: M.ModelArgs, targets: tuple[str, ...]) -> tuple[str, ...]:

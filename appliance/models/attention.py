@@ -60,11 +60,14 @@ def self_attention(
     sin: torch.Tensor,
     lora: M.LoraContext | None,
     fused: bool = False,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Block `layer`'s attention: (B, T, C) → (B, T, C), its window from ModelArgs.window."""
+    """Block `layer`'s attention: (B, T, C) → (B, T, C), its window from ModelArgs.window;
+    `mask`: see model.attend (packed documents)."""
     B, T, _ = x.shape
     q, k, v = project_qkv(x, w, args, lora, fused)
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-    y = M.attend(q, k, v, args.attn_scale, args.window(layer), args.attn_softcap)  # (B, nh, T, hs)
+    window, cap = args.window(layer), args.attn_softcap
+    y = M.attend(q, k, v, args.attn_scale, window, cap, mask)  # (B, nh, T, hs)
     y = y.transpose(1, 2).reshape(B, T, args.num_heads * args.head_dim)
     return M.linear(y, w, "self_attn.o_proj", lora)

@@ -42,9 +42,12 @@ def block_forward(
     cos: torch.Tensor,
     sin: torch.Tensor,
     lora: M.LoraContext | None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(B, T, C) → (B, T, C)."""
-    h = self_attention(norm(x, w, "input_layernorm", args), w, args, layer, cos, sin, lora)
+    h = self_attention(
+        norm(x, w, "input_layernorm", args), w, args, layer, cos, sin, lora, mask=mask
+    )
     x = x + norm(h, w, "post_attention_layernorm", args)
     h = mlp(norm(x, w, "pre_feedforward_layernorm", args), w, lora)
     return x + norm(h, w, "post_feedforward_layernorm", args)

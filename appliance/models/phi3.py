@@ -34,10 +34,11 @@ def block_forward(
     cos: torch.Tensor,
     sin: torch.Tensor,
     lora: M.LoraContext | None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(B, T, C) → (B, T, C). (transformers' resid_pdrop dropout is not applied: fine-tuning
     configs set it to 0.)"""
     eps = args.rms_norm_eps
     h = M.rms_norm(x, w["input_layernorm.weight"], eps)
-    x = x + self_attention(h, w, args, layer, cos, sin, lora, fused=True)
+    x = x + self_attention(h, w, args, layer, cos, sin, lora, fused=True, mask=mask)
     return x + mlp(M.rms_norm(x, w["post_attention_layernorm.weight"], eps), w, lora)

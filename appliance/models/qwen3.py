@@ -21,9 +21,10 @@ def block_forward(
     cos: torch.Tensor,
     sin: torch.Tensor,
     lora: M.LoraContext | None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(B, T, C) → (B, T, C)."""
     eps = args.rms_norm_eps
     h = M.rms_norm(x, w["input_layernorm.weight"], eps)
-    x = x + self_attention(h, w, args, layer, cos, sin, lora)
+    x = x + self_attention(h, w, args, layer, cos, sin, lora, mask=mask)
     return x + M.mlp(M.rms_norm(x, w["post_attention_layernorm.weight"], eps), w, lora)
