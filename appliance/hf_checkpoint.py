@@ -179,7 +179,7 @@ def _llama_fields(arch: str, cfg: dict, where: Path) -> dict[str, Any]:
     """Llama, Mistral, Qwen2."""
     _activation(cfg, where, "hidden_act", "silu")
     field, rope = _rope_dict(cfg)
-    theta, scaling = _rope(rope, cfg, where, field, ("llama3", "linear"))
+    theta, scaling = _rope(rope, cfg, where, field, ("llama3",))
     _no_partial_rotary(cfg, rope, where)
     out: dict[str, Any] = dict(rope_theta=theta, rope_scaling=scaling)
     out["mlp_bias"] = bool(cfg.get("mlp_bias", False))
@@ -198,7 +198,7 @@ def _qwen3_fields(cfg: dict, where: Path) -> dict[str, Any]:
     if cfg.get("use_sliding_window", False):
         raise ModelError(f"{where}: use_sliding_window=true is not supported")
     field, rope = _rope_dict(cfg)
-    theta, scaling = _rope(rope, cfg, where, field, ("linear",))
+    theta, scaling = _rope(rope, cfg, where, field, ())
     _no_partial_rotary(cfg, rope, where)
     return dict(rope_theta=theta, rope_scaling=scaling, qk_norm=True)
 
