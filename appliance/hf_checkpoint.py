@@ -223,14 +223,13 @@ def _layer_types(cfg: dict, where: Path, num_layers: int, pattern: int) -> tuple
 
 def _gemma_fields(arch: str, cfg: dict, where: Path, num_layers: int) -> dict[str, Any]:
     """Gemma 2 and Gemma 3 (text)."""
-    _activation(cfg, where, "hidden_activation" if "hidden_activation" in cfg else "hidden_act",
-                "gelu_pytorch_tanh")  # fmt: skip
+    key = "hidden_activation" if "hidden_activation" in cfg else "hidden_act"  # the first wins
+    _activation(cfg, where, key, "gelu_pytorch_tanh")
     if cfg.get("use_bidirectional_attention"):
         raise ModelError(f"{where}: use_bidirectional_attention=true is not supported")
     hidden = int(cfg["hidden_size"])
     gemma3 = arch == "Gemma3ForCausalLM"
     out: dict[str, Any] = dict(
-        hidden_act="gelu_pytorch_tanh",
         norm_offset=1.0,
         embed_scale=hidden**0.5,
         attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
@@ -275,7 +274,7 @@ def _phi3_fields(cfg: dict, where: Path, common: dict[str, Any]) -> dict[str, An
     theta, scaling = _rope(rope, cfg, where, field, ("longrope",))
     partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
     rot = int(common["head_dim"] * partial)
-    if not 0 < partial <= 1 or rot % 2:
+    if not 0 < partial <= 1 or rot < 2 or rot % 2:
         raise ModelError(
             f"{where}: partial_rotary_factor={partial} gives {rot} rotated dimensions per head; "
             "need an even number ≥ 2"

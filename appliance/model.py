@@ -56,7 +56,6 @@ class ModelArgs:
     eos_token_id: int | None = None
     pad_token_id: int | None = None
     # ---- what the newer families add (defaults: Llama); see appliance/models/
-    hidden_act: str = "silu"  # MLP gate activation: silu | gelu_pytorch_tanh (Gemma)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
     norm_offset: float = 0.0  # RMSNorm scales by (offset + w) in fp32: 1.0 for Gemma
     embed_scale: float | None = None  # embeddings × this (Gemma: sqrt(hidden_size))

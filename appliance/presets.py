@@ -58,7 +58,7 @@ def _gemma(arch: str, *shape: int, window: int, pattern: int, **kw) -> ModelArgs
     )
     return _family(
         arch, *shape,
-        hidden_act="gelu_pytorch_tanh", norm_offset=1.0, embed_scale=shape[1] ** 0.5,
+        norm_offset=1.0, embed_scale=shape[1] ** 0.5,
         attn_scale=256**-0.5, sliding_window=window, layer_types=types, tie_word_embeddings=True,
         **kw,
     )  # fmt: skip

@@ -8,10 +8,10 @@ A family is a module of pure functions and tables (see llama.py, qwen3.py, gemma
 - block_forward(x, w, args, layer, cos, sin, lora, mask): one block, (B, T, C) → (B, T, C).
 
 Everything here is keyed by the block's HF tensor names without the `model.layers.{i}.` prefix.
-Attention kernels (model.attend): Llama, Mistral, Qwen2, Qwen3 and Phi-3 run SDPA's causal fast
-path; Gemma 3's sliding layers (and Phi-3 with a sliding_window) add an explicit mask to SDPA
-when the sequence is longer than the window; Gemma 2 soft-caps its scores, which SDPA cannot
-do, and writes its scores out in full (softmax in fp32).
+Attention kernels (model.attention, model.attend): Llama, Mistral, Qwen2, Qwen3 and Phi-3 run
+SDPA's causal fast path; Gemma 3's sliding layers (and Phi-3 with a sliding_window) give SDPA an
+explicit mask when the sequence is longer than the window; Gemma 2 soft-caps its scores, which
+SDPA cannot do, and writes its scores out in full (softmax in fp32). See docs/models.md.
 """
 
 from __future__ import annotations
