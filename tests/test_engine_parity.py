@@ -185,6 +185,13 @@ def test_three_optimizer_steps_reproduce_the_reference_losses_and_parameters(var
             # micro-batches vs one batch) into ~1e-7 on single elements
             torch.testing.assert_close(p, ref_params[key].detach(), rtol=RTOL, atol=1e-7)
     assert not all(torch.equal(after[k], before[k]) for k in before)  # the parameters moved
+    # round trip: the trained adapter, saved and loaded by PEFT, gives the engine's logits
+    lora.save(tmp_path / "trained")
+    loaded = PeftModel.from_pretrained(load_hf(model_dir), tmp_path / "trained").eval()
+    ids, _ = batch(2, 24, seed=99)
+    with torch.no_grad():
+        theirs = loaded(input_ids=ids).logits.float()
+    assert rel_err(engine.logits(ids), theirs) < RTOL
 
 
 def test_recompute_with_dropout_draws_the_forwards_masks(tmp_path):
