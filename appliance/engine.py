@@ -370,9 +370,8 @@ class StreamedEngine:
                 )
             self.weights.resident = set(range(L - int(n), L))  # last of forward = first of backward
 
-    def _cos_sin(self, T: int, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """The RoPE tables block `layer` takes (Gemma 3's sliding layers: the local ones)."""
-        local = self.args.local_rope(layer)
+    def _cos_sin(self, T: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables for T positions; `local`: Gemma 3's sliding layers' (ModelArgs.local_rope)."""
         if (T, local) not in self._rope:
             self._rope[T, local] = M.rope_cos_sin(self.args, T, self.device, self.dtype, local)
         return self._rope[T, local]
@@ -420,7 +419,7 @@ class StreamedEngine:
                         if save:
                             saved[i].append(self._save(h))
                         lora.generator = self._generator(step, i, first + m)
-                        cos, sin = self._cos_sin(h.shape[1], i)
+                        cos, sin = self._cos_sin(h.shape[1], self.args.local_rope(i))
                         hs[m] = models.block_forward(h, w, self.args, cos, sin, lora, layer=i)
                 if i + 1 < L or not save:
                     self.weights.release(i)  # in training the last block stays: backward's first
@@ -476,7 +475,7 @@ class StreamedEngine:
                         x = saved[i][m].to(self.device, non_blocking=True).requires_grad_(True)
                         saved[i][m] = None  # free the saved input as soon as it is consumed
                         lora.generator = self._generator(step, i, first + m)
-                        cos, sin = self._cos_sin(x.shape[1], i)
+                        cos, sin = self._cos_sin(x.shape[1], self.args.local_rope(i))
                         y = models.block_forward(x, w, self.args, cos, sin, lora, layer=i)
                         y.backward(grads[m])
                         grads[m] = x.grad
