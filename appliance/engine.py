@@ -353,6 +353,10 @@ class StreamedEngine:
         # transient working set of one micro-batch through one block and the fp32 head
         work = biggest * (6 * a.hidden_size + 4 * a.intermediate_size) * esize * 2
         work += biggest * a.vocab_size * 4 * 3
+        if a.attn_softcap is not None:  # Gemma 2: model.attend writes out (B, nh, T, T) scores,
+            # kept for the backward with their tanh and fp32 softmax
+            rows = max(mb[0].shape[0] * mb[0].shape[1] ** 2 for mb in micro_batches)
+            work += rows * a.num_heads * (4 + 3 * esize)
         free = budget - fixed - work
         self.offload_activations = saved > free // 2
         if not self.offload_activations:
