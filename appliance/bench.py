@@ -3,8 +3,9 @@
     python -m appliance.bench --preset tiny --json bench.json            # seconds, on a CPU
     python -m appliance.bench --preset 7b --gpu-memory-budget 24GiB     # on a GPU
 
-A preset is a Llama shape with random weights made in memory (nothing is downloaded). The same
-model and batches run twice in one process: streamed (under `--gpu-memory-budget`, so blocks that
+A preset (appliance/presets.py) is a real model's shape (Llama, Qwen3, Gemma 2/3, Phi-4-mini)
+with random weights made in memory (nothing is downloaded). The same model and batches run twice
+in one process: streamed (under `--gpu-memory-budget`, so blocks that
 do not fit are copied host→device every pass) and resident (every block on the device, when the
 whole model fits the device; else the row says "does not fit"). Each mode runs warm-up steps,
 then timed optimizer steps.
@@ -28,7 +29,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -37,83 +38,14 @@ import torch
 from .blocks import FlatIndex, dtype_from_name, unpack
 from .engine import StreamedEngine
 from .errors import ConfigError
-from .hf_checkpoint import block_names
 from .lora import LoraSpec, LoraWeights
 from .model import ModelArgs
+from .models import block_shapes, resolve_targets
+from .presets import PRESETS, Shape
 
 MiB, GiB = 2**20, 2**30
 COPY_BYTES = 256 * MiB  # per bandwidth measurement
 LR = 1e-4
-
-
-def _llama(
-    vocab: int, hidden: int, inter: int, layers: int, heads: int, kv: int, **kw
-) -> ModelArgs:
-    return ModelArgs(
-        architecture="LlamaForCausalLM",
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=kv,
-        head_dim=hidden // heads,
-        rms_norm_eps=kw.pop("rms_norm_eps", 1e-5),
-        rope_theta=kw.pop("rope_theta", 10000.0),
-        max_position_embeddings=kw.pop("max_position_embeddings", 4096),
-        **kw,
-    )
-
-
-@dataclass(frozen=True)
-class Shape:
-    """Tokens of one step: micro_batches × micro_batch_size × seq_len, and how many steps."""
-
-    micro_batch_size: int
-    seq_len: int
-    micro_batches: int
-    steps: int  # timed steps (after `warmup` untimed ones)
-    warmup: int = 1
-
-
-@dataclass(frozen=True)
-class Preset:
-    args: ModelArgs
-    gpu: Shape
-    cpu: Shape | None  # None: refused on CPU (too big to be useful there)
-
-
-_GPU_SHAPE = Shape(micro_batch_size=1, seq_len=2048, micro_batches=8, steps=3)
-PRESETS: dict[str, Preset] = {
-    # runs in seconds on a CPU
-    "tiny": Preset(
-        _llama(2048, 256, 688, 4, 4, 2),
-        gpu=Shape(2, 128, 4, 3),
-        cpu=Shape(2, 128, 4, 3),
-    ),
-    # Llama-3.2-1B: GQA, llama3 RoPE, tied embeddings, 128k vocabulary
-    "1b": Preset(
-        _llama(
-            128256, 2048, 8192, 16, 32, 8,
-            rope_theta=500000.0,
-            max_position_embeddings=131072,
-            rope_scaling=(
-                ("factor", 32.0),
-                ("high_freq_factor", 4.0),
-                ("low_freq_factor", 1.0),
-                ("original_max_position_embeddings", 8192.0),
-            ),
-            tie_word_embeddings=True,
-        ),
-        gpu=_GPU_SHAPE,
-        cpu=Shape(1, 128, 2, 1),
-    ),
-    # Llama-2 shapes
-    "7b": Preset(_llama(32000, 4096, 11008, 32, 32, 32), gpu=_GPU_SHAPE, cpu=None),
-    "13b": Preset(_llama(32000, 5120, 13824, 40, 40, 40), gpu=_GPU_SHAPE, cpu=None),
-    "70b": Preset(_llama(32000, 8192, 28672, 80, 64, 8), gpu=_GPU_SHAPE, cpu=None),
-}  # fmt: skip
-
 
 # ---------------------------------------------------------------- random weights
 
@@ -143,18 +75,7 @@ class SyntheticBlockSource:
         return self.args.num_layers
 
     def _shapes(self, i: int) -> dict[str, tuple[int, ...]]:
-        a, prefix = self.args, f"model.layers.{i}."
-        shapes = {}
-        for name in block_names(a, i):
-            key = name[len(prefix) :]
-            module, kind = key.rsplit(".", 1)
-            if "layernorm" in module:
-                shapes[key] = (a.hidden_size,)
-            elif kind == "weight":
-                shapes[key] = a.module_shape(module)
-            else:  # bias
-                shapes[key] = (a.module_shape(module)[0],)
-        return shapes
+        return block_shapes(self.args)
 
     def _fill(self, t: torch.Tensor, name: str, i: int) -> None:
         if "norm" in name:
@@ -493,6 +414,7 @@ def run_bench(
         "torch": torch.__version__,
         "dtype": dname,
         "model": {
+            "architecture": args.architecture,
             "vocab_size": args.vocab_size,
             "hidden_size": args.hidden_size,
             "intermediate_size": args.intermediate_size,
@@ -503,7 +425,11 @@ def run_bench(
             "block_bytes": args.block_param_count() * dtype.itemsize,
             "weight_bytes": weight_bytes,
         },
-        "lora": {"rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.targets)},
+        "lora": {  # the targets as this family reads them (Phi-3: the fused qkv and gate_up)
+            "rank": spec.rank,
+            "alpha": spec.alpha,
+            "targets": list(resolve_targets(args, spec.targets)),
+        },
         "shape": {**asdict(shape), "tokens_per_step": modes[0]["tokens_per_step"]},
         "gpu_memory_budget": gpu_memory_budget,
         "bandwidth": {

@@ -25,6 +25,7 @@ import yaml
 
 from .errors import ConfigError
 from .model import TARGET_MODULES
+from .models import TARGETS
 
 
 def _f(default: Any, help: str, **kw) -> Any:
@@ -69,7 +70,8 @@ class TrainConfig:
     lora_dropout: float = _f(0.0, "Dropout on the LoRA input.")
     lora_targets: tuple[str, ...] = _f(
         tuple(TARGET_MODULES),
-        "Modules to adapt, comma-separated: " + ",".join(TARGET_MODULES) + ".",
+        "Modules to adapt, comma-separated: " + ",".join(TARGET_MODULES) + " (Phi-3's fused "
+        "modules: qkv, gate_up, which q,k,v and gate,up also name).",
     )
     # ---- hardware
     device: str = _f("auto", "auto | cpu | cuda.")
@@ -303,11 +305,10 @@ def validate(cfg: TrainConfig, label: Callable[[str], str] = flag) -> list[str]:
         errs.append(f"{label('lora_dropout')} must be in [0, 1) (got {cfg.lora_dropout})")
     if not 0 <= cfg.min_lr_ratio <= 1:
         errs.append(f"{label('min_lr_ratio')} must be in [0, 1] (got {cfg.min_lr_ratio})")
-    bad = [t for t in cfg.lora_targets if t not in TARGET_MODULES]
+    bad = [t for t in cfg.lora_targets if t not in TARGETS]
     if bad or not cfg.lora_targets:
         errs.append(
-            f"{label('lora_targets')}: {','.join(bad) or '(none)'} not among "
-            f"{','.join(TARGET_MODULES)}"
+            f"{label('lora_targets')}: {','.join(bad) or '(none)'} not among {','.join(TARGETS)}"
         )
     for name, options in CHOICES.items():
         if getattr(cfg, name) not in options:

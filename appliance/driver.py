@@ -27,6 +27,7 @@ from .data import check_dataset
 from .errors import ConfigError, cause_chain
 from .hf_checkpoint import SafetensorsCheckpoint, read_model_args, seq_len_problems, tokenizer_path
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from .models import resolve_targets
 from .progress import Progress
 from .run import IDENTITY_KEYS, RUN_FILE, Inputs, Run, run_identity, write_run_file
 from .storage import StorageError
@@ -86,6 +87,10 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
     tok = tokenizer_path(model_dir)
     check_dataset(data_path, tok)  # errors here are clear; inside an actor they'd be wrapped
     problems = seq_len_problems(args, cfg.seq_len)
+    try:  # --lora-targets against the model's family (Phi-3's fused modules)
+        resolve_targets(args, tuple(cfg.lora_targets))
+    except ConfigError as e:
+        problems.append(str(e))
     if args.eos_token_id is None:
         problems.append(f"{model_dir}/config.json has no eos_token_id: packing needs one")
     if problems:

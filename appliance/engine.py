@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from . import model as M
+from . import models
 from .blocks import BlockSource, pack, unpack
 from .errors import ConfigError
 from .lora import LoraSpec, LoraWeights
@@ -314,7 +315,7 @@ class StreamedEngine:
         self.step_count = 0
         self._busy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._planned = False
-        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
         self.offload_activations = False
 
     def close(self) -> None:
@@ -352,6 +353,10 @@ class StreamedEngine:
         # transient working set of one micro-batch through one block and the fp32 head
         work = biggest * (6 * a.hidden_size + 4 * a.intermediate_size) * esize * 2
         work += biggest * a.vocab_size * 4 * 3
+        if a.attn_softcap is not None:  # Gemma 2: model.attend writes out (B, nh, T, T) scores,
+            # kept for the backward with their tanh and fp32 softmax
+            rows = max(mb[0].shape[0] * mb[0].shape[1] ** 2 for mb in micro_batches)
+            work += rows * a.num_heads * (4 + 3 * esize)
         free = budget - fixed - work
         self.offload_activations = saved > free // 2
         if not self.offload_activations:
@@ -369,10 +374,11 @@ class StreamedEngine:
                 )
             self.weights.resident = set(range(L - int(n), L))  # last of forward = first of backward
 
-    def _cos_sin(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if T not in self._rope:
-            self._rope[T] = M.rope_cos_sin(self.args, T, self.device, self.dtype)
-        return self._rope[T]
+    def _cos_sin(self, T: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables for T positions; `local`: Gemma 3's sliding layers' (ModelArgs.local_rope)."""
+        if (T, local) not in self._rope:
+            self._rope[T, local] = M.rope_cos_sin(self.args, T, self.device, self.dtype, local)
+        return self._rope[T, local]
 
     def _generator(self, step: int, i: int, m: int) -> torch.Generator | None:
         """Dropout masks for block i of micro-batch m (its index in the GLOBAL batch, so that any
@@ -403,7 +409,10 @@ class StreamedEngine:
         g = self.weights.globals
         with torch.no_grad():
             with self._busy():
-                hs = [M.embed(ids.to(self.device), g) for ids, _ in micro_batches]
+                hs = [
+                    M.embed(ids.to(self.device), g, self.args.embed_scale)
+                    for ids, _ in micro_batches
+                ]
             saved: list[list[torch.Tensor]] = [[] for _ in range(L)]
             for i in range(L):
                 w = self.weights.get(i)
@@ -414,8 +423,8 @@ class StreamedEngine:
                         if save:
                             saved[i].append(self._save(h))
                         lora.generator = self._generator(step, i, first + m)
-                        cos, sin = self._cos_sin(h.shape[1])
-                        hs[m] = M.block_forward(h, w, self.args, cos, sin, lora)
+                        cos, sin = self._cos_sin(h.shape[1], self.args.local_rope(i))
+                        hs[m] = models.block_forward(h, w, self.args, cos, sin, lora, layer=i)
                 if i + 1 < L or not save:
                     self.weights.release(i)  # in training the last block stays: backward's first
         return hs, saved
@@ -470,8 +479,8 @@ class StreamedEngine:
                         x = saved[i][m].to(self.device, non_blocking=True).requires_grad_(True)
                         saved[i][m] = None  # free the saved input as soon as it is consumed
                         lora.generator = self._generator(step, i, first + m)
-                        cos, sin = self._cos_sin(x.shape[1])
-                        y = M.block_forward(x, w, self.args, cos, sin, lora)
+                        cos, sin = self._cos_sin(x.shape[1], self.args.local_rope(i))
+                        y = models.block_forward(x, w, self.args, cos, sin, lora, layer=i)
                         y.backward(grads[m])
                         grads[m] = x.grad
                     del lora

@@ -8,6 +8,7 @@ key names, so `peft.PeftModel.from_pretrained` loads them onto the transformers 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -17,7 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .errors import ModelError
-from .model import TARGET_MODULES, LoraContext, ModelArgs
+from .model import LoraContext, ModelArgs
+from .models import TARGETS, resolve_targets
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -36,7 +38,7 @@ class LoraSpec:
 
     @property
     def modules(self) -> list[str]:
-        return [TARGET_MODULES[t] for t in self.targets]
+        return [TARGETS[t] for t in self.targets]
 
 
 def peft_key(block: int, module: str, which: str) -> str:
@@ -45,11 +47,16 @@ def peft_key(block: int, module: str, which: str) -> str:
 
 
 class LoraWeights:
-    """The trainable parameters: for each block, module → (A, B) as fp32 leaf tensors."""
+    """The trainable parameters: for each block, module → (A, B) as fp32 leaf tensors.
+
+    `spec.targets` is read against the model's family (models.resolve_targets: on Phi-3 the
+    default q,k,v,... adapt the fused qkv and gate_up); `self.spec` holds what they resolved to.
+    """
 
     def __init__(
         self, args: ModelArgs, spec: LoraSpec, device: torch.device | str = "cpu", seed: int = 0
     ):
+        spec = dataclasses.replace(spec, targets=resolve_targets(args, spec.targets))
         self.args, self.spec = args, spec
         gen = torch.Generator().manual_seed(seed)
         self.blocks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
@@ -145,7 +152,7 @@ def adapter_config(spec: LoraSpec, base_model: str = "") -> dict:
     }
 
 
-_MODULE_BY_NAME = {m.split(".")[-1]: short for short, m in TARGET_MODULES.items()}
+_MODULE_BY_NAME = {m.split(".")[-1]: short for short, m in TARGETS.items()}
 
 
 def read_spec(adapter_dir: str | Path) -> LoraSpec:
@@ -168,7 +175,7 @@ def read_spec(adapter_dir: str | Path) -> LoraSpec:
         raise ModelError(f"{path}: target modules {unknown} are not supported")
     if cfg.get("use_rslora"):
         raise ModelError(f"{path}: use_rslora=true is not supported")
-    targets = tuple(t for t in TARGET_MODULES if TARGET_MODULES[t].split(".")[-1] in names)
+    targets = tuple(t for t in TARGETS if TARGETS[t].split(".")[-1] in names)
     return LoraSpec(
         int(cfg["r"]), float(cfg["lora_alpha"]), float(cfg.get("lora_dropout", 0.0)), targets
     )

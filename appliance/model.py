@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +44,9 @@ class ModelArgs:
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
-    rope_scaling: tuple[tuple[str, float], ...] | None = None  # llama3 parameters, sorted items
+    # sorted (key, value) items of the scaling; "rope_type" is llama3 when absent, else linear or
+    # longrope (whose short_factor / long_factor values are tuples)
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
     attention_bias: bool = False  # bias on q, k, v (Qwen2, some Llamas)
     o_bias: bool = False  # bias on o_proj (Llama with attention_bias)
     mlp_bias: bool = False
@@ -52,6 +55,28 @@ class ModelArgs:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
+    # ---- what the newer families add (defaults: Llama); see appliance/models/
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + w) in fp32: 1.0 for Gemma
+    embed_scale: float | None = None  # embeddings × this (Gemma: sqrt(hidden_size))
+    attn_scale: float | None = None  # softmax scale; None: 1/sqrt(head_dim)
+    attn_softcap: float | None = None  # scores → cap·tanh(scores/cap) (Gemma 2)
+    final_softcap: float | None = None  # logits → cap·tanh(logits/cap) (Gemma 2)
+    # per block "sliding_attention" | "full_attention"; None: `sliding_window` (if set) everywhere
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None  # Gemma 3: RoPE base of the sliding layers (unscaled)
+    partial_rotary_factor: float = 1.0  # RoPE on the first hs·factor dimensions (Phi-4-mini)
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of block `layer` (keys within `window` positions), None: causal."""
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    def local_rope(self, layer: int) -> bool:
+        """Block `layer` takes the local RoPE table (base rope_local_theta): Gemma 3's sliding
+        layers."""
+        return self.rope_local_theta is not None and self.window(layer) is not None
 
     def module_shape(self, module: str) -> tuple[int, int]:
         """(out_features, in_features) of a block's linear module, e.g. `self_attn.q_proj`."""
@@ -64,18 +89,15 @@ class ModelArgs:
             "mlp.gate_proj": (inter, C),
             "mlp.up_proj": (inter, C),
             "mlp.down_proj": (C, inter),
+            # Phi-3's fused modules: rows are q, k, v (resp. gate, up) one after the other
+            "self_attn.qkv_proj": ((self.num_heads + 2 * self.num_kv_heads) * hs, C),
+            "mlp.gate_up_proj": (2 * inter, C),
         }[module]
 
     def block_param_count(self) -> int:
-        n = sum(o * i for o, i in (self.module_shape(m) for m in TARGET_MODULES.values()))
-        n += 2 * self.hidden_size  # two RMSNorm weights
-        if self.attention_bias:
-            n += (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        if self.o_bias:
-            n += self.hidden_size
-        if self.mlp_bias:
-            n += 2 * self.intermediate_size + self.hidden_size
-        return n
+        from .models import block_shapes  # the families' tensor layout (models imports this file)
+
+        return sum(math.prod(shape) for shape in block_shapes(self).values())
 
     def param_count(self) -> int:
         embed = self.vocab_size * self.hidden_size
@@ -86,13 +108,25 @@ class ModelArgs:
 # ---------------------------------------------------------------- RoPE
 
 
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Inverse frequencies (hs/2,), fp32; llama3 scaling when configured."""
-    dim = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    if args.rope_scaling is None:
-        return inv_freq
+def rope_inv_freq(args: ModelArgs, seq_len: int = 0, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies (rot/2,), fp32, rot = the rotated dimensions of a head; scaled as
+    `rope_scaling` says (llama3, linear or longrope), or the unscaled local table (Gemma 3's
+    sliding layers, base `rope_local_theta`) when `local`. longrope takes its long factors when
+    `seq_len` exceeds original_max_position_embeddings, as transformers does."""
+    dim = int(args.head_dim * args.partial_rotary_factor)
+    theta = args.rope_local_theta if local else args.rope_theta
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    if args.rope_scaling is None or local:
+        return 1.0 / (theta**exponents)
     p = dict(args.rope_scaling)
+    kind = p.get("rope_type", "llama3")
+    if kind == "linear":
+        return 1.0 / (theta**exponents) / p["factor"]
+    if kind == "longrope":
+        long = seq_len > p["original_max_position_embeddings"]
+        ext = torch.tensor(p["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (ext * theta**exponents)
+    inv_freq = 1.0 / (theta**exponents)
     factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
     old_len = p["original_max_position_embeddings"]
     low_wavelen, high_wavelen = old_len / low, old_len / high
@@ -105,15 +139,34 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def rope_attention_factor(args: ModelArgs) -> float:
+    """longrope's scale of cos and sin (1 otherwise): sqrt(1 + ln(factor) / ln(original length))
+    unless the config gives `attention_factor`; factor defaults to max / original positions."""
+    p = dict(args.rope_scaling or ())
+    if p.get("rope_type") != "longrope":
+        return 1.0
+    if "attention_factor" in p:
+        return p["attention_factor"]
+    old_len = p["original_max_position_embeddings"]
+    factor = p.get("factor", args.max_position_embeddings / old_len)
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+
+
 def rope_cos_sin(
-    args: ModelArgs, seq_len: int, device: torch.device, dtype: torch.dtype
+    args: ModelArgs,
+    seq_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    local: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables (T, hs) for positions 0..T-1, computed in fp32 then cast."""
-    inv_freq = rope_inv_freq(args).to(device)
+    """cos, sin tables (T, rot) for positions 0..T-1, computed in fp32 then cast; `local`: the
+    table of Gemma 3's sliding layers (ModelArgs.local_rope)."""
+    inv_freq = rope_inv_freq(args, seq_len, local).to(device)
     pos = torch.arange(seq_len, device=device, dtype=torch.float32)
-    freqs = pos[:, None] * inv_freq[None, :]  # (T, hs/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (T, hs)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    freqs = pos[:, None] * inv_freq[None, :]  # (T, rot/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, rot)
+    scale = 1.0 if local else rope_attention_factor(args)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -128,10 +181,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ---------------------------------------------------------------- layers
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> torch.Tensor:
     # normalize in fp32 (as HF does), then scale in the compute dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:  # Gemma: x·(offset + w), the product in fp32, then cast
+        return (xf * (offset + weight.float())).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 
@@ -186,6 +243,45 @@ def attention(
     return linear(y, w, "self_attn.o_proj", lora)
 
 
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of q (B, nh, T, hs) over k, v (B, nkv, T, hs) → (B, nh, T, hs).
+
+    `scale`: softmax scale (None: 1/sqrt(hs)); `window`: query t sees keys t-window+1..t (sliding
+    window layers); `softcap`: scores → cap·tanh(scores/cap) before the mask (Gemma 2). Three
+    kernels, fastest first: SDPA's causal fast path (no window shorter than T, no softcap);
+    SDPA with an explicit boolean mask (a window shorter than T); scores written out in full,
+    softmax in fp32 (softcap, which SDPA cannot take), as transformers' eager attention does.
+    `mask`: a bool (B, 1, T, T) of what else may be seen (True: may), e.g. packed documents'
+    same-document mask; it takes the masked paths.
+    """
+    T, gqa = q.shape[2], q.shape[1] != k.shape[1]
+    if mask is None and softcap is None and (window is None or window >= T):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    i = torch.arange(T, device=q.device)
+    keep = i[None, :] <= i[:, None]  # (T, T): key j ≤ query t
+    if window is not None and window < T:
+        keep = keep & (i[:, None] - i[None, :] < window)
+    if mask is not None:
+        keep = keep & mask  # (B, 1, T, T)
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
+    if gqa:  # query head h reads key/value head h // (nh / nkv)
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = q @ k.transpose(-2, -1) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap  # (B, nh, T, T)
+    scores = scores.masked_fill(~keep, float("-inf"))
+    return F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
 def mlp(x: torch.Tensor, w: dict[str, torch.Tensor], lora: LoraContext | None) -> torch.Tensor:
     gate = F.silu(linear(x, w, "mlp.gate_proj", lora))
     return linear(gate * linear(x, w, "mlp.up_proj", lora), w, "mlp.down_proj", lora)
@@ -206,8 +302,14 @@ def block_forward(
     return x + mlp(rms_norm(x, w["post_attention_layernorm.weight"], args.rms_norm_eps), w, lora)
 
 
-def embed(input_ids: torch.Tensor, g: dict[str, torch.Tensor]) -> torch.Tensor:
-    return F.embedding(input_ids, g["model.embed_tokens.weight"])  # (B, T, C)
+def embed(
+    input_ids: torch.Tensor, g: dict[str, torch.Tensor], scale: float | None = None
+) -> torch.Tensor:
+    """(B, T) → (B, T, C); `scale` (ModelArgs.embed_scale, Gemma) multiplies in the weights'
+    dtype, as transformers does (sqrt(3072) becomes 55.5 in bf16)."""
+    w = g["model.embed_tokens.weight"]
+    h = F.embedding(input_ids, w)
+    return h if scale is None else h * torch.tensor(scale, dtype=w.dtype)
 
 
 def lm_head_weight(g: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -215,9 +317,12 @@ def lm_head_weight(g: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def logits(h: torch.Tensor, g: dict[str, torch.Tensor], args: ModelArgs) -> torch.Tensor:
-    """Final norm + LM head: (B, T, C) → (B, T, vocab) in fp32."""
-    h = rms_norm(h, g["model.norm.weight"], args.rms_norm_eps)
-    return F.linear(h, lm_head_weight(g)).float()
+    """Final norm + LM head (+ Gemma 2's soft cap): (B, T, C) → (B, T, vocab) in fp32."""
+    h = rms_norm(h, g["model.norm.weight"], args.rms_norm_eps, args.norm_offset)
+    lg = F.linear(h, lm_head_weight(g))
+    if args.final_softcap is not None:  # in the compute dtype, as transformers does
+        lg = torch.tanh(lg / args.final_softcap) * args.final_softcap
+    return lg.float()
 
 
 def loss_sum(

@@ -50,12 +50,66 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "llama-attn-bias": ("LlamaForCausalLM", dict(attention_bias=True)),  # q, k, v and o biases
     "mistral": ("MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=None)),
     "qwen2-bias": ("Qwen2ForCausalLM", dict(num_key_value_heads=2, rope_theta=1000000.0)),
+    # q/k head norms, head_dim 32 ≠ hidden / heads, tied embeddings
+    "qwen3-qknorm-tied": (
+        "Qwen3ForCausalLM",
+        dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, rope_theta=1e6),
+    ),
+    # sliding window 8 < T on alternate layers, scalar ≠ head_dim; weights large enough (init
+    # 0.3) that both soft caps bite (without them the loss moves by 1% and 150%)
+    "gemma2-softcap-window": (
+        "Gemma2ForCausalLM",
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=8,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+            query_pre_attn_scalar=32,
+            initializer_range=0.3,
+        ),
+    ),
+    # q/k norms, sliding/full layers with their own RoPE bases, linear scaling on the full ones
+    "gemma3-local-rope": (
+        "Gemma3ForCausalLM",
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+            query_pre_attn_scalar=24,
+        ),
+    ),
+    # fused qkv/gate_up, RoPE on half of each head, longrope (T > 16 takes the long factors),
+    # sliding window 20 < T
+    "phi3-partial-longrope": (
+        "Phi3ForCausalLM",
+        dict(
+            num_key_value_heads=2,
+            partial_rotary_factor=0.5,
+            original_max_position_embeddings=16,
+            sliding_window=20,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.2, 1.5, 2.0],
+                "long_factor": [1.0, 2.0, 4.0, 8.0],
+            },
+        ),
+    ),
 }
 
 _CONFIGS = {
     "LlamaForCausalLM": transformers.LlamaConfig,
     "MistralForCausalLM": transformers.MistralConfig,
     "Qwen2ForCausalLM": transformers.Qwen2Config,
+    "Qwen3ForCausalLM": transformers.Qwen3Config,
+    "Gemma2ForCausalLM": transformers.Gemma2Config,
+    "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
+    "Phi3ForCausalLM": transformers.Phi3Config,
 }
 
 
@@ -110,6 +164,13 @@ def load_hf(directory: str | Path) -> transformers.PreTrainedModel:
 
 
 ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# one variant per family added with the model families (appliance/models/), every feature on
+FAMILY_VARIANTS = (
+    "qwen3-qknorm-tied",
+    "gemma2-softcap-window",
+    "gemma3-local-rope",
+    "phi3-partial-longrope",
+)
 SPEC = LoraSpec(rank=4, alpha=8.0, dropout=0.0, targets=ALL_TARGETS)
 
 

@@ -6,6 +6,7 @@ No timing is asserted: only that every number is measured, consistent and writte
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -14,8 +15,12 @@ import pytest
 import torch
 
 from appliance import bench as B
+from appliance.engine import StreamedEngine
 from appliance.errors import ConfigError
-from appliance.hf_checkpoint import block_names
+from appliance.hf_checkpoint import block_names, read_model_args
+from appliance.lora import LoraSpec, LoraWeights
+from appliance.models import block_shapes
+from tests.helpers_model import write_config
 
 ROW_FIELDS = {
     "mode", "tokens_per_step", "fits", "resident_blocks", "blocks", "streamed_bytes",
@@ -177,3 +182,71 @@ def test_1b_streamed_under_a_small_budget_agrees_with_resident():
     assert abs(s[0] - r[0]) <= 1e-6 * abs(r[0])
     for a, b in zip(s, r, strict=True):
         assert abs(a - b) <= 1e-3 * abs(b), (s, r)
+
+
+# published parameter counts (Gemma 3 12B: its text part, without the 0.4B vision tower)
+FAMILY_PARAMS = {
+    "qwen3-8b": 8.19e9,
+    "gemma2-9b": 9.24e9,
+    "gemma3-12b": 11.77e9,
+    "phi4-mini": 3.84e9,
+}
+
+
+@pytest.mark.parametrize("preset", sorted(FAMILY_PARAMS))
+def test_family_presets_have_their_models_real_size_and_run_shrunk_on_a_cpu(preset):
+    args = B.PRESETS[preset].args
+    assert abs(args.param_count() / FAMILY_PARAMS[preset] - 1) < 0.01, args.param_count()
+    # the same family and features at a tiny width: the synthetic source builds its blocks and
+    # a streamed step runs on them (windows and soft caps on: seq_len 32 > 16)
+    tiny = dataclasses.replace(
+        args, vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2 if
+        args.layer_types is None else 6, num_heads=4, num_kv_heads=2, head_dim=16,
+        sliding_window=16,
+        layer_types=args.layer_types and args.layer_types[:6],
+        rope_scaling=None if args.partial_rotary_factor == 1 else (
+            ("long_factor", (1.0,) * 6), ("original_max_position_embeddings", 16.0),
+            ("rope_type", "longrope"), ("short_factor", (1.0,) * 6)),
+    )  # fmt: skip
+    src = B.SyntheticBlockSource(tiny, torch.float32)
+    w = src.block(1)
+    assert {k: tuple(t.shape) for k, t in w.items()} == block_shapes(tiny)
+    ids = torch.randint(0, 128, (2, 32))
+    stats = StreamedEngine(src, LoraWeights(tiny, LoraSpec(rank=2))).train_step([(ids, ids)], 1e-3)
+    assert math.isfinite(stats.loss)
+
+
+# the released config.json fields of each family preset's model (transformers writes the rest)
+RELEASED = {
+    "qwen3-8b": ("Qwen3ForCausalLM", dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6, rope_parameters=None,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    "gemma2-9b": ("Gemma2ForCausalLM", dict(
+        vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+        sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        max_position_embeddings=8192, rms_norm_eps=1e-6, layer_types=None)),
+    "gemma3-12b": ("Gemma3ForCausalLM", dict(
+        vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+        sliding_window=1024, rope_theta=1e6, rope_local_base_freq=1e4, sliding_window_pattern=6,
+        rope_scaling={"rope_type": "linear", "factor": 8.0}, rope_parameters=None,
+        _sliding_window_pattern=None, layer_types=None,
+        max_position_embeddings=131072, rms_norm_eps=1e-6)),
+    "phi4-mini": ("Phi3ForCausalLM", dict(
+        vocab_size=200064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+        num_attention_heads=24, num_key_value_heads=8, partial_rotary_factor=0.75,
+        rope_parameters=None, rope_theta=10000.0, original_max_position_embeddings=4096,
+        rope_scaling={"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [1.0] * 48},
+        max_position_embeddings=131072, sliding_window=262144, rms_norm_eps=1e-5,
+        tie_word_embeddings=True)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("preset", sorted(RELEASED))
+def test_family_presets_are_what_the_released_config_json_reads_as(preset, tmp_path):
+    arch, fields = RELEASED[preset]
+    read = read_model_args(write_config(tmp_path, arch, **fields))
+    ids = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    assert dataclasses.replace(read, **ids) == dataclasses.replace(B.PRESETS[preset].args, **ids)

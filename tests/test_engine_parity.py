@@ -20,6 +20,7 @@ from appliance.errors import ModelError
 from appliance.hf_checkpoint import SafetensorsCheckpoint, read_block, read_model_args
 from appliance.lora import LoraSpec, LoraWeights, peft_key
 from tests.helpers_model import (
+    FAMILY_VARIANTS,
     VARIANTS,
     batch,
     load_hf,
@@ -108,9 +109,14 @@ def test_adapters_on_q_and_v_only_match_peft(tmp_path):
     assert_gradients_match(lora, ref)  # q and v only: PEFT made no other adapter either
 
 
-def test_peft_loads_our_adapter_file_with_no_missing_or_unexpected_key(tmp_path):
-    model_dir = make_model(tmp_path / "model", "qwen2-bias")
-    spec = LoraSpec(rank=4, alpha=8.0, targets=("q", "o", "down"))
+@pytest.mark.parametrize(
+    "variant, targets",
+    [("qwen2-bias", ("q", "o", "down"))]
+    + [(v, ("q", "k", "v", "o", "down")) for v in FAMILY_VARIANTS],
+)
+def test_peft_loads_our_adapter_file_with_no_missing_or_unexpected_key(variant, targets, tmp_path):
+    model_dir = make_model(tmp_path / "model", variant)
+    spec = LoraSpec(rank=4, alpha=8.0, targets=targets)
     lora = lora_with_random_b(read_model_args(model_dir), spec)
     lora.save(tmp_path / "adapter")
     model = PeftModel.from_pretrained(load_hf(model_dir), tmp_path / "adapter")
@@ -138,8 +144,9 @@ def test_four_micro_batches_equal_one_batch_of_four(tmp_path):
         assert rel_err(p4.grad, p1.grad) < RTOL
 
 
-def test_three_optimizer_steps_reproduce_the_reference_losses_and_parameters(tmp_path):
-    model_dir = make_model(tmp_path / "model", "qwen2-bias")
+@pytest.mark.parametrize("variant", ["qwen2-bias", *FAMILY_VARIANTS])
+def test_three_optimizer_steps_reproduce_the_reference_losses_and_parameters(variant, tmp_path):
+    model_dir = make_model(tmp_path / "model", variant)
     source = DictBlockSource.from_hf(model_dir, torch.float32)
     lora = lora_with_random_b(source.args)
     ref = peft_reference(model_dir, lora, tmp_path)
@@ -153,7 +160,8 @@ def test_three_optimizer_steps_reproduce_the_reference_losses_and_parameters(tmp
     ours, theirs = [], []
     for step in range(3):
         lr = lr_at(step, lr=1e-2, warmup_steps=1, total_steps=3)
-        ids, labels = batch(4, 16, seed=10 + step)
+        # the families' T exceeds their windows and Phi-3's original length (long RoPE factors)
+        ids, labels = batch(4, 16 if variant == "qwen2-bias" else 24, seed=10 + step)
         stats = engine.train_step([(ids[:2], labels[:2]), (ids[2:], labels[2:])], lr)
         ours.append(stats.loss)
 
@@ -171,8 +179,19 @@ def test_three_optimizer_steps_reproduce_the_reference_losses_and_parameters(tmp
     # the third update is seen only in the parameters: compare them all after it
     after = lora.peft_state_dict()
     for key, p in after.items():
-        torch.testing.assert_close(p, ref_params[key].detach(), rtol=RTOL, atol=1e-7)
+        assert rel_err(p, ref_params[key]) < RTOL, key  # per tensor, as every check here
+        if variant == "qwen2-bias":  # and element by element here; elsewhere AdamW's division by
+            # sqrt(v) turns the accumulation-order rounding of a near-zero gradient (two
+            # micro-batches vs one batch) into ~1e-7 on single elements
+            torch.testing.assert_close(p, ref_params[key].detach(), rtol=RTOL, atol=1e-7)
     assert not all(torch.equal(after[k], before[k]) for k in before)  # the parameters moved
+    # round trip: the trained adapter, saved and loaded by PEFT, gives the engine's logits
+    lora.save(tmp_path / "trained")
+    loaded = PeftModel.from_pretrained(load_hf(model_dir), tmp_path / "trained").eval()
+    ids, _ = batch(2, 24, seed=99)
+    with torch.no_grad():
+        theirs = loaded(input_ids=ids).logits.float()
+    assert rel_err(engine.logits(ids), theirs) < RTOL
 
 
 def test_recompute_with_dropout_draws_the_forwards_masks(tmp_path):
@@ -222,8 +241,9 @@ def test_recompute_with_dropout_draws_the_forwards_masks(tmp_path):
     assert abs(no_drop.forward_backward([(ids, labels)], 4)[0] - loss) > 1e-6
 
 
-def test_logits_match_transformers_and_peft(tmp_path):
-    model_dir = make_model(tmp_path / "model", "llama-gqa-rope3-tied")
+@pytest.mark.parametrize("variant", ["llama-gqa-rope3-tied", *FAMILY_VARIANTS])
+def test_logits_match_transformers_and_peft(variant, tmp_path):
+    model_dir = make_model(tmp_path / "model", variant)
     source = DictBlockSource.from_hf(model_dir, torch.float32)
     lora = lora_with_random_b(source.args)
     ids, _ = batch(2, 30)

@@ -18,7 +18,7 @@ from appliance.errors import ConfigError, ModelError
 from appliance.evaluate import evaluate
 from appliance.hf_checkpoint import read_model_args
 from appliance.lora import LoraSpec, LoraWeights
-from tests.helpers_model import load_hf, lora_with_random_b, make_model
+from tests.helpers_model import FAMILY_VARIANTS, load_hf, lora_with_random_b, make_model
 from tests.helpers_tokenizer import sentences
 
 RTOL = 1e-5
@@ -78,6 +78,21 @@ def test_adapter_loss_matches_peft(model_dir, texts, tmp_path):
     assert ours["tokens"] == n
     assert abs(ours["loss"] - loss) / loss < RTOL
     assert abs(loss - base) / base > 1e-3  # the adapter changes the loss: the check has teeth
+
+
+@pytest.mark.parametrize("variant", FAMILY_VARIANTS)
+def test_every_family_with_an_adapter_matches_peft(variant, texts, tmp_path):
+    """seq_len 24: the long records pass every sliding window and Phi-3's original length."""
+    model_dir = make_model(tmp_path / "model", variant)
+    lora_with_random_b(read_model_args(model_dir), LoraSpec(rank=4, alpha=8.0), seed=3).save(
+        tmp_path / "adapter"
+    )
+    data = write_jsonl(tmp_path / "eval.jsonl", [{"text": t} for t in texts])
+    ours = evaluate(model_dir, data, seq_len=24, adapter_dir=tmp_path / "adapter")
+    peft = PeftModel.from_pretrained(load_hf(model_dir), tmp_path / "adapter").eval()
+    loss, n = reference(peft, model_dir / "tokenizer.json", texts, seq_len=24)
+    assert ours["tokens"] == n
+    assert abs(ours["loss"] - loss) / loss < RTOL
 
 
 def test_blank_lines_are_skipped_and_grouping_does_not_change_the_result(model_dir, tmp_path):

@@ -16,7 +16,14 @@ from appliance import export as E
 from appliance.errors import ModelError
 from appliance.hf_checkpoint import read_model_args
 from appliance.lora import LoraSpec
-from tests.helpers_model import VOCAB, load_hf, lora_with_random_b, make_model, rel_err
+from tests.helpers_model import (
+    FAMILY_VARIANTS,
+    VOCAB,
+    load_hf,
+    lora_with_random_b,
+    make_model,
+    rel_err,
+)
 
 RTOL = 1e-5
 
@@ -43,7 +50,7 @@ def check_export_matches_peft(model_dir, adapter, out):
     assert rel_err(base, theirs) > 1e-3  # the adapter matters: the check has teeth
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa-rope3-tied", "qwen2-bias"])
+@pytest.mark.parametrize("variant", ["llama-gqa-rope3-tied", "qwen2-bias", *FAMILY_VARIANTS])
 def test_merged_single_file_equals_base_plus_adapter(variant, tmp_path):
     model_dir = make_model(tmp_path / "model", variant)
     (model_dir / "special_tokens_map.json").write_text('{"bos_token": "<s>"}')

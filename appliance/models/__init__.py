@@ -1,0 +1,116 @@
+"""Model families: which architectures the appliance runs, and what each block holds.
+
+A family is a module of pure functions and tables (see llama.py, qwen3.py, gemma.py, phi3.py):
+
+- NORMS: the block's RMSNorm weights (hidden-sized), LINEARS: its linear modules (HF names);
+- TARGETS: the LoRA target short names it has (and FUSED, for fused modules, the Llama
+  targets each one stands for);
+- block_forward(x, w, args, layer, cos, sin, lora, mask): one block, (B, T, C) → (B, T, C).
+
+Everything here is keyed by the block's HF tensor names without the `model.layers.{i}.` prefix.
+Attention kernels (model.attention, model.attend): Llama, Mistral, Qwen2, Qwen3 and Phi-3 run
+SDPA's causal fast path; Gemma 3's sliding layers (and Phi-3 with a sliding_window) give SDPA an
+explicit mask when the sequence is longer than the window; Gemma 2 soft-caps its scores, which
+SDPA cannot do, and writes its scores out in full (softmax in fp32). See docs/models.md.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from .. import model as M
+from ..errors import ConfigError
+from . import gemma, llama, phi3, qwen3
+
+FAMILIES: dict[str, types.ModuleType] = {
+    "LlamaForCausalLM": llama,
+    "MistralForCausalLM": llama,
+    "Qwen2ForCausalLM": llama,
+    "Qwen3ForCausalLM": qwen3,
+    "Gemma2ForCausalLM": gemma,
+    "Gemma3ForCausalLM": gemma,
+    "Phi3ForCausalLM": phi3,
+}
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+
+# LoRA target short name → the HF module it adapts, over every family
+TARGETS = {**M.TARGET_MODULES, "qkv": "self_attn.qkv_proj", "gate_up": "mlp.gate_up_proj"}
+
+
+def family(args: M.ModelArgs) -> types.ModuleType:
+    return FAMILIES[args.architecture]
+
+
+def _has_bias(args: M.ModelArgs, module: str) -> bool:
+    if module == "self_attn.o_proj":
+        return args.o_bias
+    return args.attention_bias if module.startswith("self_attn.") else args.mlp_bias
+
+
+def block_shapes(args: M.ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every tensor of one block (names without the layer prefix) with the shape config.json
+    implies, in checkpoint order: norms, q/k head norms, then each linear's weight and bias."""
+    fam = family(args)
+    out: dict[str, tuple[int, ...]] = {f"{n}.weight": (args.hidden_size,) for n in fam.NORMS}
+    if args.qk_norm:
+        out["self_attn.q_norm.weight"] = (args.head_dim,)
+        out["self_attn.k_norm.weight"] = (args.head_dim,)
+    for module in fam.LINEARS:
+        rows, cols = args.module_shape(module)
+        out[f"{module}.weight"] = (rows, cols)
+        if _has_bias(args, module):
+            out[f"{module}.bias"] = (rows,)
+    return out
+
+
+def linear_weight_names(args: M.ModelArgs) -> list[str]:
+    """The weights of a block's linear projections, fused ones included (what quantization
+    covers): e.g. `self_attn.q_proj.weight`, or Phi-3's `self_attn.qkv_proj.weight`."""
+    return [f"{module}.weight" for module in family(args).LINEARS]
+
+
+def block_forward(
+    x: torch.Tensor,
+    w: dict[str, torch.Tensor],
+    args: M.ModelArgs,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    lora: M.LoraContext | None = None,
+    mask: torch.Tensor | None = None,
+    layer: int = 0,
+) -> torch.Tensor:
+    """Block `layer` of the model's family: (B, T, C) → (B, T, C). cos/sin: the table that block
+    takes (ModelArgs.local_rope); `mask`: see model.attend (None: causal)."""
+    return family(args).block_forward(x, w, args, layer, cos, sin, lora, mask)
+
+
+def resolve_targets(args: M.ModelArgs, targets: tuple[str, ...]) -> tuple[str, ...]:
+    """The LoRA targets `targets` (short names) mean on this model, in the family's order.
+
+    On a fused family (Phi-3) the Llama names of all the parts of a fused module stand for it
+    (q,k,v → qkv; gate,up → gate_up): the default targets work on every family. Naming only
+    some parts is refused: the parts cannot be adapted apart.
+    """
+    fam = family(args)
+    fused = getattr(fam, "FUSED", {})
+    wanted = {t for t in targets if t in fam.TARGETS}
+    for whole, parts in fused.items():
+        given = [p for p in parts if p in targets]
+        if given and len(given) < len(parts):
+            raise ConfigError(
+                f"--lora-targets {','.join(given)}: {args.architecture} fuses "
+                f"{','.join(parts)} into one module ({TARGETS[whole]}); name all of them or "
+                f"'{whole}'"
+            )
+        if given:
+            wanted.add(whole)
+    parts_of_fused = {p for parts in fused.values() for p in parts}
+    unknown = [t for t in targets if t not in fam.TARGETS and t not in parts_of_fused]
+    if unknown:
+        raise ConfigError(
+            f"--lora-targets {','.join(unknown)}: {args.architecture} has no such module; "
+            f"its targets are {','.join(fam.TARGETS)}"
+        )
+    return tuple(t for t in fam.TARGETS if t in wanted)

@@ -1,0 +1,26 @@
+"""Llama, Mistral, Qwen2: the block of model.py (pre-norm attention and SwiGLU MLP)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import model as M
+
+NORMS = ("input_layernorm", "post_attention_layernorm")
+LINEARS = tuple(M.TARGET_MODULES.values())  # q, k, v, o, gate, up, down
+TARGETS = tuple(M.TARGET_MODULES)
+
+
+def block_forward(
+    x: torch.Tensor,
+    w: dict[str, torch.Tensor],
+    args: M.ModelArgs,
+    layer: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    lora: M.LoraContext | None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if mask is not None:  # model.block_forward takes `mask` once document packing is merged
+        return M.block_forward(x, w, args, cos, sin, lora, mask)
+    return M.block_forward(x, w, args, cos, sin, lora)

@@ -1,0 +1,30 @@
+"""Qwen3: Llama's block with RMSNorm over each head of q and k (`q_norm`, `k_norm`) before RoPE,
+and an explicit `head_dim` (4096 hidden / 32 heads would be 128 anyway, but 0.6B has 1024/16 ≠ 128)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import model as M
+from .attention import self_attention
+
+NORMS = ("input_layernorm", "post_attention_layernorm")
+LINEARS = tuple(M.TARGET_MODULES.values())
+TARGETS = tuple(M.TARGET_MODULES)
+
+
+def block_forward(
+    x: torch.Tensor,
+    w: dict[str, torch.Tensor],
+    args: M.ModelArgs,
+    layer: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    lora: M.LoraContext | None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(B, T, C) → (B, T, C)."""
+    eps = args.rms_norm_eps
+    h = M.rms_norm(x, w["input_layernorm.weight"], eps)
+    x = x + self_attention(h, w, args, layer, cos, sin, lora, mask=mask)
+    return x + M.mlp(M.rms_norm(x, w["post_attention_layernorm.weight"], eps), w, lora)
