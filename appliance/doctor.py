@@ -58,8 +58,11 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
 
 
-def needs_for(args: ModelArgs, cuda: bool, base_quant: str = "none") -> Needs:
-    """The host needs of training `args` here: plan's own arithmetic (plan.host_bytes)."""
+def needs_for(
+    args: ModelArgs, cuda: bool, base_quant: str = "none", dtype_bytes: int | None = None
+) -> Needs:
+    """The host needs of training `args` here, by plan's own arithmetic (plan.host_bytes);
+    `dtype_bytes` defaults to the trainer's default compute dtype (bf16 on a GPU, fp32 on CPU)."""
     from .plan import (
         TOKENIZER_WORKER_BYTES,
         TOKENIZER_WORKERS,
@@ -68,7 +71,8 @@ def needs_for(args: ModelArgs, cuda: bool, base_quant: str = "none") -> Needs:
         globals_bytes,
     )
 
-    dtype_bytes = 2 if cuda else 4  # bf16 on a GPU, fp32 on the CPU (the trainer's defaults)
+    if dtype_bytes is None:
+        dtype_bytes = 2 if cuda else 4
     block = block_bytes(args, dtype_bytes, base_quant)
     store = -(-globals_bytes(args, dtype_bytes) // 64) * 64 + args.num_layers * block
     ram = store + TRAINER_PROCESS_BYTES + TOKENIZER_WORKERS * TOKENIZER_WORKER_BYTES
@@ -351,10 +355,12 @@ def resolve_cuda(device: str) -> bool:
     return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
-def blocking_problems(args: ModelArgs, cuda: bool, base_quant: str = "none") -> list[str]:
+def blocking_problems(
+    args: ModelArgs, cuda: bool, base_quant: str = "none", dtype_bytes: int | None = None
+) -> list[str]:
     """What stops a run of `args` on this box before it loads anything (/dev/shm, RAM, memlock):
     one line per failed check (detail, then fix); empty when none fails. `train` calls this."""
-    needs = needs_for(args, cuda, base_quant)
+    needs = needs_for(args, cuda, base_quant, dtype_bytes)
     return [
         f"{c.name}: {c.detail}; {c.fix}"
         for c in (check_shm(needs), check_ram(needs), check_memlock(needs))

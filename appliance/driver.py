@@ -27,6 +27,7 @@ from .data import check_dataset
 from .errors import ConfigError, cause_chain
 from .hf_checkpoint import SafetensorsCheckpoint, read_model_args, seq_len_problems, tokenizer_path
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from .model import ModelArgs
 from .progress import Progress
 from .run import IDENTITY_KEYS, RUN_FILE, Inputs, Run, run_identity, write_run_file
 from .storage import StorageError
@@ -82,6 +83,7 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
             "--cluster give s3:// URIs or paths shared by every node"
         ) from None
     args = read_model_args(model_dir)  # refuses unsupported architectures before any weight
+    check_box(cfg, args)  # /dev/shm, RAM, memlock: fail in seconds, not with an OOM kill later
     SafetensorsCheckpoint(model_dir).check(args)  # every tensor there, readable, right shape
     tok = tokenizer_path(model_dir)
     check_dataset(data_path, tok)  # errors here are clear; inside an actor they'd be wrapped
@@ -107,6 +109,20 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
         device,
         resolve_dtype(cfg.dtype, device),
     )
+
+
+def check_box(cfg: TrainConfig, args: ModelArgs) -> None:
+    """`appliance doctor`'s blocking checks for this run, before any weight is read."""
+    from .blocks import dtype_from_name
+    from .doctor import blocking_problems
+
+    device = resolve_device(cfg.device)
+    dtype_bytes = dtype_from_name(resolve_dtype(cfg.dtype, device)).itemsize
+    quant = getattr(cfg, "base_quant", "none")
+    problems = blocking_problems(args, device == "cuda", quant, dtype_bytes)
+    if problems:
+        problems.append(f"(appliance doctor --model {cfg.model} checks the rest of this box)")
+        raise ConfigError("\n".join(problems))
 
 
 def check_output(cfg: TrainConfig) -> None:
