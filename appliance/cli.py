@@ -167,6 +167,9 @@ def bench(options: tuple[str, ...]) -> None:
 @click.option("--tokens", type=int, default=None, help="Tokens to train on (for time and cost).")
 @click.option("--steps", type=int, default=None, help="Optimizer steps (instead of --tokens).")
 @click.option("--price-per-hour", type=float, default=None, help="$ per GPU-hour (default: table).")
+@click.option("--dtype", default="bfloat16", show_default=True, help="Compute dtype.")
+@click.option("--h2d-gbps", type=float, default=None, help="Measured B (GB/s), e.g. from doctor.")
+@click.option("--tflops", type=float, default=None, help="Measured P (TFLOP/s), e.g. from doctor.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @friendly_errors
 def plan_cmd(model, preset, gpu, micro_batches_per_step, gpu_memory_budget, as_json, **kw) -> None:

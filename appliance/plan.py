@@ -106,10 +106,17 @@ class PlanInput:
     steps: int | None = None
     price_per_hour: float | None = None  # $ per GPU-hour
     dtype_bytes: int = 2  # bf16 compute on a GPU
+    h2d_bytes_per_second: float | None = None  # overrides the table's B (e.g. doctor's figure)
+    flops_per_second: float | None = None  # overrides the table's P
 
     @property
     def card(self) -> hardware.Gpu:
-        return hardware.GPUS[self.gpu]
+        card = hardware.GPUS[self.gpu]
+        if self.h2d_bytes_per_second:
+            card = replace(card, h2d_bytes_per_second=self.h2d_bytes_per_second)
+        if self.flops_per_second:
+            card = replace(card, flops_per_second=self.flops_per_second)
+        return card
 
     @property
     def budget(self) -> int:
@@ -149,6 +156,9 @@ def plan_input(
     tokens: int | None = None,
     steps: int | None = None,
     price_per_hour: float | None = None,
+    dtype: str = "bfloat16",
+    h2d_gbps: float | None = None,
+    tflops: float | None = None,
 ) -> PlanInput:
     """Check the CLI's flags (every problem at once, each naming its flag) and resolve them."""
     from .config import parse_bytes
@@ -180,6 +190,12 @@ def plan_input(
             errors.append(f"{flag} must be ≥ 1 (got {v})")
     if tokens is not None and steps is not None:
         errors.append("--tokens and --steps are exclusive: give one")
+    for flag, v in (("--h2d-gbps", h2d_gbps), ("--tflops", tflops)):
+        if v is not None and v <= 0:
+            errors.append(f"{flag} must be > 0 (got {v})")
+    dtypes = {"bfloat16": 2, "float16": 2, "float32": 4}
+    if dtype not in dtypes:
+        errors.append(f"--dtype {dtype!r} must be one of {' | '.join(dtypes)}")
     if price_per_hour is not None and price_per_hour < 0:
         errors.append(f"--price-per-hour must be ≥ 0 (got {price_per_hour})")
     budget = None
@@ -205,6 +221,9 @@ def plan_input(
         tokens=tokens,
         steps=steps,
         price_per_hour=price_per_hour,
+        dtype_bytes=dtypes[dtype],
+        h2d_bytes_per_second=h2d_gbps * 1e9 if h2d_gbps else None,
+        flops_per_second=tflops * 1e12 if tflops else None,
     )
 
 
