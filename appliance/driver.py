@@ -131,6 +131,9 @@ def check_output(cfg: TrainConfig) -> None:
     run_file = storage.join(out, RUN_FILE)
     if storage.exists(run_file):
         previous = json.loads(storage.read_bytes(run_file))
+        recorded = previous.get("identity", {}).get("micro_batches_per_step")
+        if cfg.resume and cfg.micro_batches_per_step == "auto" and recorded is not None:
+            cfg.micro_batches_per_step = recorded  # auto was resolved when the run started
         same = previous.get("identity") == run_identity(cfg)
         if cfg.resume:
             if not same:
@@ -181,6 +184,7 @@ def connect(cfg: TrainConfig, progress: Progress) -> Run:
     if not cfg.cluster:
         inp = prepare(cfg)
         start_ray(cfg, progress)
+        resolve_micro_batches(inp, progress)
         return Run(inp, progress)
     _absolute_paths(cfg)  # config.validate refuses the demo with --cluster: paths are given
     start_ray(cfg, progress)
@@ -193,7 +197,48 @@ def connect(cfg: TrainConfig, progress: Progress) -> Run:
         inp = ray.get([resolve.options(**on_node(n)).remote(cfg, a) for n, a in nodes])[0]
     except Exception as e:
         raise cause_chain(e)[-1] from None
+    resolve_micro_batches(inp, progress)
     return Run(inp, progress, slots)
+
+
+def resolve_micro_batches(inp: Inputs, progress: Progress) -> None:
+    """`--micro-batches-per-step auto`: 4 on a CPU; on a GPU, measure B and P where a trainer's
+    GPU is (a one-off Ray task, whose process then exits with its CUDA context) and take
+    plan's M. The number replaces `auto` in the config, so run.json records it."""
+    from .config import AUTO
+
+    cfg = inp.cfg
+    if cfg.micro_batches_per_step != AUTO:
+        return
+    from .plan import CPU_AUTO_M, auto_micro_batches, load_args, measure_this_gpu
+
+    if inp.device != "cuda":
+        cfg.micro_batches_per_step = CPU_AUTO_M
+        progress.note(f"--micro-batches-per-step auto: {CPU_AUTO_M} (on a CPU)")
+        return
+    import ray
+
+    from .blocks import dtype_from_name
+
+    measured = ray.get(ray.remote(num_gpus=1, max_calls=1)(measure_this_gpu).remote())
+    args, _ = load_args(cfg.model, None)  # config.json (with --cluster: shared path or s3://)
+    m, why = auto_micro_batches(
+        args,
+        measured,
+        seq_len=cfg.seq_len,
+        micro_batch_size=cfg.micro_batch_size,
+        lora_rank=cfg.lora_rank,
+        lora_targets=tuple(cfg.lora_targets),
+        dtype_bytes=dtype_from_name(inp.dtype).itemsize,
+        budget=cfg.budget_bytes(),
+        base_quant=getattr(cfg, "base_quant", "none"),
+    )
+    cfg.micro_batches_per_step = m
+    progress.note(
+        f"--micro-batches-per-step auto: {m} ({why}; measured B = "
+        f"{measured['h2d_bytes_per_second'] / 1e9:.1f} GB/s, P = "
+        f"{measured['flops_per_second'] / 1e12:.0f} TFLOP/s on {measured['name']})"
+    )
 
 
 def _let_metrics_report(cfg: TrainConfig) -> None:

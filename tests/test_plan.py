@@ -236,3 +236,77 @@ def test_engine_on_a_gpu_keeps_the_blocks_the_plan_predicts():
     ) as engine:
         engine.plan([(ids, ids)] * 4)
         assert len(engine.weights.resident) == evaluate(p, 4)["resident_blocks"]
+
+
+# ---------------------------------------------------------------- train --micro-batches-per-step auto
+
+
+def _cfg(tmp_path, **flags):
+    from appliance.config import build_config
+
+    base = {"model": str(tmp_path / "m"), "data": str(tmp_path / "d"), "output": str(tmp_path)}
+    return build_config({}, {**base, **flags})
+
+
+def test_config_accepts_auto_and_still_checks_numbers(tmp_path):
+    from appliance.errors import ConfigError
+
+    assert _cfg(tmp_path, micro_batches_per_step="auto").micro_batches_per_step == "auto"
+    assert _cfg(tmp_path, micro_batches_per_step="3").micro_batches_per_step == 3
+    with pytest.raises(ConfigError, match="--micro-batches-per-step must be ≥ 1"):
+        _cfg(tmp_path, micro_batches_per_step="0")
+    with pytest.raises(ConfigError, match="--micro-batches-per-step: 'many' is not a valid int"):
+        _cfg(tmp_path, micro_batches_per_step="many")
+
+
+def test_auto_on_a_cpu_means_4_and_run_json_records_it(tmp_path):
+    from appliance.driver import resolve_micro_batches
+    from appliance.progress import Progress
+    from appliance.run import Inputs, write_run_file
+
+    cfg = _cfg(tmp_path, micro_batches_per_step="auto")
+    inp = Inputs(cfg, tmp_path, tmp_path, tmp_path, 2, None, "cpu", "float32")
+    resolve_micro_batches(inp, Progress("plain"))
+    assert cfg.micro_batches_per_step == 4
+    write_run_file(cfg, "running")
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert record["config"]["micro_batches_per_step"] == 4
+    assert record["identity"]["micro_batches_per_step"] == 4
+    # --resume with auto continues with the M the run started with
+    from appliance.driver import check_output
+
+    resumed = _cfg(tmp_path, micro_batches_per_step="auto", resume="true")
+    check_output(resumed)
+    assert resumed.micro_batches_per_step == 4
+
+
+def test_auto_on_a_gpu_uses_plans_rule_with_the_measured_figures():
+    from appliance.plan import auto_micro_batches
+
+    measured = {  # what an A10 would measure if it matched the table
+        "h2d_bytes_per_second": A10_B,
+        "flops_per_second": A10_P,
+        "memory_bytes": 23028 * 2**20,
+        "name": "NVIDIA A10",
+    }
+    args = PRESETS["7b"].args
+    m, why = auto_micro_batches(
+        args,
+        measured,
+        seq_len=256,
+        micro_batch_size=1,
+        lora_rank=16,
+        lora_targets=tuple(plan_7b().lora_targets),
+        dtype_bytes=2,
+        budget=4 * 2**30,
+    )
+    assert (m, why) == (6, "the smallest M within 10% of compute-bound that fits")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_measure_this_gpu_gives_plausible_figures():
+    from appliance.plan import measure_this_gpu
+
+    m = measure_this_gpu()
+    assert 1e9 < m["h2d_bytes_per_second"] < 1e12 and 1e12 < m["flops_per_second"] < 1e16
