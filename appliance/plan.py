@@ -403,6 +403,8 @@ def make_plan(p: PlanInput) -> dict:
         "gpu_name": card.name,
         "gpus": p.gpus,
         "gpu_source": card.source,
+        "gpu_paper_flops_per_second": card.paper_flops_per_second,
+        "gpu_memory_bytes": card.memory_bytes,
         "base_quant": p.base_quant,
         "seq_len": p.seq_len,
         "micro_batch_size": p.micro_batch_size,

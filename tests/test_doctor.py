@@ -23,6 +23,7 @@ from appliance.plan import block_bytes
 from tests.helpers_net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+pytest_plugins = ["tests.s3_server"]
 
 
 def appliance(*argv: str, env: dict | None = None, preexec_fn=None) -> subprocess.CompletedProcess:
@@ -163,3 +164,37 @@ def test_train_refuses_a_too_big_model_before_reading_weights(tmp_path):
     assert lines[-1] == f"error: (appliance doctor --model {model} checks the rest of this box)"
     assert "safetensors" not in p.output and isinstance(p.exception, SystemExit)
     assert not (out / "run.json").exists()  # nothing started, nothing written
+
+
+def test_s3_model_checks_credentials_and_endpoint(s3_bucket, s3_client, s3_endpoint, monkeypatch):
+    a = PRESETS["tiny"].args
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": a.vocab_size,
+        "hidden_size": a.hidden_size,
+        "intermediate_size": a.intermediate_size,
+        "num_hidden_layers": a.num_layers,
+        "num_attention_heads": a.num_heads,
+        "num_key_value_heads": a.num_kv_heads,
+    }
+    s3_client.put_object(Bucket=s3_bucket, Key="m/config.json", Body=json.dumps(config).encode())
+    uri = f"s3://{s3_bucket}/m"
+    rc, checks = doctor_here("--model", uri, "--device", "cpu")
+    assert checks["s3"] == {
+        "name": "s3",
+        "status": "ok",
+        "detail": f"endpoint {s3_endpoint}: {uri}/config.json readable",
+        "fix": "",
+    }
+    assert checks["disk"]["status"] == "ok" and "model cache" in checks["disk"]["detail"]
+    assert "the weight store needs" in checks["shm"]["detail"]  # config.json was read from S3
+
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    rc, checks = doctor_here("--model", uri, "--device", "cpu")
+    assert rc == 1 and "s3" in failed(checks)
+    assert checks["s3"]["detail"] == f"no AWS credentials found (endpoint {s3_endpoint})"
+    assert "AWS_ACCESS_KEY_ID" in checks["s3"]["fix"]
