@@ -124,9 +124,13 @@ def test_a_busy_port_fails_the_port_check():
         s.bind(("0.0.0.0", port))
         s.listen()
         rc, checks = doctor_here("--metrics-port", str(port))
+        text = CliRunner().invoke(main, ["doctor", "--metrics-port", str(port)])
     assert rc == 1 and failed(checks) == {"metrics_port"}
     assert checks["metrics_port"]["detail"] == f"port {port} is already in use"
     assert "--metrics-port" in checks["metrics_port"]["fix"]
+    assert text.exit_code == 1
+    assert f"fail  metrics_port  port {port} is already in use\n" in text.output
+    assert "fix: stop what holds it, or pick another with --metrics-port" in text.output
     rc, checks = doctor_here("--metrics-port", str(port))  # released: fine again
     assert rc == 0 and checks["metrics_port"]["status"] == "ok"
 

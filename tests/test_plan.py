@@ -310,3 +310,15 @@ def test_measure_this_gpu_gives_plausible_figures():
 
     m = measure_this_gpu()
     assert 1e9 < m["h2d_bytes_per_second"] < 1e12 and 1e12 < m["flops_per_second"] < 1e16
+
+
+def test_gpus_multiply_tokens_not_the_step_time():
+    one = make_plan(plan_7b(micro_batches_per_step=8, tokens=10_000_000))
+    two = make_plan(plan_7b(micro_batches_per_step=8, tokens=10_000_000, gpus=2))
+    assert two["tokens_per_step"] == 2 * one["tokens_per_step"]
+    assert two["step_seconds_floor"] == one["step_seconds_floor"]  # each GPU streams the same
+    assert two["steps"] == math.ceil(one["steps"] / 2)
+    assert two["cost_usd"] == pytest.approx(
+        two["steps"] * one["step_seconds_floor"] / 3600 * 2.448 * 2
+    )
+    assert two["weight_store_bytes"] == one["weight_store_bytes"]  # one store per node
