@@ -146,6 +146,55 @@ def bench(options: tuple[str, ...]) -> None:
     sys.exit(B.main(list(options), prog="appliance bench"))
 
 
+@main.command("plan")
+@click.option("--model", default=None, help="Model directory or s3:// prefix (config.json only).")
+@click.option("--preset", default=None, help="A bench preset instead of --model (tiny, 7b, ...).")
+@click.option(
+    "--gpu", "gpu", required=True, help="GPU class: a10|a10g|4090|l4|l40s|a100|h100|h200."
+)
+@click.option("--gpus", type=int, default=1, show_default=True, help="GPUs (trainers) on one node.")
+@click.option("--seq-len", type=int, default=2048, show_default=True)
+@click.option("--micro-batch-size", type=int, default=1, show_default=True)
+@click.option(
+    "--micro-batches-per-step",
+    default="8",
+    show_default=True,
+    help="N, or auto: the smallest M within 10% of compute-bound that fits.",
+)
+@click.option("--base-quant", default="none", show_default=True, help="none | int8 | nf4.")
+@click.option("--lora-rank", type=int, default=16, show_default=True)
+@click.option("--gpu-memory-budget", default=None, help="e.g. 20GiB (default: 90% of the card).")
+@click.option("--tokens", type=int, default=None, help="Tokens to train on (for time and cost).")
+@click.option("--steps", type=int, default=None, help="Optimizer steps (instead of --tokens).")
+@click.option("--price-per-hour", type=float, default=None, help="$ per GPU-hour (default: table).")
+@click.option("--dtype", default="bfloat16", show_default=True, help="Compute dtype.")
+@click.option("--h2d-gbps", type=float, default=None, help="Measured B (GB/s), e.g. from doctor.")
+@click.option("--tflops", type=float, default=None, help="Measured P (TFLOP/s), e.g. from doctor.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@friendly_errors
+def plan_cmd(model, preset, gpu, micro_batches_per_step, gpu_memory_budget, as_json, **kw) -> None:
+    """Memory, time and cost of a run from config.json alone (no weights, no GPU needed)."""
+    from .plan import plan_input, run_plan
+
+    p = plan_input(model, preset, gpu, micro_batches_per_step, gpu_memory_budget, **kw)
+    run_plan(p, as_json)
+
+
+@main.command("doctor")
+@click.option("--model", default=None, help="Model directory or s3:// prefix (config.json only).")
+@click.option("--preset", default=None, help="A bench preset instead of --model.")
+@click.option("--base-quant", default="none", show_default=True, help="none | int8 | nf4.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
+@click.option("--metrics-port", type=int, default=8080, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@friendly_errors
+def doctor_cmd(model, preset, base_quant, device, metrics_port, as_json) -> None:
+    """Check this box: versions, GPUs, /dev/shm, RAM, memlock, disk, bandwidth, port, Ray, S3."""
+    from .doctor import run_doctor
+
+    sys.exit(run_doctor(model, preset, base_quant, device, metrics_port, as_json))
+
+
 def entry() -> None:
     """The `appliance` executable: `main`, then an exit that is safe with Ray's threads still
     running (appliance/exit.py says why)."""

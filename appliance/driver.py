@@ -27,6 +27,7 @@ from .data import check_dataset
 from .errors import ConfigError, cause_chain
 from .hf_checkpoint import SafetensorsCheckpoint, read_model_args, seq_len_problems, tokenizer_path
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from .model import ModelArgs
 from .models import resolve_targets
 from .progress import Progress
 from .run import IDENTITY_KEYS, RUN_FILE, Inputs, Run, run_identity, write_run_file
@@ -83,6 +84,7 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
             "--cluster give s3:// URIs or paths shared by every node"
         ) from None
     args = read_model_args(model_dir)  # refuses unsupported architectures before any weight
+    check_box(cfg, args)  # /dev/shm, RAM, memlock: fail in seconds, not with an OOM kill later
     SafetensorsCheckpoint(model_dir).check(args)  # every tensor there, readable, right shape
     tok = tokenizer_path(model_dir)
     check_dataset(data_path, tok)  # errors here are clear; inside an actor they'd be wrapped
@@ -114,12 +116,29 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
     )
 
 
+def check_box(cfg: TrainConfig, args: ModelArgs) -> None:
+    """`appliance doctor`'s blocking checks for this run, before any weight is read."""
+    from .blocks import dtype_from_name
+    from .doctor import blocking_problems
+
+    device = resolve_device(cfg.device)
+    dtype_bytes = dtype_from_name(resolve_dtype(cfg.dtype, device)).itemsize
+    quant = getattr(cfg, "base_quant", "none")
+    problems = blocking_problems(args, device == "cuda", quant, dtype_bytes)
+    if problems:
+        problems.append(f"(appliance doctor --model {cfg.model} checks the rest of this box)")
+        raise ConfigError("\n".join(problems))
+
+
 def check_output(cfg: TrainConfig) -> None:
     """Refuse an --output that holds something else, unless --overwrite (or --resume of it)."""
     out = cfg.output
     run_file = storage.join(out, RUN_FILE)
     if storage.exists(run_file):
         previous = json.loads(storage.read_bytes(run_file))
+        recorded = previous.get("identity", {}).get("micro_batches_per_step")
+        if cfg.resume and cfg.micro_batches_per_step == "auto" and recorded is not None:
+            cfg.micro_batches_per_step = recorded  # auto was resolved when the run started
         same = previous.get("identity") == run_identity(cfg)
         if cfg.resume:
             if not same:
@@ -170,6 +189,7 @@ def connect(cfg: TrainConfig, progress: Progress) -> Run:
     if not cfg.cluster:
         inp = prepare(cfg)
         start_ray(cfg, progress, weight_bytes=weight_store_bytes(inp.model_dir, inp.dtype))
+        resolve_micro_batches(inp, progress)
         return Run(inp, progress)
     _absolute_paths(cfg)  # config.validate refuses the demo with --cluster: paths are given
     start_ray(cfg, progress)
@@ -182,7 +202,48 @@ def connect(cfg: TrainConfig, progress: Progress) -> Run:
         inp = ray.get([resolve.options(**on_node(n)).remote(cfg, a) for n, a in nodes])[0]
     except Exception as e:
         raise cause_chain(e)[-1] from None
+    resolve_micro_batches(inp, progress)
     return Run(inp, progress, slots)
+
+
+def resolve_micro_batches(inp: Inputs, progress: Progress) -> None:
+    """`--micro-batches-per-step auto`: 4 on a CPU; on a GPU, measure B and P where a trainer's
+    GPU is (a one-off Ray task, whose process then exits with its CUDA context) and take
+    plan's M. The number replaces `auto` in the config, so run.json records it."""
+    from .config import AUTO
+
+    cfg = inp.cfg
+    if cfg.micro_batches_per_step != AUTO:
+        return
+    from .plan import CPU_AUTO_M, auto_micro_batches, load_args, measure_this_gpu
+
+    if inp.device != "cuda":
+        cfg.micro_batches_per_step = CPU_AUTO_M
+        progress.note(f"--micro-batches-per-step auto: {CPU_AUTO_M} (on a CPU)")
+        return
+    import ray
+
+    from .blocks import dtype_from_name
+
+    measured = ray.get(ray.remote(num_gpus=1, max_calls=1)(measure_this_gpu).remote())
+    args, _ = load_args(cfg.model, None)  # config.json (with --cluster: shared path or s3://)
+    m, why = auto_micro_batches(
+        args,
+        measured,
+        seq_len=cfg.seq_len,
+        micro_batch_size=cfg.micro_batch_size,
+        lora_rank=cfg.lora_rank,
+        lora_targets=tuple(cfg.lora_targets),
+        dtype_bytes=dtype_from_name(inp.dtype).itemsize,
+        budget=cfg.budget_bytes(),
+        base_quant=getattr(cfg, "base_quant", "none"),
+    )
+    cfg.micro_batches_per_step = m
+    progress.note(
+        f"--micro-batches-per-step auto: {m} ({why}; measured B = "
+        f"{measured['h2d_bytes_per_second'] / 1e9:.1f} GB/s, P = "
+        f"{measured['flops_per_second'] / 1e12:.0f} TFLOP/s on {measured['name']})"
+    )
 
 
 def _let_metrics_report(cfg: TrainConfig) -> None:

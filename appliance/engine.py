@@ -43,6 +43,7 @@ from . import models
 from .blocks import BlockSource, pack, unpack
 from .errors import ConfigError
 from .lora import LoraSpec, LoraWeights
+from .planner import plan_memory, step_flops
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input_ids (B, T), labels (B, T)), labels shifted
 
@@ -339,40 +340,30 @@ class StreamedEngine:
         self._planned = True
         if self.device.type != "cuda":
             return
-        a, L = self.args, self.args.num_layers
-        esize = self.dtype.itemsize
+        L = self.args.num_layers
         budget = self.budget or int(
             torch.cuda.get_device_properties(self.device).total_memory * 0.9
         )
-        block = self.weights.block_bytes()
-        fixed = sum(t.numel() * esize for t in self.weights.globals.values())
-        fixed += self.lora.num_parameters() * 4 * 4  # param, grad, two Adam moments (fp32)
-        tokens = sum(ids.numel() for ids, _ in micro_batches)
-        biggest = max(ids.numel() for ids, _ in micro_batches)
-        saved = L * tokens * a.hidden_size * esize
-        # transient working set of one micro-batch through one block and the fp32 head
-        work = biggest * (6 * a.hidden_size + 4 * a.intermediate_size) * esize * 2
-        work += biggest * a.vocab_size * 4 * 3
-        if a.attn_softcap is not None:  # Gemma 2: model.attend writes out (B, nh, T, T) scores,
-            # kept for the backward with their tanh and fp32 softmax
-            rows = max(mb[0].shape[0] * mb[0].shape[1] ** 2 for mb in micro_batches)
-            work += rows * a.num_heads * (4 + 3 * esize)
-        free = budget - fixed - work
-        self.offload_activations = saved > free // 2
-        if not self.offload_activations:
-            free -= saved
-        if free >= L * block:
-            self.weights.resident = set(range(L))
-        else:
-            n = free // block - 2  # two slots for the blocks in flight
-            if n < 0:
-                need = fixed + work + 2 * block
-                raise ConfigError(
-                    f"--gpu-memory-budget {budget / 2**30:.1f} GiB is too small for this model and "
-                    f"micro-batch: at least {need / 2**30:.1f} GiB needed; lower --micro-batch-size "
-                    f"or --seq-len, or raise the budget"
-                )
-            self.weights.resident = set(range(L - int(n), L))  # last of forward = first of backward
+        p = plan_memory(
+            self.args,
+            dtype_bytes=self.dtype.itemsize,
+            budget=budget,
+            tokens=sum(ids.numel() for ids, _ in micro_batches),
+            biggest=max(ids.numel() for ids, _ in micro_batches),
+            longest=max(ids.shape[-1] for ids, _ in micro_batches),
+            block_bytes=self.weights.block_bytes(),
+            globals_bytes=sum(t.numel() * t.element_size() for t in self.weights.globals.values()),
+            lora_params=self.lora.num_parameters(),
+        )
+        self.offload_activations = p.offload_activations
+        if not p.fits:
+            raise ConfigError(
+                f"--gpu-memory-budget {budget / 2**30:.1f} GiB is too small for this model and "
+                f"micro-batch: at least {p.min_bytes / 2**30:.1f} GiB needed; lower "
+                "--micro-batch-size or --seq-len, or raise the budget"
+            )
+        # the last blocks of forward are the first of backward: they stay
+        self.weights.resident = set(range(L - p.resident_blocks, L))
 
     def _cos_sin(self, T: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables for T positions; `local`: Gemma 3's sliding layers' (ModelArgs.local_rope)."""
@@ -573,7 +564,7 @@ class StreamedEngine:
 
     def flops_per_step(self, tokens: int) -> float:
         """≈ 6·N·T for LoRA with recompute: forward, recompute, input-gradient (DESIGN.md)."""
-        return 6.0 * self.args.num_layers * self.args.block_param_count() * tokens
+        return step_flops(self.args, tokens)
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: list[MicroBatch]) -> tuple[float, int]:

@@ -1,0 +1,433 @@
+"""`appliance doctor`: what is wrong with this box, before a run finds out the slow way.
+
+    appliance doctor                              # the box alone
+    appliance doctor --model ./Llama-2-7b-hf      # and against this model's needs (config.json only)
+
+Each check is ok / warn / fail with one line of detail and, unless ok, one line of fix; the exit
+status is 1 when any check fails. With a model (or `--preset`), the memory checks compare this
+box with what the run needs: the weight store (every block, in Ray's shared-memory object store,
+in the compute dtype: bf16 on a GPU, fp32 on the CPU) and, on a GPU, the pages the trainer
+page-locks (the store's blocks, registered in place).
+
+`train` runs the cheap blocking checks (/dev/shm, RAM, memlock: `blocking_problems`) before it
+loads anything, so a run that cannot fit fails in seconds with the same line.
+
+The shared-memory directory is /dev/shm (where Ray's object store lives on Linux);
+APPLIANCE_SHM_DIR points the check elsewhere (the tests use a small tmpfs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from . import storage
+from .errors import ApplianceError, ConfigError
+from .model import ModelArgs
+
+GiB, MiB = 2**30, 2**20
+SHM_ENV = "APPLIANCE_SHM_DIR"
+MIN_PYTHON = (3, 10)
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # ok | warn | fail
+    detail: str
+    fix: str = ""
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a run of one model needs from this box (bytes)."""
+
+    weight_store: int  # in /dev/shm, once per node
+    page_locked: int  # per trainer process on a GPU (0 on the CPU)
+    ram: int  # weight store + trainer + tokenizer processes (their sizes assumed)
+    checkpoint: int  # the safetensors files, for a download (bf16 files assumed)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
+
+
+def needs_for(
+    args: ModelArgs, cuda: bool, base_quant: str = "none", dtype_bytes: int | None = None
+) -> Needs:
+    """The host needs of training `args` here, by plan's own arithmetic (plan.host_bytes);
+    `dtype_bytes` defaults to the trainer's default compute dtype (bf16 on a GPU, fp32 on CPU)."""
+    from .plan import (
+        TOKENIZER_WORKER_BYTES,
+        TOKENIZER_WORKERS,
+        TRAINER_PROCESS_BYTES,
+        block_bytes,
+        globals_bytes,
+    )
+
+    if dtype_bytes is None:
+        dtype_bytes = 2 if cuda else 4
+    block = block_bytes(args, dtype_bytes, base_quant)
+    store = -(-globals_bytes(args, dtype_bytes) // 64) * 64 + args.num_layers * block
+    ram = store + TRAINER_PROCESS_BYTES + TOKENIZER_WORKERS * TOKENIZER_WORKER_BYTES
+    return Needs(store, args.num_layers * block if cuda else 0, ram, args.param_count() * 2)
+
+
+# ---------------------------------------------------------------- the checks
+
+
+def check_python() -> Check:
+    v = sys.version_info
+    ok = v[:2] >= MIN_PYTHON
+    return Check(
+        "python",
+        "ok" if ok else "fail",
+        f"Python {platform.python_version()} ({sys.executable})",
+        "" if ok else f"use Python ≥ {'.'.join(map(str, MIN_PYTHON))}",
+    )
+
+
+def check_torch() -> Check:
+    import torch
+
+    cuda = torch.version.cuda
+    driver = _driver_version()
+    detail = f"torch {torch.__version__}, CUDA {cuda or 'none (a CPU build)'}"
+    if driver:
+        detail += f", driver {driver}"
+    if cuda is None:
+        return Check("torch", "warn", detail, "install a CUDA build of torch to train on a GPU")
+    if not torch.cuda.is_available():
+        return Check(
+            "torch",
+            "warn",
+            detail + "; CUDA not usable here",
+            "check the driver (nvidia-smi) and that the container sees the GPU (--gpus all)",
+        )
+    return Check("torch", "ok", detail)
+
+
+def _driver_version() -> str | None:
+    from .gpu_monitor import _import_pynvml
+
+    pynvml = _import_pynvml()
+    if pynvml is None:
+        return None
+    try:
+        pynvml.nvmlInit()
+        v = pynvml.nvmlSystemGetDriverVersion()
+        return v.decode() if isinstance(v, bytes) else str(v)
+    except Exception:  # no driver, no NVML: nothing to report
+        return None
+
+
+def check_gpus(device: str) -> Check:
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        if device == "cuda":
+            return Check(
+                "gpus", "fail", "--device cuda, but no GPU is visible", "use --device cpu or auto"
+            )
+        return Check(
+            "gpus",
+            "warn",
+            "no GPU visible: training runs on the CPU (fp32; slow beyond tiny models)",
+            "run on a GPU box (docker run --gpus all ...)",
+        )
+    parts, no_bf16 = [], []
+    for i in range(n):
+        p = torch.cuda.get_device_properties(i)
+        bf16 = p.major >= 8  # Ampere and newer have bf16 tensor cores
+        parts.append(f"{i}: {p.name} {p.total_memory / GiB:.1f} GiB{'' if bf16 else ' (no bf16)'}")
+        if not bf16:
+            no_bf16.append(str(i))
+    if no_bf16:
+        return Check(
+            "gpus",
+            "warn",
+            "; ".join(parts),
+            f"GPU {','.join(no_bf16)} has no bf16: use --dtype float16 (or an Ampere+ card)",
+        )
+    return Check("gpus", "ok", "; ".join(parts))
+
+
+def shm_dir() -> Path:
+    return Path(os.environ.get(SHM_ENV) or "/dev/shm")
+
+
+def check_shm(needs: Needs | None) -> Check:
+    path = shm_dir()
+    try:
+        st = os.statvfs(path)
+    except OSError as e:
+        return Check("shm", "fail", f"{path}: {e.strerror}", "mount a tmpfs there")
+    total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    detail = f"{path}: {_gib(total)}, {_gib(free)} free"
+    if needs is None:
+        return Check("shm", "ok", detail + " (give --model to check it against a model)")
+    detail += f"; the weight store needs {_gib(needs.weight_store)}"
+    size = f"{-(-needs.weight_store * 11 // 10 // GiB)}g"  # 10 % headroom, whole GiB
+    fix = (
+        f"give the container more shared memory: docker run --shm-size={size} "
+        f"(Helm: the chart's shmSize), or a smaller model / --base-quant"
+    )
+    if total < needs.weight_store:
+        return Check("shm", "fail", detail, fix)
+    if free < needs.weight_store:
+        return Check("shm", "warn", detail + " (not free now)", "free /dev/shm (old Ray sessions?)")
+    return Check("shm", "ok", detail)
+
+
+def memory_available() -> int | None:
+    from .bench import host_memory_available
+
+    return host_memory_available()
+
+
+def check_ram(needs: Needs | None) -> Check:
+    avail = memory_available()
+    if avail is None:
+        return Check("ram", "warn", "cannot read /proc/meminfo", "")
+    detail = f"{_gib(avail)} available"
+    if needs is None:
+        return Check("ram", "ok", detail)
+    detail += (
+        f"; the weight store needs {_gib(needs.weight_store)}, the whole run about "
+        f"{_gib(needs.ram)}"
+    )
+    if avail < needs.weight_store:
+        return Check(
+            "ram",
+            "fail",
+            detail,
+            "a box with more RAM, or --base-quant int8|nf4 (the host OOM killer would end the "
+            "run while it loads)",
+        )
+    if avail < needs.ram:
+        return Check("ram", "warn", detail, "little room left: close other processes")
+    return Check("ram", "ok", detail)
+
+
+def check_memlock(needs: Needs | None) -> Check:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    shown = "unlimited" if soft == resource.RLIM_INFINITY else _gib(soft)
+    detail = f"ulimit -l (memlock): {shown}"
+    if needs is None or needs.page_locked == 0:
+        why = "no model given" if needs is None else "nothing to page-lock on the CPU"
+        return Check("memlock", "ok", f"{detail} ({why})")
+    detail += f"; page-locking the blocks needs {_gib(needs.page_locked)}"
+    if soft != resource.RLIM_INFINITY and soft < needs.page_locked:
+        return Check(
+            "memlock",
+            "fail",
+            detail,
+            "raise it: docker run --ulimit memlock=-1 (or memlock in /etc/security/limits.conf)",
+        )
+    return Check("memlock", "ok", detail)
+
+
+def check_disk(model: str | None, needs: Needs | None) -> Check:
+    if model is not None and storage.is_s3(model):
+        root = storage.cache_root()
+        where = _existing(root)
+        free = shutil.disk_usage(where).free
+        detail = f"model cache {root}: {_gib(free)} free"
+        if needs is not None:
+            detail += f"; the checkpoint is about {_gib(needs.checkpoint)} (bf16 files)"
+            if free < needs.checkpoint:
+                return Check(
+                    "disk",
+                    "fail",
+                    detail,
+                    "free space there, or point APPLIANCE_S3_CACHE elsewhere",
+                )
+        return Check("disk", "ok", detail)
+    where = _existing(Path.cwd())
+    return Check("disk", "ok", f"{where}: {_gib(shutil.disk_usage(where).free)} free")
+
+
+def _existing(path: Path) -> Path:
+    path = path.expanduser().absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_speed() -> list[Check]:
+    """Pinned host→device GB/s and bf16 matmul TFLOP/s on each GPU (a second or two each)."""
+    import torch
+
+    from .bench import measure_bandwidth, measure_matmul
+
+    if not torch.cuda.is_available():
+        return [Check("speed", "warn", "no GPU to measure", "")]
+    out = []
+    for i in range(torch.cuda.device_count()):
+        dev = torch.device("cuda", i)
+        b = measure_bandwidth(dev, 256 * MiB, reps=3)
+        p = measure_matmul(dev, torch.bfloat16, 4096, 10)
+        detail = f"GPU {i}: pinned H2D {b / 1e9:.1f} GB/s, bf16 matmul {p / 1e12:.0f} TFLOP/s"
+        if b < 10e9:
+            out.append(
+                Check(
+                    f"speed{i}",
+                    "warn",
+                    detail,
+                    "slow host link: check the slot (nvidia-smi -q | grep -A3 'Link Width')",
+                )
+            )
+        else:
+            out.append(Check(f"speed{i}", "ok", detail))
+    return out
+
+
+def check_port(port: int) -> Check:
+    from .metrics import port_is_free
+
+    if port_is_free(port):
+        return Check("metrics_port", "ok", f"port {port} is free")
+    return Check(
+        "metrics_port",
+        "fail",
+        f"port {port} is already in use",
+        "stop what holds it, or pick another with --metrics-port",
+    )
+
+
+def check_ray(needs: Needs | None) -> Check:
+    """The object store embedded Ray gets here: what `appliance train` sizes it to
+    (cluster.object_store_bytes: /dev/shm less a margin, at most 80% of the RAM available)."""
+    from .cluster import object_store_bytes
+    from .config import TrainConfig
+
+    cap, source = object_store_bytes(TrainConfig())
+    if cap is None:
+        return Check("ray", "ok", f"embedded Ray's object store: {source}")
+    detail = f"embedded Ray's object store: {_gib(cap)} ({source})"
+    if needs is None:
+        return Check("ray", "ok", detail)
+    detail += f"; the weight store needs {_gib(needs.weight_store)}"
+    if cap < needs.weight_store:
+        return Check(
+            "ray",
+            "fail",
+            detail,
+            f"give /dev/shm and RAM {_gib(needs.weight_store * 1.25)} or more (docker run "
+            "--shm-size), or set --object-store-memory (ray start --object-store-memory on a "
+            "cluster)",
+        )
+    return Check("ray", "ok", detail)
+
+
+def check_s3(model: str) -> Check:
+    import boto3
+
+    endpoint = os.environ.get("AWS_ENDPOINT_URL") or "AWS default"
+    creds = boto3.Session().get_credentials()
+    if creds is None:
+        return Check(
+            "s3",
+            "fail",
+            f"no AWS credentials found (endpoint {endpoint})",
+            "set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance role",
+        )
+    try:
+        storage.read_bytes(storage.join(model, "config.json"))
+    except ApplianceError as e:
+        return Check("s3", "fail", f"endpoint {endpoint}: {e}", "check the URI and credentials")
+    return Check("s3", "ok", f"endpoint {endpoint}: {model}/config.json readable")
+
+
+# ---------------------------------------------------------------- running them
+
+
+def resolve_cuda(device: str) -> bool:
+    import torch
+
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+
+def blocking_problems(
+    args: ModelArgs, cuda: bool, base_quant: str = "none", dtype_bytes: int | None = None
+) -> list[str]:
+    """What stops a run of `args` on this box before it loads anything (/dev/shm, RAM, memlock):
+    one line per failed check (detail, then fix); empty when none fails. `train` calls this."""
+    needs = needs_for(args, cuda, base_quant, dtype_bytes)
+    return [
+        f"{c.name}: {c.detail}; {c.fix}"
+        for c in (check_shm(needs), check_ram(needs), check_memlock(needs))
+        if c.status == "fail"
+    ]
+
+
+def run_checks(
+    model: str | None = None,
+    preset: str | None = None,
+    base_quant: str = "none",
+    device: str = "auto",
+    metrics_port: int = 8080,
+) -> list[Check]:
+    """Every check, in order. Reads the model's config.json only."""
+    checks = [check_python(), check_torch(), check_gpus(device)]
+    cuda = resolve_cuda(device)
+    needs = None
+    s3 = model is not None and storage.is_s3(model)
+    if s3:
+        checks.append(check_s3(model))
+    if model is not None or preset is not None:
+        from .plan import load_args
+
+        try:
+            args, _ = load_args(model, preset)
+            needs = needs_for(args, cuda, base_quant)
+        except ApplianceError as e:
+            checks.append(Check("model", "fail", str(e).splitlines()[0], "fix --model/--preset"))
+    checks += [
+        check_shm(needs),
+        check_ram(needs),
+        check_memlock(needs),
+        check_disk(model, needs),
+        *check_speed(),
+        check_port(metrics_port),
+        check_ray(needs),
+    ]
+    return checks
+
+
+def format_checks(checks: list[Check]) -> str:
+    lines = []
+    for c in checks:
+        lines.append(f"{c.status:<4}  {c.name:<12}  {c.detail}")
+        if c.fix and c.status != "ok":
+            lines.append(f"{'':<4}  {'':<12}  fix: {c.fix}")
+    return "\n".join(lines)
+
+
+def run_doctor(
+    model: str | None,
+    preset: str | None,
+    base_quant: str,
+    device: str,
+    metrics_port: int,
+    as_json: bool,
+) -> int:
+    """Print the checks; returns the exit status (1 when any check fails)."""
+    if model is not None and preset is not None:
+        raise ConfigError("give --model or --preset, not both")
+    if base_quant not in ("none", "int8", "nf4"):
+        raise ConfigError(f"--base-quant {base_quant!r} must be one of none | int8 | nf4")
+    checks = run_checks(model, preset, base_quant, device, metrics_port)
+    failed = any(c.status == "fail" for c in checks)
+    if as_json:
+        print(json.dumps({"ok": not failed, "checks": [asdict(c) for c in checks]}, indent=2))
+    else:
+        print(format_checks(checks))
+    return 1 if failed else 0

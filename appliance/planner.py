@@ -1,0 +1,110 @@
+"""The engine's planner as pure arithmetic: GPU memory by part, residency, uploads, FLOPs.
+
+`StreamedEngine.plan` calls `plan_memory` with what it holds (its blocks' bytes, its LoRA
+parameters, the real batch); `appliance plan` calls it with what config.json implies. Both decide
+with the same numbers, and nothing here needs weights or a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .model import ModelArgs
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Where one trainer's GPU memory goes (bytes) and which blocks stay resident."""
+
+    budget: int
+    globals_bytes: int  # embeddings, final norm, LM head on the device
+    lora_bytes: int  # LoRA parameter, gradient and two Adam moments, fp32
+    work_bytes: int  # transient: one micro-batch through one block, and the fp32 head
+    activation_bytes: int  # every block's saved input, for every micro-batch of the step
+    offload_activations: bool  # saved inputs live in pinned host memory instead
+    block_bytes: int  # one block as uploaded
+    num_blocks: int
+    resident_blocks: int  # the last `resident_blocks` stay on the device; < 0: does not fit
+
+    @property
+    def fits(self) -> bool:
+        return self.resident_blocks >= 0
+
+    @property
+    def streaming_slots(self) -> int:
+        """Device slots for blocks in flight: two when any block streams, else none."""
+        return 0 if self.resident_blocks >= self.num_blocks else 2
+
+    @property
+    def min_bytes(self) -> int:
+        """The least budget that runs at all: fixed parts, working set, two streaming slots."""
+        return self.globals_bytes + self.lora_bytes + self.work_bytes + 2 * self.block_bytes
+
+    def gpu_bytes(self) -> dict[str, int]:
+        """Device bytes by part (the budget itself is not a part)."""
+        parts = {
+            "resident_blocks": max(self.resident_blocks, 0) * self.block_bytes,
+            "streaming_slots": self.streaming_slots * self.block_bytes,
+            "activations": 0 if self.offload_activations else self.activation_bytes,
+            "lora_optimizer": self.lora_bytes,
+            "globals": self.globals_bytes,
+            "working_set": self.work_bytes,
+        }
+        parts["total"] = sum(parts.values())
+        return parts
+
+
+def plan_memory(
+    args: ModelArgs,
+    *,
+    dtype_bytes: int,
+    budget: int,
+    tokens: int,
+    biggest: int,
+    block_bytes: int,
+    globals_bytes: int,
+    lora_params: int,
+    longest: int = 0,
+) -> MemoryPlan:
+    """Decide residency for one step of `tokens` positions (its biggest micro-batch: `biggest`).
+
+    Saved activations go to the host when they would take more than half of what is left after
+    the fixed parts and the working set; then as many blocks as fit stay resident, keeping two
+    slots for the blocks in flight when not all of them fit. `longest`: the longest sequence of
+    a micro-batch, for attention that writes out its scores.
+    """
+    L, C = args.num_layers, args.hidden_size
+    lora = lora_params * 4 * 4  # param, grad, two Adam moments (fp32)
+    saved = L * tokens * C * dtype_bytes
+    work = biggest * (6 * C + 4 * args.intermediate_size) * dtype_bytes * 2
+    work += biggest * args.vocab_size * 4 * 3
+    if args.attn_softcap is not None:  # Gemma 2: model.attend writes out (B, nh, T, T) scores
+        # (`longest` = T), kept for the backward with their tanh and fp32 softmax
+        work += biggest * longest * args.num_heads * (4 + 3 * dtype_bytes)
+    free = budget - globals_bytes - lora - work
+    offload = saved > free // 2
+    if not offload:
+        free -= saved
+    resident = L if free >= L * block_bytes else min(L, free // block_bytes - 2)
+    return MemoryPlan(
+        budget, globals_bytes, lora, work, saved, offload, block_bytes, L, int(max(resident, -1))
+    )
+
+
+def blocks_uploaded_per_step(num_blocks: int, resident_blocks: int) -> int:
+    """Host→device block copies in one steady-state optimizer step (both passes).
+
+    Streamed blocks (the first L − r) are copied once in the forward and once in the backward,
+    less two that never leave: block 0 stays after the backward for the next forward, and with
+    no resident block the last block stays from the forward into the backward.
+    """
+    streamed = num_blocks - max(resident_blocks, 0)
+    if streamed <= 0:
+        return 0
+    return 2 * streamed - 1 - (1 if resident_blocks <= 0 else 0)
+
+
+def step_flops(args: ModelArgs, tokens: int) -> float:
+    """≈ 6·N·T for LoRA with recompute: forward, recompute, input-gradient (DESIGN.md); N counts
+    the blocks' parameters only (not attention scores, embeddings or the head)."""
+    return 6.0 * args.num_layers * args.block_param_count() * tokens

@@ -1,0 +1,204 @@
+"""`appliance doctor` against real conditions made here: a lowered RLIMIT_MEMLOCK, a model bigger
+than this box's RAM (config.json only), a busy port, a small tmpfs as /dev/shm; and `train`
+refusing a too-big model before it reads any weight."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from appliance.bench import PRESETS, host_memory_available
+from appliance.cli import main
+from appliance.plan import block_bytes
+from tests.helpers_net import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+pytest_plugins = ["tests.s3_server"]
+
+
+def appliance(*argv: str, env: dict | None = None, preexec_fn=None) -> subprocess.CompletedProcess:
+    """Run the CLI of this checkout in a subprocess."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    code = "import sys; from appliance.cli import main; sys.exit(main())"
+    return subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        preexec_fn=preexec_fn,
+        timeout=120,
+        cwd=ROOT,
+    )
+
+
+def doctor(*argv: str, **kw) -> tuple[int, dict[str, dict]]:
+    """`appliance doctor --json ARGV` in a subprocess (for a process-wide limit of its own)."""
+    p = appliance("doctor", "--json", *argv, **kw)
+    assert "Traceback" not in p.stderr, p.stderr
+    return p.returncode, {c["name"]: c for c in json.loads(p.stdout)["checks"]}
+
+
+def doctor_here(*argv: str) -> tuple[int, dict[str, dict]]:
+    """`appliance doctor --json ARGV` in this process (click's runner: exit code and output)."""
+    out = CliRunner().invoke(main, ["doctor", "--json", *argv])
+    assert out.exception is None or isinstance(out.exception, SystemExit), out.output
+    return out.exit_code, {c["name"]: c for c in json.loads(out.output)["checks"]}
+
+
+def failed(checks: dict[str, dict]) -> set[str]:
+    return {name for name, c in checks.items() if c["status"] == "fail"}
+
+
+def huge_model(tmp: Path) -> Path:
+    """A config.json (no weights) whose fp32 weight store is twice this box's available RAM."""
+    avail = host_memory_available()
+    assert avail is not None
+    per_layer = block_bytes(PRESETS["7b"].args, 4)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": math.ceil(2 * avail / per_layer),
+        "num_attention_heads": 32,
+        "max_position_embeddings": 4096,
+        "eos_token_id": 2,
+    }
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "config.json").write_text(json.dumps(config))
+    return tmp
+
+
+@pytest.mark.integration  # a subprocess: the limit is the process's own
+def test_lowered_memlock_fails_the_memlock_check():
+    need = 4 * block_bytes(PRESETS["tiny"].args, 2)  # the tiny preset's 4 bf16 blocks
+    limit = 64 * 1024
+
+    def lower():
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (limit, limit))
+
+    # --device cuda: page-locking is what a GPU run needs (on this CPU box the gpus check fails too)
+    rc, checks = doctor("--preset", "tiny", "--device", "cuda", preexec_fn=lower)
+    assert rc == 1
+    c = checks["memlock"]
+    assert c["status"] == "fail"
+    assert c["detail"].startswith("ulimit -l (memlock): 0.1 MiB; page-locking the blocks needs")
+    assert "--ulimit memlock=-1" in c["fix"]
+
+    hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
+    enough = need + 2**20
+    if hard != resource.RLIM_INFINITY and hard < enough:
+        pytest.skip(f"RLIMIT_MEMLOCK's hard limit is below {enough} bytes: no contrast run")
+
+    def raise_it():
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (enough, hard))
+
+    rc, checks = doctor("--preset", "tiny", "--device", "cuda", preexec_fn=raise_it)
+    assert checks["memlock"]["status"] == "ok"
+
+
+def test_a_model_bigger_than_ram_fails_the_ram_check(tmp_path):
+    model = huge_model(tmp_path / "model")
+    rc, checks = doctor_here("--model", str(model), "--device", "cpu")
+    assert rc == 1
+    c = checks["ram"]
+    assert c["status"] == "fail"
+    assert "available; the weight store needs" in c["detail"]
+    assert "--base-quant" in c["fix"]
+    assert {"ram", "ray"} <= failed(checks)  # Ray's object store cannot hold it either
+
+
+def test_a_busy_port_fails_the_port_check():
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", port))
+        s.listen()
+        rc, checks = doctor_here("--metrics-port", str(port))
+        text = CliRunner().invoke(main, ["doctor", "--metrics-port", str(port)])
+    assert rc == 1 and failed(checks) == {"metrics_port"}
+    assert checks["metrics_port"]["detail"] == f"port {port} is already in use"
+    assert "--metrics-port" in checks["metrics_port"]["fix"]
+    assert text.exit_code == 1
+    assert f"fail  metrics_port  port {port} is already in use\n" in text.output
+    assert "fix: stop what holds it, or pick another with --metrics-port" in text.output
+    rc, checks = doctor_here("--metrics-port", str(port))  # released: fine again
+    assert rc == 0 and checks["metrics_port"]["status"] == "ok"
+
+
+def test_a_small_shm_fails_the_shm_check(monkeypatch):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    with tempfile.TemporaryDirectory() as d:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", d])
+        if mounted.returncode != 0:
+            pytest.skip("mount -t tmpfs refused here")
+        try:
+            # the 1b preset's fp32 weight store is 4.6 GiB: far above 16 MiB
+            monkeypatch.setenv("APPLIANCE_SHM_DIR", d)
+            rc, checks = doctor_here("--preset", "1b", "--device", "cpu")
+        finally:
+            subprocess.run(["umount", d], check=True)
+    assert rc == 1 and failed(checks) == {"shm"}
+    c = checks["shm"]
+    assert c["detail"].startswith(f"{d}: 16.0 MiB, 16.0 MiB free; the weight store needs 4.6 GiB")
+    assert "--shm-size=" in c["fix"]
+
+
+def test_train_refuses_a_too_big_model_before_reading_weights(tmp_path):
+    model = huge_model(tmp_path / "model")  # config.json only: reading a weight would fail
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    out = tmp_path / "out"
+    argv = ["--model", str(model), "--data", str(data), "--output", str(out), "--device", "cpu"]
+    p = CliRunner().invoke(main, ["train", *argv, "--log-format", "plain"])
+    assert p.exit_code == 1
+    lines = p.stderr.strip().splitlines()
+    ram = [line for line in lines if line.startswith("error: ram: ")]
+    assert len(ram) == 1 and "the weight store needs" in ram[0]  # and /dev/shm cannot hold it
+    assert lines[-1] == f"error: (appliance doctor --model {model} checks the rest of this box)"
+    assert "safetensors" not in p.output and isinstance(p.exception, SystemExit)
+    assert not (out / "run.json").exists()  # nothing started, nothing written
+
+
+def test_s3_model_checks_credentials_and_endpoint(s3_bucket, s3_client, s3_endpoint, monkeypatch):
+    a = PRESETS["tiny"].args
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": a.vocab_size,
+        "hidden_size": a.hidden_size,
+        "intermediate_size": a.intermediate_size,
+        "num_hidden_layers": a.num_layers,
+        "num_attention_heads": a.num_heads,
+        "num_key_value_heads": a.num_kv_heads,
+    }
+    s3_client.put_object(Bucket=s3_bucket, Key="m/config.json", Body=json.dumps(config).encode())
+    uri = f"s3://{s3_bucket}/m"
+    rc, checks = doctor_here("--model", uri, "--device", "cpu")
+    assert checks["s3"] == {
+        "name": "s3",
+        "status": "ok",
+        "detail": f"endpoint {s3_endpoint}: {uri}/config.json readable",
+        "fix": "",
+    }
+    assert checks["disk"]["status"] == "ok" and "model cache" in checks["disk"]["detail"]
+    assert "the weight store needs" in checks["shm"]["detail"]  # config.json was read from S3
+
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    rc, checks = doctor_here("--model", uri, "--device", "cpu")
+    assert rc == 1 and "s3" in failed(checks)
+    assert checks["s3"]["detail"] == f"no AWS credentials found (endpoint {s3_endpoint})"
+    assert "AWS_ACCESS_KEY_ID" in checks["s3"]["fix"]

@@ -1,0 +1,324 @@
+"""`appliance plan`: its numbers against arithmetic done by hand here, auto M, flags it names.
+
+The hand computations below restate the engine's rules in plain numbers (Llama-2 shapes, bf16,
+LoRA rank 16 on all seven projections, an A10 whose driver reports 23028 MiB, budget 90 %).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from appliance import hardware
+from appliance.bench import PRESETS, SyntheticBlockSource
+from appliance.cli import main
+from appliance.engine import DeviceWeights
+from appliance.plan import (
+    PlanInput,
+    block_bytes,
+    choose_micro_batches,
+    evaluate,
+    globals_bytes,
+    lora_param_count,
+    make_plan,
+)
+
+A10_BUDGET = int(0.9 * 23028 * 2**20)  # the engine's default budget: 90 % of what the card has
+A10_B, A10_P = 25e9, 70e12
+
+
+def plan_7b(**kw) -> PlanInput:
+    return PlanInput(PRESETS["7b"].args, "7b", "a10", seq_len=2048, micro_batch_size=1, **kw)
+
+
+def test_llama2_7b_on_an_a10_equals_the_hand_computation():
+    # one block: q, k, v, o 4096×4096; gate, up, down 4096×11008; two norms of 4096
+    block_params = 4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096
+    assert block_params == 202_383_360
+    block = block_params * 2  # bf16; every tensor's bytes are already a multiple of 64
+    globals_ = (2 * 32000 * 4096 + 4096) * 2  # embeddings, LM head, final norm
+    lora = 32 * 16 * (4 * (4096 + 4096) + 3 * (4096 + 11008)) * 16  # fp32 param, grad, 2 moments
+    tokens = 8 * 2048
+    saved = 32 * tokens * 4096 * 2
+    work = 2048 * (6 * 4096 + 4 * 11008) * 2 * 2 + 2048 * 32000 * 4 * 3
+    free = A10_BUDGET - globals_ - lora - work
+    assert saved <= free // 2  # activations stay on the GPU
+    assert free - saved >= 32 * block  # so every block stays resident
+
+    r = make_plan(plan_7b(micro_batches_per_step=8, tokens=10_000_000))
+    assert r["block_bytes"] == block
+    assert r["weight_store_bytes"] == globals_ + 32 * block
+    assert r["gpu_bytes"]["lora_optimizer"] == lora
+    assert r["gpu_bytes"]["working_set"] == work
+    assert r["gpu_bytes"]["activations"] == saved
+    assert (r["resident_blocks"], r["fits"], r["offload_activations"]) == (32, True, False)
+    assert r["streamed_bytes_per_step"] == 0
+    flops = 6 * 32 * block_params * tokens
+    assert r["flops_per_step"] == flops
+    assert r["step_seconds_floor"] == pytest.approx(flops / A10_P)
+    assert r["tokens_per_second"] == pytest.approx(tokens / (flops / A10_P))
+    steps = math.ceil(10_000_000 / tokens)
+    assert r["steps"] == steps
+    assert r["cost_usd"] == pytest.approx(steps * flops / A10_P / 3600 * 2.448)
+
+
+def test_llama2_7b_under_a_12gib_budget_streams_19_blocks():
+    block = 202_383_360 * 2
+    budget = 12 * 2**30
+    fixed = (2 * 32000 * 4096 + 4096) * 2 + 39_976_960 * 16  # globals + LoRA state
+    work = 2048 * (6 * 4096 + 4 * 11008) * 4 + 2048 * 32000 * 12
+    saved = 32 * 8 * 2048 * 4096 * 2
+    free = budget - fixed - work - saved  # activations fit in half of what is left: on the GPU
+    resident = free // block - 2  # two slots for the blocks in flight
+    assert resident == 13
+    uploads = 2 * (32 - 13) - 1  # forward + backward, less block 0 kept for the next forward
+
+    r = evaluate(plan_7b(gpu_memory_budget=budget), 8)
+    assert r["resident_blocks"] == 13
+    assert r["gpu_bytes"]["streaming_slots"] == 2 * block
+    assert r["blocks_uploaded_per_step"] == uploads == 37
+    assert r["streamed_bytes_per_step"] == 37 * block
+    assert r["h2d_seconds"] == pytest.approx(37 * block / A10_B)
+    assert r["crossover_tokens_per_step"] == pytest.approx(
+        37 * block * A10_P / (A10_B * 6 * 32 * 202_383_360)
+    )
+
+
+def test_llama2_70b_on_an_a10_equals_the_hand_computation():
+    # q, o 8192×8192; k, v 1024×8192 (8 KV heads of 128); gate, up, down 8192×28672
+    block_params = 2 * 8192 * 8192 + 2 * 1024 * 8192 + 3 * 8192 * 28672 + 2 * 8192
+    block = block_params * 2
+    globals_ = (2 * 32000 * 8192 + 8192) * 2
+    lora = 80 * 16 * (2 * 16384 + 2 * (8192 + 1024) + 3 * (8192 + 28672)) * 16
+    tokens = 8 * 2048
+    saved = 80 * tokens * 8192 * 2
+    work = 2048 * (6 * 8192 + 4 * 28672) * 4 + 2048 * 32000 * 12
+    free = A10_BUDGET - globals_ - lora - work
+    assert saved > free // 2  # activations go to pinned host memory
+    resident = free // block - 2
+    assert resident == 6
+    uploads = 2 * (80 - 6) - 1
+    flops = 6 * 80 * block_params * tokens
+
+    r = make_plan(replace(plan_7b(micro_batches_per_step=8), args=PRESETS["70b"].args))
+    assert r["resident_blocks"] == 6 and r["gpu_fits"]
+    assert r["offload_activations"] and r["host_bytes"]["offloaded_activations"] == saved
+    assert r["streamed_bytes_per_step"] == uploads * block
+    assert r["flops_per_step"] == flops
+    assert r["step_seconds_floor"] == pytest.approx(max(uploads * block / A10_B, flops / A10_P))
+    # 138 GB of bf16 weights do not fit the g5.8xlarge's 128 GiB: the plan says so, and how
+    assert r["weight_store_bytes"] == globals_ + 80 * block
+    assert not r["host_fits"] and not r["fits"]
+    assert any("--base-quant int8" in f for f in r["fixes"])
+
+
+def test_auto_picks_the_smallest_m_within_10_percent_of_compute_bound():
+    p = replace(plan_7b(micro_batches_per_step=None), seq_len=256, gpu_memory_budget=4 * 2**30)
+    m, why = choose_micro_batches(p)
+    assert m == 6 and "smallest" in why
+    at, below = evaluate(p, 6), evaluate(p, 5)
+    assert at["fits"] and at["h2d_seconds"] <= 1.1 * at["compute_seconds"]
+    assert below["fits"] and below["h2d_seconds"] > 1.1 * below["compute_seconds"]
+    assert make_plan(p)["micro_batches_per_step"] == 6
+
+
+def test_a_plan_that_cannot_fit_names_the_flag():
+    p = replace(plan_7b(micro_batches_per_step=1), micro_batch_size=64, seq_len=4096)
+    r = make_plan(p)
+    assert not r["gpu_fits"] and not r["fits"]
+    assert any(f.startswith("lower --micro-batch-size to ") for f in r["fixes"])
+    assert any(f.startswith("lower --seq-len to ") for f in r["fixes"])
+    suggested = int(next(f for f in r["fixes"] if "--micro-batch-size" in f).split()[-1])
+    assert evaluate(replace(p, micro_batch_size=suggested), 1)["gpu_fits"]  # the fix works
+
+
+def test_block_and_global_bytes_match_the_engines_own_count():
+    args = PRESETS["tiny"].args
+    source = SyntheticBlockSource(args, torch.bfloat16)
+    weights = DeviceWeights(source, torch.device("cpu"), torch.bfloat16)
+    assert block_bytes(args, 2) == weights.block_bytes()
+    assert globals_bytes(args, 2) == sum(t.numel() * 2 for t in weights.globals.values())
+    from appliance.lora import LoraSpec, LoraWeights
+
+    spec = LoraSpec(rank=8)
+    assert lora_param_count(args, 8, spec.targets) == LoraWeights(args, spec).num_parameters()
+
+
+def test_quantized_blocks_count_int8_scales_and_nf4_absmax():
+    args = PRESETS["7b"].args
+    linear = 4 * 4096 * 4096 + 3 * 4096 * 11008
+    rows = 4 * 4096 + 2 * 11008 + 4096  # output rows of q, k, v, o, gate, up, down
+    norms = 2 * 4096 * 2
+    assert block_bytes(args, 2, "int8") == linear + rows * 4 + norms
+    assert block_bytes(args, 2, "nf4") == linear // 2 + linear // 64 * 4 + norms
+
+
+def test_cli_json_reads_config_json_only(tmp_path):
+    a = PRESETS["7b"].args
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": a.vocab_size,
+        "hidden_size": a.hidden_size,
+        "intermediate_size": a.intermediate_size,
+        "num_hidden_layers": a.num_layers,
+        "num_attention_heads": a.num_heads,
+        "num_key_value_heads": a.num_kv_heads,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))  # no weights at all
+    argv = ["plan", "--model", str(tmp_path), "--gpu", "a10", "--steps", "100", "--json"]
+    out = CliRunner().invoke(main, argv)
+    assert out.exit_code == 0, out.output
+    r = json.loads(out.output)
+    for key in (
+        "weight_store_bytes",
+        "streamed_bytes_per_step",
+        "flops_per_step",
+        "h2d_bytes_per_second",
+        "flops_per_second",
+        "step_seconds_floor",
+        "tokens_per_step",
+        "tokens_per_second",
+        "fits",
+        "gpu_bytes",
+        "host_bytes",
+        "micro_batches_per_step",
+        "cost_usd",
+    ):
+        assert key in r, key
+    preset = make_plan(replace(plan_7b(micro_batches_per_step=8), steps=100))
+    assert r["flops_per_step"] == preset["flops_per_step"]
+    assert r["cost_usd"] == pytest.approx(preset["cost_usd"])
+    assert r["h2d_bytes_per_second"] == hardware.GPUS["a10"].h2d_bytes_per_second
+
+
+def test_cli_reports_every_bad_flag_at_once():
+    argv = ["plan", "--preset", "7b", "--gpu", "v100", "--micro-batches-per-step", "0"]
+    out = CliRunner().invoke(main, [*argv, "--tokens", "5", "--steps", "5"])
+    assert out.exit_code == 1
+    assert "error: --gpu 'v100' is unknown" in out.output
+    assert "error: --micro-batches-per-step must be ≥ 1 or auto" in out.output
+    assert "error: --tokens and --steps are exclusive" in out.output
+    assert "Traceback" not in out.output
+
+
+def test_cli_text_names_the_fix_when_it_does_not_fit():
+    argv = ["plan", "--preset", "70b", "--gpu", "a10", "--micro-batches-per-step", "auto"]
+    out = CliRunner().invoke(main, argv)
+    assert out.exit_code == 0, out.output
+    assert "fits: NO" in out.output and "--base-quant int8" in out.output
+    out = CliRunner().invoke(main, [*argv, "--base-quant", "int8", "--tokens", "1000000"])
+    assert "fits: yes" in out.output and "cost ≥ $" in out.output
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_engine_on_a_gpu_keeps_the_blocks_the_plan_predicts():
+    from appliance.engine import StreamedEngine
+    from appliance.lora import LoraSpec, LoraWeights
+
+    args = PRESETS["tiny"].args
+    source = SyntheticBlockSource(args, torch.bfloat16)
+    block = block_bytes(args, 2)
+    p = PlanInput(args, "tiny", "a10", seq_len=128, micro_batch_size=2)
+    budget = evaluate(p, 4)["gpu_min_bytes"] + 2 * block  # room for a few resident blocks
+    p = replace(p, gpu_memory_budget=budget)
+    lora = LoraWeights(args, LoraSpec(), "cuda")
+    ids = torch.zeros(2, 128, dtype=torch.long)
+    with StreamedEngine(
+        source, lora, device="cuda", dtype=torch.bfloat16, gpu_memory_budget=budget
+    ) as engine:
+        engine.plan([(ids, ids)] * 4)
+        assert len(engine.weights.resident) == evaluate(p, 4)["resident_blocks"]
+
+
+# ---------------------------------------------------------------- train --micro-batches-per-step auto
+
+
+def _cfg(tmp_path, **flags):
+    from appliance.config import build_config
+
+    base = {"model": str(tmp_path / "m"), "data": str(tmp_path / "d"), "output": str(tmp_path)}
+    return build_config({}, {**base, **flags})
+
+
+def test_config_accepts_auto_and_still_checks_numbers(tmp_path):
+    from appliance.errors import ConfigError
+
+    assert _cfg(tmp_path, micro_batches_per_step="auto").micro_batches_per_step == "auto"
+    assert _cfg(tmp_path, micro_batches_per_step="3").micro_batches_per_step == 3
+    with pytest.raises(ConfigError, match="--micro-batches-per-step must be ≥ 1"):
+        _cfg(tmp_path, micro_batches_per_step="0")
+    with pytest.raises(ConfigError, match="--micro-batches-per-step: 'many' is not a valid int"):
+        _cfg(tmp_path, micro_batches_per_step="many")
+
+
+def test_auto_on_a_cpu_means_4_and_run_json_records_it(tmp_path):
+    from appliance.driver import resolve_micro_batches
+    from appliance.progress import Progress
+    from appliance.run import Inputs, write_run_file
+
+    cfg = _cfg(tmp_path, micro_batches_per_step="auto")
+    inp = Inputs(cfg, tmp_path, tmp_path, tmp_path, 2, None, "cpu", "float32")
+    resolve_micro_batches(inp, Progress("plain"))
+    assert cfg.micro_batches_per_step == 4
+    write_run_file(cfg, "running")
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert record["config"]["micro_batches_per_step"] == 4
+    assert record["identity"]["micro_batches_per_step"] == 4
+    # --resume with auto continues with the M the run started with
+    from appliance.driver import check_output
+
+    resumed = _cfg(tmp_path, micro_batches_per_step="auto", resume="true")
+    check_output(resumed)
+    assert resumed.micro_batches_per_step == 4
+
+
+def test_auto_on_a_gpu_uses_plans_rule_with_the_measured_figures():
+    from appliance.plan import auto_micro_batches
+
+    measured = {  # what an A10 would measure if it matched the table
+        "h2d_bytes_per_second": A10_B,
+        "flops_per_second": A10_P,
+        "memory_bytes": 23028 * 2**20,
+        "name": "NVIDIA A10",
+    }
+    args = PRESETS["7b"].args
+    m, why = auto_micro_batches(
+        args,
+        measured,
+        seq_len=256,
+        micro_batch_size=1,
+        lora_rank=16,
+        lora_targets=tuple(plan_7b().lora_targets),
+        dtype_bytes=2,
+        budget=4 * 2**30,
+    )
+    assert (m, why) == (6, "the smallest M within 10% of compute-bound that fits")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_measure_this_gpu_gives_plausible_figures():
+    from appliance.plan import measure_this_gpu
+
+    m = measure_this_gpu()
+    assert 1e9 < m["h2d_bytes_per_second"] < 1e12 and 1e12 < m["flops_per_second"] < 1e16
+
+
+def test_gpus_multiply_tokens_not_the_step_time():
+    one = make_plan(plan_7b(micro_batches_per_step=8, tokens=10_000_000))
+    two = make_plan(plan_7b(micro_batches_per_step=8, tokens=10_000_000, gpus=2))
+    assert two["tokens_per_step"] == 2 * one["tokens_per_step"]
+    assert two["step_seconds_floor"] == one["step_seconds_floor"]  # each GPU streams the same
+    assert two["steps"] == math.ceil(one["steps"] / 2)
+    assert two["cost_usd"] == pytest.approx(
+        two["steps"] * one["step_seconds_floor"] / 3600 * 2.448 * 2
+    )
+    assert two["weight_store_bytes"] == one["weight_store_bytes"]  # one store per node
