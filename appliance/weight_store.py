@@ -230,6 +230,23 @@ def _putter():
     return lambda arr: arr
 
 
+def store_nbytes(args: ModelArgs, dtype: str, base_quant: str = "none") -> int:
+    """Bytes the WeightStore holds for a model of `args` (embeddings included), from the shapes
+    alone: what loading it would put into the object store (tests check the two agree)."""
+    total = 0
+    names = [hf_checkpoint.global_names(args)]
+    names += [hf_checkpoint.block_names(args, i) for i in range(args.num_layers)]
+    shapes = hf_checkpoint.expected_shapes(args)
+    for k, part in enumerate(names):
+        entries = {}
+        for full in part:
+            short = full.split(".", 3)[-1] if k else full
+            kind = base_quant if k and quant.is_linear_weight(short) else dtype
+            entries[full] = (shapes[full], dtype if kind == "none" else kind)
+        total += layout(entries)[1]
+    return total
+
+
 def local_source(model_dir: str | Path, dtype: str, base_quant: str = "none") -> FlatBlockSource:
     """The same flat layout without Ray (for in-process runs and tests)."""
     return WeightStore(model_dir, dtype, base_quant).handles().source()
