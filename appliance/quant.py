@@ -51,7 +51,7 @@ NF4_LEVELS = (
     1.0,
 )
 NF4_ZERO = NF4_LEVELS.index(0.0)
-_CHUNK = 1 << 22  # values quantized at a time: bounds the temporaries to a few × 16 MiB
+_CHUNK = 1 << 20  # values quantized at a time: fp32 temporaries of 4 MiB, near the caches
 
 
 def _align(n: int) -> int:
@@ -165,16 +165,16 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.empty(w.shape[0], dtype=torch.float32)
     rows = max(1, _CHUNK // max(1, w.shape[1]))
     for r in range(0, w.shape[0], rows):  # in slices of rows: fp32 temporaries stay small
-        x = w[r : r + rows].to(torch.float32)
-        s = x.abs().amax(dim=1) / 127
+        x = w[r : r + rows].to(torch.float32, copy=True)
+        s = x.abs().amax(dim=1) / 127  # max|w_row| / 127
         scales[r : r + rows] = s
-        q = torch.round(x / s[:, None]).clamp_(-127, 127)
-        codes[r : r + rows] = torch.nan_to_num_(q, nan=0.0)  # a zero row: 0/0, all zeros
+        x.div_(torch.where(s == 0, 1.0, s)[:, None])  # a zero row: 0 / 1, all zeros
+        codes[r : r + rows] = x.round_().clamp_(-127, 127)  # round half to even
     return codes, scales
 
 
 def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (codes.to(torch.float32) * scales[:, None]).to(dtype)
+    return codes.to(torch.float32).mul_(scales[:, None]).to(dtype)
 
 
 # ---------------------------------------------------------------- nf4
@@ -184,6 +184,59 @@ def _levels(device: torch.device) -> torch.Tensor:
     return torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
 
 
+def _nf4_thresholds() -> torch.Tensor:
+    """(15,) fp32: T[j] is the smallest fp32 y for which level j+1 is strictly nearer to y than
+    level j, both distances computed in fp32 as the definition does.
+
+    The comparison is monotone in y (fp32 subtraction rounds monotonically), so the nearest
+    level of any y in [-1, 1], ties to the lower, is the number of thresholds ≤ y: one
+    `bucketize` codes a value exactly as an argmin over the 16 distances would."""
+    levels = _levels(torch.device("cpu"))
+    up, down = torch.tensor(math.inf), torch.tensor(-math.inf)
+    out = []
+    for j in range(15):
+        lo, hi = levels[j], levels[j + 1]
+
+        def upper_nearer(y: torch.Tensor, lo=lo, hi=hi) -> bool:
+            return bool((hi - y).abs() < (y - lo).abs())
+
+        y = (lo + hi) / 2
+        while upper_nearer(y):
+            y = torch.nextafter(y, down)
+        while not upper_nearer(y):
+            y = torch.nextafter(y, up)
+        out.append(y)
+    return torch.stack(out)
+
+
+NF4_THRESHOLDS = _nf4_thresholds()
+_BINS = 1 << 12  # bins per unit of y for the code tables (thresholds are ≥ 0.08 apart)
+
+
+def _bin(y: torch.Tensor) -> torch.Tensor:
+    """int32 bin of each y in [-1, 1]: trunc(y·S + S), monotone in y (fp32 rounding is)."""
+    return torch.mul(y, _BINS).add_(_BINS).to(torch.int32)
+
+
+def _nf4_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    """(base uint8, threshold fp32) per bin: the code of y is base[bin] + (y >= threshold[bin]).
+
+    base[b] counts the thresholds in earlier bins (all < y, as bins are monotone); at most one
+    threshold falls in bin b (its comparison is made exactly), +inf where none does. Two
+    index_select passes, where a binary search per value (torch.bucketize) is ~10× slower here."""
+    bins = _bin(NF4_THRESHOLDS).long()
+    assert len(set(bins.tolist())) == 15  # one threshold per bin at most
+    base = torch.zeros(2 * _BINS + 1, dtype=torch.uint8)
+    threshold = torch.full((2 * _BINS + 1,), math.inf)
+    for b, t in zip(bins.tolist(), NF4_THRESHOLDS, strict=True):
+        base[b + 1 :] += 1
+        threshold[b] = t
+    return base, threshold
+
+
+_NF4_BASE, _NF4_THRESHOLD = _nf4_tables()
+
+
 def quantize_nf4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes uint8 (nblocks·32,), absmax fp32 (nblocks,)) of `w` flattened row-major."""
     flat = w.reshape(-1)
@@ -191,24 +244,24 @@ def quantize_nf4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = -(-n // NF4_BLOCK)
     codes = torch.empty(blocks * NF4_BLOCK // 2, dtype=torch.uint8)
     absmax = torch.empty(blocks, dtype=torch.float32)
-    levels = _levels(flat.device)
+    base, threshold = _NF4_BASE.to(flat.device), _NF4_THRESHOLD.to(flat.device)
     step = _CHUNK // NF4_BLOCK * NF4_BLOCK
     for start in range(0, n, step):
-        x = flat[start : start + step].to(torch.float32)
+        x = flat[start : start + step].to(torch.float32, copy=True)
         if x.numel() % NF4_BLOCK:  # the last block: zero-padded
             x = torch.cat([x, x.new_zeros(NF4_BLOCK - x.numel() % NF4_BLOCK)])
         x = x.view(-1, NF4_BLOCK)
-        m = x.abs().amax(dim=1)
+        m = x.abs().amax(dim=1)  # absmax per block
         b0 = start // NF4_BLOCK
         absmax[b0 : b0 + x.shape[0]] = m
-        y = torch.nan_to_num_(x / m[:, None], nan=0.0).view(-1)  # a zero block: all 0.0
-        # nearest level: it is one of the two that bracket y (levels[j] <= y < levels[j+1])
-        j = (torch.bucketize(y, levels, right=True) - 1).clamp_(0, 14)
-        below, above = levels[j], levels[j + 1]
-        code = j + ((above - y).abs() < (y - below).abs())  # a tie keeps the lower index
-        code = code.to(torch.uint8).view(-1, 2)
-        packed = (code[:, 0] << 4) | code[:, 1]
-        codes[b0 * NF4_BLOCK // 2 : b0 * NF4_BLOCK // 2 + packed.numel()] = packed
+        x.div_(torch.where(m == 0, 1.0, m)[:, None])  # a zero block: 0 / 1, all 0.0
+        y = x.view(-1)
+        b = _bin(y)
+        code = torch.index_select(base, 0, b)
+        code += torch.index_select(threshold, 0, b) <= y  # the number of thresholds ≤ y
+        code = code.view(-1, 2)
+        c0 = b0 * NF4_BLOCK // 2
+        codes[c0 : c0 + code.shape[0]] = code[:, 0] * 16 + code[:, 1]  # first value: high nibble
     return codes, absmax
 
 
@@ -219,7 +272,8 @@ def dequantize_nf4(
     levels = _levels(codes.device)
     byte = torch.arange(256, device=codes.device)
     pairs = levels[torch.stack([byte >> 4, byte & 0xF], dim=1)]  # (256, 2): a byte's two values
-    w = pairs[codes.to(torch.int32)].view(-1, NF4_BLOCK) * absmax[:, None]
+    w = torch.index_select(pairs, 0, codes.to(torch.int32)).view(-1, NF4_BLOCK)
+    w.mul_(absmax[:, None])
     return w.view(-1)[: math.prod(shape)].view(shape).to(dtype)
 
 
