@@ -627,6 +627,11 @@ def run_from_args(a: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None, prog: str = "python -m appliance.bench") -> int:
     """Parse `argv`, run, return the exit status (user errors: one `error:` line, status 1)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--load" in argv:  # the WeightStore load benchmark (load_bench.py), its own options
+        from .load_bench import main as load_main
+
+        return load_main([x for x in argv if x != "--load"], prog=f"{prog} --load")
     a = parser(prog).parse_args(argv)
     try:
         run_from_args(a)

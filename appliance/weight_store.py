@@ -113,24 +113,36 @@ class WeightStore:
             parts.append({n[len(prefix) :]: n for n in hf_checkpoint.block_names(args, i)})
         plans = [self._plan(p, locs, quantize=k > 0) for k, p in enumerate(parts)]
         put = _putter()
+        # With Ray, put copies into the object store: a block's buffer is then free for a later
+        # block (fresh memory would cost a page fault per 4 KiB, every block). Without Ray the
+        # store keeps the buffers themselves.
+        recycle = put is not _keep
+        free: list[np.ndarray] = []
+        block_size = max((size for _, _, size, _ in plans[1:]), default=0)
+
+        def submit(k: int):
+            out = None
+            if recycle and k > 0:
+                out = free.pop() if free else np.empty(block_size, dtype=np.uint8)
+            return pool.submit(_read_buffer, *plans[k], out), out
+
         refs, indexes, nbytes = [], [], 0
         # a few blocks read and converted by threads, in order, while the previous one is put
         with ThreadPoolExecutor(self.read_threads) as pool:
-            pending: deque = deque()
-            todo = iter(plans)
-            for plan in todo:
-                pending.append(pool.submit(_read_buffer, *plan))
-                if len(pending) == self.read_threads:
-                    break
+            pending: deque = deque(submit(k) for k in range(min(self.read_threads, len(plans))))
+            k = len(pending)
             while pending:
-                buf, index = pending.popleft().result()
-                nxt = next(todo, None)
-                if nxt is not None:
-                    pending.append(pool.submit(_read_buffer, *nxt))
+                future, out = pending.popleft()
+                buf, index = future.result()
+                if k < len(plans):
+                    pending.append(submit(k))
+                    k += 1
                 nbytes += buf.nbytes
                 refs.append(put(buf))
                 indexes.append(index)
                 del buf
+                if out is not None:
+                    free.append(out)
         self.load_count += 1
         WeightStoreMetrics().record(nbytes)
         self.load_seconds = time.perf_counter() - t0
@@ -177,13 +189,18 @@ def _node_id() -> str | None:
 
 
 def _read_buffer(
-    locs: dict[str, TensorLocation], index: FlatIndex, size: int, dtype_name: str
+    locs: dict[str, TensorLocation],
+    index: FlatIndex,
+    size: int,
+    dtype_name: str,
+    out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, FlatIndex]:
-    """Read one buffer's tensors from their files into one new flat array laid out by `index`.
+    """Read one buffer's tensors from their files into one flat array laid out by `index`
+    (the first `size` bytes of `out`, else a new array).
 
     A tensor stored as it is kept is read straight into its place; another is read into a
     scratch array, then converted (or quantized, from fp32) into its place."""
-    buf = np.empty(size, dtype=np.uint8)
+    buf = np.empty(size, dtype=np.uint8) if out is None else out[:size]
     flat = torch.from_numpy(buf)
     dtype = dtype_from_name(dtype_name)
     files: dict[Path, int] = {}
@@ -222,12 +239,17 @@ def _pread_into(fd: int, dest: np.ndarray, loc: TensorLocation) -> None:
         done += n
 
 
+def _keep(arr: np.ndarray) -> np.ndarray:
+    return arr
+
+
 def _putter():
+    """ray.put when Ray is up (a copy into the object store), else keep the array itself."""
     import ray
 
     if ray.is_initialized():
         return ray.put
-    return lambda arr: arr
+    return _keep
 
 
 def store_nbytes(args: ModelArgs, dtype: str, base_quant: str = "none") -> int:
