@@ -17,6 +17,7 @@ the blocks in flight (one per reading thread and the one being put).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -214,7 +215,7 @@ def _read_buffer(
             if kind == dtype_name and src == dtype:
                 _pread_into(fd, buf[off : off + loc.nbytes], loc)
                 continue
-            raw = np.empty(loc.nbytes, dtype=np.uint8)
+            raw = _scratch(loc.nbytes)
             _pread_into(fd, raw, loc)
             t = torch.from_numpy(raw).view(src).view(shape)
             if kind in quant.KINDS:
@@ -226,6 +227,17 @@ def _read_buffer(
         for fd in files.values():
             os.close(fd)
     return buf, index
+
+
+_local = threading.local()
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """This thread's reusable read buffer, at least `nbytes` (fresh memory faults per page)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _local.buf = np.empty(nbytes, dtype=np.uint8)
+    return buf[:nbytes]
 
 
 def _pread_into(fd: int, dest: np.ndarray, loc: TensorLocation) -> None:
