@@ -119,3 +119,35 @@ def test_qlora_on_nf4_learns_nearly_as_much_as_on_bf16_and_its_adapter_loads_in_
         logits = peft(input_ids=ids).logits
     peft_loss = float(torch.nn.functional.cross_entropy(logits.reshape(-1, 64), labels.reshape(-1)))
     assert peft_loss < nf4[0] - 0.8 * gain_nf4  # on the unquantized base it keeps most of the gain
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+def test_quantized_blocks_stream_to_the_gpu_and_equal_the_cpu(kind, tmp_path):
+    """On CUDA the quantized bytes are what is uploaded, and the step equals the CPU's (fp32,
+    TF32 off; not run where no GPU is lent)."""
+    model_dir = make_model(tmp_path / "model", "qwen2-bias")
+    source = local_source(model_dir, "float32", kind)
+    ids, labels = batch(4, 20, seed=2)
+    mbs = [(ids[:2], labels[:2]), (ids[2:], labels[2:])]
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        cpu = lora_with_random_b(source.args)
+        gpu = lora_with_random_b(source.args, device="cuda")
+        loss_cpu, _, _ = StreamedEngine(source, cpu, grad_clip=None).forward_backward(mbs, 0)
+        with StreamedEngine(source, gpu, device="cuda", grad_clip=None) as engine:
+            loss_gpu, _, _ = engine.forward_backward(mbs, 0)
+            h2d, _, _ = engine.weights.take_timings()
+            per_block = engine.weights.block_bytes()
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    assert abs(loss_gpu - loss_cpu) / abs(loss_cpu) < RTOL
+    for a, b in zip(gpu.parameters(), cpu.parameters(), strict=True):
+        assert rel_err(a.grad, b.grad) < 1e-4
+    assert h2d == source.num_blocks * per_block  # resident here: each block uploaded once
+    assert per_block == sum(
+        quant.quantized_nbytes(tuple(t.shape), getattr(t, "kind", "none"), torch.float32)
+        for t in source.block(0).values()
+    )
