@@ -93,3 +93,18 @@ def test_eval_cli_with_base_quant_refuses_an_integer_weight_naming_it(tmp_path):
         f"error: {name}: dtype I32 is not floating point; --base-quant needs float weights "
         "(the checkpoint is already quantized? use --base-quant none)"
     ]
+
+
+def test_the_load_bench_checkpoint_is_a_valid_sharded_model(tmp_path):
+    from appliance.hf_checkpoint import SafetensorsCheckpoint, read_model_args
+    from appliance.load_bench import LLAMA_1B, read_files, write_checkpoint
+
+    small = {**LLAMA_1B, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128}
+    small.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    written = write_checkpoint(tmp_path / "m", small, shard_bytes=40_000)
+    args = read_model_args(tmp_path / "m")
+    SafetensorsCheckpoint(tmp_path / "m").check(args)  # every tensor, with its shape
+    assert len(list((tmp_path / "m").glob("*.safetensors"))) > 1
+    assert written == args.param_count() * 2  # bf16
+    assert read_files(tmp_path / "m")[0] > written  # the files: tensors + headers
+    assert WeightStore(tmp_path / "m", "bfloat16").handles().nbytes >= written
