@@ -35,12 +35,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .blocks import FlatIndex, dtype_from_name, unpack
+from . import quant
+from .blocks import FlatIndex, dtype_from_name, pack, unpack
 from .engine import StreamedEngine
 from .errors import ConfigError
 from .lora import LoraSpec, LoraWeights
 from .model import ModelArgs
-from .models import block_shapes, resolve_targets
+from .models import block_shapes, linear_weight_names, resolve_targets
 from .presets import PRESETS, Shape
 
 MiB, GiB = 2**20, 2**30
@@ -62,8 +63,11 @@ class SyntheticBlockSource:
 
     POOL = 2**24 - 3  # odd length: consecutive rows of a tiled matrix do not repeat
 
-    def __init__(self, args: ModelArgs, dtype: torch.dtype, seed: int = 0):
+    def __init__(
+        self, args: ModelArgs, dtype: torch.dtype, seed: int = 0, base_quant: str = "none"
+    ):
         self.args, self.dtype = args, dtype
+        self.base_quant = base_quant  # int8 | nf4: linear weights made, then quantized
         gen = torch.Generator().manual_seed(seed)
         self._pool = (torch.randn(self.POOL, generator=gen) * 0.02).to(dtype)
         self._seed = seed
@@ -103,6 +107,8 @@ class SyntheticBlockSource:
             buf = np.empty(offset, dtype=np.uint8)
             for key, t in unpack(buf, index).items():
                 self._fill(t, key, i)
+            if self.base_quant != "none":
+                buf, index = pack(quant.quantize_block(unpack(buf, index), self.base_quant))
             self._flat[i] = (buf, index)
         return self._flat[i]
 
@@ -336,8 +342,10 @@ def run_bench(
     micro_batches: int | None = None,
     steps: int | None = None,
     warmup: int | None = None,
+    base_quant: str = "none",
 ) -> dict:
     """Run `preset` streamed and resident; returns every measured number (see module doc).
+    `base_quant` (int8 | nf4): the blocks' linear weights are quantized (as --base-quant).
 
     `None` picks the preset's default for the device; dtype defaults to bf16 on CUDA, fp32 on
     CPU. ConfigError for a preset that cannot run here, with what to do instead.
@@ -378,6 +386,11 @@ def run_bench(
         raise ConfigError(f"--warmup must be ≥ 0, got {shape.warmup}")
     args = p.args
     weight_bytes = args.param_count() * dtype.itemsize
+    if base_quant != "none":  # the blocks' linear weights quantized, the rest in dtype
+        shapes = block_shapes(args)
+        linear = [shapes[name] for name in linear_weight_names(args)]
+        weight_bytes -= args.num_layers * sum(math.prod(s) * dtype.itemsize for s in linear)
+        weight_bytes += args.num_layers * sum(quant.quantized_nbytes(s, base_quant) for s in linear)
     available = host_memory_available()
     if available is not None and weight_bytes > 0.9 * available:
         raise ConfigError(
@@ -394,7 +407,7 @@ def run_bench(
     bandwidth = measure_bandwidth(device)
     matmul = measure_matmul(device, dtype, n, reps)
     dname = str(dtype).removeprefix("torch.")
-    source = SyntheticBlockSource(args, dtype)
+    source = SyntheticBlockSource(args, dtype, base_quant=base_quant)
     batches = _batches(args, shape)
     modes = [
         _run_mode(m, source, batches, shape, device, dtype, gpu_memory_budget, bandwidth, matmul)
@@ -413,6 +426,7 @@ def run_bench(
         },
         "torch": torch.__version__,
         "dtype": dname,
+        "base_quant": base_quant,
         "model": {
             "architecture": args.architecture,
             "vocab_size": args.vocab_size,
@@ -508,6 +522,12 @@ def parser(prog: str = "python -m appliance.bench") -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=None, help="timed steps")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first")
     ap.add_argument("--json", dest="json_path", default=None, help="also write the results here")
+    ap.add_argument(
+        "--base-quant",
+        choices=["none", "int8", "nf4"],
+        default="none",
+        help="quantize the blocks' linear weights (as train --base-quant)",
+    )
     return ap
 
 
@@ -525,7 +545,7 @@ def run_from_args(a: argparse.Namespace) -> dict:
     names = ("micro_batch_size", "seq_len", "micro_batches", "steps", "warmup")
     shape = {k: getattr(a, k) for k in names if getattr(a, k) is not None}
     dtype = dtype_from_name(a.dtype) if a.dtype != "auto" else None
-    result = run_bench(a.preset, device, dtype, budget, **shape)
+    result = run_bench(a.preset, device, dtype, budget, **shape, base_quant=a.base_quant)
     print_table(result)
     if a.json_path:
         write_json(result, a.json_path)
@@ -534,6 +554,11 @@ def run_from_args(a: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None, prog: str = "python -m appliance.bench") -> int:
     """Parse `argv`, run, return the exit status (user errors: one `error:` line, status 1)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--load" in argv:  # the WeightStore load benchmark (load_bench.py), its own options
+        from .load_bench import main as load_main
+
+        return load_main([x for x in argv if x != "--load"], prog=f"{prog} --load")
     a = parser(prog).parse_args(argv)
     try:
         run_from_args(a)

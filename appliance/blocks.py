@@ -16,8 +16,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from . import hf_checkpoint
+from . import hf_checkpoint, quant
 from .model import ModelArgs
+from .quant import QuantizedTensor
 
 _DTYPES = {
     "float32": torch.float32,
@@ -56,38 +57,88 @@ class DictBlockSource:
         return self.blocks[i]
 
     @classmethod
-    def from_hf(cls, model_dir: str | Path, dtype: torch.dtype) -> DictBlockSource:
+    def from_hf(
+        cls, model_dir: str | Path, dtype: torch.dtype, base_quant: str = "none"
+    ) -> DictBlockSource:
+        """Read a HF model; with `base_quant` the linear weights are quantized from fp32."""
         args = hf_checkpoint.read_model_args(model_dir)
         ckpt = hf_checkpoint.SafetensorsCheckpoint(model_dir)
         g = hf_checkpoint.read_globals(ckpt, args, dtype)
-        blocks = [hf_checkpoint.read_block(ckpt, args, i, dtype) for i in range(args.num_layers)]
+        blocks = []
+        for i in range(args.num_layers):
+            if base_quant == "none":
+                blocks.append(hf_checkpoint.read_block(ckpt, args, i, dtype))
+                continue
+            w = hf_checkpoint.read_block(ckpt, args, i, None)  # as stored: each kind converts
+            w = {k: v if quant.is_linear_weight(k) else v.to(dtype) for k, v in w.items()}
+            blocks.append(quant.quantize_block(w, base_quant, f"model.layers.{i}."))
         return cls(args, g, blocks)
 
 
 # ---------------------------------------------------------------- flat buffers
 
-# name → (byte offset, shape, dtype name); offsets are 64-byte aligned for fast copies
+# name → (byte offset, shape, dtype name); offsets are 64-byte aligned for fast copies. A
+# quantized weight is one entry whose dtype name is its kind ("int8", "nf4") and whose shape is
+# the weight's: codes, then fp32 scales at the next 64-byte boundary (quant.entry_layout).
 FlatIndex = dict[str, tuple[int, tuple[int, ...], str]]
 
 
-def pack(tensors: dict[str, torch.Tensor]) -> tuple[np.ndarray, FlatIndex]:
-    """Pack tensors into one contiguous uint8 array plus the index to view them again."""
+def entry_nbytes(shape: tuple[int, ...], dtype_name: str) -> int:
+    """Bytes one index entry spans, padded to 64 (a plain tensor or a quantized weight)."""
+    if dtype_name in quant.KINDS:
+        return quant.quantized_nbytes(shape, dtype_name)
+    return quant.quantized_nbytes(shape, "none", _DTYPES[dtype_name])
+
+
+def layout(entries: dict[str, tuple[tuple[int, ...], str]]) -> tuple[FlatIndex, int]:
+    """The index of a flat buffer holding `entries` (name → (shape, dtype name)), and its size."""
     index: FlatIndex = {}
     offset = 0
-    for name, t in tensors.items():
-        index[name] = (offset, tuple(t.shape), str(t.dtype).removeprefix("torch."))
-        offset += -(-t.numel() * t.element_size() // 64) * 64
-    buf = np.empty(offset, dtype=np.uint8)
+    for name, (shape, dtype_name) in entries.items():
+        index[name] = (offset, tuple(shape), dtype_name)
+        offset += entry_nbytes(tuple(shape), dtype_name)
+    return index, offset
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def write_entry(flat: torch.Tensor, off: int, t: torch.Tensor | QuantizedTensor) -> None:
+    """Copy a tensor or a quantized weight into the flat uint8 buffer at byte offset `off`."""
+    if isinstance(t, QuantizedTensor):
+        code_bytes, scales_at, n = quant.entry_layout(t.shape, t.kind)
+        flat[off : off + code_bytes].copy_(_as_bytes(t.codes))
+        flat[off + scales_at : off + scales_at + 4 * n].copy_(_as_bytes(t.scales))
+    else:
+        n = t.numel() * t.element_size()
+        flat[off : off + n].copy_(_as_bytes(t))
+
+
+def pack(tensors: dict[str, torch.Tensor | QuantizedTensor]) -> tuple[np.ndarray, FlatIndex]:
+    """Pack tensors (and quantized weights) into one contiguous uint8 array plus its index."""
+    index, size = layout(
+        {
+            name: (t.shape, t.kind if isinstance(t, QuantizedTensor) else _dtype_name(t.dtype))
+            for name, t in tensors.items()
+        }
+    )
+    buf = np.empty(size, dtype=np.uint8)
     flat = torch.from_numpy(buf)
     for name, t in tensors.items():
-        off = index[name][0]
-        n = t.numel() * t.element_size()
-        flat[off : off + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+        write_entry(flat, index[name][0], t)
     return buf, index
 
 
-def unpack(buf: np.ndarray | torch.Tensor, index: FlatIndex) -> dict[str, torch.Tensor]:
-    """Zero-copy tensor views into `buf` (which may be a read-only shared-memory array).
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def unpack(
+    buf: np.ndarray | torch.Tensor, index: FlatIndex
+) -> dict[str, torch.Tensor | QuantizedTensor]:
+    """Zero-copy tensor views into `buf` (which may be a read-only shared-memory array); a
+    quantized weight comes back as a QuantizedTensor of views (quant.dequantize makes a tensor).
 
     The views must never be written: Ray's object store buffers are immutable.
     """
@@ -99,6 +150,14 @@ def unpack(buf: np.ndarray | torch.Tensor, index: FlatIndex) -> dict[str, torch.
         flat = buf
     out = {}
     for name, (off, shape, dtype_name) in index.items():
+        if dtype_name in quant.KINDS:
+            code_bytes, scales_at, n = quant.entry_layout(shape, dtype_name)
+            codes = flat[off : off + code_bytes]
+            if dtype_name == "int8":
+                codes = codes.view(torch.int8).view(shape)
+            scales = flat[off + scales_at : off + scales_at + 4 * n].view(torch.float32)
+            out[name] = QuantizedTensor(dtype_name, tuple(shape), codes, scales)
+            continue
         dtype = _DTYPES[dtype_name]
         n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         out[name] = flat[off : off + n].view(dtype).view(shape)

@@ -99,8 +99,22 @@ def train(config_file: str | None, **flags) -> None:
 @click.option("--seq-len", type=int, required=True, help="Truncate each record to N tokens.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
 @click.option("--dtype", type=click.Choice(C.CHOICES["dtype"]), default="auto")
+@click.option(
+    "--base-quant",
+    type=click.Choice(C.CHOICES["base_quant"]),
+    default="none",
+    help="Quantize the base model's linear weights (as `train --base-quant`).",
+)
 @friendly_errors
-def eval_cmd(model: str, adapter: str | None, data: str, seq_len: int, device: str, dtype: str):
+def eval_cmd(
+    model: str,
+    adapter: str | None,
+    data: str,
+    seq_len: int,
+    device: str,
+    dtype: str,
+    base_quant: str,
+):
     """Print {"loss": mean next-token NLL, "tokens": predicted tokens} as one JSON line."""
     from . import storage
     from .blocks import dtype_from_name
@@ -115,6 +129,7 @@ def eval_cmd(model: str, adapter: str | None, data: str, seq_len: int, device: s
         adapter_dir=storage.localize(adapter) if adapter else None,
         device=dev,
         dtype=dtype_from_name(resolve_dtype(dtype, dev)),
+        base_quant=base_quant,
     )
     click.echo(json.dumps(result))
 

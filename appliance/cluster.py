@@ -89,17 +89,14 @@ def ram_available_bytes() -> int:
     return psutil.virtual_memory().available
 
 
-def weight_store_bytes(model_dir: str | Path, dtype: str) -> int:
+def weight_store_bytes(model_dir: str | Path, dtype: str, base_quant: str = "none") -> int:
     """Bytes the base model's weight store takes in the object store: every tensor the model reads
-    (config.json's shapes), in the compute dtype. Reads config.json only."""
-    import torch
+    (config.json's shapes), in the compute dtype or quantized (weight_store.store_nbytes). Reads
+    config.json only."""
+    from .hf_checkpoint import read_model_args
+    from .weight_store import store_nbytes
 
-    from .blocks import dtype_from_name
-    from .hf_checkpoint import expected_shapes, read_model_args
-
-    itemsize = torch.empty((), dtype=dtype_from_name(dtype)).element_size()
-    shapes = expected_shapes(read_model_args(model_dir)).values()
-    return sum(math.prod(shape) for shape in shapes) * itemsize
+    return store_nbytes(read_model_args(model_dir), dtype, base_quant)
 
 
 def check_weights_fit(weight_bytes: int, store_bytes: int, source: str) -> None:

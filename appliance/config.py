@@ -84,6 +84,11 @@ class TrainConfig:
     gpu_memory_budget: str | None = _f(
         None, "Cap the appliance's GPU memory, e.g. 24GiB; blocks beyond it are streamed."
     )
+    base_quant: str = _f(
+        "none",
+        "Store the base model's linear weights quantized (QLoRA): none | int8 (per row) | nf4 "
+        "(4-bit NormalFloat, blocks of 64); a half or a quarter of the host memory and transfers.",
+    )
     trainers: int | None = _f(
         None,
         "Trainers, one per GPU, training one adapter data-parallel; each takes "
@@ -137,6 +142,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "base_quant": ("none", "int8", "nf4"),
     "on_bad_record": ("fail", "skip"),
     "log_format": ("rich", "json", "plain"),
 }

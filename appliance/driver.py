@@ -188,7 +188,9 @@ def connect(cfg: TrainConfig, progress: Progress) -> Run:
 
     if not cfg.cluster:
         inp = prepare(cfg)
-        start_ray(cfg, progress, weight_bytes=weight_store_bytes(inp.model_dir, inp.dtype))
+        start_ray(
+            cfg, progress, weight_bytes=weight_store_bytes(inp.model_dir, inp.dtype, cfg.base_quant)
+        )
         resolve_micro_batches(inp, progress)
         return Run(inp, progress)
     _absolute_paths(cfg)  # config.validate refuses the demo with --cluster: paths are given

@@ -44,6 +44,7 @@ from .blocks import BlockSource, pack, unpack
 from .errors import ConfigError
 from .lora import LoraSpec, LoraWeights
 from .planner import plan_memory, step_flops
+from .quant import QuantizedTensor, dequantize, quantized_nbytes
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input_ids (B, T), labels (B, T)), labels shifted
 
@@ -75,6 +76,10 @@ class DeviceWeights:
 
     Uploads are one flat byte copy per block, from page-locked host memory: a shared-memory buffer
     registered with CUDA in place when possible, else a pinned staging buffer (two, alternating).
+
+    A quantized base (--base-quant) stays quantized up to the device: the flat buffer holds codes
+    and scales, and `get(i)` dequantizes them into the compute dtype on the device, once per
+    block per pass (the forward asks once for all micro-batches, the backward once more).
     """
 
     def __init__(self, source: BlockSource, device: torch.device, dtype: torch.dtype):
@@ -136,9 +141,19 @@ class DeviceWeights:
         self._host = []
 
     def block_bytes(self) -> int:
-        """Bytes of one block as uploaded: flat, each tensor padded to 64 bytes (blocks.pack)."""
+        """Bytes of one block as uploaded: flat, each tensor padded to 64 bytes (blocks.pack);
+        a quantized weight counts its codes and scales."""
+        return sum(_entry_bytes(t, self.dtype) for t in self.source.block(0).values())
+
+    def dequant_bytes(self) -> int:
+        """Device bytes the dequantized weights of one block take while it computes (0 when the
+        base is not quantized): the transient that a quantized block adds on the device."""
         w = self.source.block(0)
-        return sum(-(-t.numel() * self.dtype.itemsize // 64) * 64 for t in w.values())
+        return sum(
+            math.prod(t.shape) * self.dtype.itemsize
+            for t in w.values()
+            if isinstance(t, QuantizedTensor)
+        )
 
     def prefetch(self, i: int) -> None:
         """Start copying block i to the device (no-op on CPU or if already there)."""
@@ -172,8 +187,7 @@ class DeviceWeights:
     def get(self, i: int) -> dict[str, torch.Tensor]:
         """Block i's weights, ready for use on the current stream."""
         if not self.cuda:
-            w = self.source.block(i)
-            return {k: v.to(device=self.device, dtype=self.dtype) for k, v in w.items()}
+            return _materialise(self.source.block(i), self.device, self.dtype)
         self.prefetch(i)
         w, done = self._on_device[i]
         if done is not None:
@@ -185,9 +199,10 @@ class DeviceWeights:
             after.record(stream)
             self._stall_events.append((before, after))
             for t in w.values():
-                t.record_stream(stream)  # memory is freed only after compute has used it
+                for part in (t.codes, t.scales) if isinstance(t, QuantizedTensor) else (t,):
+                    part.record_stream(stream)  # memory is freed only after compute has used it
             self._on_device[i] = (w, None)
-        return w
+        return _materialise(w, self.device, self.dtype)
 
     def release(self, i: int) -> None:
         """Drop block i from the device unless it is resident."""
@@ -215,6 +230,25 @@ class DeviceWeights:
         return n, copy, stall
 
 
+def _materialise(
+    w: dict[str, torch.Tensor | QuantizedTensor], device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """A block's weights as `dtype` tensors on `device`: quantized weights dequantized there
+    (after their codes are moved, so a CPU-held block moves the quantized bytes), others cast."""
+    return {
+        k: dequantize(v.to(device), dtype)
+        if isinstance(v, QuantizedTensor)
+        else v.to(device=device, dtype=dtype)
+        for k, v in w.items()
+    }
+
+
+def _entry_bytes(t: torch.Tensor | QuantizedTensor, dtype: torch.dtype) -> int:
+    if isinstance(t, QuantizedTensor):
+        return quantized_nbytes(t.shape, t.kind)
+    return quantized_nbytes(tuple(t.shape), "none", dtype)
+
+
 def _flat_block(source: BlockSource, i: int, dtype: torch.dtype) -> tuple[torch.Tensor, dict, bool]:
     """Block i as (one flat uint8 host buffer, its index, whether torch itself pinned it).
 
@@ -224,10 +258,14 @@ def _flat_block(source: BlockSource, i: int, dtype: torch.dtype) -> tuple[torch.
     """
     w = source.block(i)
     flat = getattr(source, "flat_block", None)
-    if flat is not None and all(t.dtype == dtype for t in w.values()):
+    if flat is not None and all(
+        isinstance(t, QuantizedTensor) or t.dtype == dtype for t in w.values()
+    ):
         buf, index = flat(i)
     else:
-        buf, index = pack({k: v.to(dtype) for k, v in w.items()})
+        buf, index = pack(
+            {k: v if isinstance(v, QuantizedTensor) else v.to(dtype) for k, v in w.items()}
+        )
     if isinstance(buf, np.ndarray):
         with warnings.catch_warnings():  # read-only shared memory: we never write through it
             warnings.simplefilter("ignore", UserWarning)
@@ -352,7 +390,9 @@ class StreamedEngine:
             biggest=max(ids.numel() for ids, _ in micro_batches),
             longest=max(ids.shape[-1] for ids, _ in micro_batches),
             block_bytes=self.weights.block_bytes(),
-            globals_bytes=sum(t.numel() * t.element_size() for t in self.weights.globals.values()),
+            # the globals, and a quantized block's dequantized weights while it computes
+            globals_bytes=sum(t.numel() * t.element_size() for t in self.weights.globals.values())
+            + self.weights.dequant_bytes(),
             lora_params=self.lora.num_parameters(),
         )
         self.offload_activations = p.offload_activations

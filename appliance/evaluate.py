@@ -94,6 +94,7 @@ def evaluate(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
+    base_quant: str = "none",
 ) -> dict:
     """{"loss": summed next-token NLL / predicted tokens, "tokens": predicted tokens}.
 
@@ -120,7 +121,7 @@ def evaluate(
 
     # The flat layout the trainers use, without Ray: one host copy of the weights, which a CUDA
     # engine page-locks and uploads in place (no second packed copy).
-    source = local_source(model_dir, str(dtype).removeprefix("torch."))
+    source = local_source(model_dir, str(dtype).removeprefix("torch."), base_quant)
     lora = load_adapter(adapter_dir, args, device) if adapter_dir is not None else None
     engine = StreamedEngine(source, lora, device=device, dtype=dtype)
     try:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -367,6 +369,65 @@ class SafetensorsCheckpoint:
         return out
 
 
+@dataclass(frozen=True)
+class TensorLocation:
+    """Where a tensor's bytes lie in a safetensors file (from its header), to read them in place."""
+
+    path: Path
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str  # safetensors name: 'BF16', 'F32', ...
+
+
+# safetensors dtype names → torch (the ones a weight can have; others are refused by name)
+ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def tensor_locations(ckpt: SafetensorsCheckpoint) -> dict[str, TensorLocation]:
+    """name → TensorLocation of every tensor in the checkpoint's files, from the headers.
+
+    The safetensors layout: an 8-byte little-endian header length N, N bytes of JSON
+    {name: {dtype, shape, data_offsets: [begin, end]}} (offsets relative to byte 8 + N), then
+    the data. Reading the headers ourselves lets the WeightStore read each tensor's bytes
+    straight into its block buffer (no intermediate tensor)."""
+    out = {}
+    for path in sorted(set(ckpt.files.values())):
+        try:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
+                size = os.fstat(f.fileno()).st_size
+        except (OSError, ValueError) as e:
+            raise ModelError(
+                f"{path}: cannot read safetensors header: {e}; re-download or re-save the model"
+            ) from None
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = meta["data_offsets"]
+            if 8 + n + end > size:
+                raise ModelError(
+                    f"{path}: tensor {name} lies past the end of the file (truncated?); "
+                    "re-download or re-save the model"
+                )
+            out[name] = TensorLocation(
+                path, 8 + n + begin, end - begin, tuple(meta["shape"]), meta["dtype"]
+            )
+    return out
+
+
 @contextlib.contextmanager
 def _opened(path: Path) -> Iterator[Any]:
     """`safe_open(path)`; any failure to read it, header or tensors, is a ModelError naming it."""
@@ -421,13 +482,18 @@ def block_names(args: ModelArgs, i: int) -> list[str]:
     return list(block_shapes(args, i))
 
 
-def read_globals(
-    ckpt: SafetensorsCheckpoint, args: ModelArgs, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
+def global_names(args: ModelArgs) -> list[str]:
+    """The tensors outside the blocks: embeddings, final norm, and the LM head unless tied."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not args.tie_word_embeddings:
         names.append("lm_head.weight")
-    return ckpt.read(names, dtype)
+    return names
+
+
+def read_globals(
+    ckpt: SafetensorsCheckpoint, args: ModelArgs, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    return ckpt.read(global_names(args), dtype)
 
 
 def read_block(

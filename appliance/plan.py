@@ -33,10 +33,10 @@ from .errors import ConfigError
 from .hf_checkpoint import block_shapes, read_model_args
 from .model import TARGET_MODULES, ModelArgs
 from .planner import MemoryPlan, blocks_uploaded_per_step, plan_memory, step_flops
+from .quant import is_linear_weight, quantized_nbytes
 
 GiB = 2**30
 BASE_QUANTS = ("none", "int8", "nf4")
-NF4_BLOCK = 64  # values per fp32 absmax
 AUTO_MAX_M = 256  # `auto` looks at M = 1 .. this
 AUTO_SLACK = 1.10  # `auto`: within 10 % of compute-bound
 # Host-side process sizes the plan assumes (not measured per run): a trainer process (torch, the
@@ -53,22 +53,16 @@ def _pad64(n: int) -> int:
 def block_bytes(args: ModelArgs, dtype_bytes: int, base_quant: str = "none") -> int:
     """One block as stored and uploaded, each tensor padded to 64 bytes (blocks.pack).
 
-    Quantized (`--base-quant`), the seven linear projection weights are stored as int8 (1 byte a
-    weight + an fp32 scale per output row) or NF4 (half a byte a weight + an fp32 absmax per 64
-    values); norms and biases stay in the compute dtype. This is the one place plan counts
-    quantized bytes: point it at the quantizer's own layout when that exists.
+    Quantized (`--base-quant`), the linear projection weights take the quantizer's own layout
+    (quant.quantized_nbytes: int8 codes + an fp32 scale per output row, or NF4 codes + an fp32
+    absmax per 64 values); norms and biases stay in the compute dtype.
     """
     total = 0
     for name, shape in block_shapes(args, 0).items():
-        n = math.prod(shape)
-        if base_quant != "none" and name.endswith("_proj.weight"):
-            if base_quant == "int8":
-                parts = [n, shape[0] * 4]
-            else:
-                parts = [-(-n // 2), -(-n // NF4_BLOCK) * 4]
+        if base_quant != "none" and is_linear_weight(name):
+            total += quantized_nbytes(shape, base_quant)
         else:
-            parts = [n * dtype_bytes]
-        total += sum(_pad64(p) for p in parts)
+            total += _pad64(math.prod(shape) * dtype_bytes)
     return total
 
 

@@ -84,6 +84,7 @@ IDENTITY_KEYS = (
     "seed",
     "micro_batch_size",
     "micro_batches_per_step",
+    "base_quant",
 )
 
 
@@ -279,7 +280,10 @@ class Run:
 
         store = ray.remote(num_cpus=0)(WeightStore)
         nodes = list(dict.fromkeys(s.node_id for s in self.ranks))  # each trainer node once
-        self.stores = {n: store.options(**on_node(n)).remote(cfg.model, inp.dtype) for n in nodes}
+        self.stores = {
+            n: store.options(**on_node(n)).remote(cfg.model, inp.dtype, cfg.base_quant)
+            for n in nodes
+        }
         handles = ray.get([self.stores[n].handles.remote() for n in nodes])
         self.handles = dict(zip(nodes, handles, strict=True))
         self.epochs = None if cfg.steps else (cfg.epochs or 1)

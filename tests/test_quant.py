@@ -1,0 +1,224 @@
+"""Quantized base weights: the codes equal the definitions; the flat layout and the store's bytes.
+
+The reference implementations below are written value by value from the definitions in the
+issue (and quant.py's docstring), in numpy, independently of the vectorised torch code.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from appliance import quant
+from appliance.blocks import pack, unpack
+from appliance.errors import ModelError
+from appliance.model import ModelArgs
+from appliance.quant import NF4_LEVELS, QuantizedTensor
+from appliance.weight_store import WeightStore, local_source, store_nbytes
+from tests.helpers_model import make_model
+
+LEVELS = np.array(NF4_LEVELS, dtype=np.float32)
+
+
+def reference_int8(w: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """scale = max|w_row| / 127 (fp32); q = clamp(round(w / scale), -127, 127); zero row: 0."""
+    x = w.float().numpy()
+    codes = np.zeros(x.shape, np.int8)
+    scales = np.zeros(x.shape[0], np.float32)
+    for r, row in enumerate(x):
+        scale = np.float32(np.abs(row).max()) / np.float32(127)
+        scales[r] = scale
+        if scale == 0:
+            continue
+        for c, v in enumerate(row):
+            codes[r, c] = int(np.clip(np.round(np.float32(v) / scale), -127, 127))  # half-even
+    return codes, scales
+
+
+def reference_nf4(w: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks of 64 (zero-padded), absmax per block, nearest level (first on ties), 2 per byte
+    with the first value in the high nibble."""
+    x = w.float().numpy().reshape(-1)
+    x = np.concatenate([x, np.zeros(-len(x) % 64, np.float32)])
+    codes, absmax = [], []
+    for block in x.reshape(-1, 64):
+        m = np.float32(np.abs(block).max())
+        absmax.append(m)
+        for v in block:
+            y = np.float32(v) / m if m != 0 else np.float32(0.0)
+            codes.append(int(np.argmin(np.abs(y - LEVELS))))
+    packed = [(codes[k] << 4) | codes[k + 1] for k in range(0, len(codes), 2)]
+    return np.array(packed, np.uint8), np.array(absmax, np.float32)
+
+
+def int8_cases() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(9, 70, generator=g)
+    w[3] = 0  # a zero row
+    w[5, :6] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5])  # scale 1: exact halves
+    w[5, 6:] = 0.25
+    return [w, w.to(torch.bfloat16), torch.randn(1, 1, generator=g)]
+
+
+def nf4_cases() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    padded = torch.randn(5, 37, generator=g)  # 185 values: 3 blocks, the last one padded
+    zero_block = torch.randn(3, 64, generator=g)
+    zero_block[1] = 0  # block 1 is all zeros
+    mids = (LEVELS[:-1] + LEVELS[1:]) / np.float32(2)  # fp32 midpoints: distance ties
+    ties = torch.zeros(2, 32)
+    ties.view(-1)[0] = 1.0  # absmax 1: w / absmax is w itself
+    ties.view(-1)[1:16] = torch.from_numpy(mids)
+    ties.view(-1)[16:31] = -torch.from_numpy(mids)
+    return [padded, zero_block, ties, padded.to(torch.bfloat16), torch.randn(1, 3, generator=g)]
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_int8_codes_and_scales_equal_the_definition(case):
+    w = int8_cases()[case]
+    q = quant.quantize(w, "int8")
+    codes, scales = reference_int8(w)
+    assert q.codes.dtype == torch.int8 and q.codes.shape == w.shape
+    np.testing.assert_array_equal(q.codes.numpy(), codes)
+    np.testing.assert_array_equal(q.scales.numpy(), scales)
+    back = quant.dequantize(q, torch.float32)
+    np.testing.assert_array_equal(back.numpy(), codes.astype(np.float32) * scales[:, None])
+    if case == 0:
+        assert not back[3].any()  # the zero row stays zero
+        assert q.codes[5, :6].tolist() == [127, 0, 2, 2, 0, -2]  # round half to even
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_nf4_codes_and_absmax_equal_the_definition(case):
+    w = nf4_cases()[case]
+    q = quant.quantize(w, "nf4")
+    codes, absmax = reference_nf4(w)
+    np.testing.assert_array_equal(q.codes.numpy(), codes)
+    np.testing.assert_array_equal(q.scales.numpy(), absmax)
+    back = quant.dequantize(q, torch.float32)
+    values = np.stack([codes >> 4, codes & 15], axis=1).reshape(-1, 64)
+    expect = (LEVELS[values] * absmax[:, None]).reshape(-1)[: w.numel()].reshape(w.shape)
+    np.testing.assert_array_equal(back.numpy(), expect)
+    if case == 1:
+        assert (q.codes[32:64] == 0x77).all() and q.scales[1] == 0  # a zero block codes 0.0
+    if case == 0:
+        assert (q.codes[-4:] & 15 == 7).all()  # the padding codes 0.0
+
+
+@pytest.mark.parametrize("case", [0, 1, 3, 4])
+def test_bitsandbytes_nf4_agrees_where_it_installs(case):
+    """bitsandbytes' `quantize_4bit(nf4, blocksize=64)`: the same absmax and codes (it stores
+    only the values' codes, no padding); installed as a test extra (its CPU kernels).
+
+    Not on case 2, the values placed exactly on the fp32 midpoints between two levels: there
+    bitsandbytes compares with its midpoint thresholds (a midpoint goes to the lower level), the
+    definition measures the two fp32 distances, which rounding makes unequal (5 of 30 differ)."""
+    bnb = pytest.importorskip("bitsandbytes.functional", reason="bitsandbytes not installed")
+    w = nf4_cases()[case].float().contiguous()
+    try:
+        packed, state = bnb.quantize_4bit(w, blocksize=64, quant_type="nf4")
+    except Exception as e:  # noqa: BLE001 - a build without the 4-bit kernels for this device
+        pytest.skip(f"bitsandbytes quantize_4bit does not run here: {e}")
+    q = quant.quantize(w, "nf4")
+    theirs = packed.reshape(-1).numpy()
+    np.testing.assert_array_equal(theirs, q.codes[: theirs.size].numpy())
+    np.testing.assert_array_equal(state.absmax.numpy(), q.scales.numpy())
+
+
+def test_quantized_weights_round_trip_through_a_flat_buffer():
+    w8, w4 = int8_cases()[0], nf4_cases()[0]
+    tensors = {
+        "input_layernorm.weight": torch.randn(7),
+        "self_attn.q_proj.weight": quant.quantize(w8, "int8"),
+        "mlp.up_proj.weight": quant.quantize(w4, "nf4"),
+    }
+    buf, index = pack(tensors)
+    assert index["mlp.up_proj.weight"][1:] == ((5, 37), "nf4")
+    assert buf.nbytes == sum(
+        quant.quantized_nbytes(tuple(t.shape), getattr(t, "kind", "none"), torch.float32)
+        for t in tensors.values()
+    )
+    back = unpack(buf, index)
+    assert torch.equal(back["input_layernorm.weight"], tensors["input_layernorm.weight"])
+    for name in ("self_attn.q_proj.weight", "mlp.up_proj.weight"):
+        a, b = back[name], tensors[name]
+        assert isinstance(a, QuantizedTensor) and a.shape == b.shape and a.kind == b.kind
+        assert torch.equal(quant.dequantize(a, torch.float32), quant.dequantize(b, torch.float32))
+
+
+def test_only_linear_projection_weights_are_quantized():
+    linear = ["self_attn.q_proj.weight", "mlp.down_proj.weight", "self_attn.qkv_proj.weight"]
+    linear.append("mlp.gate_up_proj.weight")  # fused modules (Phi-3) too
+    other = ["self_attn.q_proj.bias", "input_layernorm.weight", "self_attn.q_norm.weight"]
+    other += ["model.embed_tokens.weight", "lm_head.weight"]
+    assert all(quant.is_linear_weight(n) for n in linear)
+    assert not any(quant.is_linear_weight(n) for n in other)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "needle"),
+    [
+        ((4, 8), torch.int8, "dtype torch.int8 is not floating point"),
+        ((32,), torch.float32, "shape (32,) cannot be quantized"),
+        ((0, 8), torch.float32, "shape (0, 8) cannot be quantized"),
+    ],
+)
+def test_weights_that_cannot_be_coded_are_refused_naming_the_tensor(shape, dtype, needle):
+    with pytest.raises(ModelError, match="^model.layers.2.mlp.up_proj.weight: ") as e:
+        quant.quantize(torch.zeros(shape, dtype=dtype), "nf4", "model.layers.2.mlp.up_proj.weight")
+    assert needle in str(e.value)
+
+
+def test_the_store_refuses_an_integer_linear_weight_before_reading_any_block(tmp_path):
+    model_dir = make_model(tmp_path / "model", "llama-mha")
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    name = "model.layers.1.self_attn.k_proj.weight"
+    tensors[name] = tensors[name].to(torch.int8)
+    save_file(tensors, path, metadata={"format": "pt"})
+    assert len(local_source(model_dir, "float32").block(1)) == 9  # unquantized: converted
+    with pytest.raises(ModelError, match=f"^{name}: dtype I8 is not floating point"):
+        WeightStore(model_dir, "float32", "int8").handles()
+
+
+@pytest.mark.parametrize("kind", ["none", "int8", "nf4"])
+def test_store_bytes_equal_the_shape_formula_and_what_the_device_is_sent(tmp_path, kind):
+    model_dir = make_model(tmp_path / "model", "llama-gqa-rope3-tied")
+    store = WeightStore(model_dir, "bfloat16", kind)
+    handles = store.handles()
+    assert handles.base_quant == kind
+    assert handles.nbytes == store_nbytes(handles.args, "bfloat16", kind)
+    source = handles.source()
+    linear = [v for k, v in source.block(0).items() if quant.is_linear_weight(k)]
+    assert len(linear) == 7
+    assert all(isinstance(v, QuantizedTensor) == (kind != "none") for v in linear)
+
+
+def llama_shape(vocab, hidden, inter, layers, heads, kv, tied) -> ModelArgs:
+    return ModelArgs(
+        "LlamaForCausalLM", vocab, hidden, inter, layers, heads, kv, hidden // heads, 1e-5,
+        500000.0, 131072, tie_word_embeddings=tied,
+    )  # fmt: skip
+
+
+def test_store_bytes_of_the_1b_and_70b_shapes():
+    """From the shapes (materialising 1B parameters would take a minute here). The embeddings
+    stay in bf16 (the definition), so the whole-model ratios for the 1B shape (whose tied
+    embedding is a fifth of its bytes) are 0.61 and 0.43: the issue's 0.53 / 0.30 hold for the
+    blocks, and for the whole 70B shape within 1%."""
+    one_b = llama_shape(128256, 2048, 8192, 16, 32, 8, tied=True)
+    bf16 = store_nbytes(one_b, "bfloat16")
+    assert bf16 == pytest.approx(one_b.param_count() * 2, rel=1e-4)
+    embed = math.prod((128256, 2048)) * 2 + 2048 * 2  # embeddings + final norm, in bf16
+    ratios = {k: store_nbytes(one_b, "bfloat16", k) / bf16 for k in ("int8", "nf4")}
+    blocks = {k: (store_nbytes(one_b, "bfloat16", k) - embed) / (bf16 - embed) for k in ratios}
+    assert blocks["int8"] <= 0.53 and blocks["nf4"] <= 0.30
+    assert 0.60 < ratios["int8"] < 0.61 and 0.43 < ratios["nf4"] < 0.44
+    big = llama_shape(128256, 8192, 28672, 80, 64, 8, tied=False)
+    bf16 = store_nbytes(big, "bfloat16")
+    assert store_nbytes(big, "bfloat16", "int8") / bf16 <= 0.53
+    assert store_nbytes(big, "bfloat16", "nf4") / bf16 <= 0.303
