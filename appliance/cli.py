@@ -14,6 +14,7 @@ import click
 
 from . import config as C
 from .errors import ApplianceError, cause_chain
+from .interrupt import RunInterrupted
 
 
 def friendly_errors(fn):
@@ -25,6 +26,9 @@ def friendly_errors(fn):
             for line in str(cause_chain(e)[-1]).splitlines() or [type(e).__name__]:
                 click.echo(f"error: {line}", err=True)
             sys.exit(1)
+        except RunInterrupted as e:  # stopped at a step boundary, checkpoint written
+            click.echo(str(e), err=True)
+            sys.exit(e.exit_code)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
@@ -32,7 +36,36 @@ def friendly_errors(fn):
     return wrapper
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("appliance")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class GroupedHelp(click.Command):
+    """A command whose --help lists its options in the sections of config.HELP_GROUPS (in that
+    order), then whatever no group names under "Other options"."""
+
+    ALIASES = {"config_file": "config"}  # click parameter name -> the name HELP_GROUPS uses
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        records: dict[str, tuple[str, str]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                records[self.ALIASES.get(param.name or "", param.name or "")] = record
+        for title, names in [*C.HELP_GROUPS.items(), ("Other options", tuple(records))]:
+            rows = [records.pop(n) for n in names if n in records]
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(_version(), "--version", "-V", prog_name="appliance")
 def main() -> None:
     """Fine-tune Llama-family models larger than one GPU by streaming blocks from host memory."""
 
@@ -65,7 +98,7 @@ def _train_options(fn):
     return fn
 
 
-@main.command()
+@main.command(cls=GroupedHelp)
 @click.option(
     "--config",
     "config_file",
@@ -84,11 +117,29 @@ def _train_options(fn):
 @friendly_errors
 def train(config_file: str | None, **flags) -> None:
     """Fine-tune a LoRA adapter. With no --model: the built-in demo on embedded Ray (its own
-    model, corpus and settings; a config file and flags still override its settings)."""
+    model, corpus and settings; a config file and flags still override its settings).
+
+    `--output O --resume` alone continues the run recorded in O/run.json; flags beside it change
+    what does not break that run (--steps, --log-format, --metrics-port, ...). Flags override
+    the config file, which overrides the recorded run."""
+    from .driver import recorded_config
     from .driver import train as run_train
 
     file_values = C.read_config_file(config_file) if config_file else {}
-    cfg = C.build_config(file_values, flags, source=f"--config {config_file}")
+    run_values, output = None, flags.get("output") or file_values.get("output")
+    if (flags.get("resume") or file_values.get("resume")) and output:
+        run_values = recorded_config(str(output))
+    notes: list[str] = []
+    cfg = C.build_config(
+        file_values,
+        flags,
+        source=f"--config {config_file}",
+        run_values=run_values,
+        run_source=f"{output}/run.json",
+        notes=notes,
+    )
+    for line in notes:
+        click.echo(f"note: {line}", err=True)
     run_train(cfg)
 
 
@@ -97,8 +148,20 @@ def train(config_file: str | None, **flags) -> None:
 @click.option("--adapter", default=None, help="LoRA adapter directory (PEFT format).")
 @click.option("--data", required=True, help='A .jsonl file of {"text": ...} records.')
 @click.option("--seq-len", type=int, required=True, help="Truncate each record to N tokens.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
-@click.option("--dtype", type=click.Choice(C.CHOICES["dtype"]), default="auto")
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    default="auto",
+    show_default=True,
+    help="Where to evaluate: auto takes CUDA when a GPU is visible.",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(C.CHOICES["dtype"]),
+    default="auto",
+    show_default=True,
+    help="Compute dtype: auto is bfloat16 on GPU, float32 on CPU.",
+)
 @friendly_errors
 def eval_cmd(model: str, adapter: str | None, data: str, seq_len: int, device: str, dtype: str):
     """Print {"loss": mean next-token NLL, "tokens": predicted tokens} as one JSON line."""

@@ -10,15 +10,18 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import storage
-from .config import TrainConfig
-from .errors import ConfigError
+from .config import DEFAULT_METRICS_PORT, TrainConfig
+from .errors import ApplianceError, ConfigError
 from .progress import Progress
 
 TRAINER_NODE_RESOURCE = "appliance_trainer_node"  # marks nodes for trainers, beside "GPU"
@@ -38,7 +41,7 @@ def start_ray(cfg: TrainConfig, progress: Progress) -> None:
 
     if ray.is_initialized():
         return
-    from .metrics import metrics_url, ray_init_kwargs
+    from .metrics import choose_metrics_port, metrics_url, ray_init_kwargs
 
     if cfg.cluster:
         address = cfg.cluster
@@ -53,13 +56,38 @@ def start_ray(cfg: TrainConfig, progress: Progress) -> None:
             ) from None
         progress.note(f"connected to Ray cluster at {address}")
     else:
-        ray.init(
-            address="local",
-            include_dashboard=False,
-            log_to_driver=False,
-            **ray_init_kwargs(cfg.metrics_port),
-        )
-        progress.note(f"metrics: {metrics_url(cfg.metrics_port)}")
+        port = choose_metrics_port(cfg.metrics_port, DEFAULT_METRICS_PORT)
+        progress.note("starting Ray (embedded)")
+        t0 = time.perf_counter()
+        try:
+            ray.init(
+                address="local",
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level=logging.WARNING,  # Ray's own INFO lines stay out of the log
+                **ray_init_kwargs(port),
+            )
+        except ApplianceError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever Ray raised, the user gets one line
+            if ray.is_initialized():
+                ray.shutdown()
+            raise RayStartFailed(
+                f"cannot start Ray: {_first_line(e)}; check that {tempfile.gettempdir()}/ray "
+                "and /dev/shm have free space and are writable (RAY_TMPDIR moves the first), "
+                "then see the logs in /tmp/ray/session_latest/logs"
+            ) from None
+        progress.note(f"Ray ready in {time.perf_counter() - t0:.1f} s")
+        progress.note(f"metrics: {metrics_url(port)}")
+
+
+class RayStartFailed(ApplianceError):
+    """The embedded Ray did not start (no space for its session files or shared memory, ...)."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _reachable(address: str, timeout: float = 10.0) -> None:

@@ -26,6 +26,7 @@ from .config import TrainConfig, flag
 from .data import check_dataset
 from .errors import ConfigError, cause_chain
 from .hf_checkpoint import SafetensorsCheckpoint, read_model_args, seq_len_problems, tokenizer_path
+from .interrupt import GracefulStop
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .progress import Progress
 from .run import IDENTITY_KEYS, RUN_FILE, Inputs, Run, run_identity, write_run_file
@@ -116,33 +117,51 @@ def check_output(cfg: TrainConfig) -> None:
     if storage.exists(run_file):
         previous = json.loads(storage.read_bytes(run_file))
         same = previous.get("identity") == run_identity(cfg)
+        resume = f"appliance train --output {out} --resume"
         if cfg.resume:
             if not same:
+                was, now = previous.get("identity", {}), run_identity(cfg)
                 changed = [
-                    k
+                    f"{flag(k)} {_shown(now[k])} (the run: {_shown(was.get(k))})"
                     for k in IDENTITY_KEYS
-                    if previous.get("identity", {}).get(k) != run_identity(cfg)[k]
+                    if was.get(k) != now[k]
                 ]
                 raise ConfigError(
-                    f"--resume: {out} holds a run with different "
-                    f"{', '.join(flag(k) for k in changed)}; resuming would break it"
+                    f"--resume: {out} holds a run with different {'; '.join(changed)}: resuming "
+                    f"would break it. To continue that run as it was: {resume}"
                 )
             return
         if not cfg.overwrite:
             what = "the same run" if same else "a different run"
             raise ConfigError(
                 f"--output {out} already holds {what} "
-                f"({previous.get('status', 'unknown')}); pass --resume to continue "
-                "it or --overwrite to replace it"
+                f"({previous.get('status', 'unknown')}); continue it with `{resume}`, "
+                "or pass --overwrite to replace it"
             )
         return
     if cfg.resume:
-        raise ConfigError(f"--resume: {out} holds no run to resume ({RUN_FILE} not found)")
+        raise ConfigError(
+            f"--resume: {out} holds no run to resume ({RUN_FILE} not found); to start a new run "
+            "there, leave out --resume (and give --model and --data)"
+        )
     if not cfg.overwrite and storage.list_files(out):
         raise ConfigError(
             f"--output {out} is not empty and holds no appliance run; choose an "
             "empty directory or pass --overwrite"
         )
+
+
+def _shown(value: object) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
+
+
+def recorded_config(output: str) -> dict | None:
+    """The resolved config in `output`/run.json (what `--output O --resume` continues), or None
+    when there is no run.json."""
+    run_file = storage.join(output, RUN_FILE)
+    if not storage.exists(run_file):
+        return None
+    return json.loads(storage.read_bytes(run_file)).get("config")
 
 
 def remove_previous_run(output: str) -> None:
@@ -208,7 +227,9 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
         run.create_actors()
         eval_data = run.inp.eval_data
         before = run.evaluate(eval_data) if eval_data else None
-        run.train()
+        with GracefulStop() as stop:  # after ray.init, which sets its own SIGTERM handler
+            run.interrupt = stop  # Ctrl-C/SIGTERM: checkpoint at the next step boundary
+            run.train()
         after = run.evaluate(eval_data) if eval_data else None
         run.finish()
         if started_here:
