@@ -291,9 +291,10 @@ class Run:
         handles = ray.get([self.stores[n].handles.remote() for n in nodes])
         self.handles = dict(zip(nodes, handles, strict=True))
         loaded = ray.get(self.stores[nodes[0]].stats.remote())
+        size, seconds = loaded["nbytes"], max(loaded["load_seconds"], 1e-9)
+        shown = f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
         self.progress.note(
-            f"base weights loaded: {loaded['nbytes'] / 1e9:.2f} GB in {loaded['load_seconds']:.1f} s"
-            f" ({loaded['nbytes'] / 1e9 / max(loaded['load_seconds'], 1e-9):.2f} GB/s)"
+            f"base weights loaded: {shown} in {seconds:.1f} s ({size / 1e9 / seconds:.2f} GB/s)"
         )
         self.epochs = None if cfg.steps else (cfg.epochs or 1)
         G = R * cfg.micro_batches_per_step  # micro-batches per optimizer step, all ranks
