@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +27,7 @@ from .config import TrainConfig, flag
 from .data import check_dataset
 from .errors import ConfigError, cause_chain
 from .hf_checkpoint import SafetensorsCheckpoint, read_model_args, seq_len_problems, tokenizer_path
-from .interrupt import GracefulStop
+from .interrupt import GracefulStop, RunInterrupted
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .progress import Progress
 from .run import IDENTITY_KEYS, RUN_FILE, Inputs, Run, run_identity, write_run_file
@@ -218,6 +219,7 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
     progress = progress or Progress(cfg.log_format)
     t0 = time.perf_counter()
     started_here = not ray.is_initialized()
+    demo = cfg.model is None
     try:
         run = connect(cfg, progress)
         cfg = run.cfg
@@ -234,6 +236,11 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
         run.finish()
         if started_here:
             _let_metrics_report(cfg)
+    except Exception as e:
+        # a failed demo leaves nothing worth keeping (a stopped one can be resumed)
+        if demo and cfg.model is not None and not isinstance(e, RunInterrupted):
+            shutil.rmtree(Path(cfg.model).parent, ignore_errors=True)
+        raise
     finally:
         progress.stop()  # the live table stops before any error line is printed
         if started_here and ray.is_initialized():
@@ -251,4 +258,11 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
             eval_loss_before=before, eval_loss_after=after, eval_loss_drop=1 - after / before
         )
     progress.finish(summary)
+    if demo:
+        root = Path(cfg.model).parent  # type: ignore[arg-type]
+        progress.note(
+            f"try the adapter: appliance eval --model {cfg.model} --adapter {cfg.output} "
+            f"--data {run.inp.eval_data} --seq-len {cfg.seq_len}\n"
+            f"(the demo's model and corpus are in {root}: delete it when done)"
+        )
     return summary
