@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -72,10 +71,11 @@ def start_ray(cfg: TrainConfig, progress: Progress) -> None:
         except Exception as e:  # noqa: BLE001 - whatever Ray raised, the user gets one line
             if ray.is_initialized():
                 ray.shutdown()
+            ray_dir = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), "ray")
             raise RayStartFailed(
-                f"cannot start Ray: {_first_line(e)}; check that {tempfile.gettempdir()}/ray "
-                "and /dev/shm have free space and are writable (RAY_TMPDIR moves the first), "
-                "then see the logs in /tmp/ray/session_latest/logs"
+                f"cannot start Ray: {_first_line(e)}; check that {ray_dir} and /dev/shm have "
+                "free space and are writable (RAY_TMPDIR moves the first), then see the logs in "
+                f"{ray_dir}/session_latest/logs"
             ) from None
         progress.note(f"Ray ready in {time.perf_counter() - t0:.1f} s")
         progress.note(f"metrics: {metrics_url(port)}")

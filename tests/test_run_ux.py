@@ -163,7 +163,8 @@ def test_ctrl_c_and_sigterm_checkpoint_and_resume_by_output_alone(inputs, tmp_pa
         rc, out, err = finish(p)
         assert rc == 0, err[-3000:]
         out_dir = stopped[sig][1]
-        steps = [json.loads(line) for line in out.splitlines() if line.startswith('{"step"')]
+        records = [json.loads(line) for line in out.splitlines()]  # stdout holds JSON only
+        steps = [r for r in records if "step" in r]
         first = steps[0]["step"]
         assert first > STOP_AT and steps[-1]["step"] == STEPS
         np.testing.assert_allclose(
@@ -206,3 +207,20 @@ def test_resume_without_a_checkpoint_a_flag_over_the_config_file_and_the_umask(i
     assert len(written) > 3
     for path in written:
         assert stat.S_IMODE(path.stat().st_mode) == 0o640, path  # 0666 less the umask 027
+
+
+def test_ray_that_cannot_start_is_one_line_and_the_demo_cleans_up(tmp_path):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    p = subprocess.Popen(
+        [sys.executable, "-m", "appliance.cli", "train", "--steps", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "RAY_TMPDIR": "/proc/no-such-dir", "TMPDIR": str(temp)},
+    )
+    rc, out, err = finish(p)
+    assert rc == 1 and "Traceback" not in out + err
+    (line,) = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert line.startswith("error: cannot start Ray: ") and "RAY_TMPDIR" in line
+    assert list(temp.glob("appliance-demo-*")) == []  # the demo's model and corpus are gone
