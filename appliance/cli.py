@@ -144,7 +144,12 @@ def train(config_file: str | None, **flags) -> None:
 
 
 @main.command("eval")
-@click.option("--model", required=True, help="Base model directory or s3:// prefix.")
+@click.option(
+    "--model",
+    required=True,
+    help="Base model: a directory, an s3:// prefix, or a Hugging Face id (org/name) that is in "
+    "the local Hugging Face cache.",
+)
 @click.option("--adapter", default=None, help="LoRA adapter directory (PEFT format).")
 @click.option("--data", required=True, help='A .jsonl file of {"text": ...} records.')
 @click.option("--seq-len", type=int, required=True, help="Truncate each record to N tokens.")
@@ -168,11 +173,12 @@ def eval_cmd(model: str, adapter: str | None, data: str, seq_len: int, device: s
     from . import storage
     from .blocks import dtype_from_name
     from .evaluate import evaluate
+    from .hub import resolve_model
     from .trainer import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
     result = evaluate(
-        storage.localize(model),
+        storage.localize(resolve_model(model)),
         storage.localize(data),
         seq_len,
         adapter_dir=storage.localize(adapter) if adapter else None,
@@ -183,7 +189,12 @@ def eval_cmd(model: str, adapter: str | None, data: str, seq_len: int, device: s
 
 
 @main.command()
-@click.option("--model", required=True, help="Base model directory or s3:// prefix.")
+@click.option(
+    "--model",
+    required=True,
+    help="Base model: a directory, an s3:// prefix, or a Hugging Face id (org/name) that is in "
+    "the local Hugging Face cache.",
+)
 @click.option("--adapter", required=True, help="LoRA adapter directory (PEFT format).")
 @click.option("--output", required=True, help="Directory for the merged checkpoint (new).")
 @friendly_errors
@@ -191,8 +202,9 @@ def export(model: str, adapter: str, output: str) -> None:
     """Write base + adapter merged into a Hugging Face checkpoint."""
     from . import storage
     from .export import export_merged
+    from .hub import resolve_model
 
-    export_merged(storage.localize(model), storage.localize(adapter), output)
+    export_merged(storage.localize(resolve_model(model)), storage.localize(adapter), output)
     click.echo(f"merged checkpoint written to {output}")
 
 

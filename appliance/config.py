@@ -40,7 +40,8 @@ class TrainConfig:
     model: str | None = _f(
         None,
         "Base model: a Hugging Face directory or s3:// prefix (config.json, "
-        "*.safetensors, tokenizer.json). Omit for the built-in demo.",
+        "*.safetensors, tokenizer.json), or an id (org/name) in the local Hugging Face cache. "
+        "Omit for the built-in demo.",
     )
     data: str | None = _f(None, "Training data: a .jsonl/.txt file, a directory of them, or s3://.")
     output: str | None = _f(

@@ -27,6 +27,7 @@ from .config import TrainConfig, flag
 from .data import check_dataset
 from .errors import ConfigError, cause_chain
 from .hf_checkpoint import SafetensorsCheckpoint, read_model_args, seq_len_problems, tokenizer_path
+from .hub import resolve_model
 from .interrupt import GracefulStop, RunInterrupted
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .progress import Progress
@@ -66,6 +67,7 @@ def _absolute_paths(cfg: TrainConfig) -> None:
         return uri if storage.is_s3(uri) else str(Path(uri).expanduser().resolve())
 
     assert cfg.model is not None and cfg.data is not None and cfg.output is not None
+    cfg.model = resolve_model(cfg.model)  # a hub id: its snapshot in the local HF cache
     cfg.model, cfg.data, cfg.output = absolute(cfg.model), absolute(cfg.data), absolute(cfg.output)
 
 

@@ -33,6 +33,8 @@ pytestmark = pytest.mark.integration
 
 STEPS = 40
 STOP_AT = 4  # the signal goes in when this step's record is read: many steps are left to run
+HUB_ID = "tiny-org/tiny-llama"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
 FOUR_CPUS = {"RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": 4})}
 
 
@@ -59,9 +61,9 @@ def train_argv(inputs, output: Path, *extra: str) -> list[str]:
     ]
 
 
-def start(argv: list[str], prefix: str = "") -> subprocess.Popen:
+def start(argv: list[str], prefix: str = "", env: dict | None = None) -> subprocess.Popen:
     """`appliance <argv>` with stdout and stderr piped (not a terminal). `prefix`: shell
-    commands run before it (`umask 027`)."""
+    commands run before it (`umask 027`); `env`: added to the environment."""
     cmd = [sys.executable, "-m", "appliance.cli", *argv]
     if prefix:
         cmd = ["sh", "-c", f'{prefix}; exec "$@"', "sh", *cmd]
@@ -71,7 +73,7 @@ def start(argv: list[str], prefix: str = "") -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        env={**os.environ, **FOUR_CPUS},
+        env={**os.environ, **FOUR_CPUS, **(env or {})},
     )
 
 
@@ -177,26 +179,41 @@ def test_ctrl_c_and_sigterm_checkpoint_and_resume_by_output_alone(inputs, tmp_pa
     assert len(ports) == 2 and min(ports) >= 8080
 
 
-def test_resume_without_a_checkpoint_a_flag_over_the_config_file_and_the_umask(inputs, tmp_path):
-    """One run shows three things: `--resume` of a run killed before its first checkpoint says
-    so and starts it; `--steps` beside a config file's `epochs` wins, with a note; the files
+def hub_cache(hf_home: Path) -> Path:
+    """`HUB_ID` in the layout `hf download` leaves under HF_HOME: the snapshot directory of a
+    commit, and refs/main naming that commit."""
+    repo = hf_home / "hub" / ("models--" + HUB_ID.replace("/", "--"))
+    snapshot = make_model(repo / "snapshots" / COMMIT, "llama-mha")
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    return snapshot
+
+
+def test_a_hub_id_resume_without_checkpoint_flag_over_config_and_umask(inputs, tmp_path):
+    """One run shows four things: `--model org/name` resolves from the local Hugging Face cache
+    (offline) for train and eval; `--resume` of a run killed before its first checkpoint says so
+    and starts it; `--steps` beside a config file's `epochs` wins, with a note; the files
     written follow the umask."""
-    model, data = inputs
+    snapshot = hub_cache(tmp_path / "hf")
+    hub = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    data = inputs[1]
     out = tmp_path / "out"
     # what a run leaves when it is killed before its first checkpoint: run.json alone
-    cfg = build_config({}, {"model": str(model), "data": str(data), "output": str(out)})
+    cfg = build_config({}, {"model": str(snapshot), "data": str(data), "output": str(out)})
     cfg.steps, cfg.seq_len, cfg.micro_batch_size, cfg.tokenize_workers = 5, 32, 2, 1
     write_run_file(cfg, "running")
     config = tmp_path / "run.yaml"
     config.write_text("epochs: 3\nwarmup_steps: 1\n")
-    argv = ["train", "--output", str(out), "--resume", "--config", str(config), "--steps", "2"]
-    rc, out_text, err = finish(start(argv, prefix="umask 027"))
+    argv = ["train", "--model", HUB_ID, "--output", str(out), "--resume"]
+    argv += ["--config", str(config), "--steps", "2", "--metrics-port", str(free_port())]
+    rc, out_text, err = finish(start(argv, prefix="umask 027", env=hub))
     assert rc == 0, err[-3000:]
     assert f"--resume: {out} has no checkpoint yet" in out_text
     assert "starting that run from step 0" in out_text
     assert f"note: --steps 2 overrides --config {config}: epochs: 3" in err
     done = record(out)
     assert done["status"] == "complete" and len(done["losses"]) == 2
+    assert done["config"]["model"] == str(snapshot)  # the hub id, resolved
     assert done["config"]["warmup_steps"] == 1  # the file over the recorded run
     written = [
         out / "adapter_model.safetensors",
@@ -207,6 +224,11 @@ def test_resume_without_a_checkpoint_a_flag_over_the_config_file_and_the_umask(i
     assert len(written) > 3
     for path in written:
         assert stat.S_IMODE(path.stat().st_mode) == 0o640, path  # 0666 less the umask 027
+
+    argv = ["eval", "--model", HUB_ID, "--adapter", str(out), "--data", str(data)]
+    rc, out_text, err = finish(start([*argv, "--seq-len", "32", "--device", "cpu"], env=hub))
+    assert rc == 0, err[-3000:]
+    assert json.loads(out_text.strip().splitlines()[-1])["tokens"] > 0
 
 
 def test_ray_that_cannot_start_is_one_line_and_the_demo_cleans_up(tmp_path):
