@@ -396,7 +396,7 @@ class Run:
         out, step = self.cfg.output, self.state.step
         write_run_file(self.cfg, "interrupted", {"steps": step, "losses": self.state.losses})
         raise RunInterrupted(
-            f"stopped by {asked.name} after step {step}/{self.total_steps}: checkpoint "
+            f"interrupted by {asked.name} after step {step}/{self.total_steps}: checkpoint "
             f"step-{step:06d} is in {out}\n"
             f"resume with: appliance train --output {out} --resume",
             128 + int(asked),

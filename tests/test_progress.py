@@ -58,6 +58,23 @@ def test_the_live_table_shows_step_loss_tokens_per_second_data_wait_eta_and_rest
     assert row == ["4/10", "2.2500", "300", "25%", "0:00:20", "2"]
 
 
+def test_off_a_terminal_auto_prints_plain_lines_every_10_steps_or_10_seconds():
+    stream, now = io.StringIO(), [0.0]
+    progress = Progress("auto", stream=stream, clock=lambda: now[0])  # a StringIO: no terminal
+    assert progress.format == "plain"
+    progress.start(total_steps=25)
+    for step in range(1, 26):
+        now[0] += 12.0 if step == 14 else 1.0  # one slow step: a line at least every 10 s
+        progress.step(step, stats(2.0, tokens=100, step_seconds=1.0, data_wait=0.1))
+    progress.finish({"steps": 25, "final_loss": 2.0, "output": "x" * 200})
+    lines = stream.getvalue().splitlines()
+    assert [int(re.match(r"step (\d+)/25 ", x).group(1)) for x in lines[:-1]] == [1, 10, 14, 20, 25]
+    assert "eta -" in lines[0]  # no ETA before 3 steps after the first were timed
+    # the ETA from the steps after the first: 24 s for 13 steps, 11 steps left
+    assert re.search(r"loss 2\.0000  tok/s [\d,]+  data-wait 10%  eta 0:00:20", lines[2])
+    assert lines[-1].startswith("done: steps 25, final_loss 2, output xxx")  # one line, unwrapped
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("m") / "model", "llama-mha")

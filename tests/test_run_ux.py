@@ -143,7 +143,7 @@ def test_ctrl_c_and_sigterm_checkpoint_and_resume_by_output_alone(inputs, tmp_pa
         assert "Traceback" not in err
         step = load_latest_checkpoint(str(out_dir)).step
         assert STOP_AT <= step < STEPS
-        assert f"stopped by {sig.name} after step {step}/{STEPS}" in err
+        assert f"interrupted by {sig.name} after step {step}/{STEPS}" in err
         assert f"resume with: appliance train --output {out_dir} --resume" in err
         assert record(out_dir)["status"] == "interrupted"
         assert not (out_dir / "adapter_config.json").exists()
