@@ -388,6 +388,8 @@ class Run:
     def stop_if_asked(self, checkpointed: bool) -> None:
         """After a step: when SIGINT/SIGTERM asked to stop, make sure this step is checkpointed,
         then raise RunInterrupted saying where the run is and how to go on."""
+        from .checkpoint import checkpoints_uri
+
         asked = self.interrupt.requested if self.interrupt else None
         if asked is None or self.state.step == self.total_steps:
             return  # the last step is checkpointed anyway; the run ends by itself
@@ -395,10 +397,13 @@ class Run:
             self.save_checkpoint()
         out, step = self.cfg.output, self.state.step
         write_run_file(self.cfg, "interrupted", {"steps": step, "losses": self.state.losses})
+        cluster = {None: "", "auto": " --cluster"}.get(
+            self.cfg.cluster, f" --cluster {self.cfg.cluster}"
+        )
         raise RunInterrupted(
             f"interrupted by {asked.name} after step {step}/{self.total_steps}: checkpoint "
-            f"step-{step:06d} is in {out}\n"
-            f"resume with: appliance train --output {out} --resume",
+            f"step-{step:06d} written in {checkpoints_uri(out)}\n"
+            f"resume with: appliance train --output {out} --resume{cluster}",
             128 + int(asked),
         )
 

@@ -180,10 +180,15 @@ def test_ctrl_c_and_sigterm_checkpoint_and_resume_by_output_alone(inputs, tmp_pa
 
 
 def hub_cache(hf_home: Path) -> Path:
-    """`HUB_ID` in the layout `hf download` leaves under HF_HOME: the snapshot directory of a
-    commit, and refs/main naming that commit."""
+    """`HUB_ID` in the layout `hf download` leaves under HF_HOME: the files in blobs/, the
+    snapshot directory of a commit linking to them, and refs/main naming that commit."""
     repo = hf_home / "hub" / ("models--" + HUB_ID.replace("/", "--"))
     snapshot = make_model(repo / "snapshots" / COMMIT, "llama-mha")
+    (repo / "blobs").mkdir()
+    for i, f in enumerate(sorted(snapshot.iterdir())):  # files are links to blobs, as there
+        blob = repo / "blobs" / f"{i:040x}"
+        f.rename(blob)
+        f.symlink_to(os.path.relpath(blob, snapshot))
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(COMMIT)
     return snapshot
