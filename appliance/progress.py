@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -46,9 +47,11 @@ class Progress:
         stream=None,
         console: Console | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        heartbeat: bool = True,
     ):
         """`stream` takes the step lines / JSON records (stdout); `console` the rich output
-        (default: on `stream`, or stderr in JSON mode); `clock` gives the seconds for rates."""
+        (default: on `stream`, or stderr in JSON mode); `clock` gives the seconds for rates;
+        `heartbeat`: in plain mode, a line while a long step runs (a thread)."""
         self.stream = stream or sys.stdout
         self.format = log_format = resolve_format(log_format, self.stream)
         self.console = console or Console(file=sys.stderr if log_format == "json" else self.stream)
@@ -60,13 +63,18 @@ class Progress:
         self._wait = 0.0
         self._last_line = 0.0  # clock of the last plain line
         self._first_done: tuple[int, float] | None = None  # (step, clock) of the first step
+        self._done = (0, 0.0)  # (step, clock) of the last step finished, for the heartbeat
+        self._lock = threading.RLock()  # plain lines come from the run and from the heartbeat
+        self._beat = heartbeat
+        self._heart: threading.Thread | None = None
+        self._stopped = threading.Event()
 
     def note(self, text: str) -> None:
         """A one-line message (kept off stdout in JSON mode, which is for step records only)."""
         if self.format == "json":
             print(text, file=sys.stderr, flush=True)
         elif self.format == "plain":
-            print(text, file=self.stream, flush=True)  # whole, never wrapped at 80 columns
+            self._emit(text)  # whole, never wrapped at 80 columns
         else:
             self.console.print(text)
 
@@ -74,6 +82,11 @@ class Progress:
         self.total, self.first = total_steps, first_step
         self.t0 = self._last_line = self.clock()
         self._first_done = None
+        self._done = (first_step, self.t0)
+        if self.format == "plain" and self._beat and self._heart is None:
+            self._stopped.clear()
+            self._heart = threading.Thread(target=self._heartbeat, daemon=True)
+            self._heart.start()
         if self.format == "rich":
             self.live = Live(
                 self._table(first_step, None),
@@ -89,6 +102,7 @@ class Progress:
         self._wait += stats["phase_seconds"].get("data_wait", 0.0)
         if self._first_done is None:
             self._first_done = (step, self.clock())
+        self._done = (step, self.clock())
         if self.format == "json":
             record = {
                 "step": step,
@@ -103,15 +117,16 @@ class Progress:
             }
             print(json.dumps(record), file=self.stream, flush=True)
         elif self.format == "plain":
-            now = self.clock()
-            if (
-                step == self.total
-                or step % PLAIN_EVERY_STEPS == 0
-                or step == self.first + 1
-                or now - self._last_line >= PLAIN_EVERY_SECONDS
-            ):
-                self._last_line = now
-                print(self._line(step, stats), file=self.stream, flush=True)
+            with self._lock:
+                now = self.clock()
+                if (
+                    step == self.total
+                    or step % PLAIN_EVERY_STEPS == 0
+                    or step == self.first + 1
+                    or now - self._last_line >= PLAIN_EVERY_SECONDS
+                ):
+                    self._last_line = now
+                    self._emit(self._line(step, stats))
         elif self.live is not None:
             self.live.update(self._table(step, stats))
 
@@ -153,8 +168,32 @@ class Progress:
             )
         return table
 
+    def _heartbeat(self) -> None:
+        """Plain mode: when a step runs longer than PLAIN_EVERY_SECONDS (a 70B step takes about a
+        minute), a line saying which step is running and for how long, so a log never goes
+        quiet for more than that."""
+        while not self._stopped.wait(1.0):
+            with self._lock:
+                now = self.clock()
+                step, since = self._done
+                if now - self._last_line >= PLAIN_EVERY_SECONDS and step < self.total:
+                    self._last_line = now
+                    self._emit(
+                        f"step {step + 1}/{self.total} running for {_fmt_seconds(now - since)}"
+                    )
+
+    def _emit(self, line: str) -> None:
+        """One whole plain line (one write, under the lock: the heartbeat writes too)."""
+        with self._lock:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
     def stop(self) -> None:
-        """Stop the live table (if one is showing): safe to call more than once."""
+        """Stop the live table or the heartbeat: safe to call more than once."""
+        if self._heart is not None:
+            self._stopped.set()
+            self._heart.join()
+            self._heart = None
         if self.live is not None:
             self.live.stop()  # also gives back stdout/stderr, which a live table redirects
             self.live = None
@@ -170,6 +209,6 @@ class Progress:
             f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()
         )
         if self.format == "plain":
-            print(f"done: {text}", file=self.stream, flush=True)  # one line, however long
+            self._emit(f"done: {text}")  # one line, however long
         else:
             self.console.print(f"[bold]done[/bold]: {text}")

@@ -8,6 +8,7 @@ import json
 import math
 import re
 import sys
+import time
 
 import pytest
 from rich.console import Console
@@ -60,8 +61,8 @@ def test_the_live_table_shows_step_loss_tokens_per_second_data_wait_eta_and_rest
 
 def test_off_a_terminal_auto_prints_plain_lines_every_10_steps_or_10_seconds():
     stream, now = io.StringIO(), [0.0]
-    progress = Progress("auto", stream=stream, clock=lambda: now[0])  # a StringIO: no terminal
-    assert progress.format == "plain"
+    progress = Progress("auto", stream=stream, clock=lambda: now[0], heartbeat=False)
+    assert progress.format == "plain"  # a StringIO is no terminal
     progress.start(total_steps=25)
     for step in range(1, 26):
         now[0] += 12.0 if step == 14 else 1.0  # one slow step: a line at least every 10 s
@@ -73,6 +74,19 @@ def test_off_a_terminal_auto_prints_plain_lines_every_10_steps_or_10_seconds():
     # the ETA from the steps after the first: 24 s for 13 steps, 11 steps left
     assert re.search(r"loss 2\.0000  tok/s [\d,]+  data-wait 10%  eta 0:00:20", lines[2])
     assert lines[-1].startswith("done: steps 25, final_loss 2, output xxx")  # one line, unwrapped
+
+
+def test_a_step_longer_than_10_seconds_gets_a_line_while_it_runs():
+    stream, now = io.StringIO(), [0.0]
+    progress = Progress("plain", stream=stream, clock=lambda: now[0])
+    progress.start(total_steps=5)
+    progress.step(1, stats(2.0, tokens=100, step_seconds=1.0, data_wait=0.1))
+    now[0] += 11.0  # step 2 has run for 11 s: the heartbeat (a thread, once a second) says so
+    deadline = time.monotonic() + 30
+    while "running" not in stream.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    progress.stop()
+    assert stream.getvalue().splitlines()[-1] == "step 2/5 running for 0:00:11"
 
 
 @pytest.fixture(scope="module")

@@ -110,7 +110,7 @@ def test_ctrl_c_and_sigterm_checkpoint_and_resume_by_output_alone(inputs, tmp_pa
     ref_out = tmp_path / "ref"
     # the reference: stdout piped, no --log-format, the metrics endpoint scraped while it runs
     ref = start(train_argv(inputs, ref_out, "--metrics-port", str(port)))
-    head = read_until(ref, rf"^step 1/{STEPS} ")
+    head = read_until(ref, rf"^step 1/{STEPS}  loss ")
     assert ref.poll() is None  # progress shows while the run is going, not at its end
     text = "".join(head)
     assert "starting Ray" in text and "base weights loaded:" in text and "GB/s" in text
