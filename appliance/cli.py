@@ -143,7 +143,7 @@ def train(config_file: str | None, **flags) -> None:
     run_train(cfg)
 
 
-@main.command("eval")
+@main.command("eval", short_help="Mean next-token loss of a model (and adapter) on a file.")
 @click.option(
     "--model",
     required=True,
@@ -211,6 +211,7 @@ def export(model: str, adapter: str, output: str) -> None:
 @main.command(
     context_settings={"ignore_unknown_options": True, "help_option_names": []},
     add_help_option=False,
+    short_help="Time the streamed step against its floor and resident training.",
 )
 @click.argument("options", nargs=-1, type=click.UNPROCESSED)
 def bench(options: tuple[str, ...]) -> None:
