@@ -231,11 +231,13 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
         run.create_actors()
         eval_data = run.inp.eval_data
         before = run.evaluate(eval_data) if eval_data else None
-        with GracefulStop() as stop:  # after ray.init, which sets its own SIGTERM handler
-            run.interrupt = stop  # Ctrl-C/SIGTERM: checkpoint at the next step boundary
+        # after ray.init, which sets its own SIGTERM handler. Ctrl-C/SIGTERM: checkpoint at the
+        # next step boundary; once the last step is done, the run just finishes
+        with GracefulStop() as stop:
+            run.interrupt = stop
             run.train()
-        after = run.evaluate(eval_data) if eval_data else None
-        run.finish()
+            after = run.evaluate(eval_data) if eval_data else None
+            run.finish()
         if started_here:
             _let_metrics_report(cfg)
     except Exception as e:

@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -134,9 +135,16 @@ def test_ctrl_c_and_sigterm_checkpoint_and_resume_by_output_alone(inputs, tmp_pa
         out_dir = tmp_path / sig.name
         p = start(train_argv(inputs, out_dir, "--log-format", "json", *extra))
         stopped[sig] = (p, out_dir)
-    for sig, (p, _) in stopped.items():
+
+    def stop_at_step(p: subprocess.Popen, sig: signal.Signals) -> None:
         read_until(p, rf'"step": {STOP_AT},')
         p.send_signal(sig)
+
+    # each run is watched by its own thread: a line read late (behind the other run's) would
+    # signal a run that may have finished meanwhile
+    with ThreadPoolExecutor(len(stopped)) as pool:
+        for future in [pool.submit(stop_at_step, p, sig) for sig, (p, _) in stopped.items()]:
+            future.result()
     for sig, (p, out_dir) in stopped.items():
         rc, out, err = finish(p)
         assert rc == 128 + sig, err[-3000:]
