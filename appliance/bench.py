@@ -10,7 +10,7 @@ do not fit are copied host→device every pass) and resident (every block on the
 whole model fits the device; else the row says "does not fit"). Each mode runs warm-up steps,
 then timed optimizer steps.
 
-The floor of one step (DESIGN.md, "Speed") is max(2·W / B, F / P): W = bytes of the blocks the
+The floor of one step (docs/architecture.md, "The speed floor") is max(2·W / B, F / P): W = bytes of the blocks the
 mode streams, B = bandwidth measured here (a pinned host→device copy of 256 MiB on CUDA; a host
 memcpy of 256 MiB on CPU, where nothing is really copied: weights are read in place), F = the
 step's FLOPs (≈ 6·N·T), P = the measured dense matmul rate in the compute dtype (bf16 on GPU,
@@ -509,24 +509,73 @@ def write_json(result: dict, path: str | Path) -> None:
     Path(path).write_text(json.dumps(result, indent=2) + "\n")
 
 
+def presets_help() -> str:
+    """One line per preset: its shape and the step it times (for --help)."""
+    lines = ["presets (random weights in memory, nothing downloaded):"]
+    for name, p in PRESETS.items():
+        a, g = p.args, p.gpu
+        where = "also on CPU" if p.cpu else "GPU only"
+        lines.append(
+            f"  {name:11} {a.architecture}: {a.num_layers} blocks, hidden {a.hidden_size}, "
+            f"vocab {a.vocab_size}; GPU step {g.micro_batches}x{g.micro_batch_size}x{g.seq_len} "
+            f"tokens; {where}"
+        )
+    return "\n".join(lines)
+
+
 def parser(prog: str = "python -m appliance.bench") -> argparse.ArgumentParser:
     """The one parser of the bench's options: `python -m appliance.bench` and `appliance bench`."""
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", choices=list(PRESETS), default="tiny")
-    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    ap.add_argument("--gpu-memory-budget", default=None, help="e.g. 24GiB: forces streaming")
-    ap.add_argument("--micro-batch-size", type=int, default=None)
-    ap.add_argument("--seq-len", type=int, default=None)
-    ap.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first")
-    ap.add_argument("--json", dest="json_path", default=None, help="also write the results here")
+    ap = argparse.ArgumentParser(
+        prog=prog,
+        description="Time the streamed step against its floor max(2W/B_h2d, F/P) and against "
+        "resident training, on a preset model shape. Prints a table; --json also writes it.",
+        epilog=presets_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--preset", choices=list(PRESETS), default="tiny", help="Model shape (below). [tiny]"
+    )
+    ap.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="auto takes CUDA when a GPU is visible. [auto]",
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="Compute dtype: auto is bfloat16 on GPU, float32 on CPU. [auto]",
+    )
+    ap.add_argument(
+        "--gpu-memory-budget",
+        default=None,
+        metavar="SIZE",
+        help="Cap GPU memory, e.g. 24GiB: blocks beyond it stream (the streamed row).",
+    )
+    ap.add_argument(
+        "--micro-batch-size", type=int, default=None, metavar="N", help="Rows per micro-batch."
+    )
+    ap.add_argument("--seq-len", type=int, default=None, metavar="N", help="Tokens per row.")
+    ap.add_argument(
+        "--micro-batches", type=int, default=None, metavar="N", help="Micro-batches per step."
+    )
+    ap.add_argument("--steps", type=int, default=None, metavar="N", help="Timed steps.")
+    ap.add_argument(
+        "--warmup", type=int, default=None, metavar="N", help="Untimed steps before them."
+    )
+    ap.add_argument(
+        "--json",
+        dest="json_path",
+        default=None,
+        metavar="FILE",
+        help="Also write the results here as JSON.",
+    )
     ap.add_argument(
         "--base-quant",
         choices=["none", "int8", "nf4"],
         default="none",
-        help="quantize the blocks' linear weights (as train --base-quant)",
+        help="Quantize the blocks' linear weights, as train --base-quant. [none]",
     )
     return ap
 

@@ -14,6 +14,7 @@ import click
 
 from . import config as C
 from .errors import ApplianceError, cause_chain
+from .interrupt import RunInterrupted
 
 
 def friendly_errors(fn):
@@ -25,6 +26,9 @@ def friendly_errors(fn):
             for line in str(cause_chain(e)[-1]).splitlines() or [type(e).__name__]:
                 click.echo(f"error: {line}", err=True)
             sys.exit(1)
+        except RunInterrupted as e:  # stopped at a step boundary, checkpoint written
+            click.echo(str(e), err=True)
+            sys.exit(e.exit_code)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
@@ -32,7 +36,36 @@ def friendly_errors(fn):
     return wrapper
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("appliance")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class GroupedHelp(click.Command):
+    """A command whose --help lists its options in the sections of config.HELP_GROUPS (in that
+    order), then whatever no group names under "Other options"."""
+
+    ALIASES = {"config_file": "config"}  # click parameter name -> the name HELP_GROUPS uses
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        records: dict[str, tuple[str, str]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                records[self.ALIASES.get(param.name or "", param.name or "")] = record
+        for title, names in [*C.HELP_GROUPS.items(), ("Other options", tuple(records))]:
+            rows = [records.pop(n) for n in names if n in records]
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(_version(), "--version", "-V", prog_name="appliance")
 def main() -> None:
     """Fine-tune Llama-family models larger than one GPU by streaming blocks from host memory."""
 
@@ -65,7 +98,7 @@ def _train_options(fn):
     return fn
 
 
-@main.command()
+@main.command(cls=GroupedHelp)
 @click.option(
     "--config",
     "config_file",
@@ -84,25 +117,61 @@ def _train_options(fn):
 @friendly_errors
 def train(config_file: str | None, **flags) -> None:
     """Fine-tune a LoRA adapter. With no --model: the built-in demo on embedded Ray (its own
-    model, corpus and settings; a config file and flags still override its settings)."""
+    model, corpus and settings; a config file and flags still override its settings).
+
+    `--output O --resume` alone continues the run recorded in O/run.json; flags beside it change
+    what does not break that run (--steps, --log-format, --metrics-port, ...). Flags override
+    the config file, which overrides the recorded run."""
+    from .driver import recorded_config
     from .driver import train as run_train
 
     file_values = C.read_config_file(config_file) if config_file else {}
-    cfg = C.build_config(file_values, flags, source=f"--config {config_file}")
+    run_values, output = None, flags.get("output") or file_values.get("output")
+    if (flags.get("resume") or file_values.get("resume")) and output:
+        run_values = recorded_config(str(output))
+    notes: list[str] = []
+    cfg = C.build_config(
+        file_values,
+        flags,
+        source=f"--config {config_file}",
+        run_values=run_values,
+        run_source=f"{output}/run.json",
+        notes=notes,
+    )
+    for line in notes:
+        click.echo(f"note: {line}", err=True)
     run_train(cfg)
 
 
-@main.command("eval")
-@click.option("--model", required=True, help="Base model directory or s3:// prefix.")
+@main.command("eval", short_help="Mean next-token loss of a model (and adapter) on a file.")
+@click.option(
+    "--model",
+    required=True,
+    help="Base model: a directory, an s3:// prefix, or a Hugging Face id (org/name) that is in "
+    "the local Hugging Face cache.",
+)
 @click.option("--adapter", default=None, help="LoRA adapter directory (PEFT format).")
 @click.option("--data", required=True, help='A .jsonl file of {"text": ...} records.')
 @click.option("--seq-len", type=int, required=True, help="Truncate each record to N tokens.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
-@click.option("--dtype", type=click.Choice(C.CHOICES["dtype"]), default="auto")
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    default="auto",
+    show_default=True,
+    help="Where to evaluate: auto takes CUDA when a GPU is visible.",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(C.CHOICES["dtype"]),
+    default="auto",
+    show_default=True,
+    help="Compute dtype: auto is bfloat16 on GPU, float32 on CPU.",
+)
 @click.option(
     "--base-quant",
     type=click.Choice(C.CHOICES["base_quant"]),
     default="none",
+    show_default=True,
     help="Quantize the base model's linear weights (as `train --base-quant`).",
 )
 @friendly_errors
@@ -119,11 +188,12 @@ def eval_cmd(
     from . import storage
     from .blocks import dtype_from_name
     from .evaluate import evaluate
+    from .hub import resolve_model
     from .trainer import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
     result = evaluate(
-        storage.localize(model),
+        storage.localize(resolve_model(model)),
         storage.localize(data),
         seq_len,
         adapter_dir=storage.localize(adapter) if adapter else None,
@@ -135,7 +205,12 @@ def eval_cmd(
 
 
 @main.command()
-@click.option("--model", required=True, help="Base model directory or s3:// prefix.")
+@click.option(
+    "--model",
+    required=True,
+    help="Base model: a directory, an s3:// prefix, or a Hugging Face id (org/name) that is in "
+    "the local Hugging Face cache.",
+)
 @click.option("--adapter", required=True, help="LoRA adapter directory (PEFT format).")
 @click.option("--output", required=True, help="Directory for the merged checkpoint (new).")
 @friendly_errors
@@ -143,14 +218,16 @@ def export(model: str, adapter: str, output: str) -> None:
     """Write base + adapter merged into a Hugging Face checkpoint."""
     from . import storage
     from .export import export_merged
+    from .hub import resolve_model
 
-    export_merged(storage.localize(model), storage.localize(adapter), output)
+    export_merged(storage.localize(resolve_model(model)), storage.localize(adapter), output)
     click.echo(f"merged checkpoint written to {output}")
 
 
 @main.command(
     context_settings={"ignore_unknown_options": True, "help_option_names": []},
     add_help_option=False,
+    short_help="Time the streamed step against its floor and resident training.",
 )
 @click.argument("options", nargs=-1, type=click.UNPROCESSED)
 def bench(options: tuple[str, ...]) -> None:

@@ -12,16 +12,18 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import socket
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import storage
-from .config import TrainConfig, parse_bytes
-from .errors import ConfigError
+from .config import DEFAULT_METRICS_PORT, TrainConfig, parse_bytes
+from .errors import ApplianceError, ConfigError
 from .progress import Progress
 
 TRAINER_NODE_RESOURCE = "appliance_trainer_node"  # marks nodes for trainers, beside "GPU"
@@ -121,7 +123,14 @@ def start_ray(cfg: TrainConfig, progress: Progress, weight_bytes: int | None = N
 
     if ray.is_initialized():
         return
-    from .metrics import RUN_ENV, metrics_url, ray_init_kwargs, run_label, set_run_label
+    from .metrics import (
+        RUN_ENV,
+        choose_metrics_port,
+        metrics_url,
+        ray_init_kwargs,
+        run_label,
+        set_run_label,
+    )
 
     # Every process of this job (trainers, tokenizer workers, the weight store) labels its
     # metrics with the run: the Ray session is shared by every RayJob on a cluster.
@@ -142,20 +151,46 @@ def start_ray(cfg: TrainConfig, progress: Progress, weight_bytes: int | None = N
             ) from None
         progress.note(f"connected to Ray cluster at {address}")
     else:
+        port = choose_metrics_port(cfg.metrics_port, DEFAULT_METRICS_PORT)
         store, source = object_store_bytes(cfg)
         if store is not None and weight_bytes is not None:
             check_weights_fit(weight_bytes, store, source)
-        ray.init(
-            address="local",
-            include_dashboard=False,
-            log_to_driver=False,
-            object_store_memory=store,
-            runtime_env=runtime_env,
-            **ray_init_kwargs(cfg.metrics_port),
-        )
+        progress.note("starting Ray (embedded)")
+        t0 = time.perf_counter()
+        try:
+            ray.init(
+                address="local",
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level=logging.WARNING,  # Ray's own INFO lines stay out of the log
+                object_store_memory=store,
+                runtime_env=runtime_env,
+                **ray_init_kwargs(port),
+            )
+        except ApplianceError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever Ray raised, the user gets one line
+            if ray.is_initialized():
+                ray.shutdown()
+            ray_dir = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), "ray")
+            raise RayStartFailed(
+                f"cannot start Ray: {_first_line(e)}; check that {ray_dir} and /dev/shm have "
+                "free space and are writable (RAY_TMPDIR moves the first), then see the logs in "
+                f"{ray_dir}/session_latest/logs"
+            ) from None
+        progress.note(f"Ray ready in {time.perf_counter() - t0:.1f} s")
         if store is not None:
             progress.note(f"object store: {store / GIB:.1f} GiB ({source})")
-        progress.note(f"metrics: {metrics_url(cfg.metrics_port)}")
+        progress.note(f"metrics: {metrics_url(port)}")
+
+
+class RayStartFailed(ApplianceError):
+    """The embedded Ray did not start (no space for its session files or shared memory, ...)."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _reachable(address: str, timeout: float = 10.0) -> None:

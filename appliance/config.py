@@ -27,6 +27,9 @@ from .errors import ConfigError
 from .model import TARGET_MODULES
 from .models import TARGETS
 
+CHECKPOINT_MINUTES = 10  # the default checkpoint interval, in minutes of training
+DEFAULT_METRICS_PORT = 8080  # where Prometheus (compose) and KubeRay look for it
+
 
 def _f(default: Any, help: str, **kw) -> Any:
     return field(default=default, metadata={"help": help, **kw})
@@ -38,7 +41,8 @@ class TrainConfig:
     model: str | None = _f(
         None,
         "Base model: a Hugging Face directory or s3:// prefix (config.json, "
-        "*.safetensors, tokenizer.json). Omit for the built-in demo.",
+        "*.safetensors, tokenizer.json), or an id (org/name) in the local Hugging Face cache. "
+        "Omit for the built-in demo.",
     )
     data: str | None = _f(None, "Training data: a .jsonl/.txt file, a directory of them, or s3://.")
     output: str | None = _f(
@@ -102,7 +106,11 @@ class TrainConfig:
     prefetch: int = _f(2, "Optimizer steps' worth of batches kept in flight ahead of the trainer.")
     on_bad_record: str = _f("fail", "fail | skip: what to do with a malformed data record.")
     # ---- output, checkpoints, faults
-    checkpoint_every: int | None = _f(None, "Checkpoint every N steps (and always at the end).")
+    checkpoint_every: int | None = _f(
+        None,
+        "Checkpoint every N steps (default: time-based, the first step boundary after each "
+        f"{CHECKPOINT_MINUTES} minutes of training); always at the end and on Ctrl-C/SIGTERM.",
+    )
     keep_checkpoints: int = _f(3, "Checkpoints to keep.")
     resume: bool = _f(False, "Continue the run in --output from its latest checkpoint.")
     overwrite: bool = _f(False, "Replace an --output that holds a different run.")
@@ -114,8 +122,16 @@ class TrainConfig:
         "RAY_ADDRESS) instead of embedded Ray.",
         cli=False,
     )
-    log_format: str = _f("rich", "rich (live progress) | json (one object per step) | plain.")
-    metrics_port: int = _f(8080, "Port of the Prometheus metrics endpoint (embedded Ray).")
+    log_format: str = _f(
+        "auto",
+        "auto (rich on a terminal, plain lines otherwise) | rich (live table) | "
+        "json (one object per step) | plain (a line every 10 s or 10 steps).",
+    )
+    metrics_port: int | None = _f(
+        None,
+        f"Port of the Prometheus metrics endpoint (embedded Ray). Default {DEFAULT_METRICS_PORT}, "
+        "or the next free port when that one is taken; a port given here must be free.",
+    )
     object_store_memory: str | None = _f(
         None,
         "Ray object store size for embedded Ray, e.g. 100GiB; it holds the base model's weights "
@@ -144,7 +160,42 @@ CHOICES = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "base_quant": ("none", "int8", "nf4"),
     "on_bad_record": ("fail", "skip"),
-    "log_format": ("rich", "json", "plain"),
+    "log_format": ("auto", "rich", "json", "plain"),
+}
+
+# `train --help` shows its flags in these groups, in this order; a flag not listed lands in
+# "Other options". A new flag: add its field name to one group.
+HELP_GROUPS: dict[str, tuple[str, ...]] = {
+    "Model and data": ("config", "model", "data", "output", "steps", "epochs", "seq_len"),
+    "LoRA": ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets"),
+    "Optimisation": (
+        "micro_batch_size",
+        "micro_batches_per_step",
+        "lr",
+        "warmup_steps",
+        "min_lr_ratio",
+        "weight_decay",
+        "grad_clip",
+        "seed",
+    ),
+    "Hardware": (
+        "device",
+        "dtype",
+        "base_quant",
+        "gpu_memory_budget",
+        "object_store_memory",
+        "trainers",
+        "cluster",
+    ),
+    "Data pipeline": ("tokenize_workers", "prefetch", "on_bad_record"),
+    "Checkpoints and faults": (
+        "checkpoint_every",
+        "keep_checkpoints",
+        "resume",
+        "overwrite",
+        "max_restarts",
+    ),
+    "Output": ("log_format", "metrics_port"),
 }
 
 # The built-in demo's settings (no --model): small rows, enough steps for the adapter to learn the
@@ -238,14 +289,29 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
+# what a resumed run does not take from its run.json: how this invocation runs, not the run
+PER_INVOCATION = ("resume", "overwrite", "cluster", "log_format", "metrics_port")
+
+
 def build_config(
     file_values: dict[str, Any] | None = None,
     flag_values: dict[str, Any] | None = None,
     source: str = "config file",
+    run_values: dict[str, Any] | None = None,
+    run_source: str = "run.json",
+    notes: list[str] | None = None,
 ) -> TrainConfig:
-    """Merge defaults ← demo settings (no model anywhere) ← file ← flags, then validate; raise
-    ConfigError listing every problem. `source` names the file in messages (`--config x.yaml`)."""
+    """Merge defaults ← demo settings (no model anywhere) ← run ← file ← flags, then validate;
+    raise ConfigError listing every problem. `source` names the file in messages (`--config
+    x.yaml`). `run_values`: the recorded config of the run `--output O --resume` continues
+    (`run_source` names it); its per-invocation keys are left out. --steps and --epochs are one
+    choice: the highest layer that sets either wins, and a line saying so goes to `notes`."""
     errors: list[str] = []
+    from_run = {
+        name: _coerce(name, value, errors, f"{run_source}: {name}")
+        for name, value in (run_values or {}).items()
+        if name in FIELDS and name not in PER_INVOCATION and value is not None
+    }
     from_file: dict[str, Any] = {}
     file_key: dict[str, str] = {}  # field name -> the key as the file spells it
     for key, value in (file_values or {}).items():
@@ -262,7 +328,11 @@ def build_config(
         for name, value in (flag_values or {}).items()
         if value is not None  # an unset flag leaves the file's value
     }
-    chosen = {**from_file, **from_flags}
+    _one_run_length(
+        [(from_flags, flag), (from_file, lambda n: f"{source}: {file_key[n]}"), (from_run, None)],
+        notes,
+    )
+    chosen = {**from_run, **from_file, **from_flags}
     values: dict[str, Any] = {}
     if chosen.get("model") is None:  # the built-in demo
         values.update(DEMO_SETTINGS)
@@ -271,8 +341,12 @@ def build_config(
     values.update(chosen)
 
     def label(name: str) -> str:
-        if name in from_file and name not in from_flags:
+        if name in from_flags:
+            return flag(name)
+        if name in from_file:
             return f"{source}: {file_key[name]}"
+        if name in from_run:
+            return f"{run_source}: {name}"
         return flag(name)
 
     cfg = TrainConfig(**values)
@@ -280,6 +354,28 @@ def build_config(
     if errors:
         raise ConfigError("\n".join(errors))
     return cfg
+
+
+def _one_run_length(layers: list[tuple[dict, Callable | None]], notes: list[str] | None) -> None:
+    """--steps and --epochs are one choice: the first layer (highest) that sets either decides;
+    the other key set in a lower layer is dropped, with a note naming both (the recorded run's
+    length, replaced by a flag, goes silently: that is what the flag is for)."""
+    decided_key, decided = None, ""  # the highest layer's choice, e.g. "steps", "--steps 40"
+    for layer, label in layers:
+        given = [k for k in RUN_LENGTH if k in layer]
+        if decided_key is None:
+            if len(given) == 1:  # both in one layer is an error validate() reports
+                decided_key = given[0]
+                decided = f"{label(decided_key)} {layer[decided_key]}" if label else ""
+            continue
+        for k in given:
+            if k != decided_key:
+                if notes is not None and label is not None:
+                    notes.append(
+                        f"{decided} overrides {label(k)}: {layer[k]} "
+                        "(--steps and --epochs are one choice)"
+                    )
+                del layer[k]
 
 
 def validate(cfg: TrainConfig, label: Callable[[str], str] = flag) -> list[str]:
@@ -340,7 +436,7 @@ def validate(cfg: TrainConfig, label: Callable[[str], str] = flag) -> list[str]:
             parse_bytes(cfg.object_store_memory)
         except ValueError as e:
             errs.append(f"{label('object_store_memory')}: {e}")
-    if not 0 < cfg.metrics_port < 65536:
+    if cfg.metrics_port is not None and not 0 < cfg.metrics_port < 65536:
         errs.append(f"{label('metrics_port')} must be a TCP port (got {cfg.metrics_port})")
     if cfg.model is None:  # the built-in demo: it brings its own model and corpus
         if cfg.data is not None:

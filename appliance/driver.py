@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +27,8 @@ from .config import TrainConfig, flag
 from .data import check_dataset
 from .errors import ConfigError, cause_chain
 from .hf_checkpoint import SafetensorsCheckpoint, read_model_args, seq_len_problems, tokenizer_path
+from .hub import resolve_model
+from .interrupt import GracefulStop, RunInterrupted
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .model import ModelArgs
 from .models import resolve_targets
@@ -66,6 +69,7 @@ def _absolute_paths(cfg: TrainConfig) -> None:
         return uri if storage.is_s3(uri) else str(Path(uri).expanduser().resolve())
 
     assert cfg.model is not None and cfg.data is not None and cfg.output is not None
+    cfg.model = resolve_model(cfg.model)  # a hub id: its snapshot in the local HF cache
     cfg.model, cfg.data, cfg.output = absolute(cfg.model), absolute(cfg.data), absolute(cfg.output)
 
 
@@ -140,33 +144,51 @@ def check_output(cfg: TrainConfig) -> None:
         if cfg.resume and cfg.micro_batches_per_step == "auto" and recorded is not None:
             cfg.micro_batches_per_step = recorded  # auto was resolved when the run started
         same = previous.get("identity") == run_identity(cfg)
+        resume = f"appliance train --output {out} --resume"
         if cfg.resume:
             if not same:
+                was, now = previous.get("identity", {}), run_identity(cfg)
                 changed = [
-                    k
+                    f"{flag(k)} {_shown(now[k])} (the run: {_shown(was.get(k))})"
                     for k in IDENTITY_KEYS
-                    if previous.get("identity", {}).get(k) != run_identity(cfg)[k]
+                    if was.get(k) != now[k]
                 ]
                 raise ConfigError(
-                    f"--resume: {out} holds a run with different "
-                    f"{', '.join(flag(k) for k in changed)}; resuming would break it"
+                    f"--resume: {out} holds a run with different {'; '.join(changed)}: resuming "
+                    f"would break it. To continue that run as it was: {resume}"
                 )
             return
         if not cfg.overwrite:
             what = "the same run" if same else "a different run"
             raise ConfigError(
                 f"--output {out} already holds {what} "
-                f"({previous.get('status', 'unknown')}); pass --resume to continue "
-                "it or --overwrite to replace it"
+                f"({previous.get('status', 'unknown')}); continue it with `{resume}`, "
+                "or pass --overwrite to replace it"
             )
         return
     if cfg.resume:
-        raise ConfigError(f"--resume: {out} holds no run to resume ({RUN_FILE} not found)")
+        raise ConfigError(
+            f"--resume: {out} holds no run to resume ({RUN_FILE} not found); to start a new run "
+            "there, leave out --resume (and give --model and --data)"
+        )
     if not cfg.overwrite and storage.list_files(out):
         raise ConfigError(
             f"--output {out} is not empty and holds no appliance run; choose an "
             "empty directory or pass --overwrite"
         )
+
+
+def _shown(value: object) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
+
+
+def recorded_config(output: str) -> dict | None:
+    """The resolved config in `output`/run.json (what `--output O --resume` continues), or None
+    when there is no run.json."""
+    run_file = storage.join(output, RUN_FILE)
+    if not storage.exists(run_file):
+        return None
+    return json.loads(storage.read_bytes(run_file)).get("config")
 
 
 def remove_previous_run(output: str) -> None:
@@ -267,6 +289,7 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
     progress = progress or Progress(cfg.log_format)
     t0 = time.perf_counter()
     started_here = not ray.is_initialized()
+    demo = cfg.model is None
     try:
         run = connect(cfg, progress)
         cfg = run.cfg
@@ -276,11 +299,20 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
         run.create_actors()
         eval_data = run.inp.eval_data
         before = run.evaluate(eval_data) if eval_data else None
-        run.train()
-        after = run.evaluate(eval_data) if eval_data else None
-        run.finish()
+        # after ray.init, which sets its own SIGTERM handler. Ctrl-C/SIGTERM: checkpoint at the
+        # next step boundary; once the last step is done, the run just finishes
+        with GracefulStop() as stop:
+            run.interrupt = stop
+            run.train()
+            after = run.evaluate(eval_data) if eval_data else None
+            run.finish()
         if started_here:
             _let_metrics_report(cfg)
+    except Exception as e:
+        # a failed demo leaves nothing worth keeping (a stopped one can be resumed)
+        if demo and cfg.model is not None and not isinstance(e, RunInterrupted):
+            shutil.rmtree(Path(cfg.model).parent, ignore_errors=True)
+        raise
     finally:
         progress.stop()  # the live table stops before any error line is printed
         if started_here and ray.is_initialized():
@@ -298,4 +330,11 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
             eval_loss_before=before, eval_loss_after=after, eval_loss_drop=1 - after / before
         )
     progress.finish(summary)
+    if demo:
+        root = Path(cfg.model).parent  # type: ignore[arg-type]
+        progress.note(
+            f"try the adapter: appliance eval --model {cfg.model} --adapter {cfg.output} "
+            f"--data {run.inp.eval_data} --seq-len {cfg.seq_len}\n"
+            f"(the demo's model and corpus are in {root}: delete it when done)"
+        )
     return summary

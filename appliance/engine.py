@@ -1,6 +1,6 @@
 """The streamed LoRA step: layer-major forward, head, reverse layer-major recompute + backward.
 
-For a global batch of M micro-batches and a model of L blocks (DESIGN.md, "The streamed step"):
+For a global batch of M micro-batches and a model of L blocks (docs/architecture.md, "The streamed step"):
 
 1. Forward, layer-major, under no_grad: block i's weights are made resident on the device once,
    then every micro-batch runs through it; each micro-batch's input to block i is saved.
@@ -603,7 +603,7 @@ class StreamedEngine:
         )
 
     def flops_per_step(self, tokens: int) -> float:
-        """≈ 6·N·T for LoRA with recompute: forward, recompute, input-gradient (DESIGN.md)."""
+        """≈ 6·N·T for LoRA with recompute: forward, recompute, input-gradient (docs/architecture.md)."""
         return step_flops(self.args, tokens)
 
     @torch.no_grad()

@@ -308,6 +308,23 @@ def tokenizer_path(model_dir: str | Path) -> Path:
     return path
 
 
+def pytorch_bin_message(model_dir: Path) -> str:
+    """What to run when a model has only pytorch_model*.bin: the one command that writes a
+    safetensors copy beside it (with transformers installed), and the --model to pass then."""
+    out = f"{model_dir}-safetensors"
+    code = (  # the tokenizer and other files copied as they are, the weights re-saved
+        "import shutil; from transformers import AutoModelForCausalLM as M; "
+        f"shutil.copytree('{model_dir}', '{out}', dirs_exist_ok=True, "
+        "ignore=shutil.ignore_patterns('pytorch_model*')); "
+        f"M.from_pretrained('{model_dir}', torch_dtype='auto')"
+        f".save_pretrained('{out}', safe_serialization=True)"
+    )
+    return (
+        f"{model_dir}: only pytorch_model*.bin (pickle) weights, and the appliance reads "
+        f'safetensors; convert them with: python -c "{code}" and pass --model {out}'
+    )
+
+
 class SafetensorsCheckpoint:
     """Name → file index over one `model.safetensors` or sharded files with an index JSON."""
 
@@ -321,6 +338,8 @@ class SafetensorsCheckpoint:
         elif single.is_file():
             with _opened(single) as f:
                 self.files = {name: single for name in f.keys()}
+        elif any(self.dir.glob("pytorch_model*.bin")):
+            raise ModelError(pytorch_bin_message(self.dir))
         else:
             raise ModelError(
                 f"{self.dir}: no model.safetensors or model.safetensors.index.json; "

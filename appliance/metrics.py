@@ -291,15 +291,61 @@ def ray_init_kwargs(
 
 
 def port_is_free(port: int) -> bool:
-    """Whether a TCP port can be bound on all interfaces, as Ray's metrics agent will."""
+    """Whether a TCP port can be bound on all interfaces the way Ray's metrics agent binds it
+    (a wsgiref server: SO_REUSEADDR set, so connections of a previous run still in TIME_WAIT do
+    not make the port look taken)."""
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("0.0.0.0", port))
         except OSError:
             return False
     return True
+
+
+_claimed: list = []  # open lock files of the ports this process claimed (held until it exits)
+
+
+def _claim(port: int) -> bool:
+    """Take this machine's lock for `port` (a file in the temp dir, locked for this process's
+    life): two runs starting at once must not both see the port free and both take it."""
+    import fcntl
+    import tempfile
+    from pathlib import Path
+
+    path = Path(tempfile.gettempdir()) / f"appliance-metrics-port-{port}.lock"
+    f = open(path, "a")  # noqa: SIM115 - held open on purpose: the lock lives as long as the file
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return False
+    _claimed.append(f)
+    return True
+
+
+def choose_metrics_port(given: int | None, default: int = 8080, tries: int = 100) -> int:
+    """The port for the embedded Ray's metrics endpoint: `given` (--metrics-port) when it is free,
+    else a one-line ConfigError; with none given, `default` or the next free port after it."""
+    from .errors import ConfigError
+
+    if given is not None:
+        if not (0 < given < 65536 and port_is_free(given) and _claim(given)):
+            raise ConfigError(
+                f"--metrics-port {given} is already in use (another appliance run, or another "
+                "service): stop it, pick another port, or leave --metrics-port out to take the "
+                "next free one"
+            )
+        return given
+    for port in range(default, min(default + tries, 65536)):
+        if port_is_free(port) and _claim(port):
+            return port
+    raise ConfigError(
+        f"no free port for the metrics endpoint in {default}-{default + tries - 1}: "
+        "pass a free one with --metrics-port"
+    )
 
 
 def metrics_url(port: int, host: str = "127.0.0.1") -> str:

@@ -32,9 +32,10 @@ from typing import Any
 from . import storage
 from .checkpoint import Checkpoint, json_bytes, load_latest_checkpoint, save_checkpoint
 from .cluster import Slot, local_slots, on_node
-from .config import TrainConfig, flag
+from .config import CHECKPOINT_MINUTES, TrainConfig, flag
 from .engine import lr_at
 from .errors import ApplianceError, ConfigError, cause_chain
+from .interrupt import GracefulStop, RunInterrupted
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .metrics import DriverMetrics
 from .progress import Progress
@@ -236,6 +237,8 @@ class Run:
         self.metrics = DriverMetrics()
         self.restarts = 0
         self.trained = False
+        self.interrupt: GracefulStop | None = None  # set by the driver: Ctrl-C/SIGTERM requests
+        self.last_checkpoint = time.monotonic()  # for the time-based default --checkpoint-every
 
     # ------------------------------------------------------------ setup
 
@@ -247,6 +250,11 @@ class Run:
 
         cfg, inp = self.cfg, self.inp
         ckpt = load_latest_checkpoint(cfg.output) if cfg.resume else None
+        if cfg.resume and ckpt is None:
+            self.progress.note(
+                f"--resume: {cfg.output} has no checkpoint yet (its run stopped before the "
+                "first): starting that run from step 0"
+            )
         before = json.loads(ckpt.files[DRIVER_STATE]) if ckpt else {}
         R = _kept_on_resume(cfg, "trainers", before.get("trainers"), "it sets the global batch")
         slots = self.slots if self.slots is not None else local_slots(inp.device, R)
@@ -286,6 +294,12 @@ class Run:
         }
         handles = ray.get([self.stores[n].handles.remote() for n in nodes])
         self.handles = dict(zip(nodes, handles, strict=True))
+        loaded = ray.get(self.stores[nodes[0]].stats.remote())
+        size, seconds = loaded["nbytes"], max(loaded["load_seconds"], 1e-9)
+        shown = f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
+        self.progress.note(
+            f"base weights loaded: {shown} in {seconds:.1f} s ({size / 1e9 / seconds:.2f} GB/s)"
+        )
         self.epochs = None if cfg.steps else (cfg.epochs or 1)
         G = R * cfg.micro_batches_per_step  # micro-batches per optimizer step, all ranks
         if self.epochs is None:
@@ -310,6 +324,10 @@ class Run:
         except Exception as e:  # noqa: BLE001 - an actor that cannot start is not retried here
             raise unrecoverable(e) or e from None
         self.workers = [self._make_worker(w) for w in range(self.num_workers)]
+        self.progress.note(
+            f"started {R} trainer{'s' if R > 1 else ''} and {self.num_workers} tokenizer "
+            f"worker{'s' if self.num_workers > 1 else ''}"
+        )
         write_run_file(cfg, "running")  # now with the resolved config
 
     def _make_trainers(self) -> list:
@@ -359,6 +377,39 @@ class Run:
         with _fault_injection(self.state.step):
             save_checkpoint(self.cfg.output, self.state.step, files, self.cfg.keep_checkpoints)
         self.metrics.checkpoint_seconds(time.perf_counter() - t0)
+        self.last_checkpoint = time.monotonic()
+
+    def checkpoint_due(self) -> bool:
+        """After a step: at the end, every --checkpoint-every steps, or (flag unset) at the first
+        step boundary CHECKPOINT_MINUTES after the last checkpoint."""
+        step, every = self.state.step, self.cfg.checkpoint_every
+        if step == self.total_steps:
+            return True
+        if every:
+            return step % every == 0
+        return time.monotonic() - self.last_checkpoint >= CHECKPOINT_MINUTES * 60
+
+    def stop_if_asked(self, checkpointed: bool) -> None:
+        """After a step: when SIGINT/SIGTERM asked to stop, make sure this step is checkpointed,
+        then raise RunInterrupted saying where the run is and how to go on."""
+        from .checkpoint import checkpoints_uri
+
+        asked = self.interrupt.requested if self.interrupt else None
+        if asked is None or self.state.step == self.total_steps:
+            return  # the last step is checkpointed anyway; the run ends by itself
+        if not checkpointed:
+            self.save_checkpoint()
+        out, step = self.cfg.output, self.state.step
+        write_run_file(self.cfg, "interrupted", {"steps": step, "losses": self.state.losses})
+        cluster = {None: "", "auto": " --cluster"}.get(
+            self.cfg.cluster, f" --cluster {self.cfg.cluster}"
+        )
+        raise RunInterrupted(
+            f"interrupted by {asked.name} after step {step}/{self.total_steps}: checkpoint "
+            f"step-{step:06d} written in {checkpoints_uri(out)}\n"
+            f"resume with: appliance train --output {out} --resume{cluster}",
+            130,  # the issue's contract for both signals: 130, "stopped by the user"
+        )
 
     def restore(self, ckpt: Checkpoint | None = None) -> None:
         """Put every trainer and the run state back to `ckpt` (default: the latest complete
@@ -469,9 +520,12 @@ class Run:
                 for w in range(self.num_workers):
                     self.metrics.queue_depth(w, sum(1 for v, _ in pending if v == w))
                 self.progress.step(st.step, stats)
-                every = cfg.checkpoint_every
-                if st.step == self.total_steps or (every and st.step % every == 0):
+                due = self.checkpoint_due()
+                if due:
                     self.save_checkpoint()
+                self.stop_if_asked(checkpointed=due)
+            except RunInterrupted:
+                raise
             except Exception as e:  # noqa: BLE001 - recover() re-raises what it cannot handle
                 self.recover(e)
                 pending.clear()

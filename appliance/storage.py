@@ -399,11 +399,24 @@ def read_bytes(uri: str) -> bytes:
         raise _s3_error(e, uri, "reading") from e
 
 
+_umask_lock = threading.Lock()
+
+
+def file_mode() -> int:
+    """The mode `open()` would give a new file: 0o666 less the process umask (read by setting it
+    and putting it back, the only way; the lock keeps two threads from racing on it)."""
+    with _umask_lock:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
 def _atomic_local_write(path: Path, write: Any, uri: str) -> None:
     """Write via ``write(fileobj)`` to a temp file next to ``path``, fsync, then rename over it."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.fchmod(fd, file_mode())  # mkstemp makes 0600; the file is the user's, like any other
     except OSError as e:
         raise _local_error(e, uri, "writing") from e
     try:
@@ -487,6 +500,7 @@ def download_file(
     bucket, key = split_s3(uri)
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+    os.fchmod(fd, file_mode())
     os.close(fd)
     config = transfer_config(multipart_threshold, multipart_chunksize)
     try:

@@ -169,7 +169,7 @@ def test_a_bad_choice_lists_the_choices_and_help_still_shows_them():
     assert_user_error(code, out)
     assert error_lines(out) == [
         "error: --device must be one of auto | cpu | cuda (got 'tpu')",
-        "error: --log-format must be one of rich | json | plain (got 'xml')",
+        "error: --log-format must be one of auto | rich | json | plain (got 'xml')",
     ]
     code, help_text = train("--help")
     assert code == 0 and "--device [auto|cpu|cuda]" in help_text

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from appliance import metrics as M
-from appliance.config import TrainConfig
+from appliance.config import DEFAULT_METRICS_PORT
 from tests.test_metrics import embedded_ray, record_everything_and_scrape, samples, scrape_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -413,7 +413,7 @@ def test_compose_prometheus_scrapes_the_appliance_metrics_port(compose):
 def test_metrics_port_defaults_to_8080_where_compose_and_kuberay_scrape(compose):
     """`appliance train` without --metrics-port serves where deploy/compose's Prometheus and the
     chart's PodMonitor (KubeRay's metrics-export-port) look, and where docs/metrics.md says."""
-    assert TrainConfig().metrics_port == 8080
+    assert DEFAULT_METRICS_PORT == 8080  # --metrics-port unset: 8080 when free
     config = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())
     (job,) = config["scrape_configs"]
     assert job["static_configs"][0]["targets"] == ["appliance:8080"]

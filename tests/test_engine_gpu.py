@@ -3,7 +3,7 @@
 Skipped without a CUDA GPU. Tolerances: streamed vs resident (same device, same kernels) is
 bit-exact with the math attention kernel and within 5e-3 relative with the default (flash)
 attention, whose backward accumulates dQ with atomics; fp32 CUDA vs CPU is 1e-5 relative
-(DESIGN.md, "Numerics that must hold"), with TF32 off.
+(docs/architecture.md, "Numerics that must hold"), with TF32 off.
 """
 
 from __future__ import annotations

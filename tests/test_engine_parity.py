@@ -1,6 +1,6 @@
 """The streamed step equals an ordinary full-model autograd step of transformers + peft (fp32, CPU).
 
-Tolerance: 1e-5 relative error (DESIGN.md, "Numerics that must hold").
+Tolerance: 1e-5 relative error (docs/architecture.md, "Numerics that must hold").
 """
 
 from __future__ import annotations

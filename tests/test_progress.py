@@ -8,6 +8,7 @@ import json
 import math
 import re
 import sys
+import time
 
 import pytest
 from rich.console import Console
@@ -46,15 +47,46 @@ def test_the_live_table_shows_step_loss_tokens_per_second_data_wait_eta_and_rest
     progress = Progress("rich", console=console, clock=lambda: now[0])
     progress.start(total_steps=10)
     progress.restarts = 2  # the run sets it when it recreates an actor
-    for step, loss in ((1, 3.0), (2, 2.75), (3, 2.5)):
-        now[0] += 10 / 3  # 10 s for three steps
+    for step, loss in ((1, 3.0), (2, 2.75), (3, 2.5), (4, 2.25)):
+        now[0] += 10 / 3  # 10/3 s a step
         progress.step(step, stats(loss, tokens=1000, step_seconds=2.0, data_wait=0.5))
     progress.stop()
     assert progress.live is None
     header, row = table_rows(console)[-2:]
     assert header == ["step", "loss", "tokens/s", "data wait", "ETA", "restarts"]
-    # 3000 tokens in 10 s; 25% of step time waiting for data; 7 steps left at 10/3 s each
-    assert row == ["3/10", "2.5000", "300", "25%", "0:00:23", "2"]
+    # 4000 tokens in 40/3 s; 25% of step time waiting for data; the ETA from the 3 steps timed
+    # after the first (its warm-up would skew it): 6 steps left at 10/3 s each
+    assert row == ["4/10", "2.2500", "300", "25%", "0:00:20", "2"]
+
+
+def test_off_a_terminal_auto_prints_plain_lines_every_10_steps_or_10_seconds():
+    stream, now = io.StringIO(), [0.0]
+    progress = Progress("auto", stream=stream, clock=lambda: now[0], heartbeat=False)
+    assert progress.format == "plain"  # a StringIO is no terminal
+    progress.start(total_steps=25)
+    for step in range(1, 26):
+        now[0] += 12.0 if step == 14 else 1.0  # one slow step: a line at least every 10 s
+        progress.step(step, stats(2.0, tokens=100, step_seconds=1.0, data_wait=0.1))
+    progress.finish({"steps": 25, "final_loss": 2.0, "output": "x" * 200})
+    lines = stream.getvalue().splitlines()
+    assert [int(re.match(r"step (\d+)/25 ", x).group(1)) for x in lines[:-1]] == [1, 10, 14, 20, 25]
+    assert "eta -" in lines[0]  # no ETA before 3 steps after the first were timed
+    # the ETA from the steps after the first: 24 s for 13 steps, 11 steps left
+    assert re.search(r"loss 2\.0000  tok/s [\d,]+  data-wait 10%  eta 0:00:20", lines[2])
+    assert lines[-1].startswith("done: steps 25, final_loss 2, output xxx")  # one line, unwrapped
+
+
+def test_a_step_longer_than_10_seconds_gets_a_line_while_it_runs():
+    stream, now = io.StringIO(), [0.0]
+    progress = Progress("plain", stream=stream, clock=lambda: now[0])
+    progress.start(total_steps=5)
+    progress.step(1, stats(2.0, tokens=100, step_seconds=1.0, data_wait=0.1))
+    now[0] += 11.0  # step 2 has run for 11 s: the heartbeat (a thread, once a second) says so
+    deadline = time.monotonic() + 30
+    while "running" not in stream.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    progress.stop()
+    assert stream.getvalue().splitlines()[-1] == "step 2/5 running for 0:00:11"
 
 
 @pytest.fixture(scope="module")

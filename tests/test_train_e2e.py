@@ -11,6 +11,7 @@ import json
 import math
 import os
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -171,11 +172,16 @@ def test_trainer_and_store_work_as_plain_classes(model_dir):
     assert set(stats["phase_seconds"]) >= {"forward", "backward", "optimizer", "data_wait"}
 
 
-def test_the_builtin_demo_drops_held_out_loss_by_at_least_30_percent(ray_local):
+def test_the_builtin_demo_drops_held_out_loss_by_at_least_30_percent(ray_local, capsys):
     """`appliance train` with no arguments (what `make train` runs): a loss-regression check."""
     summary = train(build_config({}, {"log_format": "json"}), Progress("json"))
     assert summary["steps"] == 300
     assert summary["eval_loss_drop"] >= 0.30, summary
+    # it ends with the command to try next, pointing at files that are there
+    line = next(x for x in capsys.readouterr().err.splitlines() if "appliance eval" in x)
+    argv = line.split("appliance eval ", 1)[1].split()
+    for flag in ("--model", "--adapter", "--data"):
+        assert Path(argv[argv.index(flag) + 1]).exists(), line
 
 
 def test_loading_holds_about_one_copy_of_the_weights(tmp_path):

@@ -1,0 +1,40 @@
+"""Help a newcomer can read: train's flags in groups, every option of eval and bench explained,
+--version."""
+
+from __future__ import annotations
+
+import re
+
+from click.testing import CliRunner
+
+from appliance import config as C
+from appliance.cli import main
+
+
+def help_of(*argv: str) -> str:
+    result = CliRunner().invoke(main, [*argv, "--help"], terminal_width=100)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_train_help_lists_every_flag_once_in_its_group():
+    text = help_of("train")
+    titles = [t for t in C.HELP_GROUPS if f"\n{t}:\n" in text]
+    assert titles == list(C.HELP_GROUPS)  # every group shown, in order
+    sections = dict(re.findall(r"\n([A-Z][\w ]+):\n((?:  .*\n|\n(?!\S))*)", text))
+    for title, names in C.HELP_GROUPS.items():
+        for name in names:
+            assert f"--{name.replace('_', '-')} " in sections[title], (title, name)
+    for name in C.FIELDS:
+        assert len(re.findall(rf"^  --{name.replace('_', '-')}\b", text, re.MULTILINE)) == 1
+    assert "time-based" in text  # the --checkpoint-every default, said
+
+
+def test_eval_help_explains_every_option_and_version_is_printed():
+    text = help_of("eval")
+    command = main.commands["eval"]
+    for param in command.params:
+        assert param.help, param.name  # type: ignore[attr-defined]
+        assert param.help.split()[0] in text  # type: ignore[attr-defined]
+    result = CliRunner().invoke(main, ["--version"])
+    assert result.exit_code == 0 and re.match(r"appliance, version \d", result.output)

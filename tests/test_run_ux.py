@@ -1,0 +1,261 @@
+"""A run driven the way people drive it: piped output, Ctrl-C and SIGTERM, `--output O --resume`
+alone, several runs on one box, a config file beside flags, the umask.
+
+Every run is a real `appliance train` process on embedded Ray. The reference is one uninterrupted
+run with its stdout piped (as in `docker logs`): it must print `step N/TOTAL` lines while it
+runs. Runs stopped by SIGINT and SIGTERM at a step, then resumed with `--output O --resume` and
+nothing else, must finish with the reference's per-step losses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from appliance.checkpoint import load_latest_checkpoint
+from appliance.config import build_config
+from appliance.run import write_run_file
+from tests.helpers_model import make_model
+from tests.helpers_net import free_port
+from tests.helpers_tokenizer import sentences
+
+pytestmark = pytest.mark.integration
+
+STEPS = 40
+STOP_AT = 4  # the signal goes in when this step's record is read: many steps are left to run
+HUB_ID = "tiny-org/tiny-llama"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+FOUR_CPUS = {"RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": 4})}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("ux")
+    # big enough that a step takes tens of milliseconds: a signal lands well before the end
+    model = make_model(
+        root / "model", "llama-mha", hidden_size=128, intermediate_size=256, num_hidden_layers=4
+    )
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(300, seed=2)))
+    return model, data
+
+
+def train_argv(inputs, output: Path, *extra: str) -> list[str]:
+    model, data = inputs
+    return [
+        *("train", "--model", str(model), "--data", str(data), "--output", str(output)),
+        *("--steps", str(STEPS), "--seq-len", "32", "--micro-batch-size", "2"),
+        *("--micro-batches-per-step", "2", "--lora-rank", "4", "--lora-dropout", "0.1"),
+        *("--lr", "5e-3", "--tokenize-workers", "1"),
+        *extra,
+    ]
+
+
+def start(argv: list[str], prefix: str = "", env: dict | None = None) -> subprocess.Popen:
+    """`appliance <argv>` with stdout and stderr piped (not a terminal). `prefix`: shell
+    commands run before it (`umask 027`); `env`: added to the environment."""
+    cmd = [sys.executable, "-m", "appliance.cli", *argv]
+    if prefix:
+        cmd = ["sh", "-c", f'{prefix}; exec "$@"', "sh", *cmd]
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **FOUR_CPUS, **(env or {})},
+    )
+
+
+def finish(p: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise
+    return p.returncode, out, err
+
+
+def read_until(p: subprocess.Popen, pattern: str) -> list[str]:
+    """stdout lines up to and including the first that matches `pattern` (while p runs)."""
+    lines = []
+    for line in p.stdout:
+        lines.append(line)
+        if re.search(pattern, line):
+            return lines
+    raise AssertionError(f"no line matching {pattern!r}: {''.join(lines)}{p.stderr.read()[-3000:]}")
+
+
+def record(output: Path) -> dict:
+    return json.loads((output / "run.json").read_text())
+
+
+def metrics_port(stderr_or_stdout: str) -> int:
+    (port,) = re.findall(r"metrics: http://127\.0\.0\.1:(\d+)/metrics", stderr_or_stdout)
+    return int(port)
+
+
+def test_ctrl_c_and_sigterm_checkpoint_and_resume_by_output_alone(inputs, tmp_path):
+    port = free_port()
+    ref_out = tmp_path / "ref"
+    # the reference: stdout piped, no --log-format, the metrics endpoint scraped while it runs
+    ref = start(train_argv(inputs, ref_out, "--metrics-port", str(port)))
+    head = read_until(ref, rf"^step 1/{STEPS}  loss ")
+    assert ref.poll() is None  # progress shows while the run is going, not at its end
+    text = "".join(head)
+    assert "starting Ray" in text and "base weights loaded:" in text and "GB/s" in text
+    assert "started 1 trainer and 1 tokenizer worker" in text
+    assert re.search(r"loss \d+\.\d+ +tok/s [\d,]+ +data-wait \d+% +eta -", head[-1])
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        assert r.status == 200  # the server closes first: its side of the port is in TIME_WAIT
+    rc, out, err = finish(ref)
+    assert rc == 0, err[-3000:]
+    assert re.search(rf"^step {STEPS}/{STEPS} .* eta 0:00:00", out, re.MULTILINE)
+    assert [line for line in out.splitlines() if line.startswith("done: ")] == [
+        out.splitlines()[-1]
+    ]  # one summary line, the last
+    reference = record(ref_out)["losses"]
+    assert len(reference) == STEPS
+
+    # right after the scraped run, on the same port (SIGINT); beside it a run on the default
+    # port (SIGTERM): both stop at a step boundary with a checkpoint
+    stopped = {}
+    for sig, extra in ((signal.SIGINT, ("--metrics-port", str(port))), (signal.SIGTERM, ())):
+        out_dir = tmp_path / sig.name
+        p = start(train_argv(inputs, out_dir, "--log-format", "json", *extra))
+        stopped[sig] = (p, out_dir)
+
+    def stop_at_step(p: subprocess.Popen, sig: signal.Signals) -> None:
+        read_until(p, rf'"step": {STOP_AT},')
+        p.send_signal(sig)
+
+    # each run is watched by its own thread: a line read late (behind the other run's) would
+    # signal a run that may have finished meanwhile
+    with ThreadPoolExecutor(len(stopped)) as pool:
+        for future in [pool.submit(stop_at_step, p, sig) for sig, (p, _) in stopped.items()]:
+            future.result()
+    for sig, (p, out_dir) in stopped.items():
+        rc, out, err = finish(p)
+        assert rc == 130, err[-3000:]  # SIGTERM too: a stop asked for and honoured
+        assert "Traceback" not in err
+        step = load_latest_checkpoint(str(out_dir)).step
+        assert STOP_AT <= step < STEPS
+        assert f"interrupted by {sig.name} after step {step}/{STEPS}" in err
+        assert f"resume with: appliance train --output {out_dir} --resume" in err
+        assert record(out_dir)["status"] == "interrupted"
+        assert not (out_dir / "adapter_config.json").exists()
+
+    # a flag that would make it another run: refused, naming both values and the command
+    sigint_out = stopped[signal.SIGINT][1]
+    rc, _, err = finish(start(["train", "--output", str(sigint_out), "--resume", "--seed", "7"]))
+    assert rc == 1 and "Traceback" not in err
+    assert "--seed 7 (the run: 0)" in err
+    assert f"To continue that run as it was: appliance train --output {sigint_out} --resume" in err
+
+    # resume both at once with --output alone (default metrics ports: they must not collide)
+    resumed = {
+        sig: start(["train", "--output", str(out_dir), "--resume", "--log-format", "json"])
+        for sig, (_, out_dir) in stopped.items()
+    }
+    ports = set()
+    for sig, p in resumed.items():
+        rc, out, err = finish(p)
+        assert rc == 0, err[-3000:]
+        out_dir = stopped[sig][1]
+        records = [json.loads(line) for line in out.splitlines()]  # stdout holds JSON only
+        steps = [r for r in records if "step" in r]
+        first = steps[0]["step"]
+        assert first > STOP_AT and steps[-1]["step"] == STEPS
+        np.testing.assert_allclose(
+            [s["loss"] for s in steps], reference[first - 1 :], rtol=1e-6, atol=0
+        )
+        done = record(out_dir)
+        assert done["status"] == "complete"
+        np.testing.assert_allclose(done["losses"], reference, rtol=1e-6, atol=0)
+        ports.add(metrics_port(err))
+    assert len(ports) == 2 and min(ports) >= 8080
+
+
+def hub_cache(hf_home: Path) -> Path:
+    """`HUB_ID` in the layout `hf download` leaves under HF_HOME: the files in blobs/, the
+    snapshot directory of a commit linking to them, and refs/main naming that commit."""
+    repo = hf_home / "hub" / ("models--" + HUB_ID.replace("/", "--"))
+    snapshot = make_model(repo / "snapshots" / COMMIT, "llama-mha")
+    (repo / "blobs").mkdir()
+    for i, f in enumerate(sorted(snapshot.iterdir())):  # files are links to blobs, as there
+        blob = repo / "blobs" / f"{i:040x}"
+        f.rename(blob)
+        f.symlink_to(os.path.relpath(blob, snapshot))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    return snapshot
+
+
+def test_a_hub_id_resume_without_checkpoint_flag_over_config_and_umask(inputs, tmp_path):
+    """One run shows four things: `--model org/name` resolves from the local Hugging Face cache
+    (offline) for train and eval; `--resume` of a run killed before its first checkpoint says so
+    and starts it; `--steps` beside a config file's `epochs` wins, with a note; the files
+    written follow the umask."""
+    snapshot = hub_cache(tmp_path / "hf")
+    hub = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    data = inputs[1]
+    out = tmp_path / "out"
+    # what a run leaves when it is killed before its first checkpoint: run.json alone
+    cfg = build_config({}, {"model": str(snapshot), "data": str(data), "output": str(out)})
+    cfg.steps, cfg.seq_len, cfg.micro_batch_size, cfg.tokenize_workers = 5, 32, 2, 1
+    write_run_file(cfg, "running")
+    config = tmp_path / "run.yaml"
+    config.write_text("epochs: 3\nwarmup_steps: 1\n")
+    argv = ["train", "--model", HUB_ID, "--output", str(out), "--resume"]
+    argv += ["--config", str(config), "--steps", "2", "--metrics-port", str(free_port())]
+    rc, out_text, err = finish(start(argv, prefix="umask 027", env=hub))
+    assert rc == 0, err[-3000:]
+    assert f"--resume: {out} has no checkpoint yet" in out_text
+    assert "starting that run from step 0" in out_text
+    assert f"note: --steps 2 overrides --config {config}: epochs: 3" in err
+    done = record(out)
+    assert done["status"] == "complete" and len(done["losses"]) == 2
+    assert done["config"]["model"] == str(snapshot)  # the hub id, resolved
+    assert done["config"]["warmup_steps"] == 1  # the file over the recorded run
+    written = [
+        out / "adapter_model.safetensors",
+        out / "adapter_config.json",
+        out / "run.json",
+        *(out / "checkpoints").rglob("*.pt"),
+    ]
+    assert len(written) > 3
+    for path in written:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640, path  # 0666 less the umask 027
+
+    argv = ["eval", "--model", HUB_ID, "--adapter", str(out), "--data", str(data)]
+    rc, out_text, err = finish(start([*argv, "--seq-len", "32", "--device", "cpu"], env=hub))
+    assert rc == 0, err[-3000:]
+    assert json.loads(out_text.strip().splitlines()[-1])["tokens"] > 0
+
+
+def test_ray_that_cannot_start_is_one_line_and_the_demo_cleans_up(tmp_path):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    p = subprocess.Popen(
+        [sys.executable, "-m", "appliance.cli", "train", "--steps", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "RAY_TMPDIR": "/proc/no-such-dir", "TMPDIR": str(temp)},
+    )
+    rc, out, err = finish(p)
+    assert rc == 1 and "Traceback" not in out + err
+    (line,) = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert line.startswith("error: cannot start Ray: ") and "RAY_TMPDIR" in line
+    assert list(temp.glob("appliance-demo-*")) == []  # the demo's model and corpus are gone
