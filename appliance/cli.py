@@ -266,8 +266,10 @@ def bench(options: tuple[str, ...]) -> None:
 @friendly_errors
 def plan_cmd(model, preset, gpu, micro_batches_per_step, gpu_memory_budget, as_json, **kw) -> None:
     """Memory, time and cost of a run from config.json alone (no weights, no GPU needed)."""
+    from .hub import resolve_model
     from .plan import plan_input, run_plan
 
+    model = resolve_model(model) if model else model  # a hub id: its local-cache snapshot
     p = plan_input(model, preset, gpu, micro_batches_per_step, gpu_memory_budget, **kw)
     run_plan(p, as_json)
 
@@ -283,7 +285,9 @@ def plan_cmd(model, preset, gpu, micro_batches_per_step, gpu_memory_budget, as_j
 def doctor_cmd(model, preset, base_quant, device, metrics_port, as_json) -> None:
     """Check this box: versions, GPUs, /dev/shm, RAM, memlock, disk, bandwidth, port, Ray, S3."""
     from .doctor import run_doctor
+    from .hub import resolve_model
 
+    model = resolve_model(model) if model else model  # a hub id: its local-cache snapshot
     sys.exit(run_doctor(model, preset, base_quant, device, metrics_port, as_json))
 
 

@@ -29,11 +29,13 @@ def appliance(*argv: str, env: dict) -> subprocess.CompletedProcess:
     )
 
 
-def test_a_hub_id_that_is_not_cached_says_how_to_download_it(tmp_path):
+@pytest.mark.parametrize(
+    "command",
+    [("eval", "--data", "x.jsonl", "--seq-len", "8"), ("plan", "--gpu", "a10"), ("doctor",)],
+)
+def test_a_hub_id_that_is_not_cached_says_how_to_download_it(tmp_path, command):
     env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
-    result = appliance(
-        *("eval", "--model", "nobody/nothing", "--data", "x.jsonl", "--seq-len", "8"), env=env
-    )
+    result = appliance(command[0], "--model", "nobody/nothing", *command[1:], env=env)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "--model nobody/nothing: not a directory here and not in the local Hugging Face " in (
         result.stderr
