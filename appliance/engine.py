@@ -43,7 +43,7 @@ from . import models
 from .blocks import BlockSource, pack, unpack
 from .errors import ConfigError
 from .lora import LoraSpec, LoraWeights
-from .planner import plan_memory, step_flops
+from .planner import CUDA_MARGIN_BYTES, effective_budget, plan_memory, step_flops
 from .quant import QuantizedTensor, dequantize, quantized_nbytes
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input_ids (B, T), labels (B, T)), labels shifted
@@ -379,9 +379,8 @@ class StreamedEngine:
         if self.device.type != "cuda":
             return
         L = self.args.num_layers
-        budget = self.budget or int(
-            torch.cuda.get_device_properties(self.device).total_memory * 0.9
-        )
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = effective_budget(self.budget, total, free, torch.cuda.memory_reserved(self.device))
         p = plan_memory(
             self.args,
             dtype_bytes=self.dtype.itemsize,
@@ -398,8 +397,10 @@ class StreamedEngine:
         self.offload_activations = p.offload_activations
         if not p.fits:
             raise ConfigError(
-                f"--gpu-memory-budget {budget / 2**30:.1f} GiB is too small for this model and "
-                f"micro-batch: at least {p.min_bytes / 2**30:.1f} GiB needed; lower "
+                f"--gpu-memory-budget: {budget / 2**30:.1f} GiB usable (the budget, at most the "
+                f"{free / 2**30:.1f} GiB the GPU has free, less {CUDA_MARGIN_BYTES / 2**30:.2f} GiB "
+                f"for CUDA) is too small for this model and micro-batch: at least "
+                f"{(p.min_bytes + CUDA_MARGIN_BYTES) / 2**30:.1f} GiB needed; lower "
                 "--micro-batch-size or --seq-len, or raise the budget"
             )
         # the last blocks of forward are the first of backward: they stay

@@ -32,7 +32,7 @@ from . import hardware, storage
 from .errors import ConfigError
 from .hf_checkpoint import block_shapes, read_model_args
 from .model import TARGET_MODULES, ModelArgs
-from .planner import MemoryPlan, blocks_uploaded_per_step, plan_memory, step_flops
+from .planner import MemoryPlan, blocks_uploaded_per_step, effective_budget, plan_memory, step_flops
 from .quant import is_linear_weight, quantized_nbytes
 
 GiB = 2**30
@@ -115,7 +115,9 @@ class PlanInput:
 
     @property
     def budget(self) -> int:
-        return self.gpu_memory_budget or int(self.card.memory_bytes * 0.9)
+        """What the engine's plan would take on an idle card (planner.effective_budget)."""
+        total = self.card.memory_bytes
+        return effective_budget(self.gpu_memory_budget, total, free=total, reserved=0)
 
 
 def load_args(model: str | None, preset: str | None) -> tuple[ModelArgs, str]:

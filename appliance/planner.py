@@ -54,6 +54,21 @@ class MemoryPlan:
         return parts
 
 
+#: Device memory the plan leaves unplanned: what lives outside the planned parts but inside the
+#: card (cuBLAS workspaces, NCCL buffers, the caching allocator's rounding and fragmentation).
+CUDA_MARGIN_BYTES = 768 * 2**20
+
+
+def effective_budget(requested: int | None, total: int, free: int, reserved: int) -> int:
+    """The device bytes the plan may use: the budget asked for (`--gpu-memory-budget`; default 90%
+    of the card's `total`), but never more than the card can give this process now (`free`, as
+    torch.cuda.mem_get_info says, plus `reserved`: what this process's caching allocator already
+    holds), less CUDA_MARGIN_BYTES. A budget larger than the card is thus not trusted, and the
+    CUDA context, which lives outside PyTorch's allocator, is already missing from `free`."""
+    asked = requested if requested is not None else int(total * 0.9)
+    return min(asked, free + reserved) - CUDA_MARGIN_BYTES
+
+
 def plan_memory(
     args: ModelArgs,
     *,

@@ -27,6 +27,7 @@ from appliance.plan import (
     lora_param_count,
     make_plan,
 )
+from appliance.planner import CUDA_MARGIN_BYTES, effective_budget
 
 A10_BUDGET = int(0.9 * 23028 * 2**20)  # the engine's default budget: 90 % of what the card has
 A10_B, A10_P = 25e9, 70e12
@@ -78,7 +79,8 @@ def test_llama2_7b_under_a_12gib_budget_streams_19_blocks():
     assert resident == 13
     uploads = 2 * (32 - 13) - 1  # forward + backward, less block 0 kept for the next forward
 
-    r = evaluate(plan_7b(gpu_memory_budget=budget), 8)
+    # asked for 12 GiB + the CUDA margin: 12 GiB usable (planner.effective_budget)
+    r = evaluate(plan_7b(gpu_memory_budget=budget + CUDA_MARGIN_BYTES), 8)
     assert r["resident_blocks"] == 13
     assert r["gpu_bytes"]["streaming_slots"] == 2 * block
     assert r["blocks_uploaded_per_step"] == uploads == 37
@@ -118,7 +120,11 @@ def test_llama2_70b_on_an_a10_equals_the_hand_computation():
 
 
 def test_auto_picks_the_smallest_m_within_10_percent_of_compute_bound():
-    p = replace(plan_7b(micro_batches_per_step=None), seq_len=256, gpu_memory_budget=4 * 2**30)
+    p = replace(
+        plan_7b(micro_batches_per_step=None),
+        seq_len=256,
+        gpu_memory_budget=4 * 2**30 + CUDA_MARGIN_BYTES,
+    )
     m, why = choose_micro_batches(p)
     assert m == 6 and "smallest" in why
     at, below = evaluate(p, 6), evaluate(p, 5)
@@ -298,7 +304,7 @@ def test_auto_on_a_gpu_uses_plans_rule_with_the_measured_figures():
         lora_rank=16,
         lora_targets=tuple(plan_7b().lora_targets),
         dtype_bytes=2,
-        budget=4 * 2**30,
+        budget=4 * 2**30 + CUDA_MARGIN_BYTES,  # 4 GiB usable
     )
     assert (m, why) == (6, "the smallest M within 10% of compute-bound that fits")
 
@@ -322,3 +328,15 @@ def test_gpus_multiply_tokens_not_the_step_time():
         two["steps"] * one["step_seconds_floor"] / 3600 * 2.448 * 2
     )
     assert two["weight_store_bytes"] == one["weight_store_bytes"]  # one store per node
+
+
+def test_the_effective_budget_never_trusts_more_than_the_card_has_free():
+    G = 2**30
+    # default: 90% of the card, when that much is free
+    assert effective_budget(None, 24 * G, 23 * G, 0) == int(24 * G * 0.9) - CUDA_MARGIN_BYTES
+    # a budget larger than the card: what is free is the limit
+    assert effective_budget(80 * G, 24 * G, 23 * G, 0) == 23 * G - CUDA_MARGIN_BYTES
+    # another process holds memory; what this process's allocator already reserved is usable
+    assert effective_budget(None, 24 * G, 10 * G, 2 * G) == 12 * G - CUDA_MARGIN_BYTES
+    # a budget that fits is taken, less the margin
+    assert effective_budget(20 * G, 24 * G, 23 * G, 0) == 20 * G - CUDA_MARGIN_BYTES
