@@ -43,7 +43,9 @@ from .blocks import BlockSource, pack, unpack
 from .errors import ConfigError
 from .lora import LoraSpec, LoraWeights
 
-MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input_ids (B, T), labels (B, T)), labels shifted
+# (input_ids (B, T), labels (B, T)), labels shifted; packed documents add a third element, the
+# layout (positions (B, T), segments (B, T)): per-row RoPE positions and document ids (model.py)
+MicroBatch = tuple[torch.Tensor, ...]
 
 
 @dataclass
@@ -346,8 +348,8 @@ class StreamedEngine:
         block = self.weights.block_bytes()
         fixed = sum(t.numel() * esize for t in self.weights.globals.values())
         fixed += self.lora.num_parameters() * 4 * 4  # param, grad, two Adam moments (fp32)
-        tokens = sum(ids.numel() for ids, _ in micro_batches)
-        biggest = max(ids.numel() for ids, _ in micro_batches)
+        tokens = sum(mb[0].numel() for mb in micro_batches)
+        biggest = max(mb[0].numel() for mb in micro_batches)
         saved = L * tokens * a.hidden_size * esize
         # transient working set of one micro-batch through one block and the fp32 head
         work = biggest * (6 * a.hidden_size + 4 * a.intermediate_size) * esize * 2
@@ -373,6 +375,18 @@ class StreamedEngine:
         if T not in self._rope:
             self._rope[T] = M.rope_cos_sin(self.args, T, self.device, self.dtype)
         return self._rope[T]
+
+    def _attention_inputs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """(cos, sin, mask) for one micro-batch: the shared causal tables, or with a layout the
+        per-row RoPE tables and the document mask (a flex_attention BlockMask on CUDA)."""
+        cos, sin = self._cos_sin(mb[0].shape[1])
+        if len(mb) < 3 or mb[2] is None:
+            return cos, sin, None
+        positions, segments = (t.to(self.device) for t in mb[2])
+        cos, sin = M.rope_at(cos, sin, positions)
+        if self.device.type == "cuda":
+            return cos, sin, M.document_block_mask(segments)
+        return cos, sin, M.document_mask(segments)
 
     def _generator(self, step: int, i: int, m: int) -> torch.Generator | None:
         """Dropout masks for block i of micro-batch m (its index in the GLOBAL batch, so that any
@@ -403,7 +417,8 @@ class StreamedEngine:
         g = self.weights.globals
         with torch.no_grad():
             with self._busy():
-                hs = [M.embed(ids.to(self.device), g) for ids, _ in micro_batches]
+                hs = [M.embed(mb[0].to(self.device), g) for mb in micro_batches]
+                attn = [self._attention_inputs(mb) for mb in micro_batches]
             saved: list[list[torch.Tensor]] = [[] for _ in range(L)]
             for i in range(L):
                 w = self.weights.get(i)
@@ -414,8 +429,7 @@ class StreamedEngine:
                         if save:
                             saved[i].append(self._save(h))
                         lora.generator = self._generator(step, i, first + m)
-                        cos, sin = self._cos_sin(h.shape[1])
-                        hs[m] = M.block_forward(h, w, self.args, cos, sin, lora)
+                        hs[m] = M.block_forward(h, w, self.args, *attn[m][:2], lora, attn[m][2])
                 if i + 1 < L or not save:
                     self.weights.release(i)  # in training the last block stays: backward's first
         return hs, saved
@@ -435,7 +449,7 @@ class StreamedEngine:
             self.plan(micro_batches)
         L = self.args.num_layers
         g = self.weights.globals
-        labels = [lab.to(self.device) for _, lab in micro_batches]
+        labels = [mb[1].to(self.device) for mb in micro_batches]
         n_target = sum(int((lab != -100).sum()) for lab in labels)
         if self.group is not None:  # every rank divides by the global batch's target tokens
             count = torch.tensor([n_target], dtype=torch.int64, device=self.device)
@@ -461,6 +475,7 @@ class StreamedEngine:
         t1 = time.perf_counter()
         forward_stall = self.weights.stall_seconds()
         if micro_batches:
+            attn = [self._attention_inputs(mb) for mb in micro_batches]
             for i in reversed(range(L)):
                 w = self.weights.get(i)
                 self.weights.prefetch(i - 1)
@@ -470,8 +485,7 @@ class StreamedEngine:
                         x = saved[i][m].to(self.device, non_blocking=True).requires_grad_(True)
                         saved[i][m] = None  # free the saved input as soon as it is consumed
                         lora.generator = self._generator(step, i, first + m)
-                        cos, sin = self._cos_sin(x.shape[1])
-                        y = M.block_forward(x, w, self.args, cos, sin, lora)
+                        y = M.block_forward(x, w, self.args, *attn[m][:2], lora, attn[m][2])
                         y.backward(grads[m])
                         grads[m] = x.grad
                     del lora
@@ -547,7 +561,7 @@ class StreamedEngine:
             busy = sum(a.elapsed_time(b) for a, b in self._busy_events) / 1e3
             ratio = busy / (t2 - t0)
         self._busy_events.clear()
-        tokens = sum(ids.numel() for ids, _ in micro_batches)
+        tokens = sum(mb[0].numel() for mb in micro_batches)
         return StepStats(
             loss=loss,
             tokens=tokens,
@@ -573,8 +587,8 @@ class StreamedEngine:
             self.plan(micro_batches)
         hs, _ = self._forward(micro_batches, step=0, dropout=False, save=False)
         total, n = 0.0, 0
-        for h, (_, lab) in zip(hs, micro_batches, strict=True):
-            lab = lab.to(self.device)
+        for h, mb in zip(hs, micro_batches, strict=True):
+            lab = mb[1].to(self.device)
             total += float(M.loss_sum(h, lab, self.weights.globals, self.args))
             n += int((lab != -100).sum())
         return total, n

@@ -482,7 +482,8 @@ def test_actors_tokenize_in_their_own_processes(ray_local, data, tok):
         b = ray.get(actor.next_batch.remote())
         assert b.pid != os.getpid()
         assert b.pid == ray.get(actor.stats.remote())["pid"]
-        assert_same_batches([b], [new_worker(root, tok, w, 2, 8, 2).next_batch()])
+        want = new_worker(root, tok, w, 2, 8, 2, packing="documents").next_batch()
+        assert_same_batches([b], [want])
         # A fresh actor resumes from the batch's cursor.
         resumed = ray.remote(TokenizeWorker).remote(*args, w, 2, 8, 2, eos, pad, cursor=b.cursor)
         assert_same_batches(
