@@ -57,6 +57,26 @@ def test_fill_rows_positions_restart_and_no_target_crosses_a_document():
     assert seg.tolist() == [[0, 0, 1, 1, 1, -1, -1, -1]]
 
 
+def test_flex_block_mask_equals_the_dense_document_mask():
+    """The mask_mod the CUDA path compiles selects exactly what the CPU path's bool mask does
+    (checked here with flex_attention's eager reference, which runs on a CPU)."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from appliance import model as M
+
+    g = torch.Generator().manual_seed(0)
+    seg = torch.zeros(2, 160, dtype=torch.long)
+    seg[0, 40:], seg[0, 130:], seg[1, 150:] = 1, 2, -1  # 3 documents | 1 document + padding
+    q, k, v = (torch.randn(2, 2, 160, 8, generator=g) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        flex = flex_attention(q, k, v, block_mask=M.document_block_mask(seg))
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=M.document_mask(seg))
+    torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
+
+
 # -------------------------------------------------------------------------- the worker
 
 
@@ -193,3 +213,31 @@ def test_packed_batch_equals_its_documents_one_by_one_through_transformers_and_p
         [(torch.tensor([b.input_ids[0, at].tolist()]), torch.tensor([b.labels[0, at].tolist()]))]
     )
     assert abs(in_company - alone) / alone < RTOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_flex_attention_on_cuda_equals_the_masked_sdpa_on_cpu(tmp_path, tok):
+    """The CUDA path (flex_attention with a document BlockMask, compiled) gives the CPU path's
+    loss and LoRA gradients (fp32, TF32 off), on rows longer than flex's 128-token blocks."""
+    model_dir = make_model(tmp_path / "model", "llama-gqa-rope3-tied", max_position_embeddings=512)
+    data = tmp_path / "d.jsonl"
+    write_docs(data, 300, seed=9, max_words=60)
+    batches = drain(worker(data, tok, seq_len=256, micro_batch_size=2))[:2]
+    source = DictBlockSource.from_hf(model_dir, torch.float32)
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        results = []
+        for device in ("cpu", "cuda"):
+            lora = lora_with_random_b(source.args, device=device)
+            engine = StreamedEngine(source, lora, device=device, grad_clip=None)
+            loss, _, _ = engine.forward_backward(_tensors(batches), step=0)
+            results.append((loss, [p.grad.cpu() for p in lora.parameters()]))
+            engine.close()
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    (cpu_loss, cpu_grads), (gpu_loss, gpu_grads) = results
+    assert abs(gpu_loss - cpu_loss) / cpu_loss < RTOL
+    for g, c in zip(gpu_grads, cpu_grads, strict=True):
+        assert rel_err(g, c) < RTOL
