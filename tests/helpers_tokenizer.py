@@ -69,7 +69,7 @@ def make_chat_tokenizer(directory: str | Path, template: str | None = CHAT_TEMPL
     tok.add_special_tokens([IM_START, IM_END])
     tok.add_tokens(ROLE_WORDS)
     tok.save(path)
-    config = {"bos_token": BOS, "eos_token": {"content": EOS}, "pad_token": PAD}
+    config = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
     if template is not None:
         config["chat_template"] = template
     (Path(directory) / "tokenizer_config.json").write_text(json.dumps(config))
