@@ -30,9 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from . import storage
+from .chat import ChatTemplate
 from .checkpoint import Checkpoint, json_bytes, load_latest_checkpoint, save_checkpoint
 from .cluster import Slot, local_slots, on_node
 from .config import TrainConfig, flag
+from .data import DataError, Holdout, load_tokenizer
 from .engine import lr_at
 from .errors import ApplianceError, ConfigError, cause_chain
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
@@ -84,6 +86,8 @@ IDENTITY_KEYS = (
     "seed",
     "micro_batch_size",
     "micro_batches_per_step",
+    "packing",
+    "eval_split",
 )
 
 
@@ -101,6 +105,8 @@ class Inputs:
     device: str
     dtype: str
     eval_data: Path | None = None
+    chat_template: ChatTemplate | None = None  # the model's, or --chat-template's
+    notes: list[str] = field(default_factory=list)  # for the user, e.g. files the data skipped
 
 
 @dataclass
@@ -114,6 +120,8 @@ class RunState:
     target_tokens: int = 0  # tokens trained on (labels != -100)
     skipped: dict[int, int] = field(default_factory=dict)  # bad records skipped, per worker
     tokenizer_pids: set[int] = field(default_factory=set)  # processes that tokenized
+    row_tokens: int = 0  # input positions of every row trained on (targets / this = packing)
+    eval_losses: list[list] = field(default_factory=list)  # [step, validation loss]
 
     def to_json(self) -> dict:
         return {
@@ -123,6 +131,8 @@ class RunState:
             "losses": self.losses,
             "target_tokens": self.target_tokens,
             "skipped": {str(w): n for w, n in self.skipped.items()},
+            "row_tokens": self.row_tokens,
+            "eval_losses": self.eval_losses,
         }
 
     @classmethod
@@ -134,6 +144,8 @@ class RunState:
             losses=list(d["losses"]),
             target_tokens=d["target_tokens"],
             skipped={int(w): n for w, n in d["skipped"].items()},
+            row_tokens=d.get("row_tokens", 0),
+            eval_losses=list(d.get("eval_losses", [])),
         )
 
 
@@ -192,6 +204,9 @@ def worker_kwargs(
         epochs=epochs,
         on_bad_record=cfg.on_bad_record,
         cursor=cursor,
+        packing=cfg.packing,
+        chat_template=inp.chat_template,
+        holdout=Holdout(cfg.eval_split, cfg.seed) if cfg.eval_split else None,
     )
 
 
@@ -235,6 +250,7 @@ class Run:
         self.metrics = DriverMetrics()
         self.restarts = 0
         self.trained = False
+        self._eval_refs: list | None = None  # the validation micro-batches, in the object store
 
     # ------------------------------------------------------------ setup
 
@@ -458,12 +474,19 @@ class Run:
                 st.cursors.update({int(w): c for w, c in stats["cursors"].items()})
                 st.losses.append(stats["loss"])
                 st.target_tokens += stats["target_tokens"]
+                st.row_tokens += stats["tokens"]
+                stats["packing_efficiency"] = st.target_tokens / max(st.row_tokens, 1)
+                self.metrics.packing_efficiency(stats["packing_efficiency"])
                 st.skipped.update({int(w): n for w, n in stats["skipped_records"].items()})
                 st.tokenizer_pids.update(stats["pids"])
                 stats["batches_in_flight"] = len(pending)
                 self.metrics.batches_in_flight(len(pending))
                 for w in range(self.num_workers):
                     self.metrics.queue_depth(w, sum(1 for v, _ in pending if v == w))
+                if self.eval_due(st.step):
+                    stats["eval_loss"] = self._eval_loss()
+                    st.eval_losses.append([st.step, stats["eval_loss"]])
+                    self.metrics.eval_loss(stats["eval_loss"])
                 self.progress.step(st.step, stats)
                 every = cfg.checkpoint_every
                 if st.step == self.total_steps or (every and st.step % every == 0):
@@ -495,16 +518,71 @@ class Run:
 
     # ------------------------------------------------------------ the end
 
-    def evaluate(self, path: Path) -> float:
-        """Mean next-token loss over `path` (the demo's held-out corpus), via rank 0."""
+    def has_eval(self) -> bool:
+        """Is there validation data: --eval-data, --eval-split, or the demo's held-out corpus?"""
+        return bool(self.cfg.eval_data or self.cfg.eval_split or self.inp.eval_data)
+
+    def eval_due(self, step: int) -> bool:
+        """Validate after `step`: every --eval-every steps, and after the last step."""
+        if not self.has_eval():
+            return False
+        every = self.cfg.eval_every
+        return step == self.total_steps or bool(every and step % every == 0)
+
+    def eval_refs(self) -> list:
+        """The validation set as packed micro-batches in the object store (built once): each
+        document encoded as training encodes it, truncated to --seq-len, scored alone (the
+        semantics of `appliance eval`)."""
         import ray
 
-        worker = ShardWorker(**{**worker_kwargs(self.inp, 0, 1, 1), "data_path": str(path)})
-        batches = []
-        while (b := worker.next_batch()) is not None:
-            batches.append(b)
-        nll, n = self._retrying(lambda: ray.get(self.trainers[0].eval_loss.remote(batches)))
+        from .evaluate import eval_batches, read_documents
+
+        if self._eval_refs is None:
+            cfg, inp = self.cfg, self.inp
+            holdout = None
+            if cfg.eval_data:
+                path = storage.localize(cfg.eval_data)
+            elif cfg.eval_split:
+                path = storage.localize(cfg.data)
+                holdout = Holdout(cfg.eval_split, cfg.seed, held_out=True)
+            else:
+                path = inp.eval_data  # the demo's held-out corpus
+            docs = read_documents(
+                path,
+                load_tokenizer(inp.tokenizer),
+                inp.eos_id,
+                cfg.seq_len,
+                inp.chat_template,
+                holdout,
+            )
+            if not docs:
+                what = f"--eval-split {cfg.eval_split}" if holdout else f"eval data {path}"
+                raise DataError(
+                    f"{what}: no held-out document has a target token; nothing to validate on "
+                    "(raise --eval-split, or check the data)"
+                )
+            pad = inp.pad_id if inp.pad_id is not None else inp.eos_id
+            batches = eval_batches(docs, cfg.seq_len, cfg.micro_batch_size, pad)
+            self._eval_refs = [ray.put(b) for b in batches]
+        return self._eval_refs
+
+    def _eval_loss(self) -> float:
+        """Mean next-token loss over the validation set's target tokens, via rank 0."""
+        import ray
+
+        nll, n = ray.get(self.trainers[0].eval_loss.remote(self.eval_refs()))
         return nll / max(n, 1)
+
+    def evaluate(self) -> float:
+        """The validation loss now (recovering from a dead trainer like a step does)."""
+        return self._retrying(self._eval_loss)
+
+    def final_eval_loss(self) -> float | None:
+        """The validation loss after the last step (the step loop computed it)."""
+        last = self.state.eval_losses[-1] if self.state.eval_losses else None
+        if last is not None and last[0] == self.state.step:
+            return float(last[1])
+        return self.evaluate() if self.has_eval() else None
 
     def finish(self) -> None:
         import ray
