@@ -45,12 +45,20 @@ def read_documents(
     seq_len: int,
     chat: ChatTemplate | None = None,
     holdout: Holdout | None = None,
+    on_bad_record: str = "fail",
 ) -> list[Document]:
     """Every document of `data_path`, encoded as training encodes it and truncated to `seq_len`
     tokens; documents left without a target are dropped. DataError naming `file:line` (or
-    `file:row N`) for a bad record. `holdout`: only the documents --eval-split holds out."""
+    `file:row N`) for a bad record, unless `on_bad_record="skip"` (then it is left out).
+    `holdout`: only the documents --eval-split holds out."""
     files = data.find_data_files(data_path)
-    records = [parse_document(raw, chat) for raw in ShardReader(files, 0, 1, holdout=holdout)]
+    records = []
+    for raw in ShardReader(files, 0, 1, holdout=holdout):
+        try:
+            records.append(parse_document(raw, chat))
+        except DataError:
+            if on_bad_record != "skip":
+                raise
     out = []
     for ids, mask in data.encode_records(tokenizer, records, eos_id):
         ids, mask = ids[:seq_len], mask[:seq_len]

@@ -554,6 +554,7 @@ class Run:
                 cfg.seq_len,
                 inp.chat_template,
                 holdout,
+                cfg.on_bad_record,
             )
             if not docs:
                 what = f"--eval-split {cfg.eval_split}" if holdout else f"eval data {path}"
