@@ -95,13 +95,31 @@ def train(config_file: str | None, **flags) -> None:
 @main.command("eval")
 @click.option("--model", required=True, help="Base model directory or s3:// prefix.")
 @click.option("--adapter", default=None, help="LoRA adapter directory (PEFT format).")
-@click.option("--data", required=True, help='A .jsonl file of {"text": ...} records.')
+@click.option(
+    "--data",
+    required=True,
+    help="Data as train reads it: .jsonl/.parquet/.txt or a directory of them (text, "
+    "prompt + completion, or conversations); scored on the targets training uses.",
+)
 @click.option("--seq-len", type=int, required=True, help="Truncate each record to N tokens.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
 @click.option("--dtype", type=click.Choice(C.CHOICES["dtype"]), default="auto")
+@click.option(
+    "--chat-template",
+    default=None,
+    help="Jinja chat template file for conversation records, instead of the model's.",
+)
 @friendly_errors
-def eval_cmd(model: str, adapter: str | None, data: str, seq_len: int, device: str, dtype: str):
-    """Print {"loss": mean next-token NLL, "tokens": predicted tokens} as one JSON line."""
+def eval_cmd(
+    model: str,
+    adapter: str | None,
+    data: str,
+    seq_len: int,
+    device: str,
+    dtype: str,
+    chat_template: str | None = None,
+):
+    """Print {"loss": mean next-token NLL, "tokens": target tokens} as one JSON line."""
     from . import storage
     from .blocks import dtype_from_name
     from .evaluate import evaluate
@@ -115,6 +133,7 @@ def eval_cmd(model: str, adapter: str | None, data: str, seq_len: int, device: s
         adapter_dir=storage.localize(adapter) if adapter else None,
         device=dev,
         dtype=dtype_from_name(resolve_dtype(dtype, dev)),
+        chat_template=chat_template,
     )
     click.echo(json.dumps(result))
 
