@@ -107,6 +107,35 @@ def eval_batches(
     return out
 
 
+def validation_batches(cfg, inp) -> list[Batch]:
+    """The run's validation set (`run.Inputs` `inp` of config `cfg`): --eval-data, the documents
+    --eval-split holds out of --data, or the demo's held-out corpus, as `eval_batches`. Each
+    document is encoded as training encodes it, truncated to --seq-len and scored alone (the
+    semantics of `appliance eval`); DataError if none has a target token."""
+    from . import storage
+
+    holdout = None
+    if cfg.eval_data:
+        path = storage.localize(cfg.eval_data)
+    elif cfg.eval_split:
+        path = storage.localize(cfg.data)
+        holdout = Holdout(cfg.eval_split, cfg.seed, held_out=True)
+    else:
+        path = inp.eval_data  # the demo's held-out corpus
+    tokenizer = data.load_tokenizer(inp.tokenizer)
+    docs = read_documents(
+        path, tokenizer, inp.eos_id, cfg.seq_len, inp.chat_template, holdout, cfg.on_bad_record
+    )
+    if not docs:
+        what = f"--eval-split {cfg.eval_split}" if holdout else f"eval data {path}"
+        raise DataError(
+            f"{what}: no held-out document has a target token; nothing to validate on "
+            "(raise --eval-split, or check the data)"
+        )
+    pad = inp.pad_id if inp.pad_id is not None else inp.eos_id
+    return eval_batches(docs, cfg.seq_len, cfg.micro_batch_size, pad)
+
+
 def groups(seqs: list[Document], batch_tokens: int) -> Iterator[list[Document]]:
     """Consecutive documents, at most `batch_tokens` tokens per group (at least one document)."""
     group: list[Document] = []

@@ -34,7 +34,7 @@ from .chat import ChatTemplate
 from .checkpoint import Checkpoint, json_bytes, load_latest_checkpoint, save_checkpoint
 from .cluster import Slot, local_slots, on_node
 from .config import TrainConfig, flag
-from .data import DataError, Holdout, load_tokenizer
+from .data import Holdout
 from .engine import lr_at
 from .errors import ApplianceError, ConfigError, cause_chain
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
@@ -530,40 +530,13 @@ class Run:
         return step == self.total_steps or bool(every and step % every == 0)
 
     def eval_refs(self) -> list:
-        """The validation set as packed micro-batches in the object store (built once): each
-        document encoded as training encodes it, truncated to --seq-len, scored alone (the
-        semantics of `appliance eval`)."""
+        """The validation set as packed micro-batches in the object store (built once)."""
         import ray
 
-        from .evaluate import eval_batches, read_documents
+        from .evaluate import validation_batches
 
         if self._eval_refs is None:
-            cfg, inp = self.cfg, self.inp
-            holdout = None
-            if cfg.eval_data:
-                path = storage.localize(cfg.eval_data)
-            elif cfg.eval_split:
-                path = storage.localize(cfg.data)
-                holdout = Holdout(cfg.eval_split, cfg.seed, held_out=True)
-            else:
-                path = inp.eval_data  # the demo's held-out corpus
-            docs = read_documents(
-                path,
-                load_tokenizer(inp.tokenizer),
-                inp.eos_id,
-                cfg.seq_len,
-                inp.chat_template,
-                holdout,
-                cfg.on_bad_record,
-            )
-            if not docs:
-                what = f"--eval-split {cfg.eval_split}" if holdout else f"eval data {path}"
-                raise DataError(
-                    f"{what}: no held-out document has a target token; nothing to validate on "
-                    "(raise --eval-split, or check the data)"
-                )
-            pad = inp.pad_id if inp.pad_id is not None else inp.eos_id
-            batches = eval_batches(docs, cfg.seq_len, cfg.micro_batch_size, pad)
+            batches = validation_batches(self.cfg, self.inp)
             self._eval_refs = [ray.put(b) for b in batches]
         return self._eval_refs
 
