@@ -373,3 +373,38 @@ def encode_records(
             mask[: len(p.ids)] = False
             out[i] = (ids, mask)
     return out  # type: ignore[return-value]
+
+
+def check_has_targets(
+    data_path: str | Path,
+    tokenizer_path: str | Path,
+    eos_id: int,
+    chat: ChatTemplate | None = None,
+    holdout: Holdout | None = None,
+    on_bad_record: str = "fail",
+    chunk: int = 64,
+) -> None:
+    """DataError unless some document of the training data has a target token (a token after
+    its first that is trained on). Reads until it finds one: the first chunk, for any normal
+    dataset; only a dataset with nothing to learn is read to the end, and refused before training
+    starts. A bad record fails here as it would in a worker, unless `on_bad_record="skip"`."""
+    tokenizer = load_tokenizer(tokenizer_path)
+    records: list[Record] = []
+    reader = iter(ShardReader(find_data_files(data_path), 0, 1, holdout=holdout))
+    while True:
+        raw = next(reader, None)
+        if raw is not None:
+            try:
+                records.append(parse_document(raw, chat))
+            except DataError:
+                if on_bad_record != "skip":
+                    raise
+        if records and (raw is None or len(records) == chunk):
+            if any(mask[1:].any() for _, mask in encode_records(tokenizer, records, eos_id)):
+                return
+            records = []
+        if raw is None:
+            raise DataError(
+                f"{data_path}: no record has a target token, so there is nothing to learn "
+                "(completions, assistant turns: check the records and the chat template)"
+            )

@@ -24,7 +24,7 @@ from .chat import load_chat_template
 from .checkpoint import LATEST_MARKER, checkpoints_uri
 from .cluster import check_shared_output, on_node, start_ray, trainer_slots
 from .config import TrainConfig, flag
-from .data import check_dataset, unreadable_files
+from .data import Holdout, check_dataset, check_has_targets, unreadable_files
 from .errors import ConfigError, cause_chain
 from .hf_checkpoint import SafetensorsCheckpoint, read_model_args, seq_len_problems, tokenizer_path
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
@@ -103,6 +103,9 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
     chat = load_chat_template(
         model_dir, storage.localize(cfg.chat_template) if cfg.chat_template else None
     )
+    if args.eos_token_id is not None:  # (its absence is reported below)
+        holdout = Holdout(cfg.eval_split, cfg.seed) if cfg.eval_split else None
+        check_has_targets(data_path, tok, args.eos_token_id, chat, holdout, cfg.on_bad_record)
     problems = seq_len_problems(args, cfg.seq_len)
     if args.eos_token_id is None:
         problems.append(f"{model_dir}/config.json has no eos_token_id: packing needs one")
