@@ -79,6 +79,9 @@ def _compiled(template: str):
         )
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
+        # No `strftime_now` (transformers has one): a rendering must not depend on the day, or a
+        # run resumed tomorrow would tokenize its documents differently. Templates that test
+        # `strftime_now is defined` (Llama 3.x) fall back to their fixed date.
         try:
             _CACHE[template] = env.from_string(template)
         except TemplateError as e:
