@@ -151,7 +151,12 @@ def train(config_file: str | None, **flags) -> None:
     "the local Hugging Face cache.",
 )
 @click.option("--adapter", default=None, help="LoRA adapter directory (PEFT format).")
-@click.option("--data", required=True, help='A .jsonl file of {"text": ...} records.')
+@click.option(
+    "--data",
+    required=True,
+    help="Data as train reads it: .jsonl/.parquet/.txt or a directory of them (text, "
+    "prompt + completion, or conversations); scored on the targets training uses.",
+)
 @click.option("--seq-len", type=int, required=True, help="Truncate each record to N tokens.")
 @click.option(
     "--device",
@@ -174,6 +179,11 @@ def train(config_file: str | None, **flags) -> None:
     show_default=True,
     help="Quantize the base model's linear weights (as `train --base-quant`).",
 )
+@click.option(
+    "--chat-template",
+    default=None,
+    help="Jinja chat template file for conversation records, instead of the model's.",
+)
 @friendly_errors
 def eval_cmd(
     model: str,
@@ -183,8 +193,9 @@ def eval_cmd(
     device: str,
     dtype: str,
     base_quant: str,
+    chat_template: str | None = None,
 ):
-    """Print {"loss": mean next-token NLL, "tokens": predicted tokens} as one JSON line."""
+    """Print {"loss": mean next-token NLL, "tokens": target tokens} as one JSON line."""
     from . import storage
     from .blocks import dtype_from_name
     from .evaluate import evaluate
@@ -200,6 +211,7 @@ def eval_cmd(
         device=dev,
         dtype=dtype_from_name(resolve_dtype(dtype, dev)),
         base_quant=base_quant,
+        chat_template=chat_template,
     )
     click.echo(json.dumps(result))
 

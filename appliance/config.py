@@ -105,6 +105,28 @@ class TrainConfig:
     )
     prefetch: int = _f(2, "Optimizer steps' worth of batches kept in flight ahead of the trainer.")
     on_bad_record: str = _f("fail", "fail | skip: what to do with a malformed data record.")
+    packing: str = _f(
+        "documents",
+        "documents (rows hold whole documents; a token attends only to its own document and "
+        "positions restart at each) | stream (documents run together, attending across).",
+    )
+    chat_template: str | None = _f(
+        None,
+        "Jinja chat template file for conversation records (messages / ShareGPT), instead of "
+        "the model's (tokenizer_config.json chat_template, or chat_template.jinja).",
+    )
+    # ---- validation during training
+    eval_data: str | None = _f(
+        None, "Held-out data (any --data format) scored during training and at the end."
+    )
+    eval_split: float | None = _f(
+        None,
+        "Hold out this fraction of --data's documents for validation (chosen by --seed, never "
+        "trained on).",
+    )
+    eval_every: int | None = _f(
+        None, "Validate every N steps on --eval-data / --eval-split (default: only at the end)."
+    )
     # ---- output, checkpoints, faults
     checkpoint_every: int | None = _f(
         None,
@@ -160,6 +182,7 @@ CHOICES = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "base_quant": ("none", "int8", "nf4"),
     "on_bad_record": ("fail", "skip"),
+    "packing": ("documents", "stream"),
     "log_format": ("auto", "rich", "json", "plain"),
 }
 
@@ -187,7 +210,14 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         "trainers",
         "cluster",
     ),
-    "Data pipeline": ("tokenize_workers", "prefetch", "on_bad_record"),
+    "Data pipeline": (
+        "packing",
+        "chat_template",
+        "tokenize_workers",
+        "prefetch",
+        "on_bad_record",
+    ),
+    "Validation": ("eval_data", "eval_split", "eval_every"),
     "Checkpoints and faults": (
         "checkpoint_every",
         "keep_checkpoints",
@@ -400,6 +430,7 @@ def validate(cfg: TrainConfig, label: Callable[[str], str] = flag) -> list[str]:
         "checkpoint_every",
         "tokenize_workers",
         "trainers",
+        "eval_every",
     ):
         at_least(name, 1)
     for name in ("warmup_steps", "max_restarts", "weight_decay", "grad_clip"):
@@ -424,6 +455,13 @@ def validate(cfg: TrainConfig, label: Callable[[str], str] = flag) -> list[str]:
             )
     if cfg.steps is not None and cfg.epochs is not None:
         errs.append(f"{label('steps')} and {label('epochs')} are exclusive: give one")
+    if cfg.eval_split is not None and not 0 < cfg.eval_split < 1:
+        errs.append(f"{label('eval_split')} must be in (0, 1) (got {cfg.eval_split})")
+    if cfg.eval_split is not None and cfg.eval_data is not None:
+        errs.append(f"{label('eval_data')} and {label('eval_split')} are exclusive: give one")
+    if cfg.eval_every is not None and cfg.eval_data is None and cfg.eval_split is None:
+        if cfg.model is not None:  # the demo brings its own held-out corpus
+            errs.append(f"{label('eval_every')} needs --eval-data PATH or --eval-split FRACTION")
     if cfg.resume and cfg.overwrite:
         errs.append(f"{label('resume')} and {label('overwrite')} are exclusive: give one")
     if cfg.gpu_memory_budget is not None:

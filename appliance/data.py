@@ -1,13 +1,18 @@
 """Dataset reading, record parsing, tokenization and the batch type. Pure Python: no Ray here.
 
-A dataset is a `.jsonl` file, a `.txt` file, or a directory searched recursively for both (sorted
-by relative path; other files ignored). Documents are numbered in that order over all files: a
-non-blank `.jsonl` line is one document, a `.txt` file is one document. Worker `w` of `N` owns the
+A dataset is a `.jsonl`, `.parquet` or `.txt` file, or a directory searched recursively for them
+(sorted by relative path; other files are skipped, and `unreadable_files` names them). Documents
+are numbered in that order over all files: a non-blank `.jsonl` line is one document, a `.parquet`
+row is one document (read with pyarrow, the same columns as the JSON keys, `file:row N` in
+errors), a `.txt` file is one document. Worker `w` of `N` owns the
 documents whose global index `% N == w`; its documents are numbered 0, 1, ... within its shard,
 and the cursor (see `tokenize_worker.py`) refers to those shard indices.
 
-A `.jsonl` record is `{"text": ...}` (loss on every token) or `{"prompt": ..., "completion": ...}`
-(loss on the completion and the EOS only). A document's ids are
+A record is `{"text": ...}` (loss on every token), `{"prompt": ..., "completion": ...}` (loss on
+the completion and the EOS only), or a conversation: `{"messages": [{"role", "content"}, ...]}`
+or ShareGPT `{"conversations": [{"from", "value"}, ...]}`, rendered with the model's chat template
+and trained on the assistant turns (see `chat.py`; no EOS is appended: the template places the
+end-of-turn tokens). With `--eval-split`, documents are held out by `Holdout`. A document's ids are
 `encode(text, add_special_tokens=True).ids + [eos_id]`; for prompt + completion,
 `encode(prompt, add_special_tokens=True).ids + encode(completion, add_special_tokens=False).ids
 + [eos_id]`.
@@ -15,6 +20,7 @@ A `.jsonl` record is `{"text": ...}` (loss on every token) or `{"prompt": ..., "
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -24,9 +30,10 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
+from .chat import ChatError, ChatTemplate, messages_of, render_with_spans, target_mask
 from .errors import ApplianceError
 
-DATA_SUFFIXES = (".jsonl", ".txt")
+DATA_SUFFIXES = (".jsonl", ".parquet", ".txt")
 IGNORE_INDEX = -100  # label of a position without loss (PyTorch cross_entropy's ignore_index)
 ON_BAD_RECORD = ("fail", "skip")
 
@@ -55,15 +62,39 @@ class Batch:
     epoch: int  # epoch its rows belong to (a batch never spans two epochs)
     n_tokens: int  # target tokens, i.e. labels != -100
     skipped_records: int  # bad records this worker skipped so far, each counted once per run
+    # --packing documents: (micro_batch_size, seq_len) int64 RoPE positions (restarting at each
+    # document) and document ids within each row (-1 on padding); None with --packing stream
+    positions: np.ndarray | None = None
+    segments: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
 class Record:
-    """A parsed document: `text`, or `prompt` + `completion` (then `text` is None)."""
+    """A parsed document: `text`, or `prompt` + `completion` (then `text` is None), or a
+    conversation: `messages`, rendered into `text` with `spans` (the assistant turns' characters,
+    see chat.py) once a chat template is applied."""
 
     text: str | None = None
     prompt: str | None = None
     completion: str | None = None
+    messages: list[dict] | None = None
+    spans: tuple[tuple[int, int], ...] | None = None
+
+
+@dataclass(frozen=True)
+class Holdout:
+    """`--eval-split`: each document (by its global index) is held out with probability
+    `fraction`, decided by a hash of (seed, index) so every process agrees. Training readers skip
+    held-out documents (`held_out=False`); the evaluation reader yields only them."""
+
+    fraction: float
+    seed: int
+    held_out: bool = False
+
+    def wants(self, g: int) -> bool:
+        key = f"{self.seed}:{g}".encode()
+        h = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+        return (h < self.fraction * 2**64) == self.held_out
 
 
 @dataclass(frozen=True)
@@ -71,8 +102,8 @@ class RawDocument:
     """A shard document before parsing: its bytes and where it came from."""
 
     doc: int  # index within the worker's shard
-    where: str  # "file:line" for .jsonl, "file" for .txt
-    data: bytes
+    where: str  # "file:line" for .jsonl, "file:row N" for .parquet, "file" for .txt
+    data: bytes  # a .parquet row arrives as its JSON object (null columns dropped)
     kind: str  # "jsonl" | "txt"
 
 
@@ -86,12 +117,19 @@ def find_data_files(path: str | Path) -> list[Path]:
         raise DataError(f"dataset not found: {path}")
     if root.is_file():
         if root.suffix.lower() not in DATA_SUFFIXES:
-            raise DataError(f"unsupported dataset file {path}: expected a .jsonl or .txt file")
+            raise DataError(
+                f"unsupported dataset file {path}: expected a .jsonl, .parquet or .txt file"
+            )
         files = [root]
     else:
         files = [f for f in root.rglob("*") if f.suffix.lower() in DATA_SUFFIXES and f.is_file()]
         if not files:
-            raise DataError(f"empty dataset: no .jsonl or .txt files under {path}")
+            skipped = unreadable_files(root)
+            shown = ", ".join(skipped[:5]) + (", ..." if len(skipped) > 5 else "")
+            raise DataError(
+                f"empty dataset: no .jsonl, .parquet or .txt files under {path}"
+                + (f" (skipped {len(skipped)} other file(s): {shown})" if skipped else "")
+            )
     # Sort by relative POSIX path so the document order is the same on every machine.
     files.sort(key=lambda f: f.relative_to(root).as_posix())
     if not has_documents(files):
@@ -101,11 +139,49 @@ def find_data_files(path: str | Path) -> list[Path]:
     return files
 
 
+def unreadable_files(path: str | Path) -> list[str]:
+    """Files under a dataset directory that are not data (`.csv`, ...): skipped, and said so."""
+    root = Path(path)
+    if not root.is_dir():
+        return []
+    return sorted(
+        f.relative_to(root).as_posix()
+        for f in root.rglob("*")
+        if f.is_file() and f.suffix.lower() not in DATA_SUFFIXES and not f.name.startswith(".")
+    )
+
+
+def parquet_rows(f: Path) -> Iterator[dict]:
+    """Each row of a .parquet file as a dict, columns whose value is null left out."""
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(f)
+        for batch in pf.iter_batches(batch_size=1024):
+            for row in batch.to_pylist():
+                yield {k: v for k, v in row.items() if v is not None}
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        raise DataError(f"{f}: cannot read as parquet: {e}") from None
+
+
+def parquet_num_rows(f: Path) -> int:
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(f).metadata.num_rows
+    except (OSError, ValueError) as e:
+        raise DataError(f"{f}: cannot read as parquet: {e}") from None
+
+
 def has_documents(files: Sequence[Path]) -> bool:
     """True as soon as one document is found (cheap: stops at the first)."""
     for f in files:
         if f.suffix.lower() == ".txt":
             return True
+        if f.suffix.lower() == ".parquet":
+            if parquet_num_rows(f) > 0:
+                return True
+            continue
         with open(f, "rb") as fh:
             if any(line.strip() for line in fh):
                 return True
@@ -120,29 +196,56 @@ class ShardReader:
     """
 
     def __init__(
-        self, files: Sequence[Path], worker_index: int, num_workers: int, start_doc: int = 0
+        self,
+        files: Sequence[Path],
+        worker_index: int,
+        num_workers: int,
+        start_doc: int = 0,
+        holdout: Holdout | None = None,
     ):
         self.files = list(files)
         self.worker_index = worker_index
         self.num_workers = num_workers
         self.start_doc = start_doc
+        self.holdout = holdout  # held-out documents keep their index: shards do not move
         self.total_documents = 0
+
+    def _mine(self, g: int, first: int) -> bool:
+        if g < first or g % self.num_workers != self.worker_index:
+            return False
+        return self.holdout is None or self.holdout.wants(g)
 
     def __iter__(self) -> Iterator[RawDocument]:
         g = 0  # global document index
         first = self.start_doc * self.num_workers + self.worker_index
         for f in self.files:
-            if f.suffix.lower() == ".txt":
-                if g >= first and g % self.num_workers == self.worker_index:
+            suffix = f.suffix.lower()
+            if suffix == ".txt":
+                if self._mine(g, first):
                     yield RawDocument(g // self.num_workers, str(f), f.read_bytes(), "txt")
                 g += 1
+                self.total_documents = g
+                continue
+            if suffix == ".parquet":
+                n = parquet_num_rows(f)
+                # decode the file only if it holds one of this shard's documents
+                if any(self._mine(i, first) for i in range(g, g + n)):
+                    for row, obj in enumerate(parquet_rows(f)):
+                        if self._mine(g, first):
+                            data = json.dumps(obj).encode()
+                            yield RawDocument(
+                                g // self.num_workers, f"{f}:row {row}", data, "jsonl"
+                            )
+                        g += 1
+                else:
+                    g += n
                 self.total_documents = g
                 continue
             with open(f, "rb") as fh:
                 for lineno, line in enumerate(fh, 1):
                     if not line.strip():
                         continue  # blank lines are not documents
-                    if g >= first and g % self.num_workers == self.worker_index:
+                    if self._mine(g, first):
                         yield RawDocument(g // self.num_workers, f"{f}:{lineno}", line, "jsonl")
                     g += 1
                     self.total_documents = g
@@ -161,8 +264,11 @@ def _type_name(value: Any) -> str:
     return names.get(type(value), "null" if value is None else "a number")
 
 
-def parse_document(raw: RawDocument) -> Record:
-    """Decode and validate one document; DataError naming `file:line` (or file) if it is bad."""
+def parse_document(raw: RawDocument, chat: ChatTemplate | None = None) -> Record:
+    """Decode and validate one document; DataError naming `file:line` (or file) if it is bad.
+
+    A conversation is rendered with `chat` (the model's template) into `text` + `spans`;
+    without a template it is an error that says to pass --chat-template."""
     text = _decode_utf8(raw.data, raw.where)
     if raw.kind == "txt":
         return Record(text=text)
@@ -185,11 +291,24 @@ def parse_document(raw: RawDocument) -> Record:
                     f'{raw.where}: "{key}" must be a string, found {_type_name(obj[key])}'
                 )
         return Record(prompt=obj["prompt"], completion=obj["completion"])
+    try:
+        messages = messages_of(obj, raw.where)
+        if messages is not None:
+            if chat is None:
+                raise DataError(
+                    f"{raw.where}: a chat record, but the tokenizer has no chat template "
+                    "(no chat_template in tokenizer_config.json, no chat_template.jinja): "
+                    "pass --chat-template FILE"
+                )
+            text, spans = render_with_spans(chat, messages, raw.where)
+            return Record(text=text, messages=messages, spans=tuple(spans))
+    except ChatError as e:
+        raise DataError(str(e)) from None
     keys = sorted(obj)
     shown = ", ".join(json.dumps(k) for k in keys[:10]) + (", ..." if len(keys) > 10 else "")
     raise DataError(
-        f'{raw.where}: record has no "text" (nor "prompt" + "completion"); '
-        f"keys found: {shown or 'none'}"
+        f'{raw.where}: record has no "text" (nor "prompt" + "completion", "messages", '
+        f'"conversations"); keys found: {shown or "none"}'
     )
 
 
@@ -224,14 +343,22 @@ def check_dataset(data_path: str | Path, tokenizer_path: str | Path) -> list[Pat
 def encode_records(
     tokenizer: Tokenizer, records: Sequence[Record], eos_id: int
 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Encode documents in batches; returns (ids int64, loss mask bool) per record, EOS appended.
+    """Encode documents in batches; returns (ids int64, loss mask bool) per record, EOS appended
+    (not to a conversation: its template ends each turn itself).
 
-    The mask is False on prompt tokens: those are never targets.
+    The mask is False on prompt tokens: those are never targets. A conversation's rendered text
+    is encoded without special tokens (the template places them); its mask is chat.target_mask.
     """
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # no offsets needed
-    text_idx = [i for i, r in enumerate(records) if r.text is not None]
+    text_idx = [i for i, r in enumerate(records) if r.text is not None and r.spans is None]
     pc_idx = [i for i, r in enumerate(records) if r.text is None]
+    chat_idx = [i for i, r in enumerate(records) if r.spans is not None]
     out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(records)
+    if chat_idx:
+        encs = tokenizer.encode_batch([records[i].text for i in chat_idx], add_special_tokens=False)
+        for i, enc in zip(chat_idx, encs, strict=True):
+            ids = np.array(enc.ids, dtype=np.int64)
+            out[i] = (ids, np.array(target_mask(enc.offsets, records[i].spans), dtype=bool))
     if text_idx:
         encs = encode([records[i].text for i in text_idx], add_special_tokens=True)
         for i, enc in zip(text_idx, encs, strict=True):
@@ -246,3 +373,38 @@ def encode_records(
             mask[: len(p.ids)] = False
             out[i] = (ids, mask)
     return out  # type: ignore[return-value]
+
+
+def check_has_targets(
+    data_path: str | Path,
+    tokenizer_path: str | Path,
+    eos_id: int,
+    chat: ChatTemplate | None = None,
+    holdout: Holdout | None = None,
+    on_bad_record: str = "fail",
+    chunk: int = 64,
+) -> None:
+    """DataError unless some document of the training data has a target token (a token after
+    its first that is trained on). Reads until it finds one: the first chunk, for any normal
+    dataset; only a dataset with nothing to learn is read to the end, and refused before training
+    starts. A bad record fails here as it would in a worker, unless `on_bad_record="skip"`."""
+    tokenizer = load_tokenizer(tokenizer_path)
+    records: list[Record] = []
+    reader = iter(ShardReader(find_data_files(data_path), 0, 1, holdout=holdout))
+    while True:
+        raw = next(reader, None)
+        if raw is not None:
+            try:
+                records.append(parse_document(raw, chat))
+            except DataError:
+                if on_bad_record != "skip":
+                    raise
+        if records and (raw is None or len(records) == chunk):
+            if any(mask[1:].any() for _, mask in encode_records(tokenizer, records, eos_id)):
+                return
+            records = []
+        if raw is None:
+            raise DataError(
+                f"{data_path}: no record has a target token, so there is nothing to learn "
+                "(completions, assistant turns: check the records and the chat template)"
+            )

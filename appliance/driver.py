@@ -21,10 +21,11 @@ import time
 from pathlib import Path
 
 from . import storage
+from .chat import load_chat_template
 from .checkpoint import LATEST_MARKER, checkpoints_uri
 from .cluster import check_shared_output, on_node, start_ray, trainer_slots, weight_store_bytes
 from .config import TrainConfig, flag
-from .data import check_dataset
+from .data import Holdout, check_dataset, check_has_targets, unreadable_files
 from .errors import ConfigError, cause_chain
 from .hf_checkpoint import SafetensorsCheckpoint, read_model_args, seq_len_problems, tokenizer_path
 from .hub import resolve_model
@@ -57,7 +58,7 @@ def prepare(cfg: TrainConfig) -> Inputs:
     eval_data = apply_demo(cfg)
     _absolute_paths(cfg)
     inp = resolve_inputs(cfg)
-    inp.eval_data = eval_data
+    inp.eval_data = eval_data or inp.eval_data
     return inp
 
 
@@ -71,6 +72,10 @@ def _absolute_paths(cfg: TrainConfig) -> None:
     assert cfg.model is not None and cfg.data is not None and cfg.output is not None
     cfg.model = resolve_model(cfg.model)  # a hub id: its snapshot in the local HF cache
     cfg.model, cfg.data, cfg.output = absolute(cfg.model), absolute(cfg.data), absolute(cfg.output)
+    if cfg.eval_data:
+        cfg.eval_data = absolute(cfg.eval_data)
+    if cfg.chat_template:
+        cfg.chat_template = absolute(cfg.chat_template)
 
 
 def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
@@ -92,6 +97,22 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
     SafetensorsCheckpoint(model_dir).check(args)  # every tensor there, readable, right shape
     tok = tokenizer_path(model_dir)
     check_dataset(data_path, tok)  # errors here are clear; inside an actor they'd be wrapped
+    notes = [
+        f"--data {cfg.data}: skipped {len(skipped)} file(s) that are not .jsonl, .parquet or "
+        f".txt: {', '.join(skipped[:5])}{', ...' if len(skipped) > 5 else ''}"
+        for skipped in [unreadable_files(data_path)]
+        if skipped
+    ]
+    eval_data = None
+    if cfg.eval_data:
+        eval_data = storage.localize(cfg.eval_data)
+        check_dataset(eval_data, tok)
+    chat = load_chat_template(
+        model_dir, storage.localize(cfg.chat_template) if cfg.chat_template else None
+    )
+    if args.eos_token_id is not None:  # (its absence is reported below)
+        holdout = Holdout(cfg.eval_split, cfg.seed) if cfg.eval_split else None
+        check_has_targets(data_path, tok, args.eos_token_id, chat, holdout, cfg.on_bad_record)
     problems = seq_len_problems(args, cfg.seq_len)
     try:  # --lora-targets against the model's family (Phi-3's fused modules)
         resolve_targets(args, tuple(cfg.lora_targets))
@@ -117,6 +138,9 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
         args.pad_token_id,
         device,
         resolve_dtype(cfg.dtype, device),
+        eval_data=eval_data,
+        chat_template=chat,
+        notes=notes,
     )
 
 
@@ -296,15 +320,17 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
         if cfg.overwrite:
             remove_previous_run(cfg.output)  # before the new run writes anything
         write_run_file(cfg, "running")
+        for note in run.inp.notes:
+            progress.note(note)
         run.create_actors()
-        eval_data = run.inp.eval_data
-        before = run.evaluate(eval_data) if eval_data else None
+        demo = run.inp.eval_data is not None and not cfg.eval_data  # the demo's held-out corpus
+        before = run.evaluate() if demo else None
         # after ray.init, which sets its own SIGTERM handler. Ctrl-C/SIGTERM: checkpoint at the
         # next step boundary; once the last step is done, the run just finishes
         with GracefulStop() as stop:
             run.interrupt = stop
             run.train()
-            after = run.evaluate(eval_data) if eval_data else None
+            after = run.final_eval_loss()
             run.finish()
         if started_here:
             _let_metrics_report(cfg)
@@ -324,7 +350,10 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
         "seconds": time.perf_counter() - t0,
         "target_tokens": run.state.target_tokens,
         "skipped_records": sum(run.state.skipped.values()),
+        "packing_efficiency": run.state.target_tokens / max(run.state.row_tokens, 1),
     }
+    if after is not None:
+        summary["eval_loss"] = after
     if before is not None:
         summary.update(
             eval_loss_before=before, eval_loss_after=after, eval_loss_drop=1 - after / before

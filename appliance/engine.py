@@ -46,7 +46,9 @@ from .lora import LoraSpec, LoraWeights
 from .planner import CUDA_MARGIN_BYTES, effective_budget, plan_memory, step_flops
 from .quant import QuantizedTensor, dequantize, quantized_nbytes
 
-MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input_ids (B, T), labels (B, T)), labels shifted
+# (input_ids (B, T), labels (B, T)), labels shifted; packed documents add a third element, the
+# layout (positions (B, T), segments (B, T)): per-row RoPE positions and document ids (model.py)
+MicroBatch = tuple[torch.Tensor, ...]
 
 
 @dataclass
@@ -385,9 +387,9 @@ class StreamedEngine:
             self.args,
             dtype_bytes=self.dtype.itemsize,
             budget=budget,
-            tokens=sum(ids.numel() for ids, _ in micro_batches),
-            biggest=max(ids.numel() for ids, _ in micro_batches),
-            longest=max(ids.shape[-1] for ids, _ in micro_batches),
+            tokens=sum(mb[0].numel() for mb in micro_batches),
+            biggest=max(mb[0].numel() for mb in micro_batches),
+            longest=max(mb[0].shape[-1] for mb in micro_batches),
             block_bytes=self.weights.block_bytes(),
             # the globals, and a quantized block's dequantized weights while it computes
             globals_bytes=sum(t.numel() * t.element_size() for t in self.weights.globals.values())
@@ -411,6 +413,31 @@ class StreamedEngine:
         if (T, local) not in self._rope:
             self._rope[T, local] = M.rope_cos_sin(self.args, T, self.device, self.dtype, local)
         return self._rope[T, local]
+
+    def _attention_inputs(self, mb: MicroBatch) -> tuple[torch.Tensor | None, object, dict]:
+        """(positions, mask, RoPE tables by `local`) for one micro-batch, once per pass: plain
+        causal rows (None, None); packed documents their per-row positions and the document mask:
+        a flex_attention BlockMask on CUDA where the block runs model.attention (the Llama
+        family), a boolean (B, 1, T, T) mask otherwise (model.attend takes that)."""
+        if len(mb) < 3 or mb[2] is None:
+            return None, None, {}
+        positions, segments = (t.to(self.device) for t in mb[2])
+        if self.device.type == "cuda" and models.takes_block_mask(self.args):
+            return positions, M.document_block_mask(segments), {}
+        return positions, M.document_mask(segments), {}
+
+    def _block_inputs(
+        self, attn: tuple, T: int, i: int
+    ) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """(cos, sin, mask) for block i of a micro-batch: the RoPE table that block takes
+        (ModelArgs.local_rope: Gemma 3's sliding layers have their own), gathered per row at the
+        packed documents' positions (computed once per table and pass)."""
+        positions, mask, tables = attn
+        local = self.args.local_rope(i)
+        if local not in tables:
+            cos, sin = self._cos_sin(T, local)
+            tables[local] = (cos, sin) if positions is None else M.rope_at(cos, sin, positions)
+        return (*tables[local], mask)
 
     def _generator(self, step: int, i: int, m: int) -> torch.Generator | None:
         """Dropout masks for block i of micro-batch m (its index in the GLOBAL batch, so that any
@@ -442,9 +469,9 @@ class StreamedEngine:
         with torch.no_grad():
             with self._busy():
                 hs = [
-                    M.embed(ids.to(self.device), g, self.args.embed_scale)
-                    for ids, _ in micro_batches
+                    M.embed(mb[0].to(self.device), g, self.args.embed_scale) for mb in micro_batches
                 ]
+                attn = [self._attention_inputs(mb) for mb in micro_batches]
             saved: list[list[torch.Tensor]] = [[] for _ in range(L)]
             for i in range(L):
                 w = self.weights.get(i)
@@ -455,8 +482,8 @@ class StreamedEngine:
                         if save:
                             saved[i].append(self._save(h))
                         lora.generator = self._generator(step, i, first + m)
-                        cos, sin = self._cos_sin(h.shape[1], self.args.local_rope(i))
-                        hs[m] = models.block_forward(h, w, self.args, cos, sin, lora, layer=i)
+                        cos, sin, mask = self._block_inputs(attn[m], h.shape[1], i)
+                        hs[m] = models.block_forward(h, w, self.args, cos, sin, lora, mask, layer=i)
                 if i + 1 < L or not save:
                     self.weights.release(i)  # in training the last block stays: backward's first
         return hs, saved
@@ -476,7 +503,7 @@ class StreamedEngine:
             self.plan(micro_batches)
         L = self.args.num_layers
         g = self.weights.globals
-        labels = [lab.to(self.device) for _, lab in micro_batches]
+        labels = [mb[1].to(self.device) for mb in micro_batches]
         n_target = sum(int((lab != -100).sum()) for lab in labels)
         if self.group is not None:  # every rank divides by the global batch's target tokens
             count = torch.tensor([n_target], dtype=torch.int64, device=self.device)
@@ -502,6 +529,7 @@ class StreamedEngine:
         t1 = time.perf_counter()
         forward_stall = self.weights.stall_seconds()
         if micro_batches:
+            attn = [self._attention_inputs(mb) for mb in micro_batches]
             for i in reversed(range(L)):
                 w = self.weights.get(i)
                 self.weights.prefetch(i - 1)
@@ -511,8 +539,8 @@ class StreamedEngine:
                         x = saved[i][m].to(self.device, non_blocking=True).requires_grad_(True)
                         saved[i][m] = None  # free the saved input as soon as it is consumed
                         lora.generator = self._generator(step, i, first + m)
-                        cos, sin = self._cos_sin(x.shape[1], self.args.local_rope(i))
-                        y = models.block_forward(x, w, self.args, cos, sin, lora, layer=i)
+                        cos, sin, mask = self._block_inputs(attn[m], x.shape[1], i)
+                        y = models.block_forward(x, w, self.args, cos, sin, lora, mask, layer=i)
                         y.backward(grads[m])
                         grads[m] = x.grad
                     del lora
@@ -588,7 +616,7 @@ class StreamedEngine:
             busy = sum(a.elapsed_time(b) for a, b in self._busy_events) / 1e3
             ratio = busy / (t2 - t0)
         self._busy_events.clear()
-        tokens = sum(ids.numel() for ids, _ in micro_batches)
+        tokens = sum(mb[0].numel() for mb in micro_batches)
         return StepStats(
             loss=loss,
             tokens=tokens,
@@ -614,8 +642,8 @@ class StreamedEngine:
             self.plan(micro_batches)
         hs, _ = self._forward(micro_batches, step=0, dropout=False, save=False)
         total, n = 0.0, 0
-        for h, (_, lab) in zip(hs, micro_batches, strict=True):
-            lab = lab.to(self.device)
+        for h, mb in zip(hs, micro_batches, strict=True):
+            lab = mb[1].to(self.device)
             total += float(M.loss_sum(h, lab, self.weights.globals, self.args))
             n += int((lab != -100).sum())
         return total, n

@@ -1,52 +1,70 @@
-"""`appliance eval`: mean next-token loss of a base model (+ LoRA adapter) on a .jsonl file.
+"""`appliance eval`: mean next-token loss of a base model (+ LoRA adapter) on a dataset.
 
-Each record `{"text": ...}` is tokenized on its own (`encode(text, add_special_tokens=True)`, so
-the tokenizer's BOS is included), truncated to `seq_len` tokens, and scored as one sequence: a
-record of n tokens predicts its n-1 next tokens. The result is the summed NLL over all records
-divided by the number of predicted tokens, i.e. what transformers' model gives summed over the
-same sequences. No EOS is appended and records are never packed together.
+The dataset is read exactly as `train` reads it (any accepted format: `.jsonl`, `.parquet`,
+`.txt`, or a directory of them; text, prompt + completion, and conversations rendered with the
+model's chat template), and every document has the targets training gives it (`data.py`): a text
+record predicts every token and the appended EOS, prompt + completion only the completion and
+EOS, a conversation only its assistant turns. Each document is truncated to `seq_len` tokens and
+scored alone: the result is the summed NLL over the target tokens of all documents divided by
+their number, i.e. what transformers' model gives summed over the same sequences.
 
 The forward pass is the training engine's (StreamedEngine.eval_loss), so a model larger than the
-GPU is evaluated the same way it is trained: block by block.
+GPU is evaluated the same way it is trained: block by block. `eval_batches` packs the same
+documents into rows without cross-document attention, for validation during training: the same
+loss, fewer engine calls.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 
 from . import data, hf_checkpoint
-from .data import DataError, RawDocument, parse_document
+from .chat import ChatError, ChatTemplate, load_chat_template
+from .data import Batch, DataError, Holdout, ShardReader, parse_document
 from .engine import MicroBatch, StreamedEngine
 from .errors import ConfigError
 from .lora import load_adapter
+from .packing import fill_rows
 from .weight_store import local_source
 
 DEFAULT_BATCH_TOKENS = 16384  # tokens per engine call: bounds activation memory, not the result
 
+Document = tuple[np.ndarray, np.ndarray]  # (ids int64, target mask bool), as data.encode_records
 
-def read_records(data_path: str | Path) -> Iterator[tuple[str, str]]:
-    """(`file:line`, text) for each non-blank line of a .jsonl file; DataError on a bad record."""
-    path = Path(data_path)
-    if path.is_dir():
-        raise ConfigError(f"--data {data_path} is a directory; eval reads one .jsonl file")
-    if not path.is_file():
-        raise ConfigError(f"--data {data_path}: no such file (expected a .jsonl file)")
-    with open(path, "rb") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            record = parse_document(RawDocument(lineno, where, line, "jsonl"))
-            if record.text is None:
-                raise DataError(
-                    f'{where}: record has "prompt" + "completion" but no "text"; '
-                    'eval scores {"text": ...} records'
-                )
-            yield where, record.text
+
+def read_documents(
+    data_path: str | Path,
+    tokenizer: Tokenizer,
+    eos_id: int,
+    seq_len: int,
+    chat: ChatTemplate | None = None,
+    holdout: Holdout | None = None,
+    on_bad_record: str = "fail",
+) -> list[Document]:
+    """Every document of `data_path`, encoded as training encodes it and truncated to `seq_len`
+    tokens; documents left without a target are dropped. DataError naming `file:line` (or
+    `file:row N`) for a bad record, unless `on_bad_record="skip"` (then it is left out).
+    `holdout`: only the documents --eval-split holds out."""
+    files = data.find_data_files(data_path)
+    records = []
+    for raw in ShardReader(files, 0, 1, holdout=holdout):
+        try:
+            records.append(parse_document(raw, chat))
+        except DataError:
+            if on_bad_record != "skip":
+                raise
+    out = []
+    for ids, mask in data.encode_records(tokenizer, records, eos_id):
+        ids, mask = ids[:seq_len], mask[:seq_len]
+        if mask[1:].any():  # the first token is never a target
+            out.append((ids, mask))
+    return out
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
@@ -54,34 +72,80 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     return data.load_tokenizer(hf_checkpoint.tokenizer_path(model_dir))
 
 
-def encode_records(data_path: str | Path, tokenizer: Tokenizer, seq_len: int) -> list[list[int]]:
-    """Token ids of every record, truncated to `seq_len`; records under 2 tokens are dropped."""
-    out = []
-    for _, text in read_records(data_path):
-        ids = tokenizer.encode(text, add_special_tokens=True).ids[:seq_len]
-        if len(ids) >= 2:  # one token predicts nothing
-            out.append(ids)
-    return out
-
-
-def micro_batch(ids: list[int]) -> MicroBatch:
-    """One record as a (1, n) micro-batch; labels[t] = ids[t+1], the last position has none."""
-    x = torch.tensor([ids], dtype=torch.long)
+def micro_batch(ids: np.ndarray, mask: np.ndarray) -> MicroBatch:
+    """One document as a (1, n) micro-batch; labels[t] = ids[t+1] where that token is a target."""
+    x = torch.from_numpy(np.array(ids, dtype=np.int64))[None]
     labels = torch.full_like(x, -100)
-    labels[0, :-1] = x[0, 1:]
+    targets = torch.from_numpy(np.array(mask[1:], dtype=bool))
+    labels[0, :-1] = torch.where(targets, x[0, 1:], -100)
     return x, labels
 
 
-def groups(seqs: list[list[int]], batch_tokens: int) -> Iterator[list[list[int]]]:
-    """Consecutive records, at most `batch_tokens` tokens per group (at least one record)."""
-    group: list[list[int]] = []
+def eval_batches(
+    documents: list[Document], seq_len: int, micro_batch_size: int, pad_id: int
+) -> list[Batch]:
+    """`documents` (from read_documents) packed into rows of `seq_len` without cross-document
+    attention, as micro-batches: their summed NLL is that of scoring each document alone."""
+    input_ids, labels, positions, segments = fill_rows(documents, seq_len, pad_id)
+    out = []
+    for start in range(0, len(input_ids), micro_batch_size):
+        rows = slice(start, start + micro_batch_size)
+        out.append(
+            Batch(
+                input_ids=input_ids[rows],
+                labels=labels[rows],
+                cursor={},
+                worker=0,
+                pid=os.getpid(),
+                epoch=0,
+                n_tokens=int((labels[rows] != -100).sum()),
+                skipped_records=0,
+                positions=positions[rows],
+                segments=segments[rows],
+            )
+        )
+    return out
+
+
+def validation_batches(cfg, inp) -> list[Batch]:
+    """The run's validation set (`run.Inputs` `inp` of config `cfg`): --eval-data, the documents
+    --eval-split holds out of --data, or the demo's held-out corpus, as `eval_batches`. Each
+    document is encoded as training encodes it, truncated to --seq-len and scored alone (the
+    semantics of `appliance eval`); DataError if none has a target token."""
+    from . import storage
+
+    holdout = None
+    if cfg.eval_data:
+        path = storage.localize(cfg.eval_data)
+    elif cfg.eval_split:
+        path = storage.localize(cfg.data)
+        holdout = Holdout(cfg.eval_split, cfg.seed, held_out=True)
+    else:
+        path = inp.eval_data  # the demo's held-out corpus
+    tokenizer = data.load_tokenizer(inp.tokenizer)
+    docs = read_documents(
+        path, tokenizer, inp.eos_id, cfg.seq_len, inp.chat_template, holdout, cfg.on_bad_record
+    )
+    if not docs:
+        what = f"--eval-split {cfg.eval_split}" if holdout else f"eval data {path}"
+        raise DataError(
+            f"{what}: no held-out document has a target token; nothing to validate on "
+            "(raise --eval-split, or check the data)"
+        )
+    pad = inp.pad_id if inp.pad_id is not None else inp.eos_id
+    return eval_batches(docs, cfg.seq_len, cfg.micro_batch_size, pad)
+
+
+def groups(seqs: list[Document], batch_tokens: int) -> Iterator[list[Document]]:
+    """Consecutive documents, at most `batch_tokens` tokens per group (at least one document)."""
+    group: list[Document] = []
     n = 0
-    for ids in seqs:
-        if group and n + len(ids) > batch_tokens:
+    for doc in seqs:
+        if group and n + len(doc[0]) > batch_tokens:
             yield group
             group, n = [], 0
-        group.append(ids)
-        n += len(ids)
+        group.append(doc)
+        n += len(doc[0])
     if group:
         yield group
 
@@ -95,11 +159,13 @@ def evaluate(
     dtype: torch.dtype = torch.float32,
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
     base_quant: str = "none",
+    chat_template: str | Path | None = None,
 ) -> dict:
-    """{"loss": summed next-token NLL / predicted tokens, "tokens": predicted tokens}.
+    """{"loss": summed next-token NLL / target tokens, "tokens": target tokens}.
 
     ConfigError for bad arguments, ModelError for an unusable model or adapter, DataError naming
-    `file:line` for a malformed record. An empty result (no record of ≥ 2 tokens) is an error.
+    `file:line` for a malformed record. An empty result (no target token) is an error.
+    `chat_template`: a jinja file that overrides the model's (--chat-template).
     """
     if seq_len < 2:
         raise ConfigError(f"--seq-len must be ≥ 2 (one token predicts nothing), got {seq_len}")
@@ -107,17 +173,27 @@ def evaluate(
         raise ConfigError(f"batch_tokens must be ≥ 1, got {batch_tokens}")
     args = hf_checkpoint.read_model_args(model_dir)  # refuses unsupported models before any work
     problems = hf_checkpoint.seq_len_problems(args, seq_len)
+    if args.eos_token_id is None:
+        problems.append(f"{model_dir}/config.json has no eos_token_id: documents end with one")
     if problems:
         raise ConfigError("\n".join(problems))
+    if not Path(data_path).exists():
+        raise ConfigError(f"--data {data_path}: no such file or directory")
     hf_checkpoint.SafetensorsCheckpoint(model_dir).check(args)
-    seqs = encode_records(data_path, load_tokenizer(model_dir), seq_len)
+    try:
+        chat = load_chat_template(model_dir, chat_template)
+    except ChatError as e:
+        raise ConfigError(str(e)) from None
+    seqs = read_documents(
+        data_path, load_tokenizer(model_dir), int(args.eos_token_id), seq_len, chat
+    )
     if not seqs:
         raise DataError(
-            f"{data_path}: no record has 2 or more tokens; nothing to evaluate "
-            "(is the file empty, or --seq-len too small?)"
+            f"{data_path}: no record has a target token; nothing to evaluate "
+            "(is it empty, or --seq-len too small?)"
         )
     # Longest first: the engine sizes its GPU plan on the first call, which must be the biggest.
-    seqs.sort(key=len, reverse=True)
+    seqs.sort(key=lambda d: len(d[0]), reverse=True)
 
     # The flat layout the trainers use, without Ray: one host copy of the weights, which a CUDA
     # engine page-locks and uploads in place (no second packed copy).
@@ -127,7 +203,7 @@ def evaluate(
     try:
         total, n = 0.0, 0
         for group in groups(seqs, batch_tokens):
-            nll, count = engine.eval_loss([micro_batch(ids) for ids in group])
+            nll, count = engine.eval_loss([micro_batch(ids, mask) for ids, mask in group])
             total += nll
             n += count
     finally:

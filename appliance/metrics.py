@@ -17,6 +17,8 @@ classes run without Ray in tests); the Ray metric objects are created on first u
     TokenizerMetrics(worker=3).record_totals(...)        # TokenizeWorker, after each batch
     DriverMetrics().batches_in_flight(n)                 # driver step loop, after each step
     DriverMetrics().queue_depth(worker=3, n=2)           # ... and per tokenizer worker
+    DriverMetrics().eval_loss(2.1)                       # after each validation
+    DriverMetrics().packing_efficiency(0.93)             # after each step
     WeightStoreMetrics().record(bytes_held)              # WeightStore, after loading
 
 The embedded Ray started by `appliance train` serves the endpoint on a fixed port:
@@ -222,6 +224,16 @@ TOKENIZER_QUEUE_DEPTH = MetricSpec(
     "worker keeps no queue of its own).",
     ("worker",),
 )  # fmt: skip
+EVAL_LOSS = MetricSpec(
+    "appliance_eval_loss", GAUGE, "nats/token",
+    "Validation loss of the last evaluation (--eval-data or --eval-split, every --eval-every "
+    "steps): mean next-token cross-entropy over the held-out documents' target tokens.",
+)  # fmt: skip
+PACKING_EFFICIENCY = MetricSpec(
+    "appliance_packing_efficiency_ratio", GAUGE, "ratio",
+    "Target tokens / row tokens of the run so far: the share of the rows' positions that train "
+    "(padding, prompts and non-assistant turns do not).",
+)  # fmt: skip
 RESTARTS = MetricSpec(
     "appliance_restarts", COUNTER, "restarts",
     "Restarts, by kind: trainer (the trainer actor died and was recreated), tokenizer (a "
@@ -245,7 +257,7 @@ REGISTRY: tuple[MetricSpec, ...] = (
     MODEL_FLOPS, LOSS, LEARNING_RATE, MFU, GPU_BUSY, GPU_NVML_UTILIZATION, GPU_MEMORY_ALLOCATED,
     GPU_MEMORY_RESERVED, TOKENIZER_TOKENS, TOKENIZER_DOCUMENTS, TOKENIZER_ERRORS,
     TOKENIZER_SECONDS, BATCHES_IN_FLIGHT, TOKENIZER_QUEUE_DEPTH, RESTARTS, CHECKPOINTS,
-    WEIGHT_STORE_BYTES,
+    WEIGHT_STORE_BYTES, EVAL_LOSS, PACKING_EFFICIENCY,
 )  # fmt: skip
 
 
@@ -597,6 +609,16 @@ class DriverMetrics(_Recorder):
         after each step (set it for every worker, 0 included, so a drained worker reads 0)."""
         if self.enabled:
             self._set(TOKENIZER_QUEUE_DEPTH, n, worker=str(worker))
+
+    def eval_loss(self, loss: float) -> None:
+        """The validation loss just computed (every --eval-every steps and at the end)."""
+        if self.enabled:
+            self._set(EVAL_LOSS, loss)
+
+    def packing_efficiency(self, ratio: float) -> None:
+        """Target tokens / row tokens so far, after each step."""
+        if self.enabled:
+            self._set(PACKING_EFFICIENCY, ratio)
 
     def restart(self, kind: str) -> None:
         """One restart after a failure; `kind` is one of RESTART_KINDS."""

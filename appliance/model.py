@@ -175,7 +175,53 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin  # (B, n, T, hs) * (T, hs)
+    return x * cos + rotate_half(x) * sin  # (B, n, T, hs) * (T, hs) or (B, 1, T, hs)
+
+
+def rope_at(
+    cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row RoPE tables (B, 1, T, hs) for `positions` (B, T), gathered from (T', hs) tables:
+    packed documents restart their positions at 0."""
+    return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+
+# ---------------------------------------------------------------- packed documents
+
+
+def document_mask(segments: torch.Tensor) -> torch.Tensor:
+    """Boolean attention mask (B, 1, T, T) for packed rows: query t sees key s iff s ≤ t and both
+    belong to the same document (`segments` (B, T) numbers the documents of each row)."""
+    T = segments.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=segments.device).tril()
+    same = segments[:, :, None] == segments[:, None, :]  # (B, T, T)
+    return (same & causal)[:, None]
+
+
+def document_block_mask(segments: torch.Tensor):
+    """The same mask as `document_mask`, as a flex_attention BlockMask (CUDA): blocks of the
+    (T, T) score matrix that no query may see are skipped, not computed and then masked."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, T = segments.shape
+
+    def same_document_causal(b, h, q, kv):
+        return (q >= kv) & (segments[b, q] == segments[b, kv])
+
+    return create_block_mask(same_document_causal, B, None, T, T, device=segments.device)
+
+
+_FLEX = None
+
+
+def _flex_attention(q, k, v, block_mask, enable_gqa: bool) -> torch.Tensor:
+    """flex_attention, compiled once per process (uncompiled it materializes the scores)."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
 # ---------------------------------------------------------------- layers
@@ -229,16 +275,23 @@ def attention(
     cos: torch.Tensor,
     sin: torch.Tensor,
     lora: LoraContext | None,
+    mask=None,
 ) -> torch.Tensor:
+    """Self-attention. `mask`: None (causal), a bool tensor (B, 1, T, T) from `document_mask`
+    (packed documents, plain SDPA), or a flex_attention BlockMask (packed documents on CUDA)."""
     B, T, _ = x.shape
     hs = args.head_dim
     q = linear(x, w, "self_attn.q_proj", lora).view(B, T, args.num_heads, hs).transpose(1, 2)
     k = linear(x, w, "self_attn.k_proj", lora).view(B, T, args.num_kv_heads, hs).transpose(1, 2)
     v = linear(x, w, "self_attn.v_proj", lora).view(B, T, args.num_kv_heads, hs).transpose(1, 2)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, nh|nkv, T, hs)
-    y = F.scaled_dot_product_attention(
-        q, k, v, is_causal=True, enable_gqa=args.num_kv_heads != args.num_heads
-    )  # (B, nh, T, hs)
+    gqa = args.num_kv_heads != args.num_heads
+    if mask is None:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    elif isinstance(mask, torch.Tensor):
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    else:
+        y = _flex_attention(q, k, v, mask, gqa)  # (B, nh, T, hs)
     y = y.transpose(1, 2).reshape(B, T, args.num_heads * hs)
     return linear(y, w, "self_attn.o_proj", lora)
 
@@ -294,10 +347,11 @@ def block_forward(
     cos: torch.Tensor,
     sin: torch.Tensor,
     lora: LoraContext | None = None,
+    mask=None,
 ) -> torch.Tensor:
-    """One transformer block: (B, T, C) → (B, T, C)."""
+    """One transformer block: (B, T, C) → (B, T, C). `mask`: see `attention` (None: causal)."""
     x = x + attention(
-        rms_norm(x, w["input_layernorm.weight"], args.rms_norm_eps), w, args, cos, sin, lora
+        rms_norm(x, w["input_layernorm.weight"], args.rms_norm_eps), w, args, cos, sin, lora, mask
     )
     return x + mlp(rms_norm(x, w["post_attention_layernorm.weight"], args.rms_norm_eps), w, lora)
 

@@ -68,6 +68,7 @@ class Progress:
         self._beat = heartbeat
         self._heart: threading.Thread | None = None
         self._stopped = threading.Event()
+        self._eval_loss: float | None = None  # the last validation loss (--eval-*)
 
     def note(self, text: str) -> None:
         """A one-line message (kept off stdout in JSON mode, which is for step records only)."""
@@ -103,6 +104,8 @@ class Progress:
         if self._first_done is None:
             self._first_done = (step, self.clock())
         self._done = (step, self.clock())
+        if stats.get("eval_loss") is not None:
+            self._eval_loss = stats["eval_loss"]
         if self.format == "json":
             record = {
                 "step": step,
@@ -115,14 +118,20 @@ class Progress:
                 "phase_seconds": stats["phase_seconds"],
                 "restarts": self.restarts,
             }
+            if "packing_efficiency" in stats:
+                record["packing_efficiency"] = stats["packing_efficiency"]
+            if stats.get("eval_loss") is not None:  # only on the steps that validated
+                record["eval_loss"] = stats["eval_loss"]
             print(json.dumps(record), file=self.stream, flush=True)
         elif self.format == "plain":
+            validated = stats.get("eval_loss") is not None  # a validation step: always a line
             with self._lock:
                 now = self.clock()
                 if (
                     step == self.total
                     or step % PLAIN_EVERY_STEPS == 0
                     or step == self.first + 1
+                    or validated
                     or now - self._last_line >= PLAIN_EVERY_SECONDS
                 ):
                     self._last_line = now
@@ -145,27 +154,35 @@ class Progress:
 
     def _line(self, step: int, stats: dict) -> str:
         tps, eta, wait = self._rates(step)
-        return (
+        line = (
             f"step {step}/{self.total}  loss {stats['loss']:.4f}  tok/s {tps:,.0f}  "
             f"data-wait {wait:.0%}  eta {_fmt_eta(eta)}  restarts {self.restarts}"
         )
+        if self._eval_loss is not None:
+            line += f"  eval-loss {self._eval_loss:.4f}"
+        return line
 
     def _table(self, step: int, stats: dict | None) -> Table:
         table = Table(title="appliance train", show_header=True)
-        for col in ("step", "loss", "tokens/s", "data wait", "ETA", "restarts"):
-            table.add_column(col, justify="right")
+        columns = ["step", "loss", "tokens/s", "data wait", "ETA", "restarts"]
         if stats is None:
-            table.add_row(f"{step}/{self.total}", "-", "-", "-", "-", str(self.restarts))
+            row = [f"{step}/{self.total}", "-", "-", "-", "-", str(self.restarts)]
         else:
             tps, eta, wait = self._rates(step)
-            table.add_row(
+            row = [
                 f"{step}/{self.total}",
                 f"{stats['loss']:.4f}",
                 f"{tps:,.0f}",
                 f"{wait:.0%}",
                 _fmt_eta(eta),
                 str(self.restarts),
-            )
+            ]
+        if self._eval_loss is not None:  # a column once the run has validated (--eval-*)
+            columns.append("eval loss")
+            row.append(f"{self._eval_loss:.4f}")
+        for col in columns:
+            table.add_column(col, justify="right")
+        table.add_row(*row)
         return table
 
     def _heartbeat(self) -> None:

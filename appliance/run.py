@@ -30,9 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from . import storage
+from .chat import ChatTemplate
 from .checkpoint import Checkpoint, json_bytes, load_latest_checkpoint, save_checkpoint
 from .cluster import Slot, local_slots, on_node
 from .config import CHECKPOINT_MINUTES, TrainConfig, flag
+from .data import Holdout
 from .engine import lr_at
 from .errors import ApplianceError, ConfigError, cause_chain
 from .interrupt import GracefulStop, RunInterrupted
@@ -86,6 +88,8 @@ IDENTITY_KEYS = (
     "micro_batch_size",
     "micro_batches_per_step",
     "base_quant",
+    "packing",
+    "eval_split",
 )
 
 
@@ -103,6 +107,8 @@ class Inputs:
     device: str
     dtype: str
     eval_data: Path | None = None
+    chat_template: ChatTemplate | None = None  # the model's, or --chat-template's
+    notes: list[str] = field(default_factory=list)  # for the user, e.g. files the data skipped
 
 
 @dataclass
@@ -116,6 +122,8 @@ class RunState:
     target_tokens: int = 0  # tokens trained on (labels != -100)
     skipped: dict[int, int] = field(default_factory=dict)  # bad records skipped, per worker
     tokenizer_pids: set[int] = field(default_factory=set)  # processes that tokenized
+    row_tokens: int = 0  # input positions of every row trained on (targets / this = packing)
+    eval_losses: list[list] = field(default_factory=list)  # [step, validation loss]
 
     def to_json(self) -> dict:
         return {
@@ -125,6 +133,8 @@ class RunState:
             "losses": self.losses,
             "target_tokens": self.target_tokens,
             "skipped": {str(w): n for w, n in self.skipped.items()},
+            "row_tokens": self.row_tokens,
+            "eval_losses": self.eval_losses,
         }
 
     @classmethod
@@ -136,6 +146,8 @@ class RunState:
             losses=list(d["losses"]),
             target_tokens=d["target_tokens"],
             skipped={int(w): n for w, n in d["skipped"].items()},
+            row_tokens=d.get("row_tokens", 0),
+            eval_losses=list(d.get("eval_losses", [])),
         )
 
 
@@ -194,6 +206,9 @@ def worker_kwargs(
         epochs=epochs,
         on_bad_record=cfg.on_bad_record,
         cursor=cursor,
+        packing=cfg.packing,
+        chat_template=inp.chat_template,
+        holdout=Holdout(cfg.eval_split, cfg.seed) if cfg.eval_split else None,
     )
 
 
@@ -239,6 +254,7 @@ class Run:
         self.trained = False
         self.interrupt: GracefulStop | None = None  # set by the driver: Ctrl-C/SIGTERM requests
         self.last_checkpoint = time.monotonic()  # for the time-based default --checkpoint-every
+        self._eval_refs: list | None = None  # the validation micro-batches, in the object store
 
     # ------------------------------------------------------------ setup
 
@@ -513,12 +529,19 @@ class Run:
                 st.cursors.update({int(w): c for w, c in stats["cursors"].items()})
                 st.losses.append(stats["loss"])
                 st.target_tokens += stats["target_tokens"]
+                st.row_tokens += stats["tokens"]
+                stats["packing_efficiency"] = st.target_tokens / max(st.row_tokens, 1)
+                self.metrics.packing_efficiency(stats["packing_efficiency"])
                 st.skipped.update({int(w): n for w, n in stats["skipped_records"].items()})
                 st.tokenizer_pids.update(stats["pids"])
                 stats["batches_in_flight"] = len(pending)
                 self.metrics.batches_in_flight(len(pending))
                 for w in range(self.num_workers):
                     self.metrics.queue_depth(w, sum(1 for v, _ in pending if v == w))
+                if self.eval_due(st.step):
+                    stats["eval_loss"] = self._eval_loss()
+                    st.eval_losses.append([st.step, stats["eval_loss"]])
+                    self.metrics.eval_loss(stats["eval_loss"])
                 self.progress.step(st.step, stats)
                 due = self.checkpoint_due()
                 if due:
@@ -553,16 +576,45 @@ class Run:
 
     # ------------------------------------------------------------ the end
 
-    def evaluate(self, path: Path) -> float:
-        """Mean next-token loss over `path` (the demo's held-out corpus), via rank 0."""
+    def has_eval(self) -> bool:
+        """Is there validation data: --eval-data, --eval-split, or the demo's held-out corpus?"""
+        return bool(self.cfg.eval_data or self.cfg.eval_split or self.inp.eval_data)
+
+    def eval_due(self, step: int) -> bool:
+        """Validate after `step`: every --eval-every steps, and after the last step."""
+        if not self.has_eval():
+            return False
+        every = self.cfg.eval_every
+        return step == self.total_steps or bool(every and step % every == 0)
+
+    def eval_refs(self) -> list:
+        """The validation set as packed micro-batches in the object store (built once)."""
         import ray
 
-        worker = ShardWorker(**{**worker_kwargs(self.inp, 0, 1, 1), "data_path": str(path)})
-        batches = []
-        while (b := worker.next_batch()) is not None:
-            batches.append(b)
-        nll, n = self._retrying(lambda: ray.get(self.trainers[0].eval_loss.remote(batches)))
+        from .evaluate import validation_batches
+
+        if self._eval_refs is None:
+            batches = validation_batches(self.cfg, self.inp)
+            self._eval_refs = [ray.put(b) for b in batches]
+        return self._eval_refs
+
+    def _eval_loss(self) -> float:
+        """Mean next-token loss over the validation set's target tokens, via rank 0."""
+        import ray
+
+        nll, n = ray.get(self.trainers[0].eval_loss.remote(self.eval_refs()))
         return nll / max(n, 1)
+
+    def evaluate(self) -> float:
+        """The validation loss now (recovering from a dead trainer like a step does)."""
+        return self._retrying(self._eval_loss)
+
+    def final_eval_loss(self) -> float | None:
+        """The validation loss after the last step (the step loop computed it)."""
+        last = self.state.eval_losses[-1] if self.state.eval_losses else None
+        if last is not None and last[0] == self.state.step:
+            return float(last[1])
+        return self.evaluate() if self.has_eval() else None
 
     def finish(self) -> None:
         import ray

@@ -3,7 +3,14 @@
 A plain class, tested directly; the driver runs it as a Ray actor with
 `ray.remote(**ACTOR_OPTIONS)(TokenizeWorker)`.
 
-Packing: the worker concatenates its shard's documents (each ending in EOS) into one stream per
+Packing `documents` (the default, see packing.py): documents are read in groups of about
+PACK_GROUP_ROWS rows' worth of tokens; each group is packed by best fit into rows in which a
+token attends only to its own document and positions restart at each document (the batch carries
+`positions` and `segments`). The cursor is then `{"epoch", "doc", "offset": 0, "row", "packing":
+"documents", ...}`: `doc` is the first document of a group, `row` the rows of that group already
+returned; a resumed worker re-reads the group and packs it identically.
+
+Packing `stream` (the appliance's first behaviour): the worker concatenates its shard's documents (each ending in EOS) into one stream per
 epoch. Row k covers `stream[k*S : k*S + S + 1]`; `input_ids = row[:-1]`, `labels = row[1:]` with
 -100 where the target is a prompt token. Consecutive rows overlap by one token, so every stream
 token is an input once and a target once (except the first token, never a target). The last row
@@ -29,11 +36,13 @@ from typing import Any
 import numpy as np
 
 from appliance import storage
+from appliance.chat import ChatTemplate
 from appliance.data import (
     IGNORE_INDEX,
     ON_BAD_RECORD,
     Batch,
     DataError,
+    Holdout,
     RawDocument,
     Record,
     ShardReader,
@@ -43,6 +52,7 @@ from appliance.data import (
     parse_document,
 )
 from appliance.metrics import TokenizerMetrics
+from appliance.packing import fill_rows, split_document
 
 ENCODE_CHUNK = 64  # documents per encode_batch call: amortizes the call, keeps read-ahead small
 
@@ -54,6 +64,8 @@ ACTOR_OPTIONS: dict[str, Any] = {
 }
 
 CURSOR_KEYS = ("epoch", "doc", "offset", "skipped", "worker", "num_workers")
+PACKING = ("documents", "stream")
+PACK_GROUP_ROWS = 32  # best fit packs this many rows' worth of tokens at a time (bounded buffer)
 
 
 def default_num_workers(cpus_available: int, max_workers: int = 4) -> int:
@@ -88,7 +100,12 @@ class TokenizeWorker:
         epochs: int | None = 1,
         on_bad_record: str = "fail",
         cursor: dict[str, Any] | None = None,
+        packing: str = "documents",
+        chat_template: ChatTemplate | None = None,
+        holdout: Holdout | None = None,
     ):
+        """`chat_template`: renders conversation records (None: they are refused). `holdout`:
+        the documents of `--eval-split` this worker skips (or, for evaluation, only reads)."""
         if num_workers < 1 or not 0 <= worker_index < num_workers:
             raise ValueError(f"worker_index {worker_index} not in [0, num_workers={num_workers})")
         if seq_len < 1 or micro_batch_size < 1:
@@ -99,6 +116,11 @@ class TokenizeWorker:
             raise ValueError(f"epochs must be >= 1 or None (forever), got {epochs}")
         if on_bad_record not in ON_BAD_RECORD:
             raise ValueError(f"on_bad_record must be one of {ON_BAD_RECORD}, got {on_bad_record!r}")
+        if packing not in PACKING:
+            raise ValueError(f"packing must be one of {PACKING}, got {packing!r}")
+        self.packing = packing
+        self.chat_template = chat_template
+        self.holdout = holdout
         self.data_path = str(data_path)
         self.worker_index = worker_index
         self.num_workers = num_workers
@@ -134,10 +156,17 @@ class TokenizeWorker:
         c = self._validate_cursor(cursor)
         self._epoch = c["epoch"]
         self._skipped_base = c["skipped"]  # bad records before the start position
-        self._start_epoch_stream(c["doc"], c["offset"])
+        self._start_epoch_stream(c["doc"], c["offset"], c.get("row", 0))
 
     def cursor(self) -> dict[str, Any]:
         """The position where the next batch starts (after the last batch returned)."""
+        if self.packing == "documents":
+            if self._group is not None and self._row == len(self._group[0]):
+                doc, row = self._next_start, 0  # this group is used up: the next one
+            else:
+                doc, row = self._group_start, self._row
+            skipped = self._skipped_base + bisect.bisect_left(self._bad_docs, doc)
+            return {**self._cursor_at(self._epoch, doc, 0, skipped), "row": row}
         if self._pos < len(self._ids):
             doc, off = int(self._doc[self._pos]), int(self._off[self._pos])
         else:
@@ -153,12 +182,22 @@ class TokenizeWorker:
         S, B = self.seq_len, self.micro_batch_size
         input_ids = np.full((B, S), self.pad_id, dtype=np.int64)
         labels = np.full((B, S), IGNORE_INDEX, dtype=np.int64)
-        for b in range(B):
-            if not self._next_row(input_ids[b], labels[b]):
-                break  # epoch over: the rest of the batch stays fully masked
+        positions = segments = None
+        if self.packing == "documents":
+            positions = np.tile(np.arange(S, dtype=np.int64), (B, 1))  # padding rows: causal
+            segments = np.full((B, S), -1, dtype=np.int64)
+            for b in range(B):
+                if not self._next_document_row(input_ids[b], labels[b], positions[b], segments[b]):
+                    break
+        else:
+            for b in range(B):
+                if not self._next_row(input_ids[b], labels[b]):
+                    break  # epoch over: the rest of the batch stays fully masked
+        n_tokens = int((labels != IGNORE_INDEX).sum())
+        self._targets_this_epoch += n_tokens
         # Look ahead so that a batch ending exactly at the epoch's end carries the next epoch's
         # cursor; a resumed worker then never emits an empty batch.
-        if self._remaining(2) < 2:
+        if not self._has_next_row():
             self._end_epoch()
         self.batches_total += 1
         self.metrics.record_totals(
@@ -177,8 +216,10 @@ class TokenizeWorker:
             worker=self.worker_index,
             pid=os.getpid(),
             epoch=epoch,
-            n_tokens=int((labels != IGNORE_INDEX).sum()),
+            n_tokens=n_tokens,
             skipped_records=cursor["skipped"],
+            positions=positions,
+            segments=segments,
         )
 
     def stats(self) -> dict[str, Any]:
@@ -209,6 +250,7 @@ class TokenizeWorker:
             "skipped": skipped,
             "worker": self.worker_index,
             "num_workers": self.num_workers,
+            **({"row": 0, "packing": "documents"} if self.packing == "documents" else {}),
         }
 
     def _validate_cursor(self, cursor: dict[str, Any]) -> dict[str, Any]:
@@ -217,6 +259,16 @@ class TokenizeWorker:
         bad = [k for k in CURSOR_KEYS if not isinstance(cursor[k], int) or cursor[k] < 0]
         if bad:
             raise DataError(f"invalid data cursor {cursor!r}: {bad} must be integers >= 0")
+        packing = cursor.get("packing", "stream")
+        if packing != self.packing:
+            raise DataError(
+                f"data cursor was taken with --packing {packing}, not {self.packing}: resume "
+                f"with --packing {packing}"
+            )
+        if packing == "documents" and not (
+            isinstance(cursor.get("row"), int) and cursor["row"] >= 0
+        ):
+            raise DataError(f"invalid data cursor {cursor!r}: 'row' must be an integer >= 0")
         if (cursor["worker"], cursor["num_workers"]) != (self.worker_index, self.num_workers):
             raise DataError(
                 f"data cursor is for worker {cursor['worker']} of {cursor['num_workers']}, "
@@ -225,15 +277,22 @@ class TokenizeWorker:
             )
         return cursor
 
-    def _start_epoch_stream(self, doc: int, offset: int) -> None:
+    def _start_epoch_stream(self, doc: int, offset: int, row: int = 0) -> None:
         self._start = (doc, offset)
-        self._shard_reader = ShardReader(self.files, self.worker_index, self.num_workers, doc)
+        self._shard_reader = ShardReader(
+            self.files, self.worker_index, self.num_workers, doc, self.holdout
+        )
         self._reader = iter(self._shard_reader)
         self._shard_reader_done = False
         self._shard_docs_seen = 0  # documents (good or bad) read in this pass
         self._shard_bad_seen = 0
         self._must_resume_at = (doc, offset) if (doc, offset) != (0, 0) else None
         self._rows_this_epoch = 0
+        self._targets_this_epoch = 0
+        # documents packing: encoded documents read ahead, the packed group being returned
+        self._docs: list[tuple[int, np.ndarray, np.ndarray]] = []
+        self._group: tuple[np.ndarray, ...] | None = None
+        self._group_start, self._next_start, self._row, self._resume_row = doc, doc, 0, row
         self._bad_docs: list[int] = []  # shard indices of bad records read, >= the cursor doc
         # The token buffer, one entry per stream token: id, loss mask, document, offset in it.
         self._ids = np.empty(0, dtype=np.int64)
@@ -245,6 +304,12 @@ class TokenizeWorker:
     def _end_epoch(self) -> None:
         if self._rows_this_epoch == 0:
             raise self._no_rows_error()
+        if self._targets_this_epoch == 0 and self._start == (0, 0):
+            raise DataError(
+                f"worker {self.worker_index} of {self.num_workers}: no record of its shard of "
+                f"{self.data_path} has a target token (nothing to learn); check the records "
+                "(completions, assistant turns) and the chat template"
+            )
         self._epoch += 1
         self._skipped_base += len(self._bad_docs)
         self._start_epoch_stream(0, 0)
@@ -266,6 +331,57 @@ class TokenizeWorker:
             f"{where}: its shard of {self.data_path} has fewer than 2 tokens, so no training "
             "rows; add data or use fewer tokenizer workers"
         )
+
+    def _has_next_row(self) -> bool:
+        if self.packing == "documents":
+            return self._ensure_group()
+        return self._remaining(2) >= 2
+
+    def _ensure_group(self) -> bool:
+        """Make sure the current group has a row left, packing the next group if needed; False
+        at the epoch's end."""
+        if self._group is not None and self._row < len(self._group[0]):
+            return True
+        if self._group is not None:
+            self._group_start = self._next_start
+        S = self.seq_len
+        pieces, slots, last = [], 0, None
+        while slots < PACK_GROUP_ROWS * S:
+            if not self._docs:
+                if self._shard_reader_done:
+                    break
+                docs, encoded = self._read_encoded()
+                self._docs.extend((d, ids, m) for d, (ids, m) in zip(docs, encoded, strict=True))
+                continue
+            doc, ids, mask = self._docs.pop(0)
+            last = doc
+            for piece in split_document(ids, mask, S):
+                pieces.append(piece)
+                slots += len(piece[0]) - 1
+        if last is not None:
+            self._next_start = last + 1
+        if not pieces:
+            self._group = None
+            return False
+        self._group = fill_rows(pieces, S, self.pad_id)
+        self._row, self._resume_row = self._resume_row, 0
+        if self._row >= len(self._group[0]):
+            raise DataError(
+                f"data cursor (doc {self._group_start}, row {self._row}) of worker "
+                f"{self.worker_index} does not match {self.data_path}: the dataset or tokenizer "
+                "changed since it was saved"
+            )
+        return True
+
+    def _next_document_row(self, *rows: np.ndarray) -> bool:
+        """Copy the next packed row (input_ids, labels, positions, segments) into `rows`."""
+        if not self._ensure_group():
+            return False
+        for out, packed in zip(rows, self._group, strict=True):
+            out[:] = packed[self._row]
+        self._row += 1
+        self._rows_this_epoch += 1
+        return True
 
     def _remaining(self, n: int) -> int:
         """Tokens available from the current position, reading ahead until `n` or shard end."""
@@ -290,34 +406,11 @@ class TokenizeWorker:
 
     def _read_chunk(self) -> None:
         """Read, parse and encode up to ENCODE_CHUNK documents and append them to the buffer."""
+        docs, encoded = self._read_encoded()
         t0 = time.perf_counter()
-        raws: list[RawDocument] = []
-        for raw in self._reader:
-            raws.append(raw)
-            if len(raws) == ENCODE_CHUNK:
-                break
-        else:
-            self._shard_reader_done = True
-        self._shard_docs_seen += len(raws)
-        good: list[tuple[int, Record]] = []
-        for raw in raws:
-            try:
-                good.append((raw.doc, parse_document(raw)))
-            except DataError as e:
-                if self.on_bad_record == "fail":
-                    raise
-                if self._epoch == 0:  # later epochs meet the same records: count each once
-                    self._bad_docs.append(raw.doc)
-                self._shard_bad_seen += 1
-                self.skipped_total += 1
-                self.last_skip_reason = str(e)
-        encoded = encode_records(self.tokenizer, [r for _, r in good], self.eos_id)
-        docs = [d for d, _ in good]
         offsets = [np.arange(len(ids), dtype=np.int64) for ids, _ in encoded]
         if encoded and self._must_resume_at is not None:
             self._check_resume_point(docs, encoded, offsets)
-        self.tokens_total += sum(len(ids) for ids, _ in encoded)
-        self.documents_total += len(encoded)
         # Drop consumed tokens so the buffer holds only read-ahead.
         keep = slice(self._pos, None)
         self._ids = np.concatenate([self._ids[keep], *(ids for ids, _ in encoded)])
@@ -331,6 +424,35 @@ class TokenizeWorker:
         self.tokenize_seconds += time.perf_counter() - t0
         if self._shard_reader_done and self._must_resume_at is not None:
             self._check_resume_point([], [], [])
+
+    def _read_encoded(self) -> tuple[list[int], list[tuple[np.ndarray, np.ndarray]]]:
+        """Read, parse and encode up to ENCODE_CHUNK documents: (shard indices, (ids, mask))."""
+        t0 = time.perf_counter()
+        raws: list[RawDocument] = []
+        for raw in self._reader:
+            raws.append(raw)
+            if len(raws) == ENCODE_CHUNK:
+                break
+        else:
+            self._shard_reader_done = True
+        self._shard_docs_seen += len(raws)
+        good: list[tuple[int, Record]] = []
+        for raw in raws:
+            try:
+                good.append((raw.doc, parse_document(raw, self.chat_template)))
+            except DataError as e:
+                if self.on_bad_record == "fail":
+                    raise
+                if self._epoch == 0:  # later epochs meet the same records: count each once
+                    self._bad_docs.append(raw.doc)
+                self._shard_bad_seen += 1
+                self.skipped_total += 1
+                self.last_skip_reason = str(e)
+        encoded = encode_records(self.tokenizer, [r for _, r in good], self.eos_id)
+        self.tokens_total += sum(len(ids) for ids, _ in encoded)
+        self.documents_total += len(encoded)
+        self.tokenize_seconds += time.perf_counter() - t0  # the caller adds its own part
+        return [d for d, _ in good], encoded
 
     def _check_resume_point(
         self, docs: list[int], encoded: list[tuple[np.ndarray, np.ndarray]], offsets: list

@@ -223,10 +223,18 @@ def _resolve(batches: list[Any]) -> list[Any]:
     return [ray.get(b) if isinstance(b, ray.ObjectRef) else b for b in batches]
 
 
-def _tensors(batches: list[Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(input_ids, labels) tensors of each batch, copied out of the read-only object-store views
-    (never written through: see Ray's zero-copy rule)."""
-    return [
-        (torch.from_numpy(np.array(b.input_ids)), torch.from_numpy(np.array(b.labels)))
-        for b in batches
-    ]
+def _tensors(batches: list[Any]) -> list[tuple]:
+    """(input_ids, labels) tensors of each batch, plus (positions, segments) when it packs
+    documents, copied out of the read-only object-store views (never written through: see Ray's
+    zero-copy rule)."""
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.array(a))
+
+    out: list[tuple] = []
+    for b in batches:
+        mb: tuple = (t(b.input_ids), t(b.labels))
+        if getattr(b, "positions", None) is not None:
+            mb += ((t(b.positions), t(b.segments)),)
+        out.append(mb)
+    return out

@@ -6,6 +6,7 @@ post-processor prepends BOS the way Llama's tokenizer.json does.
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -43,3 +44,33 @@ def make_tokenizer(directory: str | Path) -> tuple[str, int, int, int]:
     path.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(path))
     return str(path), bos_id, eos_id, pad_id
+
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+ROLE_WORDS = ["system", "user", "assistant", "tool"]
+
+# A ChatML-like template (as Qwen's and many fine-tunes' are), with the BOS a Llama-3 template
+# puts first: each turn is `<|im_start|>ROLE\nCONTENT<|im_end|>\n`.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def make_chat_tokenizer(directory: str | Path, template: str | None = CHAT_TEMPLATE) -> dict:
+    """The test tokenizer plus `<|im_start|>`/`<|im_end|>` (special) and the role words (appended
+    after the base vocabulary, so every other id is unchanged), and a tokenizer_config.json that
+    holds `template` (None: no chat_template key). Returns the ids of the added tokens."""
+    path, bos_id, eos_id, pad_id = make_tokenizer(directory)
+    tok = Tokenizer.from_file(path)
+    tok.add_special_tokens([IM_START, IM_END])
+    tok.add_tokens(ROLE_WORDS)
+    tok.save(path)
+    config = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
+    if template is not None:
+        config["chat_template"] = template
+    (Path(directory) / "tokenizer_config.json").write_text(json.dumps(config))
+    return {t: tok.token_to_id(t) for t in [IM_START, IM_END, *ROLE_WORDS]}

@@ -68,7 +68,10 @@ def test_directory_without_data_files_is_named(tmp_path):
     (tmp_path / "readme.md").write_text("hi")
     with pytest.raises(DataError) as e:
         find_data_files(tmp_path)
-    assert str(e.value) == f"empty dataset: no .jsonl or .txt files under {tmp_path}"
+    assert str(e.value) == (
+        f"empty dataset: no .jsonl, .parquet or .txt files under {tmp_path} "
+        "(skipped 1 other file(s): readme.md)"
+    )
 
 
 def test_unsupported_single_file(tmp_path):
@@ -145,14 +148,17 @@ def test_parse_text_and_prompt_completion():
         (b"[1, 2]", "d.jsonl:7: expected a JSON object, found an array"),
         (
             b'{"txt": "a", "meta": 1}',
-            'd.jsonl:7: record has no "text" (nor "prompt" + "completion"); '
+            'd.jsonl:7: record has no "text" (nor "prompt" + "completion", "messages", "conversations"); '
             'keys found: "meta", "txt"',
         ),
         (
             b'{"prompt": "a"}',
-            'd.jsonl:7: record has no "text" (nor "prompt" + "completion"); keys found: "prompt"',
+            'd.jsonl:7: record has no "text" (nor "prompt" + "completion", "messages", "conversations"); keys found: "prompt"',
         ),
-        (b"{}", 'd.jsonl:7: record has no "text" (nor "prompt" + "completion"); keys found: none'),
+        (
+            b"{}",
+            'd.jsonl:7: record has no "text" (nor "prompt" + "completion", "messages", "conversations"); keys found: none',
+        ),
         (b'{"text": 5}', 'd.jsonl:7: "text" must be a string, found a number'),
         (
             b'{"prompt": "a", "completion": null}',

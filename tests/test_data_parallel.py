@@ -80,7 +80,7 @@ def test_two_trainers_with_m_micro_batches_train_like_one_with_2m(ray_local, inp
 
 
 def test_an_epoch_whose_last_step_leaves_a_rank_without_batches(ray_local, inputs, tmp_path):
-    m = 3  # the data makes 20 micro-batches: 3 steps of 2×3, then 2 for rank 0 and none for 1
+    m = 4  # the data makes 17 micro-batches: 2 steps of 2×4, then 1 for rank 0 and none for 1
     two, _ = run(inputs, tmp_path / "two", epochs=1, trainers=2, micro_batches_per_step=m)
     one, _ = run(inputs, tmp_path / "one", epochs=1, trainers=1, micro_batches_per_step=2 * m)
 

@@ -29,13 +29,14 @@ def write_jsonl(path, records) -> str:
     return str(path)
 
 
-def reference(model, tokenizer_file, texts, seq_len) -> tuple[float, int]:
-    """Summed next-token NLL / predicted tokens, one forward per record, as transformers gives."""
+def reference(model, tokenizer_file, texts, seq_len, eos=2) -> tuple[float, int]:
+    """Summed next-token NLL / predicted tokens, one forward per record (its ids and the EOS
+    training appends, truncated to seq_len), as transformers gives."""
     tok = Tokenizer.from_file(str(tokenizer_file))
     total, n = 0.0, 0
     with torch.no_grad():
         for text in texts:
-            ids = torch.tensor([tok.encode(text, add_special_tokens=True).ids[:seq_len]])
+            ids = torch.tensor([(tok.encode(text, add_special_tokens=True).ids + [eos])[:seq_len]])
             if ids.shape[1] < 2:
                 continue
             logits = model(input_ids=ids).logits.float()[0]
@@ -62,8 +63,8 @@ def test_base_model_loss_matches_transformers(model_dir, texts, tmp_path):
     loss, n = reference(load_hf(model_dir), model_dir / "tokenizer.json", texts, seq_len=10)
     assert ours["tokens"] == n
     assert abs(ours["loss"] - loss) / loss < RTOL
-    # the empty text is BOS only (predicts nothing); the 40-word one counts seq_len - 1
-    assert n == sum(min(len(t.split()) + 1, 10) - 1 for t in texts)
+    # the empty text is BOS + EOS (predicts the EOS); the 40-word one counts seq_len - 1
+    assert n == sum(min(len(t.split()) + 2, 10) - 1 for t in texts)
 
 
 def test_adapter_loss_matches_peft(model_dir, texts, tmp_path):
@@ -101,7 +102,7 @@ def test_blank_lines_are_skipped_and_grouping_does_not_change_the_result(model_d
     path.write_text("\n" + "\n\n".join(json.dumps({"text": t}) for t in texts) + "\n  \n")
     one_by_one = evaluate(model_dir, path, seq_len=32, batch_tokens=1)
     all_at_once = evaluate(model_dir, path, seq_len=32, batch_tokens=10_000)
-    assert one_by_one["tokens"] == all_at_once["tokens"] == sum(len(t.split()) for t in texts)
+    assert one_by_one["tokens"] == all_at_once["tokens"] == sum(len(t.split()) + 1 for t in texts)
     assert abs(one_by_one["loss"] - all_at_once["loss"]) / all_at_once["loss"] < RTOL
 
 
@@ -111,7 +112,6 @@ def test_blank_lines_are_skipped_and_grouping_does_not_change_the_result(model_d
         ('{"text": "the cat"', "malformed JSON"),
         ('{"body": "the cat"}', 'no "text"'),
         ('{"text": 3}', '"text" must be a string'),
-        ('{"prompt": "a", "completion": "b"}', 'no "text"'),
         ("[1, 2]", "expected a JSON object"),
     ],
 )
@@ -127,14 +127,13 @@ def test_bad_record_names_file_and_line(model_dir, tmp_path, line, message):
 def test_bad_arguments_and_empty_data(model_dir, tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         evaluate(model_dir, tmp_path / "missing.jsonl", seq_len=8)
-    with pytest.raises(ConfigError, match="is a directory"):
-        evaluate(model_dir, tmp_path, seq_len=8)
     data = write_jsonl(tmp_path / "one.jsonl", [{"text": "the cat"}])
     with pytest.raises(ConfigError, match="--seq-len must be ≥ 2"):
         evaluate(model_dir, data, seq_len=1)
-    short = write_jsonl(tmp_path / "short.jsonl", [{"text": ""}, {"text": ""}])
-    with pytest.raises(DataError, match="no record has 2 or more tokens"):
-        evaluate(model_dir, short, seq_len=8)
+    # truncated to 2 tokens, the prompt leaves no target
+    short = write_jsonl(tmp_path / "short.jsonl", [{"prompt": "the cat sat", "completion": "a"}])
+    with pytest.raises(DataError, match="no record has a target token"):
+        evaluate(model_dir, short, seq_len=2)
     with pytest.raises(ModelError, match="does not exist"):
         evaluate(tmp_path / "nope", data, seq_len=8)
 

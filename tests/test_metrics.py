@@ -86,6 +86,8 @@ class RecordEverything:
         driver.queue_depth(worker=1, n=2)
         driver.restart("trainer")
         driver.checkpoint_seconds(1.5)
+        driver.eval_loss(2.5)
+        driver.packing_efficiency(0.9)
         M.WeightStoreMetrics().record(123456789)
 
 

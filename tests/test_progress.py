@@ -125,15 +125,17 @@ def test_a_failing_run_stops_the_live_table_before_the_error_is_printed(
     ray_local, model_dir, tmp_path
 ):
     data = tmp_path / "data.jsonl"
-    lines = [json.dumps({"text": s}) for s in sentences(40)]
-    lines[2] = '{"text": broken'
+    # broken far enough in that the driver's check before training (it reads records until one
+    # has a target) passes and a tokenizer worker meets it mid-run
+    lines = [json.dumps({"text": s}) for s in sentences(200)]
+    lines[149] = '{"text": broken'
     data.write_text("\n".join(lines) + "\n")
     # a terminal console: a live table there takes over sys.stdout and sys.stderr while it runs
     console = Console(file=io.StringIO(), force_terminal=True, width=100)
     progress = Progress("rich", console=console)
     try:
-        with pytest.raises(DataError, match=f"{data}:3: malformed JSON"):
-            train(tiny_run(model_dir, data, tmp_path / "out"), progress)
+        with pytest.raises(DataError, match=f"{data}:150: malformed JSON"):
+            train(tiny_run(model_dir, data, tmp_path / "out", steps=200), progress)
         assert progress.live is None
         # stdout and stderr are the process's again: the CLI's error line goes to the terminal
         # after the table, not into the live region

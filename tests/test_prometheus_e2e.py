@@ -152,7 +152,13 @@ def demo_inputs_with_bad_records(root: Path) -> list[str]:
     corpus.write_text("".join(lines))
     settings = {k: v for k, v in DEMO_SETTINGS.items() if k != "steps"}
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
-    return ["--model", made["model"], "--data", str(corpus), "--on-bad-record", "skip", *flags]
+    # validation on 2% of the documents held out, every 50 steps: the eval-loss panel's series
+    validation = ["--eval-split", "0.02", "--eval-every", "50"]
+    return [
+        *("--model", made["model"], "--data", str(corpus), "--on-bad-record", "skip"),
+        *validation,
+        *flags,
+    ]
 
 
 def kill_a_tokenizer_worker(driver_pid: int) -> None:
@@ -215,6 +221,7 @@ def test_prometheus_scrapes_a_training_run_and_sees_every_dashboard_series(prome
     assert f"http://127.0.0.1:{metrics_port}/metrics" in stderr + "".join(stdout)  # URL printed
     log = [json.loads(line) for line in stdout if line.startswith('{"step"')]
     assert [r["step"] for r in log] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in log if "eval_loss" in r] == [50, 100, 150]
     by_step = {r["step"]: r for r in log}
     tokens_after = [0]
     for r in log:

@@ -100,7 +100,9 @@ def data(tmp_path, tok):
 
 
 def new_worker(data_path, tok, w=0, n=1, seq_len=8, mbs=3, **kw) -> TokenizeWorker:
+    """A worker with the stream packing these tests spell out (documents: tests/test_packing.py)."""
     path, _, eos, pad = tok
+    kw.setdefault("packing", "stream")
     return TokenizeWorker(str(data_path), path, w, n, seq_len, mbs, eos, pad, **kw)
 
 
@@ -296,7 +298,10 @@ def test_directory_without_data_files(tmp_path, tok):
     (tmp_path / "notes.md").write_text("hello")
     with pytest.raises(DataError) as e:
         new_worker(tmp_path, tok)
-    assert str(e.value) == f"empty dataset: no .jsonl or .txt files under {tmp_path}"
+    assert str(e.value) == (
+        f"empty dataset: no .jsonl, .parquet or .txt files under {tmp_path} "
+        "(skipped 1 other file(s): notes.md)"
+    )
 
 
 def test_dataset_without_documents(tmp_path, tok):
@@ -345,7 +350,7 @@ def test_record_without_text_names_the_keys_found(tmp_path, tok):
     with pytest.raises(DataError) as e:
         all_batches(new_worker(f, tok))
     assert str(e.value) == (
-        f'{f}:2: record has no "text" (nor "prompt" + "completion"); keys found: "input", "output"'
+        f'{f}:2: record has no "text" (nor "prompt" + "completion", "messages", "conversations"); keys found: "input", "output"'
     )
 
 
@@ -428,7 +433,7 @@ def test_shard_whose_records_are_all_bad(tmp_path, tok):
         w.next_batch()
     assert str(e.value) == (
         f"worker 0 of 1: all 2 record(s) of its shard of {f} were bad and skipped "
-        f'(last: {f}:2: record has no "text" (nor "prompt" + "completion"); keys found: "t")'
+        f'(last: {f}:2: record has no "text" (nor "prompt" + "completion", "messages", "conversations"); keys found: "t")'
     )
 
 
@@ -477,7 +482,8 @@ def test_actors_tokenize_in_their_own_processes(ray_local, data, tok):
         b = ray.get(actor.next_batch.remote())
         assert b.pid != os.getpid()
         assert b.pid == ray.get(actor.stats.remote())["pid"]
-        assert_same_batches([b], [new_worker(root, tok, w, 2, 8, 2).next_batch()])
+        want = new_worker(root, tok, w, 2, 8, 2, packing="documents").next_batch()
+        assert_same_batches([b], [want])
         # A fresh actor resumes from the batch's cursor.
         resumed = ray.remote(TokenizeWorker).remote(*args, w, 2, 8, 2, eos, pad, cursor=b.cursor)
         assert_same_batches(
@@ -495,7 +501,7 @@ def test_data_error_crosses_the_actor_boundary(ray_local, tmp_path, tok):
     path, _, eos, pad = tok
     f = write_jsonl(tmp_path / "d.jsonl", [{"text": "a"}, {"prompt": "q"}])
     actor = ray.remote(TokenizeWorker).remote(str(f), path, 0, 1, 8, 2, eos, pad)
-    message = f'{f}:2: record has no "text" (nor "prompt" + "completion"); keys found: "prompt"'
+    message = f'{f}:2: record has no "text" (nor "prompt" + "completion", "messages", "conversations"); keys found: "prompt"'
     with pytest.raises(DataError) as e:
         ray.get(actor.next_batch.remote())
     assert message in str(e.value)

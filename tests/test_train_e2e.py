@@ -110,13 +110,14 @@ def test_tokenization_happens_in_the_workers_and_each_token_is_trained_once(
     assert trainer_pid not in worker_pids and len(worker_pids) == 2
     # one epoch: every batch of every shard consumed exactly once...
     assert state.consumed == sum(run.counts)
-    # ...so the trained targets are all the dataset's tokens but each worker stream's first
+    # ...so the trained targets are all the dataset's tokens but each document's first (packed
+    # by documents; no document is longer than a row here, so none is split)
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     docs = [json.loads(line)["text"] for line in data.read_text().splitlines()]
     dataset_tokens = sum(len(tok.encode(d).ids) + 1 for d in docs)  # + EOS per document
-    assert state.target_tokens == dataset_tokens - cfg.tokenize_workers
+    assert state.target_tokens == dataset_tokens - len(docs)
 
 
 def test_schedule_round_robins_and_skips_used_up_workers():
@@ -226,7 +227,8 @@ def _finish(run: Run) -> None:
 
 def test_each_label_token_of_an_epoch_is_trained_exactly_once(ray_local, model_dir, tmp_path):
     """The multiset of label tokens the trainers received (two of them, two workers) is the
-    dataset's tokens, less each worker stream's first token (a label only from the second on)."""
+    dataset's tokens, less each document's first token (packed by documents, a document's first
+    token is never a target)."""
     from collections import Counter
 
     from tokenizers import Tokenizer
@@ -259,7 +261,7 @@ def test_each_label_token_of_an_epoch_is_trained_exactly_once(ray_local, model_d
     docs = [json.loads(line)["text"] for line in data.read_text().splitlines()]
     expected = Counter(t for d in docs for t in [*tok.encode(d).ids, run.inp.eos_id])
     bos = tok.encode(docs[0]).ids[0]
-    expected[bos] -= cfg.tokenize_workers  # each worker's stream starts with a BOS
+    expected[bos] -= len(docs)  # each document starts with a BOS, never a target
     assert seen == expected
 
 

@@ -71,6 +71,13 @@ def linear_weight_names(args: M.ModelArgs) -> list[str]:
     return [f"{module}.weight" for module in family(args).LINEARS]
 
 
+def takes_block_mask(args: M.ModelArgs) -> bool:
+    """Whether the family's attention is model.attention, which takes a flex_attention BlockMask
+    for packed documents on CUDA (the Llama family); the others go through model.attend, which
+    takes a boolean mask."""
+    return family(args) is llama
+
+
 def block_forward(
     x: torch.Tensor,
     w: dict[str, torch.Tensor],

@@ -21,6 +21,4 @@ def block_forward(
     lora: M.LoraContext | None,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if mask is not None:  # model.block_forward takes `mask` once document packing is merged
-        return M.block_forward(x, w, args, cos, sin, lora, mask)
-    return M.block_forward(x, w, args, cos, sin, lora)
+    return M.block_forward(x, w, args, cos, sin, lora, mask)

@@ -1,0 +1,252 @@
+"""Conversations: rendered with the model's chat template as transformers renders it, trained
+on the assistant turns exactly as chat.py defines; ShareGPT and parquet read like JSONL; every
+bad input named with its file:line (or file:row)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from appliance.chat import ChatError, load_chat_template
+from appliance.data import DataError, find_data_files, unreadable_files
+from appliance.evaluate import evaluate
+from appliance.tokenize_worker import TokenizeWorker
+from tests.helpers_model import load_hf, make_model
+from tests.helpers_tokenizer import CHAT_TEMPLATE, make_chat_tokenizer
+
+RTOL = 1e-5
+
+CONVERSATIONS = [
+    [
+        {"role": "system", "content": "the sun"},
+        {"role": "user", "content": "a cat sat on the mat"},
+        {"role": "assistant", "content": "the dog ran far away"},
+        {"role": "user", "content": "big red house"},
+        {"role": "assistant", "content": "small blue tree by the river"},
+    ],
+    [
+        {"role": "user", "content": "night"},
+        {"role": "assistant", "content": "day"},
+    ],
+    [
+        {"role": "user", "content": "the bird sang"},
+        {"role": "assistant", "content": "loud"},
+        {"role": "tool", "content": "rain snow"},
+        {"role": "assistant", "content": "the wind is fast and the moon is slow " * 3},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = make_model(tmp_path_factory.mktemp("chat") / "model", "llama-mha")
+    make_chat_tokenizer(d)
+    return d
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def write_parquet(path, records):
+    """Records as a parquet table: one column per key, null where a record lacks it."""
+    keys = list(dict.fromkeys(k for r in records for k in r))
+    pq.write_table(pa.table({k: [r.get(k) for r in records] for k in keys}), path)
+
+
+def reference_loss(model_dir, conversations, seq_len) -> tuple[float, int]:
+    """The targets of chat.py's definition, computed independently: transformers renders the
+    template (apply_chat_template) and gives the offsets; the loss is the HF model's."""
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = load_hf(model_dir)
+    total, n = 0.0, 0
+    for messages in conversations:
+        full = tok.apply_chat_template(messages, tokenize=False)
+        spans = []
+        for k, m in enumerate(messages):
+            if m["role"] == "assistant":
+                start = tok.apply_chat_template(
+                    messages[:k], tokenize=False, add_generation_prompt=True
+                )
+                end = tok.apply_chat_template(messages[: k + 1], tokenize=False)
+                spans.append((len(start), len(end)))
+        enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids = enc["input_ids"][:seq_len]
+        target = [any(a <= s < b for a, b in spans) for s, _ in enc["offset_mapping"]][:seq_len]
+        labels = torch.tensor(
+            [t if ok else -100 for t, ok in zip(ids[1:], target[1:], strict=True)]
+        )
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits.float()[0, :-1]
+        total += float(F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum"))
+        n += int((labels != -100).sum())
+    return total / n, n
+
+
+@pytest.mark.parametrize("seq_len", [200, 40])  # whole conversations; truncated ones
+def test_eval_loss_on_conversations_equals_transformers_on_the_defined_targets(
+    model_dir, tmp_path, seq_len
+):
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CONVERSATIONS])
+    ours = evaluate(model_dir, data, seq_len=seq_len)
+    loss, n = reference_loss(model_dir, CONVERSATIONS, seq_len)
+    assert ours["tokens"] == n
+    assert abs(ours["loss"] - loss) / loss < RTOL
+
+
+def worker_batches(data, model_dir, **kw):
+    w = TokenizeWorker(
+        str(data),
+        str(model_dir / "tokenizer.json"),
+        0,
+        1,
+        seq_len=32,
+        micro_batch_size=2,
+        eos_id=2,
+        pad_id=0,
+        chat_template=load_chat_template(model_dir),
+        **kw,
+    )
+    out = []
+    while (b := w.next_batch()) is not None:
+        out.append(b)
+    return out
+
+
+def assert_same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        for name in ("input_ids", "labels", "positions", "segments"):
+            np.testing.assert_array_equal(getattr(x, name), getattr(y, name))
+
+
+def test_only_assistant_turns_and_their_end_of_turn_are_targets(model_dir, tmp_path):
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATIONS[1]}])
+    [b] = worker_batches(data, model_dir)
+    vocab = json.loads((model_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    added = {
+        t["content"]: t["id"]
+        for t in json.loads((model_dir / "tokenizer.json").read_text())["added_tokens"]
+    }
+    targets = b.labels[b.labels != -100].tolist()
+    assert targets == [vocab["day"], added["<|im_end|>"]]  # not "user", "night", nor the prompt
+
+
+def test_sharegpt_and_parquet_give_the_same_batches_as_jsonl(model_dir, tmp_path):
+    records = [{"messages": m} for m in CONVERSATIONS] + [
+        {"text": "the cat sat"},
+        {"prompt": "a dog", "completion": "ran far"},
+    ]
+    jsonl = worker_batches(write_jsonl(tmp_path / "a.jsonl", records), model_dir)
+    names = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
+    sharegpt = [
+        {
+            "conversations": [
+                {"from": names[m["role"]], "value": m["content"]} for m in r["messages"]
+            ]
+        }
+        if "messages" in r
+        else r
+        for r in records
+    ]
+    assert_same(worker_batches(write_jsonl(tmp_path / "s.jsonl", sharegpt), model_dir), jsonl)
+    (tmp_path / "pq").mkdir()
+    write_parquet(tmp_path / "pq" / "0.parquet", records[:2])
+    write_parquet(tmp_path / "pq" / "1.parquet", records[2:])
+    assert_same(worker_batches(tmp_path / "pq", model_dir), jsonl)
+
+
+def test_template_sources_named_list_jinja_file_and_override(model_dir, tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    make_chat_tokenizer(d, template=None)
+    assert load_chat_template(d) is None
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    config["chat_template"] = [
+        {"name": "tool_use", "template": "x"},
+        {"name": "default", "template": CHAT_TEMPLATE},
+    ]
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    assert load_chat_template(d).template == CHAT_TEMPLATE
+    (d / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert load_chat_template(d).source.endswith("chat_template.jinja")
+    (tmp_path / "mine.jinja").write_text(CHAT_TEMPLATE)
+    assert load_chat_template(d, tmp_path / "mine.jinja").template == CHAT_TEMPLATE
+    with pytest.raises(ChatError, match="--chat-template nope.jinja: no such file"):
+        load_chat_template(d, "nope.jinja")
+
+
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        (
+            {"messages": "hi"},
+            '"messages" must be a list of {"role": ..., "content": "..."} objects (found str)',
+        ),
+        ({"messages": [{"role": "user"}]}, '"messages"[0] must be {"role", "content"}'),
+        (
+            {"messages": [{"role": "user", "content": 3}]},
+            '"messages"[0].content must be a string (found int)',
+        ),
+        (
+            {"messages": [{"role": "robot", "content": "a"}]},
+            "\"messages\"[0] has unknown role 'robot'; expected one of system, user, assistant, tool",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "a"}]},
+            "conversation has no assistant turn: nothing to learn",
+        ),
+        (
+            {"conversations": [{"from": "bot", "value": "a"}]},
+            "\"conversations\"[0] has unknown from 'bot'; expected one of system, human, gpt, tool",
+        ),
+    ],
+)
+def test_bad_chat_records_name_file_and_line(model_dir, tmp_path, record, message):
+    data = write_jsonl(tmp_path / "bad.jsonl", [{"messages": CONVERSATIONS[1]}, record])
+    with pytest.raises(DataError) as e:
+        worker_batches(data, model_dir)
+    assert str(e.value) == f"{data}:2: {message}"
+    skipped = worker_batches(data, model_dir, on_bad_record="skip")  # or skipped and counted
+    assert skipped[-1].skipped_records == 1
+
+
+def test_chat_record_without_a_template_says_to_pass_one(model_dir, tmp_path):
+    data = write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATIONS[1]}])
+    w = TokenizeWorker(str(data), str(model_dir / "tokenizer.json"), 0, 1, 16, 1, 2, 0)
+    with pytest.raises(
+        DataError,
+        match=r"c.jsonl:1: a chat record, but the tokenizer has no "
+        r"chat template .*pass --chat-template FILE",
+    ):
+        w.next_batch()
+
+
+def test_template_whose_prefixes_move_is_refused_naming_it(model_dir, tmp_path):
+    # puts the number of messages first: a prefix renders differently from the whole
+    (tmp_path / "t.jinja").write_text(
+        "{{ messages|length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    data = write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATIONS[1]}])
+    with pytest.raises(DataError, match=r"c.jsonl:1: chat template .*t.jinja renders the first"):
+        evaluate(model_dir, data, seq_len=32, chat_template=tmp_path / "t.jinja")
+
+
+def test_parquet_errors_name_file_and_row_and_other_files_are_named(model_dir, tmp_path):
+    (tmp_path / "d").mkdir()
+    write_parquet(tmp_path / "d" / "p.parquet", [{"text": "the cat"}, {"body": "x"}])
+    (tmp_path / "d" / "notes.csv").write_text("a,b\n")
+    assert unreadable_files(tmp_path / "d") == ["notes.csv"]
+    assert find_data_files(tmp_path / "d") == [tmp_path / "d" / "p.parquet"]
+    with pytest.raises(
+        DataError, match=r"p.parquet:row 1: record has no \"text\".*keys found: \"body\""
+    ):
+        worker_batches(tmp_path / "d", model_dir)
