@@ -151,8 +151,7 @@ def check_box(cfg: TrainConfig, args: ModelArgs) -> None:
 
     device = resolve_device(cfg.device)
     dtype_bytes = dtype_from_name(resolve_dtype(cfg.dtype, device)).itemsize
-    quant = getattr(cfg, "base_quant", "none")
-    problems = blocking_problems(args, device == "cuda", quant, dtype_bytes)
+    problems = blocking_problems(args, device == "cuda", cfg.base_quant, dtype_bytes)
     if problems:
         problems.append(f"(appliance doctor --model {cfg.model} checks the rest of this box)")
         raise ConfigError("\n".join(problems))
@@ -284,7 +283,7 @@ def resolve_micro_batches(inp: Inputs, progress: Progress) -> None:
         lora_targets=tuple(cfg.lora_targets),
         dtype_bytes=dtype_from_name(inp.dtype).itemsize,
         budget=cfg.budget_bytes(),
-        base_quant=getattr(cfg, "base_quant", "none"),
+        base_quant=cfg.base_quant,
     )
     cfg.micro_batches_per_step = m
     progress.note(
