@@ -34,7 +34,7 @@ from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .model import ModelArgs
 from .models import resolve_targets
 from .progress import Progress
-from .run import IDENTITY_KEYS, RUN_FILE, Inputs, Run, run_identity, write_run_file
+from .run import IDENTITY_KEYS, LEGACY_IDENTITY, RUN_FILE, Inputs, Run, run_identity, write_run_file
 from .storage import StorageError
 from .trainer import resolve_device, resolve_dtype
 
@@ -163,7 +163,8 @@ def check_output(cfg: TrainConfig) -> None:
     run_file = storage.join(out, RUN_FILE)
     if storage.exists(run_file):
         previous = json.loads(storage.read_bytes(run_file))
-        recorded = previous.get("identity", {}).get("micro_batches_per_step")
+        previous["identity"] = {**LEGACY_IDENTITY, **previous.get("identity", {})}
+        recorded = previous["identity"].get("micro_batches_per_step")
         if cfg.resume and cfg.micro_batches_per_step == "auto" and recorded is not None:
             cfg.micro_batches_per_step = recorded  # auto was resolved when the run started
         same = previous.get("identity") == run_identity(cfg)
@@ -211,7 +212,8 @@ def recorded_config(output: str) -> dict | None:
     run_file = storage.join(output, RUN_FILE)
     if not storage.exists(run_file):
         return None
-    return json.loads(storage.read_bytes(run_file)).get("config")
+    config = json.loads(storage.read_bytes(run_file)).get("config")
+    return None if config is None else {**LEGACY_IDENTITY, **config}
 
 
 def remove_previous_run(output: str) -> None:

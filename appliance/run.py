@@ -91,6 +91,9 @@ IDENTITY_KEYS = (
     "packing",
     "eval_split",
 )
+# what a run.json written before an identity key existed meant by its absence: such a run packed
+# documents as one stream, had an unquantized base and no held-out split
+LEGACY_IDENTITY = {"base_quant": "none", "packing": "stream", "eval_split": None}
 
 
 @dataclass

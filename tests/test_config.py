@@ -125,3 +125,31 @@ def test_a_config_file_that_is_not_a_mapping_is_refused(tmp_path):
         C.read_config_file(path)
     with pytest.raises(ConfigError, match="file not found"):
         C.read_config_file(tmp_path / "missing.yaml")
+
+
+def test_a_run_recorded_before_packing_and_quantization_resumes_as_it_was(tmp_path):
+    """A run.json written before `packing`, `base_quant` and `eval_split` were part of a run:
+    `--output O --resume` alone continues it as it ran (documents packed as one stream), and a
+    command that asks for document packing is refused, naming both values."""
+    import json
+
+    from appliance.driver import check_output, recorded_config
+    from appliance.run import LEGACY_IDENTITY, RUN_FILE, run_identity
+
+    out = tmp_path / "out"
+    out.mkdir()
+    old = C.build_config({}, {"model": "m", "data": "d", "output": str(out), "packing": "stream"})
+    record = {"identity": run_identity(old), "config": old.to_dict(), "status": "interrupted"}
+    for key in LEGACY_IDENTITY:  # what an older appliance did not write
+        del record["identity"][key], record["config"][key]
+    (out / RUN_FILE).write_text(json.dumps(record))
+
+    resumed = C.build_config(
+        {}, {"output": str(out), "resume": True}, run_values=recorded_config(str(out))
+    )
+    assert (resumed.packing, resumed.base_quant, resumed.eval_split) == ("stream", "none", None)
+    check_output(resumed)  # the same run: no error
+
+    asked = C.build_config({}, {"model": "m", "data": "d", "output": str(out), "resume": True})
+    with pytest.raises(ConfigError, match="--packing documents \\(the run: stream\\)"):
+        check_output(asked)
