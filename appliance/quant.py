@@ -20,7 +20,9 @@ Definitions (the tests check these exactly against a direct implementation):
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -138,15 +140,41 @@ def check_quantizable(name: str, shape: tuple[int, ...], dtype: torch.dtype | st
 
 
 def quantize(w: torch.Tensor, kind: str, name: str = "weight") -> QuantizedTensor:
-    """Quantize a 2-D weight (any float dtype; converted to fp32 first) as `kind`."""
+    """Quantize a 2-D weight (any float dtype; converted to fp32 first) as `kind`.
+
+    On a CPU with numba, quant_cpu's fused kernels (one pass per value); else the PyTorch
+    functions below. Both give the same codes and scales (tests compare them bit for bit)."""
     check_quantizable(name, tuple(w.shape), w.dtype)
-    if kind == "int8":
-        codes, scales = quantize_int8(w)
-    elif kind == "nf4":
-        codes, scales = quantize_nf4(w)
-    else:
+    if kind not in ("int8", "nf4"):
         raise ValueError(f"unknown quantization {kind!r}; one of int8, nf4")
+    fused = _fused_kernels() if w.device.type == "cpu" else None
+    if kind == "int8":
+        codes, scales, bad = fused.quantize_int8(w) if fused else quantize_int8(w)
+        where = f"row {bad}"
+    else:
+        codes, scales, bad = fused.quantize_nf4(w, NF4_THRESHOLDS) if fused else quantize_nf4(w)
+        where = f"values {bad * NF4_BLOCK}..{(bad + 1) * NF4_BLOCK - 1} (flattened)"
+    if bad >= 0:
+        raise ModelError(
+            f"{name}: {where} holds inf or NaN, which cannot be quantized; the checkpoint is "
+            "damaged (re-download or re-export it) or use --base-quant none"
+        )
     return QuantizedTensor(kind, tuple(w.shape), codes, scales)
+
+
+@functools.cache
+def _fused_kernels():
+    """quant_cpu (numba's fused kernels), imported on first use; None where numba is missing or
+    cannot compile here (then the PyTorch functions code the same values, ~5x slower)."""
+    try:
+        from . import quant_cpu
+    except (ImportError, RuntimeError, OSError) as e:  # no numba; no writable cache directory
+        warnings.warn(
+            f"--base-quant: numba's CPU kernels unavailable ({e}); quantizing with PyTorch, slower",
+            stacklevel=2,
+        )
+        return None
+    return quant_cpu
 
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
@@ -159,18 +187,21 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
 # ---------------------------------------------------------------- int8
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes int8 (out, in), scales fp32 (out,)): symmetric per output row."""
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(codes int8 (out, in), scales fp32 (out,), the first row holding inf/NaN or -1):
+    symmetric per output row."""
     codes = torch.empty(w.shape, dtype=torch.int8)
     scales = torch.empty(w.shape[0], dtype=torch.float32)
     rows = max(1, _CHUNK // max(1, w.shape[1]))
     for r in range(0, w.shape[0], rows):  # in slices of rows: fp32 temporaries stay small
         x = w[r : r + rows].to(torch.float32, copy=True)
         s = x.abs().amax(dim=1) / 127  # max|w_row| / 127
+        if not torch.isfinite(s).all():  # refused by quantize, naming the row
+            return codes, scales, r + int((~torch.isfinite(s)).nonzero()[0])
         scales[r : r + rows] = s
         x.div_(torch.where(s == 0, 1.0, s)[:, None])  # a zero row: 0 / 1, all zeros
         codes[r : r + rows] = x.round_().clamp_(-127, 127)  # round half to even
-    return codes, scales
+    return codes, scales, -1
 
 
 def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -237,8 +268,9 @@ def _nf4_tables() -> tuple[torch.Tensor, torch.Tensor]:
 _NF4_BASE, _NF4_THRESHOLD = _nf4_tables()
 
 
-def quantize_nf4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes uint8 (nblocks·32,), absmax fp32 (nblocks,)) of `w` flattened row-major."""
+def quantize_nf4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(codes uint8 (nblocks·32,), absmax fp32 (nblocks,), the first block holding inf/NaN or
+    -1) of `w` flattened row-major."""
     flat = w.reshape(-1)
     n = flat.numel()
     blocks = -(-n // NF4_BLOCK)
@@ -253,6 +285,8 @@ def quantize_nf4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.view(-1, NF4_BLOCK)
         m = x.abs().amax(dim=1)  # absmax per block
         b0 = start // NF4_BLOCK
+        if not torch.isfinite(m).all():  # refused by quantize, naming the block
+            return codes, absmax, b0 + int((~torch.isfinite(m)).nonzero()[0])
         absmax[b0 : b0 + x.shape[0]] = m
         x.div_(torch.where(m == 0, 1.0, m)[:, None])  # a zero block: 0 / 1, all 0.0
         y = x.view(-1)
@@ -262,7 +296,7 @@ def quantize_nf4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         code = code.view(-1, 2)
         c0 = b0 * NF4_BLOCK // 2
         codes[c0 : c0 + code.shape[0]] = code[:, 0] * 16 + code[:, 1]  # first value: high nibble
-    return codes, absmax
+    return codes, absmax, -1
 
 
 def dequantize_nf4(

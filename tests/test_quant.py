@@ -61,7 +61,8 @@ def int8_cases() -> list[torch.Tensor]:
     w[3] = 0  # a zero row
     w[5, :6] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5])  # scale 1: exact halves
     w[5, 6:] = 0.25
-    return [w, w.to(torch.bfloat16), torch.randn(1, 1, generator=g)]
+    big = torch.randn(70, 130, generator=g).to(torch.bfloat16)  # 9100 values: several chunks
+    return [w, w.to(torch.bfloat16), torch.randn(1, 1, generator=g), w.to(torch.float16), big]
 
 
 def nf4_cases() -> list[torch.Tensor]:
@@ -74,13 +75,43 @@ def nf4_cases() -> list[torch.Tensor]:
     ties.view(-1)[0] = 1.0  # absmax 1: w / absmax is w itself
     ties.view(-1)[1:16] = torch.from_numpy(mids)
     ties.view(-1)[16:31] = -torch.from_numpy(mids)
-    return [padded, zero_block, ties, padded.to(torch.bfloat16), torch.randn(1, 3, generator=g)]
+    big = torch.randn(70, 130, generator=g).to(torch.bfloat16)  # 9100 values: several chunks
+    big[7] = 0
+    return [
+        padded,
+        zero_block,
+        ties,
+        padded.to(torch.bfloat16),
+        torch.randn(1, 3, generator=g),
+        padded.to(torch.float16),
+        big,
+    ]
 
 
-@pytest.mark.parametrize("case", range(3))
-def test_int8_codes_and_scales_equal_the_definition(case):
+def fused():
+    """quant_cpu, numba's fused kernels: quant.quantize's path on a CPU (numba is a dependency)."""
+    from appliance import quant_cpu
+
+    assert quant._fused_kernels() is quant_cpu
+    return quant_cpu
+
+
+# the two implementations of each definition: the fused CPU kernel and the PyTorch functions
+# (what a device without numba, or a CUDA tensor, uses); each must equal the reference exactly
+INT8 = {"fused": lambda w: fused().quantize_int8(w), "torch": quant.quantize_int8}
+NF4 = {
+    "fused": lambda w: fused().quantize_nf4(w, quant.NF4_THRESHOLDS),
+    "torch": quant.quantize_nf4,
+}
+
+
+@pytest.mark.parametrize("impl", INT8)
+@pytest.mark.parametrize("case", range(5))
+def test_int8_codes_and_scales_equal_the_definition(case, impl):
     w = int8_cases()[case]
-    q = quant.quantize(w, "int8")
+    got = INT8[impl](w)
+    assert got[2] == -1  # no row refused
+    q = QuantizedTensor("int8", tuple(w.shape), got[0], got[1])
     codes, scales = reference_int8(w)
     assert q.codes.dtype == torch.int8 and q.codes.shape == w.shape
     np.testing.assert_array_equal(q.codes.numpy(), codes)
@@ -92,10 +123,13 @@ def test_int8_codes_and_scales_equal_the_definition(case):
         assert q.codes[5, :6].tolist() == [127, 0, 2, 2, 0, -2]  # round half to even
 
 
-@pytest.mark.parametrize("case", range(5))
-def test_nf4_codes_and_absmax_equal_the_definition(case):
+@pytest.mark.parametrize("impl", NF4)
+@pytest.mark.parametrize("case", range(7))
+def test_nf4_codes_and_absmax_equal_the_definition(case, impl):
     w = nf4_cases()[case]
-    q = quant.quantize(w, "nf4")
+    got = NF4[impl](w)
+    assert got[2] == -1  # no block refused
+    q = QuantizedTensor("nf4", tuple(w.shape), got[0], got[1])
     codes, absmax = reference_nf4(w)
     np.testing.assert_array_equal(q.codes.numpy(), codes)
     np.testing.assert_array_equal(q.scales.numpy(), absmax)
@@ -107,6 +141,23 @@ def test_nf4_codes_and_absmax_equal_the_definition(case):
         assert (q.codes[32:64] == 0x77).all() and q.scales[1] == 0  # a zero block codes 0.0
     if case == 0:
         assert (q.codes[-4:] & 15 == 7).all()  # the padding codes 0.0
+
+
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+@pytest.mark.parametrize("impl", ["fused", "torch"])
+def test_inf_or_nan_weights_are_refused_naming_the_tensor_and_where(kind, impl, monkeypatch):
+    """A damaged checkpoint (an inf or a NaN in a weight) is refused before it is coded: its
+    absmax would make every code of the row or block meaningless."""
+    if impl == "torch":
+        monkeypatch.setattr(quant, "_fused_kernels", lambda: None)
+    w = torch.randn(6, 100, dtype=torch.bfloat16)
+    w[4, 70] = float("nan")
+    w[5, 3] = float("inf")
+    with pytest.raises(ModelError) as e:
+        quant.quantize(w, kind, "model.layers.1.self_attn.o_proj.weight")
+    where = "row 4" if kind == "int8" else "values 448..511"  # value 470 is in block 7
+    assert "model.layers.1.self_attn.o_proj.weight" in str(e.value) and where in str(e.value)
+    assert "--base-quant none" in str(e.value)
 
 
 @pytest.mark.parametrize("case", [0, 1, 3, 4])
