@@ -13,7 +13,9 @@ sharded safetensors) into a temporary directory, and deletes it at the end. Then
    private memory (sampled; the object store's shared pages are not private) beside one block.
 
 GB/s is checkpoint bytes / seconds for both, so the ratio store/read is the fraction of the disk
-(page-cache) rate the store reaches. Prints a table; --json writes every number.
+(page-cache) rate the store reaches. Then the quantizers alone: ns per value of the fused CPU
+kernels (quant_cpu, what the store uses) and of the PyTorch functions, one thread, on one
+(8192, 2048) bf16 weight (the 1B shape's MLP). Prints tables; --json writes every number.
 """
 
 from __future__ import annotations
@@ -175,6 +177,36 @@ def store_load(model_dir: Path, kind: str, threads: int | None) -> dict:
         ray.kill(actor)
 
 
+def kernel_rates(kinds: list[str], repeats: int = 5) -> list[dict]:
+    """ns per value of each quantizer on one (8192, 2048) bf16 weight, best of `repeats`, on one
+    thread (the store runs one per reader thread): the fused kernel against the PyTorch one."""
+    w = (torch.randn(8192, 2048, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16()
+    fused = quant._fused_kernels()
+    impls = {
+        "int8": {"torch": quant.quantize_int8},
+        "nf4": {"torch": quant.quantize_nf4},
+    }
+    if fused is not None:
+        impls["int8"]["fused"] = fused.quantize_int8
+        impls["nf4"]["fused"] = lambda x: fused.quantize_nf4(x, quant.NF4_THRESHOLDS)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows = []
+    try:
+        for kind in (k for k in kinds if k in impls):  # in the order asked
+            for name, fn in impls[kind].items():
+                fn(w[:64])  # compiled / warm
+                best = math.inf
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    fn(w)
+                    best = min(best, time.perf_counter() - t0)
+                rows.append({"quant": kind, "impl": name, "ns_per_value": best / w.numel() * 1e9})
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
 def run(model: str | None, kinds: list[str], read_passes: int, threads: int | None) -> dict:
     import ray
 
@@ -225,6 +257,7 @@ def run(model: str | None, kinds: list[str], read_passes: int, threads: int | No
         "load_average": os.getloadavg(),  # this machine is shared: wall times depend on it
         "read": {"seconds": read_s, "gb_per_second": read_rate / GB, "passes": read_passes},
         "store": rows,
+        "kernels": kernel_rates(kinds),
     }
 
 
@@ -248,6 +281,11 @@ def format_table(result: dict) -> str:
             f"{s.get('time_vs_none', float('nan')):.2f} | {s['store_bytes'] / GB:.2f} | "
             f"{s['peak_private_bytes'] / 2**20:.0f} | {s['quantized_block_bytes'] / 2**20:.0f} |"
         )
+    if result.get("kernels"):
+        lines += ["", "| quantizer (1 thread, (8192, 2048) bf16) | ns/value |", "|---|---:|"]
+        lines += [
+            f"| {k['quant']} {k['impl']} | {k['ns_per_value']:.2f} |" for k in result["kernels"]
+        ]
     return "\n".join(lines)
 
 

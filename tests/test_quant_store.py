@@ -108,3 +108,28 @@ def test_the_load_bench_checkpoint_is_a_valid_sharded_model(tmp_path):
     assert written == args.param_count() * 2  # bf16
     assert read_files(tmp_path / "m")[0] > written  # the files: tensors + headers
     assert WeightStore(tmp_path / "m", "bfloat16").handles().nbytes >= written
+
+
+def test_the_load_bench_times_both_quantizers_and_prints_them():
+    """The kernel table of `appliance bench --load`: the fused kernel (numba is a dependency) and
+    the PyTorch functions, for each --quant asked (none has no quantizer)."""
+    from appliance.load_bench import format_table, kernel_rates
+
+    rows = kernel_rates(["none", "nf4", "int8"], repeats=1)
+    assert [(r["quant"], r["impl"]) for r in rows] == [
+        ("nf4", "torch"),
+        ("nf4", "fused"),
+        ("int8", "torch"),
+        ("int8", "fused"),
+    ]
+    assert all(r["ns_per_value"] > 0 for r in rows)
+    result = {
+        "model": "m",
+        "checkpoint_bytes": 1,
+        "cpus": 2,
+        "load_average": (0.0, 0.0, 0.0),
+        "read": {"seconds": 1.0, "gb_per_second": 1.0},
+        "store": [],
+        "kernels": rows,
+    }
+    assert "| nf4 fused |" in format_table(result) and "| int8 torch |" in format_table(result)
