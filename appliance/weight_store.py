@@ -9,9 +9,8 @@ A plain class: without Ray (tests, `appliance eval`) it keeps the buffers itself
 
 Loading reads each tensor's bytes from the safetensors files straight into its block's buffer
 (at the offsets the file headers give), converting or quantizing (--base-quant) in the same pass
-where the stored dtype is not the one kept; a few threads read and convert the next blocks while
-the current one is put into the object store. Peak memory: the store's copy of the model plus
-the blocks in flight (one per reading thread and the one being put).
+where the stored dtype is not the one kept; a few threads each read, convert and put one block
+at a time, side by side. Peak memory: the store's copy of the model plus one block per thread.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,32 +116,31 @@ class WeightStore:
         # block (fresh memory would cost a page fault per 4 KiB, every block). Without Ray the
         # store keeps the buffers themselves.
         recycle = put is not _keep
-        free: list[np.ndarray] = []
+        free: list[np.ndarray] = []  # list.append/pop are atomic: shared by the threads
         block_size = max((size for _, _, size, _ in plans[1:]), default=0)
 
-        def submit(k: int):
+        def load(k: int) -> tuple[Any, FlatIndex, int]:
+            """Read (and convert) buffer k, then put it: the two copies of one buffer run in one
+            thread, the threads' buffers side by side (Ray's put is one memcpy per call, in the
+            calling thread: putting from one thread only made it the whole load's bottleneck)."""
             out = None
             if recycle and k > 0:
-                out = free.pop() if free else np.empty(block_size, dtype=np.uint8)
-            return pool.submit(_read_buffer, *plans[k], out), out
+                try:
+                    out = free.pop()
+                except IndexError:
+                    out = np.empty(block_size, dtype=np.uint8)
+            buf, index = _read_buffer(*plans[k], out)
+            ref = put(buf)
+            if out is not None:
+                free.append(out)
+            return ref, index, buf.nbytes
 
-        refs, indexes, nbytes = [], [], 0
-        # a few blocks read and converted by threads, in order, while the previous one is put
+        # every buffer, in order, by a few threads (each holds one buffer at a time)
         with ThreadPoolExecutor(self.read_threads) as pool:
-            pending: deque = deque(submit(k) for k in range(min(self.read_threads, len(plans))))
-            k = len(pending)
-            while pending:
-                future, out = pending.popleft()
-                buf, index = future.result()
-                if k < len(plans):
-                    pending.append(submit(k))
-                    k += 1
-                nbytes += buf.nbytes
-                refs.append(put(buf))
-                indexes.append(index)
-                del buf
-                if out is not None:
-                    free.append(out)
+            loaded = list(pool.map(load, range(len(plans))))
+        refs = [ref for ref, _, _ in loaded]
+        indexes = [index for _, index, _ in loaded]
+        nbytes = sum(n for _, _, n in loaded)
         self.load_count += 1
         WeightStoreMetrics().record(nbytes)
         self.load_seconds = time.perf_counter() - t0
