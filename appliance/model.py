@@ -174,12 +174,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     (transformers' convention). x (B, n, T, hs), cos/sin (T, hs) or (B, 1, T, hs).
 
     Written without the negated half and the cat: (-x2, x1)·(s1, s2) = (x2, x1)·(-s1, s2), so the
-    halves are swapped by one roll and the sign moves into the small sin table (exact: a negation
-    does not round); addcmul then does x·cos + rolled·sin in one pass instead of mul, mul, add.
+    halves are swapped by one roll and the sign moves into the small sin table. Bitwise equal to
+    transformers (a negation does not round); addcmul would save one more pass but rounds its
+    multiply-add differently (1 ulp), which doubled the worst parity error against transformers.
     """
     half = x.shape[-1] // 2
     signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-    return torch.addcmul(x * cos, x.roll(half, dims=-1), signed_sin)
+    return x * cos + x.roll(half, dims=-1) * signed_sin
 
 
 def rope_at(
@@ -261,20 +262,19 @@ class LoraContext:
 def linear(
     x: torch.Tensor, w: dict[str, torch.Tensor], module: str, lora: LoraContext | None
 ) -> torch.Tensor:
-    """x Wᵀ + b, plus LoRA's scale · dropout(x) Aᵀ Bᵀ when `lora` adapts `module`."""
-    x2 = x.reshape(-1, x.shape[-1])  # (B·T, in): the LoRA update is a plain 2-D GEMM
-    y = F.linear(x2, w[f"{module}.weight"], w.get(f"{module}.bias"))  # (B·T, out)
+    """x Wᵀ + b, plus LoRA's scale · dropout(x) Aᵀ Bᵀ when `lora` adapts `module` (PEFT's order
+    of operations: the product, then the scale, then the add; see docs/benchmarks.md 2026-11-23
+    for why not one addmm_)."""
+    y = F.linear(x, w[f"{module}.weight"], w.get(f"{module}.bias"))
     if lora is not None and module in lora.weights:
         A, B = lora.weights[module]
-        scale = lora.scale
+        h = x
         if lora.dropout > 0:
             keep = 1.0 - lora.dropout
-            x2 = x2 * torch.empty_like(x2).bernoulli_(keep, generator=lora.generator)
-            scale /= keep  # dropout's 1/keep rescale, folded into the GEMM's alpha (A is linear)
-        # y += scale · (x Aᵀ) Bᵀ: one GEMM that accumulates into y, instead of a product, a
-        # scaled copy and an add. In place is safe under autograd: F.linear does not save y.
-        y.addmm_(F.linear(x2, A), B.t(), alpha=scale)
-    return y.view(*x.shape[:-1], y.shape[-1])
+            mask = torch.empty_like(x).bernoulli_(keep, generator=lora.generator)
+            h = x * mask / keep
+        y = y + F.linear(F.linear(h, A), B) * lora.scale
+    return y
 
 
 def attention(
