@@ -169,13 +169,18 @@ def rope_cos_sin(
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin  # (B, n, T, hs) * (T, hs) or (B, 1, T, hs)
+    """x·cos + rotate_half(x)·sin, with rotate_half(x) = (-x2, x1) for the halves x1, x2 of a head
+    (transformers' convention). x (B, n, T, hs), cos/sin (T, hs) or (B, 1, T, hs).
+
+    Written without the negated half and the cat: (-x2, x1)·(s1, s2) = (x2, x1)·(-s1, s2), so the
+    halves are swapped by one roll and the sign moves into the small sin table. Bitwise equal to
+    transformers (a negation does not round); addcmul would save one more pass but rounds its
+    multiply-add differently (1 ulp), which doubled the worst parity error against transformers.
+    """
+    half = x.shape[-1] // 2
+    signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    return x * cos + x.roll(half, dims=-1) * signed_sin
 
 
 def rope_at(
@@ -230,12 +235,13 @@ def _flex_attention(q, k, v, block_mask, enable_gqa: bool) -> torch.Tensor:
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
 ) -> torch.Tensor:
-    # normalize in fp32 (as HF does), then scale in the compute dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if offset:  # Gemma: x·(offset + w), the product in fp32, then cast
-        return (xf * (offset + weight.float())).to(x.dtype)
-    return weight * xf.to(x.dtype)
+    """RMSNorm over the last dimension as transformers computes it: normalized in fp32, then
+    scaled by w in the compute dtype (LlamaRMSNorm), or by (offset + w) in fp32 before the cast
+    (Gemma, offset 1). F.rms_norm is one fused kernel on CUDA; on CPU it computes the same
+    x·rsqrt(mean(x²) + eps) (bitwise equal to writing it out)."""
+    if offset:
+        return F.rms_norm(x.float(), x.shape[-1:], offset + weight.float(), eps).to(x.dtype)
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
 @dataclass
@@ -256,6 +262,9 @@ class LoraContext:
 def linear(
     x: torch.Tensor, w: dict[str, torch.Tensor], module: str, lora: LoraContext | None
 ) -> torch.Tensor:
+    """x Wᵀ + b, plus LoRA's scale · dropout(x) Aᵀ Bᵀ when `lora` adapts `module` (PEFT's order
+    of operations: the product, then the scale, then the add; see docs/benchmarks.md 2026-11-23
+    for why not one addmm_)."""
     y = F.linear(x, w[f"{module}.weight"], w.get(f"{module}.bias"))
     if lora is not None and module in lora.weights:
         A, B = lora.weights[module]
@@ -335,9 +344,18 @@ def attend(
     return F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate)·up (SwiGLU). Without autograd (the streamed forward) in place, into `gate`: no
+    temporaries. With autograd the out-of-place form: autograd would have to keep copies of what
+    the in-place ops overwrite, which measured slower (docs/benchmarks.md)."""
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return F.silu(gate) * up
+    return F.silu(gate, inplace=True).mul_(up)
+
+
 def mlp(x: torch.Tensor, w: dict[str, torch.Tensor], lora: LoraContext | None) -> torch.Tensor:
-    gate = F.silu(linear(x, w, "mlp.gate_proj", lora))
-    return linear(gate * linear(x, w, "mlp.up_proj", lora), w, "mlp.down_proj", lora)
+    h = silu_mul(linear(x, w, "mlp.gate_proj", lora), linear(x, w, "mlp.up_proj", lora))
+    return linear(h, w, "mlp.down_proj", lora)
 
 
 def block_forward(

@@ -17,7 +17,6 @@ from click.testing import CliRunner
 from appliance import hardware
 from appliance.bench import PRESETS, SyntheticBlockSource
 from appliance.cli import main
-from appliance.engine import DeviceWeights
 from appliance.plan import (
     PlanInput,
     block_bytes,
@@ -28,6 +27,7 @@ from appliance.plan import (
     make_plan,
 )
 from appliance.planner import CUDA_MARGIN_BYTES, effective_budget
+from appliance.streaming import DeviceWeights
 
 A10_BUDGET = int(0.9 * 23028 * 2**20)  # the engine's default budget: 90 % of what the card has
 A10_B, A10_P = 25e9, 70e12
