@@ -29,6 +29,7 @@ import platform
 import statistics
 import sys
 import time
+import zlib
 from dataclasses import asdict
 from pathlib import Path
 
@@ -86,7 +87,8 @@ class SyntheticBlockSource:
             t.fill_(1.0)
             return
         flat, n, P = t.view(-1), t.numel(), self.POOL
-        o = (hash((self._seed, i, name)) & 0xFFFFFFFF) % P  # str hash: per process, fine here
+        # a stable hash (Python's str hash changes per process): the same weights every run
+        o = zlib.crc32(f"{self._seed}/{i}/{name}".encode()) % P
         done = 0
         while done < n:
             k = min(n - done, P - o)

@@ -10,6 +10,9 @@ import dataclasses
 import io
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -130,6 +133,27 @@ def test_a_bad_gpu_memory_budget_is_one_line_naming_the_flag(capsys):
     assert B.main(["--preset", "tiny", "--device", "cpu", "--gpu-memory-budget", "lots"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: --gpu-memory-budget 'lots': 'lots' is not a size like 24GiB"]
+
+
+def test_synthetic_weights_are_the_same_in_every_process():
+    """Two bench runs are comparable (same weights, same losses): the tensor offsets into the
+    random pool do not depend on Python's per-process string hash."""
+    code = (
+        "import torch, zlib; from appliance import bench as B; "
+        "src = B.SyntheticBlockSource(B.PRESETS['tiny'].args, torch.float32); "
+        "print(zlib.crc32(src.flat_block(1)[0].tobytes()))"
+    )
+    sums = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        for seed in ("1", "2")
+    }
+    assert len(sums) == 1, sums
 
 
 def test_synthetic_blocks_are_made_lazily_with_the_checkpoint_layout():
