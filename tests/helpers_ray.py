@@ -10,6 +10,7 @@ is one of the ways a green suite ends in a crash (issue 17).
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import psutil
@@ -47,6 +48,19 @@ def node_processes(nodes) -> list[psutil.Process]:
                     procs += [top, *top.children(recursive=True)]
                 except psutil.NoSuchProcess:
                     pass
+    return procs
+
+
+def session_processes(sid: int) -> list[psutil.Process]:
+    """The processes of session `sid` (a CLI run started with start_new_session: its driver and
+    every Ray process it spawned, however re-parented), except zombies."""
+    procs = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                procs.append(p)
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            pass
     return procs
 
 

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import signal
-import subprocess
 
-import psutil
 import pytest
 import torch
 from click.testing import CliRunner
@@ -19,7 +16,7 @@ from appliance.evaluate import evaluate
 from appliance.hf_checkpoint import read_model_args
 from appliance.lora import LoraSpec
 from tests.helpers_model import load_hf, lora_with_random_b, make_model
-from tests.helpers_ray import wait_gone
+from tests.helpers_ray import session_processes, wait_gone
 from tests.helpers_tokenizer import sentences
 from tests.test_faults import Proc, args, build_inputs
 
@@ -135,17 +132,7 @@ def test_ctrl_c_stops_training_cleanly(inputs, tmp_path):
     assert not (out / "adapter_config.json").exists()
     # no Ray process of that run is left behind: the ones still ending (a worker notices its
     # raylet is gone a moment later, longer on a busy machine) end within EXIT_WAIT_S
-    left = subprocess.run(["pgrep", "-s", str(family)], capture_output=True, text=True).stdout
-    wait_gone(processes(left.split()))
-
-
-def processes(pids: list[str]) -> list[psutil.Process]:
-    """The processes of `pids` still running (one may end while we look)."""
-    out = []
-    for pid in pids:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            out.append(psutil.Process(int(pid)))
-    return out
+    wait_gone(session_processes(family))
 
 
 @pytest.fixture(scope="module")
