@@ -63,9 +63,10 @@ class StepStats:
     grad_norm: float
     phase_seconds: dict[str, float] = field(
         default_factory=dict
-    )  # forward, backward, optimizer, h2d_stall
+    )  # forward, backward, optimizer, h2d_stall, h2d_host: they partition step_seconds
     h2d_bytes: int = 0
-    h2d_seconds: float = 0.0
+    h2d_seconds: float = 0.0  # copy (DMA) time, on the copy stream: overlaps compute
+    dequant_seconds: float = 0.0  # dequantizing a quantized base, inside forward and backward
     gpu_busy_seconds: float | None = None  # see StreamedEngine.train_step (CUDA only)
     gpu_busy_ratio: float | None = None  # gpu_busy_seconds / step_seconds (CUDA only)
     step_seconds: float = 0.0
@@ -174,8 +175,9 @@ class StreamedEngine:
                 f"{(p.min_bytes + CUDA_MARGIN_BYTES) / 2**30:.1f} GiB needed; lower "
                 "--micro-batch-size or --seq-len, or raise the budget"
             )
-        # the last blocks of forward are the first of backward: they stay
-        self.weights.resident = set(range(L - p.resident_blocks, L))
+        # the last blocks of forward are the first of backward: they stay; the others stream
+        # through the plan's fixed slots
+        self.weights.configure(set(range(L - p.resident_blocks, L)), p.streaming_slots or 2)
 
     def _cos_sin(self, T: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables for T positions; `local`: Gemma 3's sliding layers' (ModelArgs.local_rope)."""
@@ -235,6 +237,7 @@ class StreamedEngine:
         `first`: the global-batch index of micro_batches[0] (this rank's offset)."""
         L = self.args.num_layers
         g = self.weights.globals
+        self.weights.drop_streamed(keep=0)  # what a pass that raised left in the slots
         with torch.no_grad():
             with self._busy():
                 hs = [
@@ -301,6 +304,7 @@ class StreamedEngine:
         self._sync()
         t1 = time.perf_counter()
         forward_stall = self.weights.stall_seconds()
+        forward_host = self.weights.host_seconds
         if micro_batches:
             attn = [self._attention_inputs(mb) for mb in micro_batches]
             for i in reversed(range(L)):
@@ -324,9 +328,14 @@ class StreamedEngine:
         self._sync()
         t2 = time.perf_counter()
         backward_stall = self.weights.stall_seconds() - forward_stall
-        # phases must not overlap: the time spent waiting for weights is h2d_stall, not compute;
-        # the gradient all-reduce counts as backward
-        phases = {"forward": t1 - t0 - forward_stall, "backward": t2 - t1 - backward_stall}
+        backward_host = self.weights.host_seconds - forward_host
+        # phases must not overlap: the time compute waited for weights is h2d_stall and the time
+        # the host was blocked staging them is h2d_host, neither is compute; the gradient
+        # all-reduce counts as backward
+        phases = {
+            "forward": t1 - t0 - forward_stall - forward_host,
+            "backward": t2 - t1 - backward_stall - backward_host,
+        }
         return float(loss), n_target, phases
 
     def _all_reduce_grads_and(self, loss: torch.Tensor) -> torch.Tensor:
@@ -380,9 +389,10 @@ class StreamedEngine:
         self._sync()
         t2 = time.perf_counter()
         self.step_count += 1
-        h2d_bytes, h2d_seconds, stall = self.weights.take_timings()
+        w = self.weights.take_timings()
         phases["optimizer"] = t2 - t1
-        phases["h2d_stall"] = stall
+        phases["h2d_stall"] = w["h2d_stall"]
+        phases["h2d_host"] = w["h2d_host"]
         busy = ratio = None
         if self.device.type == "cuda":
             busy = sum(a.elapsed_time(b) for a, b in self._busy_events) / 1e3
@@ -395,8 +405,9 @@ class StreamedEngine:
             target_tokens=n_target,
             grad_norm=norm,
             phase_seconds=phases,
-            h2d_bytes=h2d_bytes,
-            h2d_seconds=h2d_seconds,
+            h2d_bytes=w["h2d_bytes"],
+            h2d_seconds=w["h2d_seconds"],
+            dequant_seconds=w["dequant"],
             gpu_busy_seconds=busy,
             gpu_busy_ratio=ratio,
             step_seconds=t2 - t0,

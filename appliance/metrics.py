@@ -49,7 +49,9 @@ RAY_PREFIX = "ray_"  # what Ray's exporter puts in front of every metric name
 #: Phases of `appliance_phase_seconds`. A trainer's phases partition its step time; whatever it
 #: does not attribute is recorded as `other`. `checkpoint` with `rank="driver"` is the driver
 #: writing a checkpoint between steps (not part of any step).
-PHASES = ("forward", "backward", "optimizer", "data_wait", "h2d_stall", "checkpoint", "other")
+PHASES = (
+    "forward", "backward", "optimizer", "data_wait", "h2d_stall", "h2d_host", "checkpoint", "other"
+)  # fmt: skip
 #: What `DriverMetrics.restart(kind)` accepts: `trainer` (the trainer actor died and was
 #: recreated), `tokenizer` (a tokenizer worker died; all are recreated at their cursors),
 #: `driver` (an `appliance train --resume` continued from a checkpoint).
@@ -134,7 +136,8 @@ STEP_TIME_SECONDS = MetricSpec(
 PHASE_SECONDS = MetricSpec(
     "appliance_phase_seconds", COUNTER, "seconds",
     "Seconds per phase: forward, backward, optimizer, data_wait (waiting for a batch), h2d_stall "
-    "(compute waiting for weights to arrive), checkpoint, other (step time no phase claimed). "
+    "(compute waiting for weights to arrive), h2d_host (the host blocked staging weights into "
+    "page-locked memory), checkpoint, other (step time no phase claimed). "
     'Rank "driver" carries checkpoints the driver writes between steps.',
     ("rank", "phase"),
 )  # fmt: skip
@@ -146,6 +149,12 @@ H2D_SECONDS = MetricSpec(
     "appliance_h2d_seconds", COUNTER, "seconds",
     "Seconds the host-to-device weight copies took on the copy stream (overlaps compute; "
     "bandwidth = rate of bytes / rate of seconds).",
+    ("rank",),
+)  # fmt: skip
+DEQUANT_SECONDS = MetricSpec(
+    "appliance_dequant_seconds", COUNTER, "seconds",
+    "Seconds spent dequantizing a quantized base's block weights on the compute device "
+    "(--base-quant; inside forward and backward, not a phase of its own).",
     ("rank",),
 )  # fmt: skip
 MODEL_FLOPS = MetricSpec(
@@ -254,6 +263,7 @@ WEIGHT_STORE_BYTES = MetricSpec(
 
 REGISTRY: tuple[MetricSpec, ...] = (
     TOKENS, STEPS, STEP, STEP_SECONDS, STEP_TIME_SECONDS, PHASE_SECONDS, H2D_BYTES, H2D_SECONDS,
+    DEQUANT_SECONDS,
     MODEL_FLOPS, LOSS, LEARNING_RATE, MFU, GPU_BUSY, GPU_NVML_UTILIZATION, GPU_MEMORY_ALLOCATED,
     GPU_MEMORY_RESERVED, TOKENIZER_TOKENS, TOKENIZER_DOCUMENTS, TOKENIZER_ERRORS,
     TOKENIZER_SECONDS, BATCHES_IN_FLIGHT, TOKENIZER_QUEUE_DEPTH, RESTARTS, CHECKPOINTS,
@@ -506,7 +516,7 @@ class TrainerMetrics(_Recorder):
           phase_seconds: {phase: seconds} with phases from PHASES except "other" — they must not
             overlap (h2d_stall is not also inside forward/backward); the rest of step_seconds is
             recorded as phase "other";
-          h2d_bytes, h2d_seconds; flops (model FLOPs of the step); mfu (0..1, else derived from
+          h2d_bytes, h2d_seconds, dequant_seconds; flops (model FLOPs of the step); mfu (0..1, else derived from
           flops and peak_flops); gpu_busy_ratio (0..1: CUDA-event busy seconds / step_seconds);
           nvml_util_mean (0..1, from gpu_monitor.NvmlSampler.take_mean()); gpu_mem_allocated,
           gpu_mem_reserved (bytes).
@@ -539,6 +549,7 @@ class TrainerMetrics(_Recorder):
             self._inc(PHASE_SECONDS, seconds, phase=phase)
         self._inc(H2D_BYTES, stats.get("h2d_bytes"))
         self._inc(H2D_SECONDS, stats.get("h2d_seconds"))
+        self._inc(DEQUANT_SECONDS, stats.get("dequant_seconds"))
         flops = stats.get("flops")
         self._inc(MODEL_FLOPS, flops)
         self._set(LOSS, stats["loss"])

@@ -54,13 +54,21 @@ class DeviceWeights:
     def __init__(self, source: BlockSource, device: torch.device, dtype: torch.dtype):
         self.source, self.device, self.dtype = source, device, dtype
         self.cuda = device.type == "cuda"
-        self.resident: set[int] = set()  # blocks that, once uploaded, stay
-        self._on_device: dict[int, tuple[dict[str, torch.Tensor], torch.cuda.Event | None]] = {}
+        self.resident: set[int] = set()  # blocks that, once uploaded, stay (configure sets it)
+        # block -> (its weights on the device, the copy's done event until compute waited on it,
+        # the streaming slot it occupies or None for a resident block's own buffer)
+        self._on_device: dict[int, tuple[dict, torch.cuda.Event | None, int | None]] = {}
         self.h2d_bytes = 0
         self._h2d_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         # compute's waits for weights; on CPU the time to fetch a block from its source
         self._stall_events: list[tuple[torch.cuda.Event | HostEvent, ...]] = []
+        self._dequant_events: list[tuple[torch.cuda.Event | HostEvent, ...]] = []
+        self.host_seconds = 0.0  # host time blocked in prefetch: staging waits and memcpy
         self._registered: list[int] = []  # host addresses we cudaHostRegister'ed (close() undoes)
+        self._slots: list[torch.Tensor] = []  # streaming slots: flat device buffers, made once
+        self._slot_free: list[torch.cuda.Event | None] = []  # recorded when a slot's block left
+        self._free_slots: list[int] = []
+        self._configured = False
         g = source.globals()
         self.globals = {k: v.to(device=device, dtype=dtype) for k, v in g.items()}
         if self.cuda:
@@ -69,13 +77,47 @@ class DeviceWeights:
             for i in range(source.num_blocks):
                 flat, index, torch_pinned = _flat_block(source, i, dtype)
                 self._host.append((flat, index, torch_pinned or self._register(flat)))
-            biggest = max(f.numel() for f, _, _ in self._host)
+            self._biggest = max(f.numel() for f, _, _ in self._host)
             if not all(p for _, _, p in self._host):
                 self._staging = [
-                    torch.empty(biggest, dtype=torch.uint8, pin_memory=True) for _ in range(2)
+                    torch.empty(self._biggest, dtype=torch.uint8, pin_memory=True) for _ in range(2)
                 ]
                 self._staging_free: list[torch.cuda.Event | None] = [None, None]
                 self._next_staging = 0
+
+    def configure(self, resident: set[int], slots: int = 2) -> None:
+        """Keep the blocks `resident` on the device once uploaded, and stream the others through
+        `slots` fixed device buffers of the biggest block's size, allocated here, once.
+
+        Two slots suffice for the streamed step: block i computes in one while block i±1 is
+        copied into the other. A slot is reused only after the compute stream has passed the
+        event recorded when its previous block was released (the copy stream waits on it), so a
+        streamed block never goes through the caching allocator: no allocation, no
+        `record_stream`, no allocator retry under a tight budget (docs/architecture.md).
+        """
+        if self.cuda and self._slots:
+            torch.cuda.synchronize(self.device)  # no copy may still write the slots we drop
+        self.resident = set(resident)
+        self._configured = True
+        for i in [i for i in self._on_device if i not in self.resident]:
+            del self._on_device[i]
+        self._slots, self._slot_free, self._free_slots = [], [], []
+        if not self.cuda or len(self.resident) >= self.source.num_blocks:
+            return
+        self._slots = [
+            torch.empty(self._biggest, dtype=torch.uint8, device=self.device) for _ in range(slots)
+        ]
+        self._slot_free = [None] * slots
+        self._free_slots = list(range(slots))
+        # the slots' memory may come from the allocator's cache, last used by compute: the first
+        # copy into them must come after that work
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def drop_streamed(self, keep: int | None = None) -> None:
+        """Release every streamed block on the device but `keep`: what a step that raised midway
+        left in the slots (the engine calls it before each pass, keeping block 0)."""
+        for i in [i for i in self._on_device if i != keep and i not in self.resident]:
+            self.release(i)
 
     def _register(self, flat: torch.Tensor) -> bool:
         """Page-lock `flat` in place (cudaHostRegister, flags 0); False if refused (then we stage).
@@ -109,6 +151,7 @@ class DeviceWeights:
         self._registered.clear()
         self._on_device.clear()
         self._host = []
+        self._slots, self._free_slots = [], []
 
     def block_bytes(self) -> int:
         """Bytes of one block as uploaded: flat, each tensor padded to 64 bytes (blocks.pack);
@@ -126,33 +169,48 @@ class DeviceWeights:
         )
 
     def prefetch(self, i: int) -> None:
-        """Start copying block i to the device (no-op on CPU or if already there)."""
+        """Start copying block i to the device (no-op on CPU or if already there): into its own
+        buffer if it is resident, else into a free streaming slot."""
         if not self.cuda or i in self._on_device or not 0 <= i < self.source.num_blocks:
             return
+        if not self._configured:
+            self.configure(set())
         flat, index, pinned = self._host[i]
+        t0 = time.perf_counter()
+        compute = torch.cuda.current_stream(self.device)
+        if i in self.resident:  # its own buffer, allocated on compute's stream, kept until close
+            slot, dev = None, torch.empty(flat.numel(), dtype=torch.uint8, device=self.device)
+            self._stream.wait_stream(compute)  # its memory may have just been freed by compute
+        else:
+            if not self._free_slots:
+                raise RuntimeError(
+                    f"block {i}: no free streaming slot (blocks {sorted(self._on_device)} hold "
+                    f"the {len(self._slots)} slots); release a block first"
+                )
+            slot = self._free_slots.pop(0)
+            dev = self._slots[slot][: flat.numel()]
         with torch.cuda.stream(self._stream):
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            dev = torch.empty(flat.numel(), dtype=torch.uint8, device=self.device)
-            if pinned:
-                dev.copy_(flat, non_blocking=True)
-            else:
+            if slot is not None and self._slot_free[slot] is not None:
+                self._stream.wait_event(self._slot_free[slot])  # its last block is done with it
+            src = flat
+            if not pinned:  # through a page-locked staging buffer: host work, timed on the host
                 k = self._next_staging
                 self._next_staging = 1 - k
                 if self._staging_free[k] is not None:
-                    self._staging_free[
-                        k
-                    ].synchronize()  # the previous copy out of this slot is done
-                buf = self._staging[k][: flat.numel()]
-                buf.copy_(flat)  # host memcpy into page-locked memory
-                dev.copy_(buf, non_blocking=True)
-                self._staging_free[k] = torch.cuda.Event()
-                self._staging_free[k].record()
+                    self._staging_free[k].synchronize()  # the copy out of this buffer is done
+                src = self._staging[k][: flat.numel()]
+                src.copy_(flat)  # host memcpy into page-locked memory
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()  # right before the copy: the copy's time is the DMA's alone
+            dev.copy_(src, non_blocking=True)
             done = torch.cuda.Event(enable_timing=True)
             done.record()
+            if not pinned:
+                self._staging_free[k] = done
+        self.host_seconds += time.perf_counter() - t0
         self.h2d_bytes += flat.numel()
         self._h2d_events.append((start, done))
-        self._on_device[i] = (unpack(dev, index), done)
+        self._on_device[i] = (unpack(dev, index), done, slot)
 
     def get(self, i: int) -> dict[str, torch.Tensor]:
         """Block i's weights, ready for use on the current stream."""
@@ -162,9 +220,9 @@ class DeviceWeights:
             w = self.source.block(i)
             after.record()
             self._stall_events.append((before, after))
-            return _materialise(w, self.device, self.dtype)
+            return self._materialise(w)
         self.prefetch(i)
-        w, done = self._on_device[i]
+        w, done, slot = self._on_device[i]
         if done is not None:
             stream = torch.cuda.current_stream(self.device)
             before = torch.cuda.Event(enable_timing=True)
@@ -173,16 +231,43 @@ class DeviceWeights:
             stream.wait_event(done)  # compute waits for the copy: this gap is the h2d stall
             after.record(stream)
             self._stall_events.append((before, after))
-            for t in w.values():
-                for part in (t.codes, t.scales) if isinstance(t, QuantizedTensor) else (t,):
-                    part.record_stream(stream)  # memory is freed only after compute has used it
-            self._on_device[i] = (w, None)
-        return _materialise(w, self.device, self.dtype)
+            self._on_device[i] = (w, None, slot)
+        return self._materialise(w)
+
+    def _materialise(self, w: dict) -> dict[str, torch.Tensor]:
+        """A block's weights as compute-dtype tensors on the device: quantized weights
+        dequantized there (after their codes are moved, so a CPU-held block moves the quantized
+        bytes), timed as `dequant` (CUDA events, or the host clock on CPU); others cast (a
+        no-op for weights already in the compute dtype: views of the slot)."""
+        if not any(isinstance(v, QuantizedTensor) for v in w.values()):
+            return {k: v.to(device=self.device, dtype=self.dtype) for k, v in w.items()}
+        before, after = (
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            if self.cuda
+            else (HostEvent(), HostEvent())
+        )
+        before.record()
+        out = {
+            k: dequantize(v.to(self.device), self.dtype)
+            if isinstance(v, QuantizedTensor)
+            else v.to(device=self.device, dtype=self.dtype)
+            for k, v in w.items()
+        }
+        after.record()
+        self._dequant_events.append((before, after))
+        return out
 
     def release(self, i: int) -> None:
-        """Drop block i from the device unless it is resident."""
-        if self.cuda and i not in self.resident:
-            self._on_device.pop(i, None)
+        """Drop block i from the device unless it is resident; its slot is free for the next
+        copy once the compute stream has done what it queued so far (an event marks that)."""
+        if not self.cuda or i in self.resident or i not in self._on_device:
+            return
+        _, _, slot = self._on_device.pop(i)
+        if slot is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._slot_free[slot] = event
+            self._free_slots.append(slot)
 
     def stall_seconds(self) -> float:
         """Seconds compute has waited for weights since the last take or clear (syncs CUDA)."""
@@ -190,34 +275,36 @@ class DeviceWeights:
             torch.cuda.synchronize(self.device)
         return sum(a.elapsed_time(b) for a, b in self._stall_events) / 1e3
 
-    def take_timings(self) -> tuple[int, float, float]:
-        """(h2d bytes, h2d copy seconds, h2d stall seconds) since the last take or clear; syncs
-        CUDA. On CPU nothing is copied: (0, 0.0, the waits for the source's blocks)."""
-        stall = self.stall_seconds()
-        copy = sum(a.elapsed_time(b) for a, b in self._h2d_events) / 1e3
-        n = self.h2d_bytes
+    def dequant_seconds(self) -> float:
+        """Seconds spent dequantizing blocks since the last take or clear (syncs CUDA): device
+        time between events on the compute stream, or the host clock on CPU."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return sum(a.elapsed_time(b) for a, b in self._dequant_events) / 1e3
+
+    def take_timings(self) -> dict[str, float]:
+        """What the weights cost since the last take or clear (syncs CUDA): `h2d_bytes` copied,
+        `h2d_seconds` of copy (DMA) time, `h2d_stall` (compute waiting for a copy), `h2d_host`
+        (host time blocked in prefetch: staging waits and memcpy), `dequant` seconds. On CPU
+        nothing is copied: the stall is the waits for the source's blocks."""
+        out = {
+            "h2d_bytes": self.h2d_bytes,
+            "h2d_seconds": sum(a.elapsed_time(b) for a, b in self._h2d_events) / 1e3,
+            "h2d_stall": self.stall_seconds(),
+            "h2d_host": self.host_seconds,
+            "dequant": self.dequant_seconds(),
+        }
         self.clear_timings()
-        return n, copy, stall
+        return out
 
     def clear_timings(self) -> None:
         """Forget what was recorded (no sync): a step starts here, so the copies and waits of an
         eval or a logits call since the last step are not counted in it."""
         self._h2d_events.clear()
         self._stall_events.clear()
+        self._dequant_events.clear()
         self.h2d_bytes = 0
-
-
-def _materialise(
-    w: dict[str, torch.Tensor | QuantizedTensor], device: torch.device, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    """A block's weights as `dtype` tensors on `device`: quantized weights dequantized there
-    (after their codes are moved, so a CPU-held block moves the quantized bytes), others cast."""
-    return {
-        k: dequantize(v.to(device), dtype)
-        if isinstance(v, QuantizedTensor)
-        else v.to(device=device, dtype=dtype)
-        for k, v in w.items()
-    }
+        self.host_seconds = 0.0
 
 
 def _entry_bytes(t: torch.Tensor | QuantizedTensor, dtype: torch.dtype) -> int:

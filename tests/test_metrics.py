@@ -58,10 +58,12 @@ def full_trainer_stats(step: int = 1) -> dict[str, Any]:
             "optimizer": 0.1,
             "data_wait": 0.2,
             "h2d_stall": 0.1,
+            "h2d_host": 0.02,
             "checkpoint": 0.05,
         },
         "h2d_bytes": 1 << 30,
         "h2d_seconds": 0.5,
+        "dequant_seconds": 0.03,
         "flops": 1.5e12,
         "mfu": None,  # derived from flops / step_seconds / peak_flops
         "gpu_busy_ratio": 0.8,
@@ -289,11 +291,12 @@ def test_trainer_record_step(fake_ray):
     assert got[("appliance_step_time_seconds", None)][:2] == ("inc", 2.0)
     phases = {p: v for (n, p), (_, v, _) in got.items() if n == "appliance_phase_seconds"}
     assert phases["forward"] == 0.6 and phases["checkpoint"] == 0.05
-    assert phases["other"] == pytest.approx(2.0 - 1.85)  # what no phase claimed
+    assert phases["other"] == pytest.approx(2.0 - 1.87)  # what no phase claimed
     assert sum(phases.values()) == pytest.approx(2.0)
     assert got[("appliance_mfu_ratio", None)][1] == pytest.approx(1.5e12 / 2.0 / 1e12)
     assert got[("appliance_gpu_nvml_utilization_ratio", None)][1] == 0.9
     assert got[("appliance_learning_rate", None)][1] == 3e-4
+    assert got[("appliance_dequant_seconds", None)][:2] == ("inc", 0.03)
 
 
 def test_trainer_record_step_on_cpu_leaves_gpu_metrics_absent(fake_ray):
