@@ -195,7 +195,9 @@ def _gpu_kernels():
     return quant_gpu
 
 
-_GPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what quant_gpu is tested for
+# where dequantize uses quant_gpu: codes on these device types, into these dtypes (those tested)
+_GPU_DEVICES = ("cuda",)  # the tests add "cpu" to run the dispatch under Triton's interpreter
+_GPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
@@ -204,7 +206,8 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
     On a CUDA device with Triton, quant_gpu's fused kernels (one pass: codes and scales read
     once, the weight written once in `dtype`); else the PyTorch functions below. Both give the
     same values bit for bit (tests/test_quant_gpu.py)."""
-    fused = _gpu_kernels() if q.codes.device.type == "cuda" and dtype in _GPU_DTYPES else None
+    on_gpu = q.codes.device.type in _GPU_DEVICES and dtype in _GPU_DTYPES
+    fused = _gpu_kernels() if on_gpu else None
     if q.kind == "int8":
         impl = fused.dequantize_int8 if fused else dequantize_int8
         return impl(q.codes, q.scales, dtype)
