@@ -185,3 +185,36 @@ def test_without_triton_dequantize_warns_once_and_uses_pytorch(monkeypatch):
         assert quant._gpu_kernels() is None
     finally:
         quant._gpu_kernels.cache_clear()  # the next test imports triton afresh, where it can
+
+
+def test_dequant_benchmark_runs_on_a_cpu_and_writes_json(tmp_path):
+    """benchmarks/dequant.py's CPU path (tiny, PyTorch only): a table and JSON, and none of Ray,
+    boto3 or numba imported (the script must run on a bare GPU image)."""
+    out = tmp_path / "dequant.json"
+    script = (
+        "import runpy, sys; "
+        f"sys.argv = ['dequant.py', '--device', 'cpu', '--reps', '2', '--json', {str(out)!r}]; "
+        "runpy.run_path('benchmarks/dequant.py', run_name='__main__'); "
+        "print('imported:', [m for m in ('ray', 'boto3', 'numba') if m in sys.modules])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "| tiny | int8 |" in run.stdout and "| tiny | nf4 |" in run.stdout
+    assert "imported: []" in run.stdout
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["triton_unavailable"] == "not on CUDA"
+    assert [(r["preset"], r["kind"]) for r in result["rows"]] == [("tiny", "int8"), ("tiny", "nf4")]
+    for r in result["rows"]:
+        assert len(r["weights"]) == 7  # q, k, v, o, gate, up, down
+        assert r["dequant_ms"]["pytorch"] > 0 and r["step_ms"] > 0
+        assert r["share_of_step"]["pytorch"] == 2 * r["dequant_ms"]["pytorch"] / r["step_ms"]
+        assert r["step_ms"] == 2 * r["forward_pass_ms"] + r["backward_dx_ms"]
