@@ -41,7 +41,7 @@ _NF4_VALUES = 2048  # values per program (nf4): 32 blocks of 64, 1024 code bytes
 def _store(ptr, w, mask, BF16: tl.constexpr):
     """Store fp32 `w` into `ptr`'s dtype, rounded to nearest even (as torch's `.to(dtype)`)."""
     if BF16:
-        # by hand, on the bits (as c10's round_to_nearest_even; w is finite): Triton's
+        # by hand, on the bits (as c10's round_to_nearest_even; w is never NaN): Triton's
         # interpreter rounds fp32 to bf16 half up, the GPU to nearest even, so this keeps the two
         # the same code and the interpreter's tests meaningful for the GPU
         bits = w.to(tl.uint32, bitcast=True)
@@ -56,7 +56,7 @@ def _int8_kernel(codes_ptr, scales_ptr, out_ptr, cols, BLOCK: tl.constexpr, BF16
     row = tl.program_id(0)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < cols
-    base = row.to(tl.int64) * cols  # int64: a (28672, 28672) weight has more than 2^31 values
+    base = row.to(tl.int64) * cols  # int64: a weight of more than 2^31 values is addressed right
     scale = tl.load(scales_ptr + row)
     code = tl.load(codes_ptr + base + col, mask=mask, other=0)
     w = code.to(tl.float32) * scale
