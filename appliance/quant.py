@@ -6,7 +6,8 @@ embeddings and the LM head stay in the compute dtype. A quantized weight is a `Q
 codes plus fp32 scales, stored in the block's flat buffer as one entry (codes first, scales at the
 next 64-byte boundary; `entry_layout`), so the bytes in shared memory and the bytes copied to the
 device are the quantized ones. `dequantize` turns it back into the compute dtype on whatever
-device its codes live on, once per block per pass (DeviceWeights.get).
+device its codes live on, once per block per pass (DeviceWeights.get): on a CUDA device with
+Triton in one fused pass (quant_gpu), else with the PyTorch functions below.
 
 Definitions (the tests check these exactly against a direct implementation):
 
@@ -177,11 +178,41 @@ def _fused_kernels():
     return quant_cpu
 
 
+@functools.cache
+def _gpu_kernels():
+    """quant_gpu (Triton's fused kernels), imported on first use with codes on a CUDA device;
+    None where Triton is missing or does not import (then the PyTorch functions give the same
+    values, in several passes over the weight)."""
+    try:
+        from . import quant_gpu
+    except Exception as e:  # no triton; a triton that does not match this torch or driver
+        warnings.warn(
+            f"--base-quant: Triton's GPU kernels unavailable ({type(e).__name__}: {e}); "
+            "dequantizing with PyTorch, slower",
+            stacklevel=2,
+        )
+        return None
+    return quant_gpu
+
+
+# where dequantize uses quant_gpu: codes on these device types, into these dtypes (those tested)
+_GPU_DEVICES = ("cuda",)  # the tests add "cpu" to run the dispatch under Triton's interpreter
+_GPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def dequantize(q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
-    """The weight back in `dtype`, on the codes' device (shape q.shape)."""
+    """The weight back in `dtype`, on the codes' device (shape q.shape).
+
+    On a CUDA device with Triton, quant_gpu's fused kernels (one pass: codes and scales read
+    once, the weight written once in `dtype`); else the PyTorch functions below. Both give the
+    same values bit for bit (tests/test_quant_gpu.py)."""
+    on_gpu = q.codes.device.type in _GPU_DEVICES and dtype in _GPU_DTYPES
+    fused = _gpu_kernels() if on_gpu else None
     if q.kind == "int8":
-        return dequantize_int8(q.codes, q.scales, dtype)
-    return dequantize_nf4(q.codes, q.scales, q.shape, dtype)
+        impl = fused.dequantize_int8 if fused else dequantize_int8
+        return impl(q.codes, q.scales, dtype)
+    impl = fused.dequantize_nf4 if fused else dequantize_nf4
+    return impl(q.codes, q.scales, q.shape, dtype)
 
 
 # ---------------------------------------------------------------- int8
