@@ -38,6 +38,7 @@ from . import models
 from .blocks import BlockSource
 from .errors import ConfigError
 from .lora import LoraSpec, LoraWeights
+from .offload import SavedInputs
 from .planner import CUDA_MARGIN_BYTES, effective_budget, plan_memory, step_flops
 from .streaming import DeviceWeights
 
@@ -127,7 +128,7 @@ class StreamedEngine:
         self._busy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._planned = False
         self._rope: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.offload_activations = False
+        self.saved = SavedInputs(self.device, self.args.num_layers)
 
     def close(self) -> None:
         """Unregister pinned host memory and free device weights (DeviceWeights.close)."""
@@ -166,7 +167,6 @@ class StreamedEngine:
             + self.weights.dequant_bytes(),
             lora_params=self.lora.num_parameters(),
         )
-        self.offload_activations = p.offload_activations
         if not p.fits:
             raise ConfigError(
                 f"--gpu-memory-budget: {budget / 2**30:.1f} GiB usable (the budget, at most the "
@@ -178,6 +178,9 @@ class StreamedEngine:
         # the last blocks of forward are the first of backward: they stay; the others stream
         # through the plan's fixed slots
         self.weights.configure(set(range(L - p.resident_blocks, L)), p.streaming_slots or 2)
+        if p.offload_activations:  # page-locked host room for the biggest global batch, once
+            tokens = sum(mb[0].numel() for mb in micro_batches)
+            self.saved.allocate(tokens, self.args.hidden_size, self.dtype)
 
     def _cos_sin(self, T: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables for T positions; `local`: Gemma 3's sliding layers' (ModelArgs.local_rope)."""
@@ -220,20 +223,14 @@ class StreamedEngine:
         seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
         return torch.Generator(device=self.device).manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
 
-    def _save(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.offload_activations:
-            return x
-        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-        return host.copy_(x, non_blocking=True)
-
     # ------------------------------------------------------------ the step
 
     def _forward(
         self, micro_batches: list[MicroBatch], step: int, dropout: bool, save: bool, first: int = 0
-    ):
-        """Layer-major forward under no_grad. Returns last hidden states and saved block inputs.
-        `save` (training): keep each block's inputs, and the last block on the device for the
-        backward; otherwise (eval, logits) every streamed block is released after use.
+    ) -> list[torch.Tensor]:
+        """Layer-major forward under no_grad. Returns the last hidden states.
+        `save` (training): keep each block's inputs in `self.saved`, and the last block on the
+        device for the backward; otherwise (eval, logits) every streamed block is released.
         `first`: the global-batch index of micro_batches[0] (this rank's offset)."""
         L = self.args.num_layers
         g = self.weights.globals
@@ -244,7 +241,8 @@ class StreamedEngine:
                     M.embed(mb[0].to(self.device), g, self.args.embed_scale) for mb in micro_batches
                 ]
                 attn = [self._attention_inputs(mb) for mb in micro_batches]
-            saved: list[list[torch.Tensor]] = [[] for _ in range(L)]
+            if save:
+                self.saved.start_step([h.shape for h in hs])
             for i in range(L):
                 w = self.weights.get(i)
                 self.weights.prefetch(i + 1)
@@ -252,13 +250,13 @@ class StreamedEngine:
                     lora = self.lora.context(i, self.dtype, dropout=None if dropout else 0.0)
                     for m, h in enumerate(hs):
                         if save:
-                            saved[i].append(self._save(h))
+                            self.saved.save(i, h)
                         lora.generator = self._generator(step, i, first + m)
                         cos, sin, mask = self._block_inputs(attn[m], h.shape[1], i)
                         hs[m] = models.block_forward(h, w, self.args, cos, sin, lora, mask, layer=i)
                 if i + 1 < L or not save:
                     self.weights.release(i)  # in training the last block stays: backward's first
-        return hs, saved
+        return hs
 
     def forward_backward(
         self, micro_batches: list[MicroBatch], step: int, first: int = 0
@@ -289,18 +287,17 @@ class StreamedEngine:
         t0 = time.perf_counter()
         loss = torch.zeros((), device=self.device)
         if micro_batches:
-            hs, saved = self._forward(micro_batches, step, dropout=True, save=True, first=first)
+            hs = self._forward(micro_batches, step, dropout=True, save=True, first=first)
             # head: this share's part of the global batch's loss, and d(loss)/d(last hidden states)
             grads = []
             with self._busy():
                 for h, lab in zip(hs, labels, strict=True):
-                    h = h.detach().requires_grad_(True)
-                    part = M.loss_sum(h, lab, g, self.args) / denom
-                    part.backward()
-                    loss += part.detach()
-                    grads.append(h.grad)
+                    part, grad = M.loss_and_grad(h, lab, g, self.args, denom)
+                    loss += part
+                    grads.append(grad)
             del hs
             self.weights.prefetch(L - 1)
+            self.saved.prefetch(L - 1)
         self._sync()
         t1 = time.perf_counter()
         forward_stall = self.weights.stall_seconds()
@@ -310,17 +307,20 @@ class StreamedEngine:
             for i in reversed(range(L)):
                 w = self.weights.get(i)
                 self.weights.prefetch(i - 1)
+                inputs = self.saved.take(i)
+                self.saved.prefetch(i - 1)  # block i-1's inputs come back while block i computes
                 with self._busy():
                     lora = self.lora.context(i, self.dtype)  # with grad: the cast is on the tape
                     for m in range(len(micro_batches)):
-                        x = saved[i][m].to(self.device, non_blocking=True).requires_grad_(True)
-                        saved[i][m] = None  # free the saved input as soon as it is consumed
+                        x = inputs[m].detach().requires_grad_(True)
+                        inputs[m] = None  # free the saved input as soon as it is consumed
                         lora.generator = self._generator(step, i, first + m)
                         cos, sin, mask = self._block_inputs(attn[m], x.shape[1], i)
                         y = models.block_forward(x, w, self.args, cos, sin, lora, mask, layer=i)
                         y.backward(grads[m])
                         grads[m] = x.grad
-                    del lora
+                    del lora, x
+                self.saved.done(i)
                 if i > 0:
                     self.weights.release(i)  # block 0 stays: it is the first of the next forward
         if self.group is not None:
@@ -328,6 +328,7 @@ class StreamedEngine:
         self._sync()
         t2 = time.perf_counter()
         backward_stall = self.weights.stall_seconds() - forward_stall
+        backward_stall += self.saved.take_stall_seconds()  # saved inputs coming back
         backward_host = self.weights.host_seconds - forward_host
         # phases must not overlap: the time compute waited for weights is h2d_stall and the time
         # the host was blocked staging them is h2d_host, neither is compute; the gradient
@@ -423,7 +424,7 @@ class StreamedEngine:
         """(summed NLL, predicted tokens) without dropout or gradients."""
         if not self._planned:
             self.plan(micro_batches)
-        hs, _ = self._forward(micro_batches, step=0, dropout=False, save=False)
+        hs = self._forward(micro_batches, step=0, dropout=False, save=False)
         # summed on the device in fp64 (as Python floats would) and read once: no sync per batch
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for h, mb in zip(hs, micro_batches, strict=True):
@@ -436,7 +437,7 @@ class StreamedEngine:
         ids = input_ids.to(self.device)
         if not self._planned:
             self.plan([(ids, ids)])
-        hs, _ = self._forward([(ids, ids)], step=0, dropout=False, save=False)
+        hs = self._forward([(ids, ids)], step=0, dropout=False, save=False)
         return M.logits(hs[0], self.weights.globals, self.args)
 
     # ------------------------------------------------------------ state

@@ -397,14 +397,57 @@ def logits(h: torch.Tensor, g: dict[str, torch.Tensor], args: ModelArgs) -> torc
     return lg.float()
 
 
+#: Logit values (positions × vocabulary) the head makes at once: its sequence is cut into chunks
+#: of at most this many, so the fp32 logits and their softmax never exist for a whole micro-batch
+#: (at T = 2048 and a 128k vocabulary those are 1 GiB each per row), and a big vocabulary does
+#: not force activation offload by itself (planner.plan_memory counts one chunk).
+HEAD_CHUNK_VALUES = 2**24
+
+
+def head_chunks(h: torch.Tensor, vocab_size: int) -> list[slice]:
+    """Slices of the sequence dimension of `h` (B, T, C) with ≤ HEAD_CHUNK_VALUES logits each."""
+    B, T = h.shape[0], h.shape[1]
+    step = max(1, HEAD_CHUNK_VALUES // max(1, B * vocab_size))
+    return [slice(s, min(s + step, T)) for s in range(0, T, step)]
+
+
 def loss_sum(
     h: torch.Tensor, labels: torch.Tensor, g: dict[str, torch.Tensor], args: ModelArgs
 ) -> torch.Tensor:
     """Summed next-token NLL (fp32) over positions whose label is not -100.
 
-    `labels[b, t]` is the target for position t (already shifted by the data pipeline).
+    `labels[b, t]` is the target for position t (already shifted by the data pipeline). Made
+    chunk by chunk over the sequence (`head_chunks`): without grad only one chunk's logits exist
+    at a time; with grad autograd keeps them all (the engine uses `loss_and_grad` instead).
     """
-    lg = logits(h, g, args)
-    return F.cross_entropy(
-        lg.view(-1, lg.size(-1)), labels.reshape(-1), ignore_index=-100, reduction="sum"
-    )
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    for c in head_chunks(h, args.vocab_size):
+        lg = logits(h[:, c], g, args)
+        total = total + F.cross_entropy(
+            lg.reshape(-1, lg.size(-1)), labels[:, c].reshape(-1), ignore_index=-100,
+            reduction="sum",
+        )  # fmt: skip
+    return total
+
+
+def loss_and_grad(
+    h: torch.Tensor,
+    labels: torch.Tensor,
+    g: dict[str, torch.Tensor],
+    args: ModelArgs,
+    denom: int,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss_sum / denom, the gradient of `scale` × that w.r.t. `h`), one sequence chunk at a
+    time: each chunk's logits are made, differentiated and freed before the next (the head's
+    weights are frozen, so nothing else needs their graph). The gradient is in h's dtype, as
+    autograd gives it; `scale` is fp16's loss scale (the loss returned is not scaled)."""
+    loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    grad = torch.empty_like(h)
+    for c in head_chunks(h, args.vocab_size):
+        hc = h[:, c].detach().requires_grad_(True)
+        part = loss_sum(hc, labels[:, c], g, args) / denom
+        (part if scale == 1.0 else part * scale).backward()
+        loss += part.detach()
+        grad[:, c] = hc.grad
+    return loss, grad

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .model import ModelArgs
+from .model import HEAD_CHUNK_VALUES, ModelArgs
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,14 @@ class MemoryPlan:
         return 0 if self.resident_blocks >= self.num_blocks else 2
 
     @property
+    def device_activation_bytes(self) -> int:
+        """Saved inputs on the device: all of them, or offloaded, the two blocks' worth in the
+        device slots they come back through (offload.SavedInputs)."""
+        if self.offload_activations:
+            return 2 * self.activation_bytes // self.num_blocks
+        return self.activation_bytes
+
+    @property
     def min_bytes(self) -> int:
         """The least budget that runs at all: fixed parts, working set, two streaming slots."""
         return self.globals_bytes + self.lora_bytes + self.work_bytes + 2 * self.block_bytes
@@ -45,7 +53,7 @@ class MemoryPlan:
         parts = {
             "resident_blocks": max(self.resident_blocks, 0) * self.block_bytes,
             "streaming_slots": self.streaming_slots * self.block_bytes,
-            "activations": 0 if self.offload_activations else self.activation_bytes,
+            "activations": self.device_activation_bytes,
             "lora_optimizer": self.lora_bytes,
             "globals": self.globals_bytes,
             "working_set": self.work_bytes,
@@ -92,14 +100,16 @@ def plan_memory(
     lora = lora_params * 4 * 4  # param, grad, two Adam moments (fp32)
     saved = L * tokens * C * dtype_bytes
     work = biggest * (6 * C + 4 * args.intermediate_size) * dtype_bytes * 2
-    work += biggest * args.vocab_size * 4 * 3
+    # the head, one sequence chunk at a time (model.HEAD_CHUNK_VALUES): fp32 logits, their
+    # softmax and its gradient
+    work += min(biggest * args.vocab_size, HEAD_CHUNK_VALUES) * 4 * 3
     if args.attn_softcap is not None:  # Gemma 2: model.attend writes out (B, nh, T, T) scores
         # (`longest` = T), kept for the backward with their tanh and fp32 softmax
         work += biggest * longest * args.num_heads * (4 + 3 * dtype_bytes)
     free = budget - globals_bytes - lora - work
     offload = saved > free // 2
-    if not offload:
-        free -= saved
+    # offloaded, two blocks' worth come back to the device at a time (offload.SavedInputs' slots)
+    free -= 2 * saved // L if offload else saved
     resident = L if free >= L * block_bytes else min(L, free // block_bytes - 2)
     return MemoryPlan(
         budget, globals_bytes, lora, work, saved, offload, block_bytes, L, int(max(resident, -1))

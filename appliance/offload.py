@@ -1,0 +1,141 @@
+"""Saved block inputs of the streamed step: on the device, or offloaded to page-locked host memory.
+
+The forward saves every block's input for every micro-batch; the backward recomputes block i
+from them (engine.py). When they do not fit the budget (planner.plan_memory says
+`offload_activations`) they go to the host:
+
+- one page-locked host buffer for all of them, allocated once at plan time (`allocate`), each
+  (block, micro-batch) a fixed range of it: no pinned allocation per tensor, per step;
+- forward: each input is copied device→host on a stream of its own, after an event marks it
+  computed, so the copy overlaps the next micro-batch's compute;
+- backward: while block i computes, block i−1's inputs are copied host→device on that stream into
+  one of two device slots allocated once (the plan counts them), and the compute stream waits on
+  the copy's event only when it reaches block i−1. A slot is reused once the compute stream has
+  passed the event recorded when its block's backward was done with it.
+
+Without offload (and always on CPU) the inputs stay where they are and this is a list per block.
+The numbers do not change with offload: the bytes go out and come back unchanged
+(tests/test_engine_gpu.py checks the step bit for bit).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SavedInputs:
+    """Block inputs saved by the forward for the backward's recompute (see module docstring)."""
+
+    def __init__(self, device: torch.device, num_blocks: int):
+        self.device, self.num_blocks = device, num_blocks
+        self.offload = False
+        self._saved: list[list[torch.Tensor | None]] = [[] for _ in range(num_blocks)]
+        self._stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    # ------------------------------------------------------------ plan time
+
+    def allocate(self, tokens: int, hidden: int, dtype: torch.dtype) -> None:
+        """Offload from now on: room for `tokens` positions (a step's global batch, all its
+        micro-batches) of width `hidden` per block, on the host (one page-locked buffer) and in two
+        device slots. CUDA only."""
+        self.offload, self.dtype, self.capacity = True, dtype, tokens * hidden
+        self._host = torch.empty(self.num_blocks * self.capacity, dtype=dtype, pin_memory=True)
+        self._slots = [
+            torch.empty(self.capacity, dtype=dtype, device=self.device) for _ in range(2)
+        ]
+        self._slot_free: list[torch.cuda.Event | None] = [None, None]
+        self._stream = torch.cuda.Stream(self.device)
+        # the slots' memory may come from the allocator's cache, last used by compute
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._layout: list[tuple[int, torch.Size]] = []  # per micro-batch: (offset, shape)
+        self._loaded: dict[int, tuple[list[torch.Tensor], torch.cuda.Event, int]] = {}
+
+    def start_step(self, shapes: list[torch.Size]) -> None:
+        """A new forward whose micro-batches' hidden states have `shapes`: lays them out in each
+        block's range of the host buffer (checked against what was allocated)."""
+        self._saved = [[] for _ in range(self.num_blocks)]
+        if not self.offload:
+            return
+        self._layout, offset = [], 0
+        for shape in shapes:
+            self._layout.append((offset, shape))
+            offset += shape.numel()
+        if offset > self.capacity:
+            raise RuntimeError(
+                f"saved inputs: this step has {offset} values per block, the plan allocated "
+                f"{self.capacity}; plan for the biggest global batch first"
+            )
+        for i in list(self._loaded):  # a step that raised may have left a slot taken
+            self._free(i)
+
+    # ------------------------------------------------------------ forward
+
+    def save(self, i: int, h: torch.Tensor) -> None:
+        """Keep `h` (block i's input of the next micro-batch) for the backward."""
+        if not self.offload:
+            self._saved[i].append(h)
+            return
+        m = len(self._saved[i])
+        offset, shape = self._layout[m]
+        host = self._host[i * self.capacity + offset :][: shape.numel()].view(shape)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # h is computed
+        with torch.cuda.stream(self._stream):
+            host.copy_(h, non_blocking=True)
+        h.record_stream(self._stream)  # h's memory is not reused before the copy is done
+        self._saved[i].append(host)  # the copy back, on the same stream, comes after this one
+
+    # ------------------------------------------------------------ backward
+
+    def prefetch(self, i: int) -> None:
+        """Start copying block i's saved inputs to the device (no-op without offload, out of
+        range, or if already started)."""
+        if not self.offload or not 0 <= i < self.num_blocks or i in self._loaded:
+            return
+        slot = next(k for k in (0, 1) if k not in {s for _, _, s in self._loaded.values()})
+        with torch.cuda.stream(self._stream):
+            if self._slot_free[slot] is not None:
+                self._stream.wait_event(self._slot_free[slot])  # its last block is done with it
+            out = []
+            for (offset, shape), host in zip(self._layout, self._saved[i], strict=False):
+                dev = self._slots[slot][offset : offset + shape.numel()].view(shape)
+                dev.copy_(host, non_blocking=True)
+                out.append(dev)
+            ready = torch.cuda.Event(enable_timing=True)
+            ready.record()
+        self._loaded[i] = (out, ready, slot)
+
+    def take(self, i: int) -> list[torch.Tensor]:
+        """Block i's saved inputs on the device, ready on the compute stream; block i is then
+        no longer kept (call `done(i)` once its backward is queued)."""
+        if not self.offload:
+            saved, self._saved[i] = self._saved[i], []
+            return [t.to(self.device, non_blocking=True) for t in saved]
+        self.prefetch(i)
+        out, ready, _ = self._loaded[i]
+        compute = torch.cuda.current_stream(self.device)
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(compute)
+        compute.wait_event(ready)  # the copy back is a stall of compute if it is not done yet
+        after.record(compute)
+        self._stall_events.append((before, after))
+        return out
+
+    def done(self, i: int) -> None:
+        """Block i's backward is queued: its device slot is free once compute has passed here."""
+        if self.offload and i in self._loaded:
+            self._free(i)
+
+    def _free(self, i: int) -> None:
+        _, _, slot = self._loaded.pop(i)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._slot_free[slot] = event
+
+    def take_stall_seconds(self) -> float:
+        """Seconds compute waited for saved inputs to come back since the last call (syncs)."""
+        if not self._stall_events:
+            return 0.0
+        torch.cuda.synchronize(self.device)
+        seconds = sum(a.elapsed_time(b) for a, b in self._stall_events) / 1e3
+        self._stall_events.clear()
+        return seconds
