@@ -69,6 +69,10 @@ class LossScaler:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """The scale and the good-step count come back; the rules stay this scaler's own."""
+        """Everything comes back, the rules too (as GradScaler's): a resumed run scales as the
+        uninterrupted one would have."""
         self.scale = float(state["scale"])
         self.good_steps = int(state["good_steps"])
+        self.growth_factor = float(state["growth_factor"])
+        self.backoff_factor = float(state["backoff_factor"])
+        self.growth_interval = int(state["growth_interval"])
