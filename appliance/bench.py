@@ -13,8 +13,9 @@ then timed optimizer steps.
 The floor of one step (docs/architecture.md, "The speed floor") is max(2·W / B, F / P): W = bytes of the blocks the
 mode streams, B = bandwidth measured here (a pinned host→device copy of 256 MiB on CUDA; a host
 memcpy of 256 MiB on CPU, where nothing is really copied: weights are read in place), F = the
-step's FLOPs (≈ 6·N·T), P = the measured dense matmul rate in the compute dtype (bf16 on GPU,
-fp32 on CPU). Every row reports its time against that floor.
+step's FLOPs (≈ 6·N·T), P = the measured dense matmul rate in the compute dtype (`--dtype
+auto`: bf16 on GPU, fp16 on one without bf16, fp32 on CPU). Every row reports its time against
+that floor.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from .lora import LoraSpec, LoraWeights
 from .model import ModelArgs
 from .models import block_shapes, linear_weight_names, resolve_targets
 from .presets import PRESETS, Shape
+from .trainer import resolve_device, resolve_dtype
 
 MiB, GiB = 2**20, 2**30
 COPY_BYTES = 256 * MiB  # per bandwidth measurement
@@ -349,8 +351,9 @@ def run_bench(
     """Run `preset` streamed and resident; returns every measured number (see module doc).
     `base_quant` (int8 | nf4): the blocks' linear weights are quantized (as --base-quant).
 
-    `None` picks the preset's default for the device; dtype defaults to bf16 on CUDA, fp32 on
-    CPU. ConfigError for a preset that cannot run here, with what to do instead.
+    `None` picks the preset's default for the device; dtype defaults to the trainer's (`--dtype
+    auto`: trainer.resolve_dtype). ConfigError for a preset that cannot run here, with what to
+    do instead.
     """
     if preset not in PRESETS:
         raise ConfigError(f"--preset {preset!r} is unknown; one of {', '.join(PRESETS)}")
@@ -367,7 +370,7 @@ def run_bench(
         if gpu_memory_budget is not None:
             raise ConfigError("--gpu-memory-budget applies to --device cuda only")
     if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        dtype = dtype_from_name(resolve_dtype("auto", device.type))
     default = p.gpu if device.type == "cuda" else p.cpu
     shape = Shape(
         micro_batch_size or default.micro_batch_size,
@@ -547,7 +550,8 @@ def parser(prog: str = "python -m appliance.bench") -> argparse.ArgumentParser:
         "--dtype",
         choices=["auto", "float32", "bfloat16", "float16"],
         default="auto",
-        help="Compute dtype: auto is bfloat16 on GPU, float32 on CPU. [auto]",
+        help="Compute dtype: auto is bfloat16 on GPU (float16 without bf16), float32 on CPU. "
+        "[auto]",
     )
     ap.add_argument(
         "--gpu-memory-budget",
@@ -588,7 +592,7 @@ def run_from_args(a: argparse.Namespace) -> dict:
     ConfigError for a bad option value (naming the flag)."""
     from .config import parse_bytes
 
-    device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(a.device)
     try:
         budget = parse_bytes(a.gpu_memory_budget) if a.gpu_memory_budget else None
     except ValueError as e:

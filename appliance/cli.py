@@ -170,7 +170,7 @@ def train(config_file: str | None, **flags) -> None:
     type=click.Choice(C.CHOICES["dtype"]),
     default="auto",
     show_default=True,
-    help="Compute dtype: auto is bfloat16 on GPU, float32 on CPU.",
+    help="Compute dtype: auto is bfloat16 on GPU (float16 without bf16), float32 on CPU.",
 )
 @click.option(
     "--base-quant",

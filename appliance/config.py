@@ -83,7 +83,8 @@ class TrainConfig:
     device: str = _f("auto", "auto | cpu | cuda.")
     dtype: str = _f(
         "auto",
-        "Compute dtype: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16 | float16.",
+        "Compute dtype: auto (bfloat16 on GPU, float16 with loss scaling on a GPU without bf16, "
+        "float32 on CPU) | float32 | bfloat16 | float16.",
     )
     gpu_memory_budget: str | None = _f(
         None, "Cap the appliance's GPU memory, e.g. 24GiB; blocks beyond it are streamed."

@@ -6,8 +6,8 @@
 Each check is ok / warn / fail with one line of detail and, unless ok, one line of fix; the exit
 status is 1 when any check fails. With a model (or `--preset`), the memory checks compare this
 box with what the run needs: the weight store (every block, in Ray's shared-memory object store,
-in the compute dtype: bf16 on a GPU, fp32 on the CPU) and, on a GPU, the pages the trainer
-page-locks (the store's blocks, registered in place).
+in the compute dtype `--dtype auto` picks: trainer.resolve_dtype) and, on a GPU, the pages the
+trainer page-locks (the store's blocks, registered in place).
 
 `train` runs the cheap blocking checks (/dev/shm, RAM, memlock: `blocking_problems`) before it
 loads anything, so a run that cannot fit fails in seconds with the same line.
@@ -62,7 +62,7 @@ def needs_for(
     args: ModelArgs, cuda: bool, base_quant: str = "none", dtype_bytes: int | None = None
 ) -> Needs:
     """The host needs of training `args` here, by plan's own arithmetic (plan.host_bytes);
-    `dtype_bytes` defaults to the trainer's default compute dtype (bf16 on a GPU, fp32 on CPU)."""
+    `dtype_bytes` defaults to the trainer's `--dtype auto` (trainer.resolve_dtype)."""
     from .plan import (
         TOKENIZER_WORKER_BYTES,
         TOKENIZER_WORKERS,
@@ -72,7 +72,7 @@ def needs_for(
     )
 
     if dtype_bytes is None:
-        dtype_bytes = 2 if cuda else 4
+        dtype_bytes = auto_dtype("cuda" if cuda else "cpu").itemsize
     block = block_bytes(args, dtype_bytes, base_quant)
     store = -(-globals_bytes(args, dtype_bytes) // 64) * 64 + args.num_layers * block
     ram = store + TRAINER_PROCESS_BYTES + TOKENIZER_WORKERS * TOKENIZER_WORKER_BYTES
@@ -145,7 +145,8 @@ def check_gpus(device: str) -> Check:
     parts, no_bf16 = [], []
     for i in range(n):
         p = torch.cuda.get_device_properties(i)
-        bf16 = p.major >= 8  # Ampere and newer have bf16 tensor cores
+        with torch.cuda.device(i):
+            bf16 = auto_dtype("cuda") == torch.bfloat16  # Ampere and newer: bf16 tensor cores
         parts.append(f"{i}: {p.name} {p.total_memory / GiB:.1f} GiB{'' if bf16 else ' (no bf16)'}")
         if not bf16:
             no_bf16.append(str(i))
@@ -154,7 +155,8 @@ def check_gpus(device: str) -> Check:
             "gpus",
             "warn",
             "; ".join(parts),
-            f"GPU {','.join(no_bf16)} has no bf16: use --dtype float16 (or an Ampere+ card)",
+            f"GPU {','.join(no_bf16)} has no bf16: --dtype auto trains in float16 with loss "
+            "scaling there (an Ampere+ card has bf16's range)",
         )
     return Check("gpus", "ok", "; ".join(parts))
 
@@ -262,7 +264,8 @@ def _existing(path: Path) -> Path:
 
 
 def check_speed() -> list[Check]:
-    """Pinned host→device GB/s and bf16 matmul TFLOP/s on each GPU (a second or two each)."""
+    """Pinned host→device GB/s and matmul TFLOP/s in the compute dtype `--dtype auto` picks,
+    on each GPU (a second or two each)."""
     import torch
 
     from .bench import measure_bandwidth, measure_matmul
@@ -273,8 +276,11 @@ def check_speed() -> list[Check]:
     for i in range(torch.cuda.device_count()):
         dev = torch.device("cuda", i)
         b = measure_bandwidth(dev, 256 * MiB, reps=3)
-        p = measure_matmul(dev, torch.bfloat16, 4096, 10)
-        detail = f"GPU {i}: pinned H2D {b / 1e9:.1f} GB/s, bf16 matmul {p / 1e12:.0f} TFLOP/s"
+        with torch.cuda.device(i):
+            dtype = auto_dtype("cuda")
+        p = measure_matmul(dev, dtype, 4096, 10)
+        kind = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+        detail = f"GPU {i}: pinned H2D {b / 1e9:.1f} GB/s, {kind} matmul {p / 1e12:.0f} TFLOP/s"
         if b < 10e9:
             out.append(
                 Check(
@@ -347,6 +353,14 @@ def check_s3(model: str) -> Check:
 
 
 # ---------------------------------------------------------------- running them
+
+
+def auto_dtype(device: str):
+    """The torch dtype `--dtype auto` trains in on `device` (cpu | cuda; a GPU: the current one)."""
+    from .blocks import dtype_from_name
+    from .trainer import resolve_dtype
+
+    return dtype_from_name(resolve_dtype("auto", device))
 
 
 def resolve_cuda(device: str) -> bool:

@@ -274,7 +274,8 @@ def resolve_micro_batches(inp: Inputs, progress: Progress) -> None:
 
     from .blocks import dtype_from_name
 
-    measured = ray.get(ray.remote(num_gpus=1, max_calls=1)(measure_this_gpu).remote())
+    measure = ray.remote(num_gpus=1, max_calls=1)(measure_this_gpu)
+    measured = ray.get(measure.remote(inp.dtype))  # P in the run's compute dtype
     args, _ = load_args(cfg.model, None)  # config.json (with --cluster: shared path or s3://)
     m, why = auto_micro_batches(
         args,
@@ -353,6 +354,8 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
         "skipped_records": sum(run.state.skipped.values()),
         "packing_efficiency": run.state.target_tokens / max(run.state.row_tokens, 1),
     }
+    if run.state.skipped_steps:  # float16 only: overflowed steps, no update (loss_scale.py)
+        summary["skipped_steps"] = run.state.skipped_steps
     if after is not None:
         summary["eval_loss"] = after
     if before is not None:

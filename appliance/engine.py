@@ -12,6 +12,10 @@ For a global batch of M micro-batches and a model of L blocks (docs/architecture
    LoRA gradients accumulate over micro-batches into fp32 leaves.
 4. AdamW on the fp32 LoRA parameters, after gradient clipping.
 
+float16 compute adds dynamic loss scaling (`loss_scale.LossScaler`): step 2 seeds the backward
+with loss·scale, step 4 unscales the fp32 LoRA gradients first and skips the update when one is
+not finite (after the data-parallel all-reduce, so every rank skips the same steps).
+
 Data parallel (`group=`): each rank runs steps 1–3 on its share of the global batch (possibly
 none); the target-token count is summed over ranks before the head, and the LoRA gradients and
 the loss after the backward (one flat all-reduce), so step 4 is identical on every rank.
@@ -38,6 +42,7 @@ from . import models
 from .blocks import BlockSource
 from .errors import ConfigError
 from .lora import LoraSpec, LoraWeights
+from .loss_scale import LossScaler
 from .offload import SavedInputs
 from .planner import CUDA_MARGIN_BYTES, effective_budget, plan_memory, step_flops
 from .streaming import DeviceWeights
@@ -72,6 +77,8 @@ class StepStats:
     gpu_busy_ratio: float | None = None  # gpu_busy_seconds / step_seconds (CUDA only)
     step_seconds: float = 0.0
     flops: float = 0.0
+    loss_scale: float | None = None  # float16: the scale this step's backward was seeded with
+    skipped_step: bool = False  # float16: a gradient was inf/nan, the parameters did not move
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -93,13 +100,17 @@ class StreamedEngine:
         grad_clip: float | None = 1.0,
         seed: int = 0,
         group: dist.ProcessGroup | None = None,
+        loss_scaler: LossScaler | None = None,
     ):
         """`group`: a data-parallel process group. Each rank passes its share of the global batch
         to `train_step`; target tokens, LoRA gradients and the loss are summed over the group, so
         every rank applies the same update. Without a group the engine is single-process.
 
         `lora=None`: the base model alone, for `eval_loss` and `logits` (no optimizer; training
-        methods refuse)."""
+        methods refuse).
+
+        `loss_scaler`: float16 training scales its loss (module docstring); None takes a default
+        LossScaler then. Other dtypes have no scaler and refuse one."""
         self.args = source.args
         self.group = group
         self.device = torch.device(device)
@@ -124,6 +135,10 @@ class StreamedEngine:
                 weight_decay=weight_decay,
                 foreach=self.device.type == "cuda",
             )
+        if loss_scaler is not None and dtype != torch.float16:
+            raise ValueError(f"loss scaling is for float16 compute, not {dtype}")
+        fp16 = dtype == torch.float16 and lora is not None
+        self.scaler = (loss_scaler or LossScaler()) if fp16 else None
         self.step_count = 0
         self._busy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._planned = False
@@ -292,7 +307,8 @@ class StreamedEngine:
             grads = []
             with self._busy():
                 for h, lab in zip(hs, labels, strict=True):
-                    part, grad = M.loss_and_grad(h, lab, g, self.args, denom)
+                    scale = 1.0 if self.scaler is None else self.scaler.scale
+                    part, grad = M.loss_and_grad(h, lab, g, self.args, denom, scale)
                     loss += part
                     grads.append(grad)
             del hs
@@ -355,17 +371,26 @@ class StreamedEngine:
             offset += p.numel()
         return flat[-1]
 
-    def optimizer_step(self, lr: float) -> float:
+    def optimizer_step(self, lr: float) -> tuple[float, bool]:
+        """Clip, then AdamW; returns (gradient norm before clipping, whether the step was
+        skipped). With a loss scaler (float16) the gradients are unscaled first, and a non-finite
+        norm skips the update (parameters and AdamW state untouched) and backs the scale off."""
         params = self.lora.parameters()
+        if self.scaler is not None:
+            self.scaler.unscale_(params)
         if self.grad_clip:
             norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip))
         else:
             norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        skipped = self.scaler is not None and not math.isfinite(norm)
+        if self.scaler is not None:
+            self.scaler.update(finite=not skipped)
+        if not skipped:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        return norm, skipped
 
     def train_step(self, micro_batches: list[MicroBatch], lr: float, first: int = 0) -> StepStats:
         """One optimizer step over `micro_batches` (the global batch, or this rank's share of it,
@@ -383,10 +408,11 @@ class StreamedEngine:
         trainer that also waits for data should divide by its longer step time instead.
         """
         t0 = time.perf_counter()
+        scale = None if self.scaler is None else self.scaler.scale  # before the step updates it
         loss, n_target, phases = self.forward_backward(micro_batches, self.step_count, first)
         t1 = time.perf_counter()
         with self._busy():
-            norm = self.optimizer_step(lr)
+            norm, skipped = self.optimizer_step(lr)
         self._sync()
         t2 = time.perf_counter()
         self.step_count += 1
@@ -413,6 +439,8 @@ class StreamedEngine:
             gpu_busy_ratio=ratio,
             step_seconds=t2 - t0,
             flops=self.flops_per_step(tokens),
+            loss_scale=scale,
+            skipped_step=skipped,
         )
 
     def flops_per_step(self, tokens: int) -> float:
@@ -443,11 +471,18 @@ class StreamedEngine:
     # ------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "step": self.step_count}
+        state = {"optimizer": self.optimizer.state_dict(), "step": self.step_count}
+        if self.scaler is not None:
+            state["loss_scale"] = self.scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        """A checkpoint without a loss scale (before float16 had one, or another dtype's)
+        leaves this engine's scaler as it is."""
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = int(state["step"])
+        if self.scaler is not None and "loss_scale" in state:
+            self.scaler.load_state_dict(state["loss_scale"])
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

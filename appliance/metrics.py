@@ -168,6 +168,18 @@ LOSS = MetricSpec(
     "Training loss of the last step (mean next-token cross-entropy over the global batch).",
     ("rank",),
 )  # fmt: skip
+SKIPPED_STEPS = MetricSpec(
+    "appliance_skipped_steps", COUNTER, "steps",
+    "Optimizer steps skipped because a gradient overflowed (float16 compute: the step left the "
+    "adapter as it was and halved the loss scale). Counted in appliance_steps too.",
+    ("rank",),
+)  # fmt: skip
+LOSS_SCALE = MetricSpec(
+    "appliance_loss_scale", GAUGE, "1",
+    "The loss scale the last step's backward was seeded with (float16 compute only; halved on "
+    "an overflow, doubled after 2000 good steps). Absent in bfloat16 and float32.",
+    ("rank",),
+)  # fmt: skip
 LEARNING_RATE = MetricSpec(
     "appliance_learning_rate", GAUGE, "1", "Learning rate of the last step.", ("rank",)
 )
@@ -264,9 +276,10 @@ WEIGHT_STORE_BYTES = MetricSpec(
 REGISTRY: tuple[MetricSpec, ...] = (
     TOKENS, STEPS, STEP, STEP_SECONDS, STEP_TIME_SECONDS, PHASE_SECONDS, H2D_BYTES, H2D_SECONDS,
     DEQUANT_SECONDS,
-    MODEL_FLOPS, LOSS, LEARNING_RATE, MFU, GPU_BUSY, GPU_NVML_UTILIZATION, GPU_MEMORY_ALLOCATED,
-    GPU_MEMORY_RESERVED, TOKENIZER_TOKENS, TOKENIZER_DOCUMENTS, TOKENIZER_ERRORS,
-    TOKENIZER_SECONDS, BATCHES_IN_FLIGHT, TOKENIZER_QUEUE_DEPTH, RESTARTS, CHECKPOINTS,
+    MODEL_FLOPS, LOSS, SKIPPED_STEPS, LOSS_SCALE, LEARNING_RATE, MFU, GPU_BUSY,
+    GPU_NVML_UTILIZATION, GPU_MEMORY_ALLOCATED, GPU_MEMORY_RESERVED, TOKENIZER_TOKENS,
+    TOKENIZER_DOCUMENTS, TOKENIZER_ERRORS, TOKENIZER_SECONDS, BATCHES_IN_FLIGHT,
+    TOKENIZER_QUEUE_DEPTH, RESTARTS, CHECKPOINTS,
     WEIGHT_STORE_BYTES, EVAL_LOSS, PACKING_EFFICIENCY,
 )  # fmt: skip
 
@@ -516,10 +529,10 @@ class TrainerMetrics(_Recorder):
           phase_seconds: {phase: seconds} with phases from PHASES except "other" — they must not
             overlap (h2d_stall is not also inside forward/backward); the rest of step_seconds is
             recorded as phase "other";
-          h2d_bytes, h2d_seconds, dequant_seconds; flops (model FLOPs of the step); mfu (0..1, else derived from
-          flops and peak_flops); gpu_busy_ratio (0..1: CUDA-event busy seconds / step_seconds);
+          h2d_bytes, h2d_seconds, dequant_seconds; flops (model FLOPs of the step); mfu (0..1,
+          else derived from flops and peak_flops); gpu_busy_ratio (0..1: CUDA-event busy seconds / step_seconds);
           nvml_util_mean (0..1, from gpu_monitor.NvmlSampler.take_mean()); gpu_mem_allocated,
-          gpu_mem_reserved (bytes).
+          gpu_mem_reserved (bytes); loss_scale and skipped_step (float16 compute only).
         Other keys are ignored.
         """
         phases = dict(stats.get("phase_seconds") or {})
@@ -553,6 +566,8 @@ class TrainerMetrics(_Recorder):
         flops = stats.get("flops")
         self._inc(MODEL_FLOPS, flops)
         self._set(LOSS, stats["loss"])
+        self._inc(SKIPPED_STEPS, 1 if stats.get("skipped_step") else None)
+        self._set(LOSS_SCALE, stats.get("loss_scale"))
         self._set(LEARNING_RATE, stats.get("lr"))
         mfu = stats.get("mfu")
         if mfu is None and flops and self.peak_flops and step_seconds > 0:

@@ -525,17 +525,19 @@ def run_plan(p: PlanInput, as_json: bool) -> dict:
 CPU_AUTO_M = 4  # on a CPU weights are read in place: nothing to amortize
 
 
-def measure_this_gpu() -> dict:
-    """B (pinned host→device bytes/s), P (bf16 matmul FLOP/s) and memory of CUDA device 0: a
-    second or two (bench's own measurements). Run it where the trainer's GPU is visible."""
+def measure_this_gpu(dtype: str = "bfloat16") -> dict:
+    """B (pinned host→device bytes/s), P (matmul FLOP/s in the compute dtype `dtype`) and
+    memory of CUDA device 0: a second or two (bench's own measurements). Run it where the
+    trainer's GPU is visible."""
     import torch
 
     from .bench import measure_bandwidth, measure_matmul
+    from .blocks import dtype_from_name
 
     dev = torch.device("cuda", 0)
     return {
         "h2d_bytes_per_second": measure_bandwidth(dev, 256 * 2**20, reps=3),
-        "flops_per_second": measure_matmul(dev, torch.bfloat16, 4096, 10),
+        "flops_per_second": measure_matmul(dev, dtype_from_name(dtype), 4096, 10),
         "memory_bytes": torch.cuda.get_device_properties(dev).total_memory,
         "name": torch.cuda.get_device_name(dev),
     }

@@ -120,6 +120,10 @@ class Progress:
             }
             if "packing_efficiency" in stats:
                 record["packing_efficiency"] = stats["packing_efficiency"]
+            if stats.get("loss_scale") is not None:  # float16: loss scaling (loss_scale.py)
+                record["loss_scale"] = stats["loss_scale"]
+                record["skipped_step"] = bool(stats.get("skipped_step"))
+                record["skipped_steps"] = stats.get("skipped_steps", 0)
             if stats.get("eval_loss") is not None:  # only on the steps that validated
                 record["eval_loss"] = stats["eval_loss"]
             print(json.dumps(record), file=self.stream, flush=True)
@@ -158,6 +162,8 @@ class Progress:
             f"step {step}/{self.total}  loss {stats['loss']:.4f}  tok/s {tps:,.0f}  "
             f"data-wait {wait:.0%}  eta {_fmt_eta(eta)}  restarts {self.restarts}"
         )
+        if stats.get("skipped_steps"):  # float16 steps that overflowed and did not update
+            line += f"  skipped-steps {stats['skipped_steps']}"
         if self._eval_loss is not None:
             line += f"  eval-loss {self._eval_loss:.4f}"
         return line
@@ -177,6 +183,9 @@ class Progress:
                 _fmt_eta(eta),
                 str(self.restarts),
             ]
+        if stats is not None and stats.get("skipped_steps"):  # float16 steps that overflowed
+            columns.append("skipped steps")
+            row.append(str(stats["skipped_steps"]))
         if self._eval_loss is not None:  # a column once the run has validated (--eval-*)
             columns.append("eval loss")
             row.append(f"{self._eval_loss:.4f}")

@@ -127,6 +127,7 @@ class RunState:
     tokenizer_pids: set[int] = field(default_factory=set)  # processes that tokenized
     row_tokens: int = 0  # input positions of every row trained on (targets / this = packing)
     eval_losses: list[list] = field(default_factory=list)  # [step, validation loss]
+    skipped_steps: int = 0  # float16: steps whose gradient overflowed (no update; loss_scale.py)
 
     def to_json(self) -> dict:
         return {
@@ -138,6 +139,7 @@ class RunState:
             "skipped": {str(w): n for w, n in self.skipped.items()},
             "row_tokens": self.row_tokens,
             "eval_losses": self.eval_losses,
+            "skipped_steps": self.skipped_steps,
         }
 
     @classmethod
@@ -151,6 +153,7 @@ class RunState:
             skipped={int(w): n for w, n in d["skipped"].items()},
             row_tokens=d.get("row_tokens", 0),
             eval_losses=list(d.get("eval_losses", [])),
+            skipped_steps=d.get("skipped_steps", 0),
         )
 
 
@@ -531,6 +534,8 @@ class Run:
                 st.consumed += len(refs)
                 st.cursors.update({int(w): c for w, c in stats["cursors"].items()})
                 st.losses.append(stats["loss"])
+                st.skipped_steps += bool(stats.get("skipped_step"))
+                stats["skipped_steps"] = st.skipped_steps  # the run's so far, for the display
                 st.target_tokens += stats["target_tokens"]
                 st.row_tokens += stats["tokens"]
                 stats["packing_efficiency"] = st.target_tokens / max(st.row_tokens, 1)
@@ -635,6 +640,7 @@ class Run:
                 "losses": self.state.losses,
                 "restarts": self.restarts,
                 "skipped_records": sum(self.state.skipped.values()),
+                "skipped_steps": self.state.skipped_steps,
                 "weight_store_loads": loads,  # one per trainer node, however many restarts
             },
         )

@@ -51,9 +51,16 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    if dtype == "auto":
-        return "bfloat16" if device == "cuda" else "float32"
-    return dtype
+    """The compute dtype `dtype` names on `device` (already resolved: cpu | cuda). `auto` is
+    bfloat16 on a GPU that computes it natively (Ampere and newer), float16 with loss scaling on
+    an older one (engine.py), float32 on the CPU. The one place that decides: train, eval, bench
+    and doctor all ask it."""
+    if dtype != "auto":
+        return dtype
+    if device != "cuda":
+        return "float32"
+    # not counting emulation: bf16 emulated on a pre-Ampere card is several times slower
+    return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
 
 
 def backend_for(device: str) -> str:

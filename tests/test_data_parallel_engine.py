@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 from appliance.blocks import DictBlockSource
 from appliance.engine import StreamedEngine
+from appliance.loss_scale import LossScaler
 from tests.helpers_model import SPEC, batch, lora_with_random_b, make_model
 from tests.helpers_net import free_port
 
@@ -33,38 +34,58 @@ def global_batches(step: int) -> list:
     return [(ids[i : i + 2], labels[i : i + 2]) for i in range(0, 8, 2)]
 
 
-def train(model_dir: Path, shares: list[list[int]], rank: int, group=None) -> dict:
+def train(
+    model_dir: Path, shares: list[list[int]], rank: int, group=None, fp16_steps: int = 0
+) -> dict:
     """STEPS train steps on micro-batches `shares[rank]` (consecutive indexes) of each global
-    batch, with LoRA dropout."""
-    source = DictBlockSource.from_hf(model_dir, torch.float32)
+    batch, with LoRA dropout. `fp16_steps`: that many steps in float16 instead, from a loss
+    scale (2**24) that overflows, so the first steps are skipped."""
+    dtype = torch.float16 if fp16_steps else torch.float32
+    source = DictBlockSource.from_hf(model_dir, dtype)
     lora = lora_with_random_b(source.args, SPEC_WITH_DROPOUT)
-    engine = StreamedEngine(source, lora, weight_decay=0.01, grad_clip=0.5, group=group)
+    engine = StreamedEngine(
+        source,
+        lora,
+        dtype=dtype,
+        weight_decay=0.01,
+        grad_clip=0.5,
+        group=group,
+        loss_scaler=LossScaler(2.0**24) if fp16_steps else None,
+    )
     mine = shares[rank]
-    losses, targets = [], []
-    for step in range(STEPS):
+    losses, targets, scales = [], [], []
+    for step in range(fp16_steps or STEPS):
         mbs = global_batches(step)
         first = mine[0] if mine else 0
-        stats = engine.train_step([mbs[m] for m in mine], LRS[step], first=first)
+        lr = LRS[step % len(LRS)]
+        stats = engine.train_step([mbs[m] for m in mine], lr, first=first)
         losses.append(stats.loss)
         targets.append(stats.target_tokens)
+        scales.append((stats.loss_scale, stats.skipped_step))
     params = [p.detach().clone() for p in engine.lora.parameters()]
-    return {"losses": losses, "targets": targets, "params": params}
+    return {"losses": losses, "targets": targets, "params": params, "scales": scales}
 
 
-def _rank_main(rank: int, port: int, model_dir: Path, shares: list[list[int]], out: Path) -> None:
+def _rank_main(
+    rank: int, port: int, model_dir: Path, shares: list[list[int]], out: Path, fp16_steps: int
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(shares)
     )
     try:
-        torch.save(train(model_dir, shares, rank, dist.group.WORLD), out / f"rank{rank}.pt")
+        result = train(model_dir, shares, rank, dist.group.WORLD, fp16_steps)
+        torch.save(result, out / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def run_data_parallel(model_dir: Path, shares: list[list[int]], out: Path) -> list[dict]:
+def run_data_parallel(
+    model_dir: Path, shares: list[list[int]], out: Path, fp16_steps: int = 0
+) -> list[dict]:
     port = free_port()
-    mp.spawn(_rank_main, args=(port, model_dir, shares, out), nprocs=len(shares), join=True)
+    args = (port, model_dir, shares, out, fp16_steps)
+    mp.spawn(_rank_main, args=args, nprocs=len(shares), join=True)
     return [torch.load(out / f"rank{r}.pt") for r in range(len(shares))]
 
 
@@ -93,6 +114,22 @@ def test_a_rank_without_micro_batches_joins_and_adds_nothing(tmp_path):
     single = train(model_dir, [[0, 1]], rank=0)
     ranks = run_data_parallel(model_dir, [[0, 1], []], tmp_path)
     assert_same_training(ranks, single)
+
+
+def test_in_fp16_every_rank_skips_the_steps_whose_global_gradient_overflowed(tmp_path):
+    """The overflow check comes after the all-reduce: a rank with no micro-batches (finite, zero
+    gradients of its own) skips the same steps as the rank whose backward overflowed, with the
+    same scale, and both end where one engine with the whole batch ends."""
+    model_dir = make_model(tmp_path / "model", "llama-mha", with_tokenizer=False)
+    single = train(model_dir, [[0, 1]], rank=0, fp16_steps=8)
+    ranks = run_data_parallel(model_dir, [[0, 1], []], tmp_path, fp16_steps=8)
+    assert single["scales"][0] == (2.0**24, True)
+    assert not all(skipped for _, skipped in single["scales"])  # some steps went through
+    for r in ranks:
+        assert r["scales"] == single["scales"]
+        torch.testing.assert_close(r["losses"], single["losses"], rtol=0, atol=0)
+        for p, q in zip(r["params"], single["params"], strict=True):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
 def test_without_the_global_index_a_share_would_draw_other_dropout_masks(tmp_path):

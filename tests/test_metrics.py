@@ -70,6 +70,8 @@ def full_trainer_stats(step: int = 1) -> dict[str, Any]:
         "nvml_util_mean": 0.9,
         "gpu_mem_allocated": 10 << 30,
         "gpu_mem_reserved": 12 << 30,
+        "loss_scale": 32768.0,  # float16 compute
+        "skipped_step": True,
         "grad_norm": 0.7,  # not a metric: ignored
     }
 

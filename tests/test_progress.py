@@ -89,6 +89,47 @@ def test_a_step_longer_than_10_seconds_gets_a_line_while_it_runs():
     assert stream.getvalue().splitlines()[-1] == "step 2/5 running for 0:00:11"
 
 
+def test_float16_steps_show_their_loss_scale_and_the_skipped_steps():
+    """A float16 run's stats carry the loss scale, whether the step was skipped (its gradient
+    overflowed) and the run's skipped steps so far; bf16 and fp32 runs show none of it."""
+    fp16 = [
+        {**stats(2.0, 100, 1.0, 0.1), "loss_scale": 65536.0, "skipped_step": True,
+         "skipped_steps": 1},
+        {**stats(2.0, 100, 1.0, 0.1), "loss_scale": 32768.0, "skipped_step": False,
+         "skipped_steps": 1},
+    ]  # fmt: skip
+    stream = io.StringIO()
+    progress = Progress("json", stream=stream)
+    progress.start(total_steps=3)
+    for step, st in enumerate([*fp16, stats(2.0, 100, 1.0, 0.1)], start=1):
+        progress.step(step, st)
+    records = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [(r["loss_scale"], r["skipped_step"], r["skipped_steps"]) for r in records[:2]] == [
+        (65536.0, True, 1),
+        (32768.0, False, 1),
+    ]
+    assert "loss_scale" not in records[2]  # a step without a scaler
+
+    stream, now = io.StringIO(), [0.0]
+    progress = Progress("plain", stream=stream, clock=lambda: now[0], heartbeat=False)
+    progress.start(total_steps=2)
+    for step, st in enumerate(fp16, start=1):
+        progress.step(step, st)
+    lines = stream.getvalue().splitlines()
+    assert [line.endswith("  skipped-steps 1") for line in lines] == [True, True]
+    progress = Progress("plain", stream=io.StringIO(), heartbeat=False)
+    progress.start(total_steps=1)
+    assert "skipped" not in progress._line(1, stats(2.0, 100, 1.0, 0.1))
+
+    console = Console(record=True, file=io.StringIO(), width=120, force_terminal=False)
+    progress = Progress("rich", console=console)
+    progress.start(total_steps=2)
+    progress.step(1, fp16[0])
+    progress.stop()
+    header, row = table_rows(console)[-2:]
+    assert header[-1] == "skipped steps" and row[-1] == "1"
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("m") / "model", "llama-mha")
