@@ -9,6 +9,7 @@ steps or PLAIN_EVERY_SECONDS seconds, whichever comes first, and at the last ste
 from __future__ import annotations
 
 import json
+import math
 import sys
 import threading
 import time
@@ -114,7 +115,8 @@ class Progress:
                 "lr": stats["lr"],
                 "step_seconds": stats["step_seconds"],
                 "target_tokens": stats["target_tokens"],
-                "grad_norm": stats["grad_norm"],
+                # a skipped float16 step's norm is inf/nan: null, as strict JSON readers want
+                "grad_norm": stats["grad_norm"] if math.isfinite(stats["grad_norm"]) else None,
                 "phase_seconds": stats["phase_seconds"],
                 "restarts": self.restarts,
             }

@@ -94,7 +94,7 @@ def test_float16_steps_show_their_loss_scale_and_the_skipped_steps():
     overflowed) and the run's skipped steps so far; bf16 and fp32 runs show none of it."""
     fp16 = [
         {**stats(2.0, 100, 1.0, 0.1), "loss_scale": 65536.0, "skipped_step": True,
-         "skipped_steps": 1},
+         "skipped_steps": 1, "grad_norm": float("inf")},
         {**stats(2.0, 100, 1.0, 0.1), "loss_scale": 32768.0, "skipped_step": False,
          "skipped_steps": 1},
     ]  # fmt: skip
@@ -103,7 +103,11 @@ def test_float16_steps_show_their_loss_scale_and_the_skipped_steps():
     progress.start(total_steps=3)
     for step, st in enumerate([*fp16, stats(2.0, 100, 1.0, 0.1)], start=1):
         progress.step(step, st)
-    records = [json.loads(line) for line in stream.getvalue().splitlines()]
+    # strict JSON: the skipped step's infinite norm is null, not `Infinity`
+    records = [
+        json.loads(line, parse_constant=pytest.fail) for line in stream.getvalue().splitlines()
+    ]
+    assert [r["grad_norm"] is None for r in records] == [True, False, False]
     assert [(r["loss_scale"], r["skipped_step"], r["skipped_steps"]) for r in records[:2]] == [
         (65536.0, True, 1),
         (32768.0, False, 1),
