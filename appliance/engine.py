@@ -169,19 +169,7 @@ class StreamedEngine:
         L = self.args.num_layers
         free, total = torch.cuda.mem_get_info(self.device)
         budget = effective_budget(self.budget, total, free, torch.cuda.memory_reserved(self.device))
-        p = plan_memory(
-            self.args,
-            dtype_bytes=self.dtype.itemsize,
-            budget=budget,
-            tokens=sum(mb[0].numel() for mb in micro_batches),
-            biggest=max(mb[0].numel() for mb in micro_batches),
-            longest=max(mb[0].shape[-1] for mb in micro_batches),
-            block_bytes=self.weights.block_bytes(),
-            # the globals, and a quantized block's dequantized weights while it computes
-            globals_bytes=sum(t.numel() * t.element_size() for t in self.weights.globals.values())
-            + self.weights.dequant_bytes(),
-            lora_params=self.lora.num_parameters(),
-        )
+        p = plan_memory(self.args, budget=budget, **self.plan_inputs(micro_batches))
         if not p.fits:
             raise ConfigError(
                 f"--gpu-memory-budget: {budget / 2**30:.1f} GiB usable (the budget, at most the "
@@ -196,6 +184,22 @@ class StreamedEngine:
         if p.offload_activations:  # page-locked host room for the biggest global batch, once
             tokens = sum(mb[0].numel() for mb in micro_batches)
             self.saved.allocate(tokens, self.args.hidden_size, self.dtype)
+
+    def plan_inputs(self, micro_batches: list[MicroBatch]) -> dict:
+        """What `plan` tells planner.plan_memory besides the budget: the bytes this engine holds
+        and the batch it is sized for (also what bench asks for a budget that streams)."""
+        w = self.weights
+        return dict(
+            dtype_bytes=self.dtype.itemsize,
+            tokens=sum(mb[0].numel() for mb in micro_batches),
+            biggest=max(mb[0].numel() for mb in micro_batches),
+            longest=max(mb[0].shape[-1] for mb in micro_batches),
+            block_bytes=w.block_bytes(),
+            # the globals, and a quantized block's dequantized weights while it computes
+            globals_bytes=sum(t.numel() * t.element_size() for t in w.globals.values())
+            + w.dequant_bytes(),
+            lora_params=self.lora.num_parameters(),
+        )
 
     def _cos_sin(self, T: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables for T positions; `local`: Gemma 3's sliding layers' (ModelArgs.local_rope)."""

@@ -116,6 +116,23 @@ def plan_memory(
     )
 
 
+def streaming_budget(args: ModelArgs, *, stream_fraction: float = 0.5, **inputs) -> int | None:
+    """The largest `--gpu-memory-budget` (a multiple of 256 MiB, CUDA_MARGIN_BYTES included)
+    under which the plan fits and at least `stream_fraction` of the blocks stream; None if no
+    budget does. `inputs`: plan_memory's other arguments (StreamedEngine.plan_inputs). What
+    `appliance bench` runs its streamed row at unless told a budget: a budget under which every
+    block stays resident would time ordinary training, not streaming."""
+    step, L = 256 * 2**20, args.num_layers
+    best = None
+    for k in range(1, 4096):  # up to 1 TiB
+        p = plan_memory(args, budget=k * step, **inputs)
+        if p.fits and L - p.resident_blocks < stream_fraction * L:
+            break
+        if p.fits:
+            best = k * step + CUDA_MARGIN_BYTES
+    return best
+
+
 def blocks_uploaded_per_step(num_blocks: int, resident_blocks: int) -> int:
     """Host→device block copies in one steady-state optimizer step (both passes).
 
