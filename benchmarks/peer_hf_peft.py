@@ -33,7 +33,7 @@ def build(setup: pc.Setup):
     model.to_empty(device=setup.device)  # a shape too big for the GPU fails here (OOM)
     pc.fill_weights(model, setup.args, setup.device)
     facts = {"resident": True, "autocast": setup.dtype != pc.torch.float32}
-    return model, pc.make_optimizer(model, setup.device), facts
+    return model, pc.make_optimizer(model), facts
 
 
 PEER = pc.Peer(

@@ -126,10 +126,12 @@ def build_meta_model(args: ModelArgs, dtype: torch.dtype) -> torch.nn.Module:
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(llama_config(args))
     model.to(dtype)
-    with warnings.catch_warnings():  # transformers 5.x renames it (the old name stays until v6)
+    # transformers 5.x renamed gradient checkpointing (the old names, which PEFT calls too, stay
+    # until v6 with a FutureWarning)
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = peft.get_peft_model(model, peft_lora_config(lora_spec()))
+        model = peft.get_peft_model(model, peft_lora_config(lora_spec()))
     for name, p in model.named_parameters():
         if "lora_" in name:  # PEFT upcasts adapters of a bf16 base; make it explicit
             p.data = p.data.to(torch.float32)
@@ -261,14 +263,16 @@ class Peer:
     setup_context: Callable[[Setup], object] = field(default=lambda setup: nullcontext())
 
 
-def make_optimizer(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW on the LoRA parameters as the engine's: weight decay 0, betas (0.9, 0.999)."""
+def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW on the LoRA parameters as the engine's: weight decay 0, betas (0.9, 0.999); the
+    multi-tensor kernels where the parameters are on a GPU (FSDP2's offloaded ones are not)."""
+    params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
+        params,
         lr=LR,
         betas=(0.9, 0.999),
         weight_decay=0.0,
-        foreach=device.type == "cuda",
+        foreach=all(p.device.type == "cuda" for p in params),
     )
 
 
@@ -412,8 +416,17 @@ def run_peer(peer: Peer, setup: Setup, keep_model: bool = False) -> tuple[dict, 
             )
             result["trainable_all_lora"] = all("lora_" in n for n in trainable)
             before = lora_snapshot(model)
+            # gradient checkpointing recomputes each layer's forward in the backward: the first
+            # layer's attention (inside the checkpointed call) counted
+            calls = [0]
+            attn = model.get_base_model().model.layers[0].self_attn
+            hook = attn.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
             losses, seconds = train_steps(peer, model, optimizer, setup, batches)
+            hook.remove()
             after = lora_snapshot(model)
+            result["attention_calls_per_micro_batch"] = calls[0] / (
+                shape.micro_batches * (shape.warmup + shape.steps)
+            )
             result["lora_tensors"] = len(before)
             result["lora_tensors_changed"] = sum(
                 not torch.equal(before[k], after[k]) for k in before
