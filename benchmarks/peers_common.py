@@ -227,8 +227,11 @@ def resolve(preset: str, device: str = "auto", steps: int | None = None, warmup:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA GPU is visible to torch here")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA GPU is visible to torch here")
+        if dev.index is None:  # torch.cuda.set_device and the device mesh want an index
+            dev = torch.device("cuda", torch.cuda.current_device())
     p = PRESETS[preset]
     default = p.gpu if dev.type == "cuda" else p.cpu
     if default is None:

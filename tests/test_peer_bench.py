@@ -248,3 +248,35 @@ def test_no_ray_boto3_or_numba_needed():
     )
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, timeout=120)
+
+
+def test_the_gpu_configuration_in_bf16_on_a_cpu():
+    """bf16 as on CUDA (FSDP2's MixedPrecisionPolicy, transformers' autocast, fp32 adapters),
+    on a CPU at a small shape, with tied embeddings (1b's): both peers take the engine's losses."""
+    import dataclasses
+
+    from appliance.engine import StreamedEngine
+    from benchmarks import peer_fsdp2_offload, peer_hf_peft
+
+    args = dataclasses.replace(ARGS, tie_word_embeddings=True)
+    shape = B.Shape(micro_batch_size=2, seq_len=32, micro_batches=2, steps=1, warmup=1)
+    setup = pc.Setup("tiny", args, torch.device("cpu"), torch.bfloat16, shape)
+    engine = StreamedEngine(
+        B.SyntheticBlockSource(args, torch.bfloat16),
+        LoraWeights(args, LoraSpec(), "cpu", seed=0),
+        device="cpu",
+        dtype=torch.bfloat16,
+    )
+    batches = B._batches(args, shape)
+    ref = [engine.train_step(batches, B.LR).loss for _ in range(2)]
+    for peer in (peer_hf_peft.PEER, peer_fsdp2_offload.PEER):
+        result, extras = pc.run_peer(peer, setup, keep_model=True)
+        assert result["fits"] and result["dtype"] == "bfloat16"
+        for ours, theirs in zip(result["losses"], ref, strict=True):
+            assert math.isclose(ours, theirs, rel_tol=1e-4), (peer.system, result["losses"], ref)
+        model = extras["model"]
+        dtypes = {("lora_" in n, p.dtype) for n, p in model.named_parameters()}
+        assert dtypes == {(True, torch.float32), (False, torch.bfloat16)}
+        base = model.get_base_model()
+        assert base.lm_head.weight is base.model.embed_tokens.weight  # still tied
+    assert result["mixed_precision"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
