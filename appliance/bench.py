@@ -260,6 +260,8 @@ def _run_mode(
 ) -> dict:
     args, L = source.args, source.args.num_layers
     row: dict = {"mode": mode, "tokens_per_step": sum(ids.numel() for ids, _ in batches)}
+    if device.type == "cuda":  # peak_gpu_bytes: this mode's own peak (benchmarks/compare.py)
+        torch.cuda.reset_peak_memory_stats(device)
     lora = LoraWeights(args, LoraSpec(), device, seed=0)
     engine = StreamedEngine(
         source,
@@ -294,6 +296,7 @@ def _run_mode(
         else:  # weights are read in place; "streamed" counts every block as if copied (nominal)
             resident = L if mode == "resident" else 0
         block_bytes = engine.weights.block_bytes()
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     except torch.cuda.OutOfMemoryError as e:
         return {**row, "fits": False, "reason": f"CUDA out of memory: {str(e).splitlines()[0]}"}
     finally:
@@ -316,6 +319,7 @@ def _run_mode(
         "resident_blocks": resident,
         "blocks": L,
         "streamed_bytes": W,
+        "peak_gpu_bytes": peak,  # torch.cuda.max_memory_allocated over the mode; None on a CPU
         "step_seconds": step,
         "step_seconds_min": min(s.step_seconds for s in timed),
         "tokens_per_second": row["tokens_per_step"] / step,

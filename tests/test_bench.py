@@ -30,7 +30,7 @@ ROW_FIELDS = {
     "step_seconds", "step_seconds_min", "tokens_per_second", "flops_per_step",
     "floor_h2d_seconds", "floor_compute_seconds", "floor_seconds", "ratio",
     "h2d_bytes_per_step", "h2d_seconds_per_step", "h2d_stall_seconds_per_step",
-    "gpu_busy_seconds_per_step", "gpu_busy_ratio", "phase_seconds", "losses",
+    "gpu_busy_seconds_per_step", "gpu_busy_ratio", "phase_seconds", "losses", "peak_gpu_bytes",
 }  # fmt: skip
 
 
@@ -68,6 +68,7 @@ def test_tiny_on_cpu_measures_every_field(tiny_run):
     for row in (streamed, resident):
         assert set(row) == ROW_FIELDS, set(row) ^ ROW_FIELDS
         assert row["fits"] and row["tokens_per_step"] == 64
+        assert row["peak_gpu_bytes"] is None  # measured on CUDA only
         assert row["step_seconds"] > 0 and row["tokens_per_second"] > 0
         assert row["flops_per_step"] == 6 * args.num_layers * args.block_param_count() * 64
         assert row["floor_seconds"] > 0 and row["ratio"] > 0
