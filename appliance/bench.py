@@ -10,9 +10,16 @@ do not fit are copied host→device every pass) and resident (every block on the
 whole model fits the device; else the row says "does not fit"). Each mode runs warm-up steps,
 then timed optimizer steps.
 
-The floor of one step (docs/architecture.md, "The speed floor") is max(2·W / B, F / P): W = bytes of the blocks the
-mode streams, B = bandwidth measured here (a pinned host→device copy of 256 MiB on CUDA; a host
-memcpy of 256 MiB on CPU, where nothing is really copied: weights are read in place), F = the
+On CUDA the streamed row runs at `--gpu-memory-budget`, or by default at the largest budget under
+which at least half the blocks stream (planner.streaming_budget); a budget that keeps every block
+resident is refused, since it would time ordinary training.
+
+The floor of one step (docs/architecture.md, "The speed floor") is max(W / B, F / P): W = the
+bytes the engine copies host→device in one step (each streamed block once per pass, less block 0,
+which stays from one step's backward into the next forward: 2·streamed − 1 blocks; on CUDA the
+bytes it really copied), B = bandwidth measured from the memory the engine copies from (one of
+its own page-locked blocks into the device, median of 10, on CUDA; a host memcpy of 256 MiB on
+CPU, where nothing is really copied: weights are read in place, so the row is nominal), F = the
 step's FLOPs (≈ 6·N·T), P = the measured dense matmul rate in the compute dtype (`--dtype
 auto`: bf16 on GPU, fp16 on one without bf16, fp32 on CPU). Every row reports its time against
 that floor.
@@ -44,6 +51,7 @@ from .errors import ConfigError
 from .lora import LoraSpec, LoraWeights
 from .model import ModelArgs
 from .models import block_shapes, linear_weight_names, resolve_targets
+from .planner import blocks_uploaded_per_step, streaming_budget
 from .presets import PRESETS, Shape
 from .trainer import resolve_device, resolve_dtype
 
@@ -186,8 +194,8 @@ def measure_bandwidth(device: torch.device, nbytes: int = COPY_BYTES, reps: int 
 def measure_matmul(device: torch.device, dtype: torch.dtype, n: int, reps: int) -> float:
     """FLOP/s of an (n, n) @ (n, n) matmul in `dtype`.
 
-    CUDA: `reps` back-to-back matmuls timed with events (after two warm-ups); CPU: the best of
-    `reps` single matmuls.
+    CUDA: matmuls for at least a second first (clocks and power settle), then the median of `reps`
+    matmuls each timed with events; CPU: the best of `reps` single matmuls.
     """
     gen = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
@@ -196,13 +204,19 @@ def measure_matmul(device: torch.device, dtype: torch.dtype, n: int, reps: int) 
     for _ in range(2):
         torch.matmul(a, b, out=out)
     if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 1.0:  # warm up for ≥ 1 s
             torch.matmul(a, b, out=out)
-        end.record()
-        end.synchronize()
-        seconds = start.elapsed_time(end) / 1e3 / reps
+            torch.cuda.synchronize(device)
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.matmul(a, b, out=out)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        seconds = statistics.median(times)
     else:
         seconds = math.inf
         for _ in range(reps):
@@ -270,6 +284,7 @@ def _run_mode(
         dtype=dtype,
         gpu_memory_budget=budget if mode == "streamed" else None,
     )
+    measured_b = None  # B from the engine's own host memory (CUDA, streamed)
     try:
         if mode == "resident" and device.type == "cuda":
             # Decide before running whether every block stays on the device (the engine's own
@@ -285,6 +300,17 @@ def _run_mode(
                     "reason": f"does not fit: {len(engine.weights.resident)} of {L} blocks fit "
                     f"in {torch.cuda.get_device_properties(device).total_memory / GiB:.0f} GiB",
                 }
+        if mode == "streamed" and device.type == "cuda":
+            engine.plan(batches)  # ConfigError (names the flag) if even streaming does not fit
+            if len(engine.weights.resident) == L:
+                fit = streaming_budget(args, **engine.plan_inputs(batches))
+                raise ConfigError(
+                    f"--gpu-memory-budget {budget / GiB:.3g} GiB keeps all {L} blocks resident: "
+                    "nothing streams, so the streamed row would time ordinary training; leave "
+                    "the flag out (the bench then streams half the blocks)"
+                    + (f" or give at most {fit / GiB:.3g} GiB" if fit else "")
+                )
+            measured_b = engine.weights.measure_bandwidth()
         losses, timed = [], []
         for s in range(shape.warmup + shape.steps):
             stats = engine.train_step(batches, LR)
@@ -304,30 +330,38 @@ def _run_mode(
         del engine, lora
         _release_cuda(device)
 
-    W = (L - resident) * block_bytes
+    # the bytes one steady-state step copies: 2·streamed − 1 blocks (block 0 stays between steps)
+    W = blocks_uploaded_per_step(L, resident) * block_bytes
+    B = measured_b or bandwidth
     step = statistics.mean(s.step_seconds for s in timed)
     flops = timed[0].flops
     h2d_bytes = statistics.mean(s.h2d_bytes for s in timed)
     h2d_seconds = statistics.mean(s.h2d_seconds for s in timed)
-    floor_h2d, floor_compute = 2 * W / bandwidth, flops / matmul
+    floor_h2d, floor_compute = W / B, flops / matmul
     floor = max(floor_h2d, floor_compute)
     busy = [s.gpu_busy_ratio for s in timed if s.gpu_busy_ratio is not None]
     busy_seconds = [s.gpu_busy_seconds for s in timed if s.gpu_busy_seconds is not None]
+    dequant = statistics.mean(s.dequant_seconds for s in timed)
     return {
         **row,
         "fits": True,
         "resident_blocks": resident,
         "blocks": L,
+        "streamed_blocks": L - resident,
         "streamed_bytes": W,
+        "bandwidth_bytes_per_second": B,
         "peak_gpu_bytes": peak,  # torch.cuda.max_memory_allocated over the mode; None on a CPU
         "step_seconds": step,
         "step_seconds_min": min(s.step_seconds for s in timed),
+        "step_seconds_median": statistics.median(s.step_seconds for s in timed),
         "tokens_per_second": row["tokens_per_step"] / step,
         "flops_per_step": flops,
         "floor_h2d_seconds": floor_h2d,
         "floor_compute_seconds": floor_compute,
         "floor_seconds": floor,
         "ratio": step / floor,
+        "dequant_seconds_per_step": dequant,
+        "dequant_share": dequant / step,
         "h2d_bytes_per_step": h2d_bytes,
         "h2d_seconds_per_step": h2d_seconds,
         "h2d_stall_seconds_per_step": statistics.mean(s.phase_seconds["h2d_stall"] for s in timed),
@@ -418,6 +452,18 @@ def run_bench(
     dname = str(dtype).removeprefix("torch.")
     source = SyntheticBlockSource(args, dtype, base_quant=base_quant)
     batches = _batches(args, shape)
+    budget_kind = "--gpu-memory-budget" if gpu_memory_budget else None
+    if device.type == "cuda" and gpu_memory_budget is None:
+        # the budget under which half the blocks stream, from the engine's own plan inputs
+        probe = StreamedEngine(source, LoraWeights(args, LoraSpec(), "cpu", seed=0), dtype=dtype)
+        gpu_memory_budget = streaming_budget(args, **probe.plan_inputs(batches))
+        probe.close()
+        if gpu_memory_budget is None:
+            raise ConfigError(
+                f"--preset {preset}: no GPU memory budget streams half its blocks at this shape; "
+                "give --gpu-memory-budget"
+            )
+        budget_kind = "the largest under which half the blocks stream (planner.streaming_budget)"
     modes = [
         _run_mode(m, source, batches, shape, device, dtype, gpu_memory_budget, bandwidth, matmul)
         for m in ("streamed", "resident")
@@ -455,12 +501,13 @@ def run_bench(
         },
         "shape": {**asdict(shape), "tokens_per_step": modes[0]["tokens_per_step"]},
         "gpu_memory_budget": gpu_memory_budget,
+        "gpu_memory_budget_kind": budget_kind,
         "bandwidth": {
             "bytes_per_second": bandwidth,
             "kind": f"pinned host→device copy of {COPY_BYTES // MiB} MiB"
             if device.type == "cuda"
             else f"host memcpy of {COPY_BYTES // MiB} MiB; on a CPU the weights are read in "
-            "place, so the streamed row's 2W/B is nominal",
+            "place, so the streamed row's W/B is nominal",
         },
         "matmul": {"flops_per_second": matmul, "kind": f"{dname} ({n}, {n}) @ ({n}, {n})"},
         "modes": modes,
@@ -491,21 +538,28 @@ def format_table(result: dict) -> str:
         f"({result['matmul']['kind']})",
         f"tokens/step = {s['micro_batches']} micro-batches × {s['micro_batch_size']} × "
         f"{s['seq_len']} = {s['tokens_per_step']}; {s['warmup']} warm-up + {s['steps']} timed "
-        f"steps; GPU memory budget: {f'{budget / GiB:.3g} GiB' if budget else 'none'}",
+        f"steps; GPU memory budget: {f'{budget / GiB:.3g} GiB' if budget else 'none'}"
+        + (
+            f" ({result['gpu_memory_budget_kind']})" if result.get("gpu_memory_budget_kind") else ""
+        ),
         "",
-        "| mode | tokens/step | step s | tokens/s | W GB | 2W/B s | F TFLOP | F/P s | floor s "
-        "| time/floor |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| mode | tokens/step | step s | tokens/s | W GB | B GB/s | W/B s | F TFLOP | F/P s "
+        "| floor s | time/floor | h2d stall | dequant | GPU busy |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["modes"]:
         if not r["fits"]:
-            lines.append(f"| {r['mode']} | {r['tokens_per_step']} | {r['reason']} |" + " — |" * 7)
+            lines.append(f"| {r['mode']} | {r['tokens_per_step']} | {r['reason']} |" + " — |" * 11)
             continue
+        stall = r["h2d_stall_seconds_per_step"] / r["step_seconds"]
+        busy = "—" if r["gpu_busy_ratio"] is None else f"{r['gpu_busy_ratio']:.0%}"
         lines.append(
             f"| {r['mode']} | {r['tokens_per_step']} | {_g(r['step_seconds'])} "
             f"| {_g(r['tokens_per_second'])} | {_g(r['streamed_bytes'] / 1e9)} "
+            f"| {_g(r['bandwidth_bytes_per_second'] / 1e9, 3)} "
             f"| {_g(r['floor_h2d_seconds'])} | {_g(r['flops_per_step'] / 1e12)} "
-            f"| {_g(r['floor_compute_seconds'])} | {_g(r['floor_seconds'])} | {r['ratio']:.2f} |"
+            f"| {_g(r['floor_compute_seconds'])} | {_g(r['floor_seconds'])} | {r['ratio']:.2f} "
+            f"| {stall:.1%} | {r['dequant_share']:.1%} | {busy} |"
         )
     return "\n".join(lines)
 
@@ -536,7 +590,7 @@ def parser(prog: str = "python -m appliance.bench") -> argparse.ArgumentParser:
     """The one parser of the bench's options: `python -m appliance.bench` and `appliance bench`."""
     ap = argparse.ArgumentParser(
         prog=prog,
-        description="Time the streamed step against its floor max(2W/B_h2d, F/P) and against "
+        description="Time the streamed step against its floor max(W/B_h2d, F/P) and against "
         "resident training, on a preset model shape. Prints a table; --json also writes it.",
         epilog=presets_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,

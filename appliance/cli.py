@@ -243,7 +243,7 @@ def export(model: str, adapter: str, output: str) -> None:
 )
 @click.argument("options", nargs=-1, type=click.UNPROCESSED)
 def bench(options: tuple[str, ...]) -> None:
-    """Streamed vs resident step time against the floor max(2W/B_h2d, F/P) (--help: options)."""
+    """Streamed vs resident step time against the floor max(W/B_h2d, F/P) (--help: options)."""
     from . import bench as B
 
     # one parser for both entry points: bench's own (`python -m appliance.bench`)

@@ -117,14 +117,17 @@ def plan_memory(
 
 
 def streaming_budget(args: ModelArgs, *, stream_fraction: float = 0.5, **inputs) -> int | None:
-    """The largest `--gpu-memory-budget` (a multiple of 256 MiB, CUDA_MARGIN_BYTES included)
+    """The largest `--gpu-memory-budget` (a multiple of a quarter block, CUDA_MARGIN_BYTES included)
     under which the plan fits and at least `stream_fraction` of the blocks stream; None if no
     budget does. `inputs`: plan_memory's other arguments (StreamedEngine.plan_inputs). What
     `appliance bench` runs its streamed row at unless told a budget: a budget under which every
     block stays resident would time ordinary training, not streaming."""
-    step, L = 256 * 2**20, args.num_layers
+    L = args.num_layers
+    # steps of a quarter block (a MiB at least, 256 MiB at most): fine enough to land between
+    # two residency counts, few enough to be quick (each plan is arithmetic)
+    step = max(2**20, min(256 * 2**20, inputs["block_bytes"] // 4 // 2**20 * 2**20))
     best = None
-    for k in range(1, 4096):  # up to 1 TiB
+    for k in range(1, 2**40 // step + 1):  # up to 1 TiB
         p = plan_memory(args, budget=k * step, **inputs)
         if p.fits and L - p.resident_blocks < stream_fraction * L:
             break

@@ -269,6 +269,31 @@ class DeviceWeights:
             self._slot_free[slot] = event
             self._free_slots.append(slot)
 
+    def measure_bandwidth(self, reps: int = 10) -> float:
+        """Bytes/s host→device from the memory the engine copies from: block 0's flat host
+        buffer when it is page-locked in place (registered object-store pages, or torch-pinned),
+        else the pinned staging buffer it goes through; copied into the device `reps` times (one
+        warm-up before), each timed with events; the median. CUDA only; call it between steps
+        (it uses a free streaming slot, or a temporary buffer)."""
+        flat, _, pinned = self._host[0]
+        src = flat if pinned else self._staging[0][: flat.numel()]
+        if not pinned:
+            src.copy_(flat)
+        free = len(self._free_slots) == len(self._slots) > 0
+        dst = self._slots[0][: flat.numel()] if free else torch.empty_like(src, device=self.device)
+        torch.cuda.synchronize(self.device)
+        dst.copy_(src, non_blocking=True)  # warm-up
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        times.sort()
+        return flat.numel() / times[len(times) // 2]
+
     def stall_seconds(self) -> float:
         """Seconds compute has waited for weights since the last take or clear (syncs CUDA)."""
         if self.cuda:

@@ -31,6 +31,8 @@ ROW_FIELDS = {
     "floor_h2d_seconds", "floor_compute_seconds", "floor_seconds", "ratio",
     "h2d_bytes_per_step", "h2d_seconds_per_step", "h2d_stall_seconds_per_step",
     "gpu_busy_seconds_per_step", "gpu_busy_ratio", "phase_seconds", "losses", "peak_gpu_bytes",
+    "streamed_blocks", "bandwidth_bytes_per_second", "step_seconds_median",
+    "dequant_seconds_per_step", "dequant_share",
 }  # fmt: skip
 
 
@@ -63,8 +65,13 @@ def test_tiny_on_cpu_measures_every_field(tiny_run):
     streamed, resident = result["modes"]
     assert (streamed["mode"], resident["mode"]) == ("streamed", "resident")
     block_bytes = args.block_param_count() * 4
-    assert streamed["streamed_bytes"] == args.num_layers * block_bytes  # nominal on CPU
-    assert resident["streamed_bytes"] == 0
+    # nominal on CPU: as if every block streamed, each copied once per pass but block 0, which
+    # stays from a step's backward into the next forward, and the last, from forward to backward
+    L = args.num_layers
+    assert (
+        streamed["streamed_blocks"] == L and streamed["streamed_bytes"] == (2 * L - 2) * block_bytes
+    )
+    assert resident["streamed_blocks"] == 0 and resident["streamed_bytes"] == 0
     for row in (streamed, resident):
         assert set(row) == ROW_FIELDS, set(row) ^ ROW_FIELDS
         assert row["fits"] and row["tokens_per_step"] == 64
@@ -73,6 +80,10 @@ def test_tiny_on_cpu_measures_every_field(tiny_run):
         assert row["flops_per_step"] == 6 * args.num_layers * args.block_param_count() * 64
         assert row["floor_seconds"] > 0 and row["ratio"] > 0
         assert row["floor_seconds"] == max(row["floor_h2d_seconds"], row["floor_compute_seconds"])
+        assert math.isclose(
+            row["floor_h2d_seconds"], row["streamed_bytes"] / row["bandwidth_bytes_per_second"]
+        )
+        assert row["dequant_seconds_per_step"] == 0.0  # no --base-quant
         assert math.isclose(row["ratio"], row["step_seconds"] / row["floor_seconds"])
         assert math.isclose(
             row["floor_compute_seconds"],
@@ -94,8 +105,9 @@ def test_table_is_printed_with_one_row_per_mode(tiny_run):
     for row in result["modes"]:
         line = next(x for x in out.splitlines() if x.startswith(f"| {row['mode']} |"))
         cells = [c.strip() for c in line.strip("|").split("|")]
-        assert len(cells) == 10
-        assert cells[1] == "64" and cells[-1] == f"{row['ratio']:.2f}"
+        assert len(cells) == 14
+        assert cells[1] == "64" and cells[10] == f"{row['ratio']:.2f}"
+        assert cells[12] == "0.0%" and cells[13] == "—"  # no dequant; no GPU busy on a CPU
 
 
 def test_a_resident_mode_that_does_not_fit_is_a_table_row():
@@ -197,6 +209,10 @@ def test_1b_streamed_under_a_small_budget_agrees_with_resident():
     # the budget made blocks stream: some are not resident, and bytes were copied every step
     assert streamed["resident_blocks"] < streamed["blocks"] == 16
     assert streamed["h2d_bytes_per_step"] > 0 and streamed["streamed_bytes"] > 0
+    # the bytes the engine really copied are the 2·streamed − 1 blocks the floor counts
+    assert streamed["h2d_bytes_per_step"] == streamed["streamed_bytes"]
+    # B from the engine's own page-locked block, not a separate buffer
+    assert streamed["bandwidth_bytes_per_second"] > 0
     assert resident["resident_blocks"] == 16 and resident["h2d_bytes_per_step"] == 0
     for row in (streamed, resident):
         assert row["floor_seconds"] > 0 and row["ratio"] > 0
@@ -275,3 +291,22 @@ def test_family_presets_are_what_the_released_config_json_reads_as(preset, tmp_p
     read = read_model_args(write_config(tmp_path, arch, **fields))
     ids = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
     assert dataclasses.replace(read, **ids) == dataclasses.replace(B.PRESETS[preset].args, **ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_preset_streams_half_its_blocks_by_default_and_a_budget_that_streams_nothing_is_refused():
+    result = B.run_bench(
+        "1b", "cuda", torch.bfloat16, None,
+        micro_batch_size=1, seq_len=256, micro_batches=2, steps=1, warmup=1,
+    )  # fmt: skip
+    streamed = result["modes"][0]
+    assert streamed["fits"], streamed.get("reason")
+    assert streamed["streamed_blocks"] >= streamed["blocks"] / 2
+    assert streamed["h2d_bytes_per_step"] == streamed["streamed_bytes"] > 0
+    assert "half the blocks" in result["gpu_memory_budget_kind"]
+    with pytest.raises(ConfigError, match="--gpu-memory-budget.*keeps all 16 blocks resident"):
+        B.run_bench(
+            "1b", "cuda", torch.bfloat16, 60 * 2**30,
+            micro_batch_size=1, seq_len=256, micro_batches=2, steps=1, warmup=0,
+        )  # fmt: skip

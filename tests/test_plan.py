@@ -26,7 +26,7 @@ from appliance.plan import (
     lora_param_count,
     make_plan,
 )
-from appliance.planner import CUDA_MARGIN_BYTES, effective_budget
+from appliance.planner import CUDA_MARGIN_BYTES, effective_budget, plan_memory, streaming_budget
 from appliance.streaming import DeviceWeights
 
 A10_BUDGET = int(0.9 * 23028 * 2**20)  # the engine's default budget: 90 % of what the card has
@@ -343,3 +343,23 @@ def test_the_effective_budget_never_trusts_more_than_the_card_has_free():
     assert effective_budget(None, 24 * G, 10 * G, 2 * G) == 12 * G - CUDA_MARGIN_BYTES
     # a budget that fits is taken, less the margin
     assert effective_budget(20 * G, 24 * G, 23 * G, 0) == 20 * G - CUDA_MARGIN_BYTES
+
+
+@pytest.mark.parametrize("preset", ["7b", "13b", "70b", "1b"])
+def test_streaming_budget_is_the_largest_that_streams_half_the_blocks(preset):
+    """What `appliance bench` runs its streamed row at by default: at that budget the plan fits
+    and streams at least half the blocks; a quarter block more and it streams fewer."""
+    args = PRESETS[preset].args
+    inputs = dict(
+        dtype_bytes=2, tokens=8 * 2048, biggest=2048, longest=2048,
+        block_bytes=args.block_param_count() * 2,
+        globals_bytes=(2 - args.tie_word_embeddings) * args.vocab_size * args.hidden_size * 2,
+        lora_params=0,
+    )  # fmt: skip
+    budget = streaming_budget(args, **inputs)
+    L = args.num_layers
+    p = plan_memory(args, budget=budget - CUDA_MARGIN_BYTES, **inputs)
+    assert p.fits and L - p.resident_blocks >= L / 2
+    step = max(2**20, min(256 * 2**20, inputs["block_bytes"] // 4 // 2**20 * 2**20))
+    more = plan_memory(args, budget=budget - CUDA_MARGIN_BYTES + step, **inputs)
+    assert L - more.resident_blocks < L / 2
