@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU proof of issues 10 and 13, in stages that each fit one device call (≤ 10 minutes).
+#
+#   benchmarks/gpu_proof.sh tests     # pytest -m gpu, the dequant kernels' bench, bench 1b
+#   benchmarks/gpu_proof.sh 7b        # appliance streamed + resident, FSDP2 offload, HF+PEFT
+#   benchmarks/gpu_proof.sh 13b       # the same at 13b, streamed under a 24 GiB budget
+#   benchmarks/gpu_proof.sh 70b-nf4   # 70b with an NF4 base under 24 GiB: floor, dequant share
+#
+# Run from the repository root on the GPU machine (its image has torch, transformers, peft,
+# triton and pytest; no Ray, boto3 or numba: nothing here needs them). Every JSON, table and log
+# goes to $OUT (default /tmp/gpu_proof). docs/benchmarks.md says how the numbers are recorded.
+set -uo pipefail
+stage=${1:?"stage: tests | 7b | 13b | 70b-nf4"}
+OUT=${OUT:-/tmp/gpu_proof}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+py=python3
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max \
+    --format=csv >"$OUT/gpu-$stage.csv" 2>&1
+$py -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
+
+peers() {  # $1 preset, $2 appliance bench flags
+    $py -m appliance.bench --preset "$1" $2 --json "$OUT/appliance-$1.json" | tee "$OUT/appliance-$1.md"
+    $py -m benchmarks.peer_hf_peft --preset "$1" --json "$OUT/hf-$1.json"
+    $py -m benchmarks.peer_fsdp2_offload --preset "$1" --json "$OUT/fsdp2-$1.json"
+    $py -m benchmarks.compare --appliance "$OUT/appliance-$1.json" \
+        --peer "$OUT/fsdp2-$1.json" --peer "$OUT/hf-$1.json" --out "$OUT/compare-$1.md"
+}
+
+case $stage in
+tests)
+    $py -m pytest -m gpu -q -rs -p no:cacheprovider tests/ 2>&1 | tee "$OUT/pytest-gpu.txt"
+    $py benchmarks/dequant.py --json "$OUT/dequant.json" | tee "$OUT/dequant.md"
+    $py -m appliance.bench --preset 1b --json "$OUT/appliance-1b.json" | tee "$OUT/appliance-1b.md"
+    ;;
+7b)  # 7B's 13.5 GB fit a 24 GiB budget whole: the preset's default budget streams half of it
+    peers 7b ""
+    ;;
+13b)
+    peers 13b "--gpu-memory-budget 24GiB"
+    ;;
+70b-nf4)
+    $py -m appliance.bench --preset 70b --base-quant nf4 --gpu-memory-budget 24GiB \
+        --json "$OUT/appliance-70b-nf4.json" | tee "$OUT/appliance-70b-nf4.md"
+    ;;
+*)
+    echo "unknown stage $stage: tests | 7b | 13b | 70b-nf4" >&2
+    exit 2
+    ;;
+esac
