@@ -101,6 +101,7 @@ class StreamedEngine:
         seed: int = 0,
         group: dist.ProcessGroup | None = None,
         loss_scaler: LossScaler | None = None,
+        copy_blocks: bool = False,
     ):
         """`group`: a data-parallel process group. Each rank passes its share of the global batch
         to `train_step`; target tokens, LoRA gradients and the loss are summed over the group, so
@@ -110,7 +111,10 @@ class StreamedEngine:
         methods refuse).
 
         `loss_scaler`: float16 training scales its loss (module docstring); None takes a default
-        LossScaler then. Other dtypes have no scaler and refuse one."""
+        LossScaler then. Other dtypes have no scaler and refuse one.
+
+        `copy_blocks` (CPU): copy blocks into streaming slots as on CUDA instead of reading them in
+        place (DeviceWeights' `copies`): the tests' way to run the GPU path's bookkeeping here."""
         self.args = source.args
         self.group = group
         self.device = torch.device(device)
@@ -125,7 +129,7 @@ class StreamedEngine:
             torch.cuda.set_per_process_memory_fraction(
                 min(1.0, gpu_memory_budget / total), self.device
             )
-        self.weights = DeviceWeights(source, self.device, dtype)
+        self.weights = DeviceWeights(source, self.device, dtype, copies=copy_blocks)
         self.optimizer = None
         if lora is not None:
             self.optimizer = torch.optim.AdamW(

@@ -13,12 +13,16 @@ from them (engine.py). When they do not fit the budget (planner.plan_memory says
   the copy's event only when it reaches block i−1. A slot is reused once the compute stream has
   passed the event recorded when its block's backward was done with it.
 
-Without offload (and always on CPU) the inputs stay where they are and this is a list per block.
-The numbers do not change with offload: the bytes go out and come back unchanged
-(tests/test_engine_gpu.py checks the step bit for bit).
+Without offload (the plan's choice; on a CPU always, unless a test calls `allocate`) the inputs
+stay where they are and this is a list per block. On a CPU `allocate` runs the same path with
+plain memory, no streams and no events, so the tests check its bookkeeping without a GPU. The
+numbers do not change with offload: the bytes go out and come back unchanged
+(tests/test_engine_step.py on a CPU, tests/test_engine_gpu.py on CUDA, bit for bit).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -37,16 +41,16 @@ class SavedInputs:
     def allocate(self, tokens: int, hidden: int, dtype: torch.dtype) -> None:
         """Offload from now on: room for `tokens` positions (a step's global batch, all its
         micro-batches) of width `hidden` per block, on the host (one page-locked buffer) and in two
-        device slots. CUDA only."""
+        device slots."""
+        self.cuda = self.device.type == "cuda"
         self.offload, self.dtype, self.capacity = True, dtype, tokens * hidden
-        self._host = torch.empty(self.num_blocks * self.capacity, dtype=dtype, pin_memory=True)
+        self._host = torch.empty(self.num_blocks * self.capacity, dtype=dtype, pin_memory=self.cuda)
         self._slots = [
             torch.empty(self.capacity, dtype=dtype, device=self.device) for _ in range(2)
         ]
         self._slot_free: list[torch.cuda.Event | None] = [None, None]
-        self._stream = torch.cuda.Stream(self.device)
-        # the slots' memory may come from the allocator's cache, last used by compute
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._copy_waits_for_compute()  # the slots' memory may have been compute's just before
         self._layout: list[tuple[int, torch.Size]] = []  # per micro-batch: (offset, shape)
         self._loaded: dict[int, tuple[list[torch.Tensor], torch.cuda.Event, int]] = {}
 
@@ -78,10 +82,11 @@ class SavedInputs:
         m = len(self._saved[i])
         offset, shape = self._layout[m]
         host = self._host[i * self.capacity + offset :][: shape.numel()].view(shape)
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # h is computed
-        with torch.cuda.stream(self._stream):
+        self._copy_waits_for_compute()  # h is computed
+        with self._on_copy_stream():
             host.copy_(h, non_blocking=True)
-        h.record_stream(self._stream)  # h's memory is not reused before the copy is done
+        if self.cuda:
+            h.record_stream(self._stream)  # h's memory is not reused before the copy is done
         self._saved[i].append(host)  # the copy back, on the same stream, comes after this one
 
     # ------------------------------------------------------------ backward
@@ -92,16 +97,17 @@ class SavedInputs:
         if not self.offload or not 0 <= i < self.num_blocks or i in self._loaded:
             return
         slot = next(k for k in (0, 1) if k not in {s for _, _, s in self._loaded.values()})
-        with torch.cuda.stream(self._stream):
-            if self._slot_free[slot] is not None:
+        with self._on_copy_stream():
+            if self.cuda and self._slot_free[slot] is not None:
                 self._stream.wait_event(self._slot_free[slot])  # its last block is done with it
             out = []
             for (offset, shape), host in zip(self._layout, self._saved[i], strict=False):
                 dev = self._slots[slot][offset : offset + shape.numel()].view(shape)
                 dev.copy_(host, non_blocking=True)
                 out.append(dev)
-            ready = torch.cuda.Event(enable_timing=True)
-            ready.record()
+            ready = torch.cuda.Event(enable_timing=True) if self.cuda else None
+            if ready is not None:
+                ready.record()
         self._loaded[i] = (out, ready, slot)
 
     def take(self, i: int) -> list[torch.Tensor]:
@@ -112,6 +118,8 @@ class SavedInputs:
             return [t.to(self.device, non_blocking=True) for t in saved]
         self.prefetch(i)
         out, ready, _ = self._loaded[i]
+        if not self.cuda:  # the copy was done when prefetch returned
+            return list(out)
         compute = torch.cuda.current_stream(self.device)
         before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         before.record(compute)
@@ -127,9 +135,17 @@ class SavedInputs:
 
     def _free(self, i: int) -> None:
         _, _, slot = self._loaded.pop(i)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        self._slot_free[slot] = event
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._slot_free[slot] = event
+
+    def _on_copy_stream(self):
+        return torch.cuda.stream(self._stream) if self.cuda else contextlib.nullcontext()
+
+    def _copy_waits_for_compute(self) -> None:
+        if self.cuda:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def take_stall_seconds(self) -> float:
         """Seconds compute waited for saved inputs to come back since the last call (syncs)."""

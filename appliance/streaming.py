@@ -9,6 +9,7 @@ is copied) and the wait for a block (its source producing it) is timed on the ho
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import math
@@ -30,8 +31,11 @@ class HostEvent:
     def __init__(self) -> None:
         self.t = 0.0
 
-    def record(self) -> None:
+    def record(self, stream: object = None) -> None:
         self.t = _clock()
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: CPU work is done when it returns."""
 
     def elapsed_time(self, end: HostEvent) -> float:
         return (end.t - self.t) * 1e3
@@ -46,14 +50,21 @@ class DeviceWeights:
     Uploads are one flat byte copy per block, from page-locked host memory: a shared-memory buffer
     registered with CUDA in place when possible, else a pinned staging buffer (two, alternating).
 
+    `copies=True` on a CPU runs that same path (flat host buffers copied into resident buffers and
+    streaming slots, with host-clock events and no streams): what the tests use to check the
+    slots' bookkeeping and that copying changes no number, on machines without a GPU.
+
     A quantized base (--base-quant) stays quantized up to the device: the flat buffer holds codes
     and scales, and `get(i)` dequantizes them into the compute dtype on the device, once per
     block per pass (the forward asks once for all micro-batches, the backward once more).
     """
 
-    def __init__(self, source: BlockSource, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self, source: BlockSource, device: torch.device, dtype: torch.dtype, copies: bool = False
+    ):
         self.source, self.device, self.dtype = source, device, dtype
         self.cuda = device.type == "cuda"
+        self.copies = self.cuda or copies  # blocks are copied to the device (else read in place)
         self.resident: set[int] = set()  # blocks that, once uploaded, stay (configure sets it)
         # block -> (its weights on the device, the copy's done event until compute waited on it,
         # the streaming slot it occupies or None for a resident block's own buffer)
@@ -71,12 +82,14 @@ class DeviceWeights:
         self._configured = False
         g = source.globals()
         self.globals = {k: v.to(device=device, dtype=dtype) for k, v in g.items()}
-        if self.cuda:
-            self._stream = torch.cuda.Stream(device)
+        self._stream = torch.cuda.Stream(device) if self.cuda else None
+        if self.copies:
             self._host: list[tuple[torch.Tensor, dict, bool]] = []
             for i in range(source.num_blocks):
                 flat, index, torch_pinned = _flat_block(source, i, dtype)
-                self._host.append((flat, index, torch_pinned or self._register(flat)))
+                # on a CPU nothing needs page-locking: every buffer is copied from directly
+                pinned = not self.cuda or torch_pinned or self._register(flat)
+                self._host.append((flat, index, pinned))
             self._biggest = max(f.numel() for f, _, _ in self._host)
             if not all(p for _, _, p in self._host):
                 self._staging = [
@@ -102,7 +115,7 @@ class DeviceWeights:
         for i in [i for i in self._on_device if i not in self.resident]:
             del self._on_device[i]
         self._slots, self._slot_free, self._free_slots = [], [], []
-        if not self.cuda or len(self.resident) >= self.source.num_blocks:
+        if not self.copies or len(self.resident) >= self.source.num_blocks:
             return
         self._slots = [
             torch.empty(self._biggest, dtype=torch.uint8, device=self.device) for _ in range(slots)
@@ -111,7 +124,22 @@ class DeviceWeights:
         self._free_slots = list(range(slots))
         # the slots' memory may come from the allocator's cache, last used by compute: the first
         # copy into them must come after that work
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._copy_waits_for_compute()
+
+    # ------------------------------------------------------------ streams (no-ops on a CPU)
+
+    def _event(self, timing: bool = False) -> torch.cuda.Event | HostEvent:
+        return torch.cuda.Event(enable_timing=timing) if self.cuda else HostEvent()
+
+    def _on_copy_stream(self):
+        return torch.cuda.stream(self._stream) if self.cuda else contextlib.nullcontext()
+
+    def _copy_waits_for_compute(self) -> None:
+        if self.cuda:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def _compute_stream(self) -> torch.cuda.Stream | None:
+        return torch.cuda.current_stream(self.device) if self.cuda else None
 
     def drop_streamed(self, keep: int | None = None) -> None:
         """Release every streamed block on the device but `keep`: what a step that raised midway
@@ -169,18 +197,17 @@ class DeviceWeights:
         )
 
     def prefetch(self, i: int) -> None:
-        """Start copying block i to the device (no-op on CPU or if already there): into its own
-        buffer if it is resident, else into a free streaming slot."""
-        if not self.cuda or i in self._on_device or not 0 <= i < self.source.num_blocks:
+        """Start copying block i to the device (no-op if blocks are read in place, or if it is
+        already there): into its own buffer if it is resident, else into a free streaming slot."""
+        if not self.copies or i in self._on_device or not 0 <= i < self.source.num_blocks:
             return
         if not self._configured:
             self.configure(set())
         flat, index, pinned = self._host[i]
         t0 = time.perf_counter()
-        compute = torch.cuda.current_stream(self.device)
         if i in self.resident:  # its own buffer, allocated on compute's stream, kept until close
             slot, dev = None, torch.empty(flat.numel(), dtype=torch.uint8, device=self.device)
-            self._stream.wait_stream(compute)  # its memory may have just been freed by compute
+            self._copy_waits_for_compute()  # its memory may have just been freed by compute
         else:
             if not self._free_slots:
                 raise RuntimeError(
@@ -189,8 +216,8 @@ class DeviceWeights:
                 )
             slot = self._free_slots.pop(0)
             dev = self._slots[slot][: flat.numel()]
-        with torch.cuda.stream(self._stream):
-            if slot is not None and self._slot_free[slot] is not None:
+        with self._on_copy_stream():
+            if self.cuda and slot is not None and self._slot_free[slot] is not None:
                 self._stream.wait_event(self._slot_free[slot])  # its last block is done with it
             src = flat
             if not pinned:  # through a page-locked staging buffer: host work, timed on the host
@@ -200,10 +227,10 @@ class DeviceWeights:
                     self._staging_free[k].synchronize()  # the copy out of this buffer is done
                 src = self._staging[k][: flat.numel()]
                 src.copy_(flat)  # host memcpy into page-locked memory
-            start = torch.cuda.Event(enable_timing=True)
+            start = self._event(timing=True)
             start.record()  # right before the copy: the copy's time is the DMA's alone
             dev.copy_(src, non_blocking=True)
-            done = torch.cuda.Event(enable_timing=True)
+            done = self._event(timing=True)
             done.record()
             if not pinned:
                 self._staging_free[k] = done
@@ -214,7 +241,7 @@ class DeviceWeights:
 
     def get(self, i: int) -> dict[str, torch.Tensor]:
         """Block i's weights, ready for use on the current stream."""
-        if not self.cuda:  # read in place: the wait is the source's (a block made on first use)
+        if not self.copies:  # read in place: the wait is the source's (a block made on first use)
             before, after = HostEvent(), HostEvent()
             before.record()
             w = self.source.block(i)
@@ -224,13 +251,14 @@ class DeviceWeights:
         self.prefetch(i)
         w, done, slot = self._on_device[i]
         if done is not None:
-            stream = torch.cuda.current_stream(self.device)
-            before = torch.cuda.Event(enable_timing=True)
-            after = torch.cuda.Event(enable_timing=True)
-            before.record(stream)
-            stream.wait_event(done)  # compute waits for the copy: this gap is the h2d stall
-            after.record(stream)
-            self._stall_events.append((before, after))
+            if self.cuda:  # on a CPU the copy was done when prefetch returned
+                stream = torch.cuda.current_stream(self.device)
+                before = torch.cuda.Event(enable_timing=True)
+                after = torch.cuda.Event(enable_timing=True)
+                before.record(stream)
+                stream.wait_event(done)  # compute waits for the copy: this gap is the h2d stall
+                after.record(stream)
+                self._stall_events.append((before, after))
             self._on_device[i] = (w, None, slot)
         return self._materialise(w)
 
@@ -260,12 +288,12 @@ class DeviceWeights:
     def release(self, i: int) -> None:
         """Drop block i from the device unless it is resident; its slot is free for the next
         copy once the compute stream has done what it queued so far (an event marks that)."""
-        if not self.cuda or i in self.resident or i not in self._on_device:
+        if not self.copies or i in self.resident or i not in self._on_device:
             return
         _, _, slot = self._on_device.pop(i)
         if slot is not None:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
+            event = self._event()
+            event.record(self._compute_stream())
             self._slot_free[slot] = event
             self._free_slots.append(slot)
 

@@ -1,0 +1,138 @@
+"""The GPU path's bookkeeping, run on a CPU: blocks copied through two streaming slots, resident
+blocks in their own buffers, saved inputs offloaded and brought back through two slots.
+
+`StreamedEngine(copy_blocks=True)` makes DeviceWeights copy each block's flat host buffer to the
+"device" exactly as on CUDA, with no streams or events (a CPU's copies are done when they return),
+and `SavedInputs.allocate` does the same for the saved inputs. So these tests check what the CUDA
+tests can only check with a GPU: that the engine never needs a third slot, releases what it
+holds (also after a step that raised), keeps block 0 between steps, copies the bytes the planner
+counts, and that copying changes no number: every loss and gradient equals reading in place,
+bit for bit. What only CUDA has (streams, events, page-locking) is tests/test_engine_gpu.py's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from appliance import models
+from appliance.bench import SyntheticBlockSource
+from appliance.engine import StreamedEngine
+from appliance.planner import blocks_uploaded_per_step
+from appliance.presets import _llama
+from tests.helpers_model import lora_with_random_b
+
+ARGS = _llama(512, 64, 160, 6, 4, 2)  # six blocks
+L = ARGS.num_layers
+
+
+def micro_batches(n: int = 3, rows: int = 2, T: int = 16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, ARGS.vocab_size, (rows, T + 1), generator=g)
+        labels = ids[:, 1:].clone()
+        labels[:, :3] = -100
+        out.append((ids[:, :-1].contiguous(), labels))
+    return out
+
+
+def grads(engine):
+    return [p.grad.clone() for p in engine.lora.parameters()]
+
+
+def engines(base_quant: str = "none", resident: frozenset = frozenset()):
+    """(reading in place, copying through slots) over the same weights and LoRA start."""
+    source = SyntheticBlockSource(ARGS, torch.float32, base_quant=base_quant)
+    ref = StreamedEngine(source, lora_with_random_b(ARGS), grad_clip=None)
+    eng = StreamedEngine(source, lora_with_random_b(ARGS), grad_clip=None, copy_blocks=True)
+    eng.weights.configure(set(resident), slots=2)
+    return source, ref, eng
+
+
+def in_slots(engine, tensors) -> bool:
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel()) for t in engine.weights._slots]
+    return all(any(lo <= t.data_ptr() < hi for lo, hi in spans) for t in tensors)
+
+
+@pytest.mark.parametrize("base_quant", ["none", "nf4"])
+@pytest.mark.parametrize("resident", [frozenset(), frozenset({4, 5})], ids=["none", "last2"])
+def test_blocks_copied_through_two_slots_equal_blocks_read_in_place(base_quant, resident):
+    source, ref, eng = engines(base_quant, resident)
+    mbs = micro_batches()
+    flat = source.flat_block(0)[0].nbytes
+    for step in range(3):
+        loss_r, _, _ = ref.forward_backward(mbs, step)
+        loss_c, _, _ = eng.forward_backward(mbs, step)
+        assert loss_c == loss_r
+        assert all(torch.equal(a, b) for a, b in zip(grads(eng), grads(ref), strict=True))
+        ref.optimizer_step(lr=1e-2)
+        eng.optimizer_step(lr=1e-2)
+        copied = eng.weights.take_timings()["h2d_bytes"]
+        if step > 0:  # steady state: what the planner counts (block 0 stayed from the last step)
+            assert copied == blocks_uploaded_per_step(L, len(resident)) * flat
+        # between steps only block 0 (the next forward's first) and the resident blocks stay
+        assert set(eng.weights._on_device) == {0} | resident
+        assert len(eng.weights._slots) == 2 and len(eng.weights._free_slots) == 1
+    # an eval and a logits call between steps see the same weights, and give the slots back
+    assert eng.eval_loss(mbs) == ref.eval_loss(mbs)
+    assert torch.equal(eng.logits(mbs[0][0]), ref.logits(mbs[0][0]))
+    assert set(eng.weights._on_device) == set(resident)
+    w = eng.weights.get(1)
+    if base_quant == "none":  # a streamed block's weights are views of a slot, not new memory
+        assert in_slots(eng, w.values())
+    eng.weights.release(1)
+    assert len(eng.weights._free_slots) == 2
+
+
+def test_a_third_slot_is_never_needed_and_asking_for_one_says_so():
+    _, _, eng = engines()
+    eng.weights.prefetch(0)
+    eng.weights.prefetch(1)
+    with pytest.raises(RuntimeError, match=r"block 2: no free streaming slot \(blocks \[0, 1\]"):
+        eng.weights.prefetch(2)
+    eng.weights.release(0)
+    eng.weights.prefetch(2)  # the freed slot takes it
+    assert sorted(eng.weights._on_device) == [1, 2]
+
+
+def test_a_step_that_raised_midway_leaves_no_slot_taken(monkeypatch):
+    """An exception in the middle of the forward (block 3) leaves blocks in the slots; the next
+    step starts by releasing them and equals a step of an engine that never failed."""
+    _, ref, eng = engines()
+    mbs = micro_batches()
+    real = models.block_forward
+    calls = iter(range(10**6))
+
+    def failing(*args, layer, **kw):
+        if layer == 3 and next(calls) == 0:
+            raise RuntimeError("injected")
+        return real(*args, layer=layer, **kw)
+
+    monkeypatch.setattr(models, "block_forward", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.forward_backward(mbs, 0)
+    assert len(eng.weights._free_slots) == 0  # blocks 3 and 4 were left in the slots
+    loss_c, _, _ = eng.forward_backward(mbs, 0)
+    loss_r, _, _ = ref.forward_backward(mbs, 0)
+    assert loss_c == loss_r
+    assert all(torch.equal(a, b) for a, b in zip(grads(eng), grads(ref), strict=True))
+
+
+def test_offloaded_saved_inputs_equal_inputs_kept_in_place():
+    """Saved inputs copied into one host buffer laid out at plan time and brought back, block
+    i−1's while block i computes, through two slots: the same step, bit for bit."""
+    _, ref, eng = engines()
+    mbs = micro_batches()
+    eng.saved.allocate(sum(ids.numel() for ids, _ in mbs), ARGS.hidden_size, torch.float32)
+    for step in range(2):
+        loss_r, _, _ = ref.forward_backward(mbs, step)
+        loss_c, _, _ = eng.forward_backward(mbs, step)
+        assert loss_c == loss_r
+        assert all(torch.equal(a, b) for a, b in zip(grads(eng), grads(ref), strict=True))
+        ref.optimizer_step(lr=1e-2)
+        eng.optimizer_step(lr=1e-2)
+        assert eng.saved._loaded == {}  # every slot given back
+    bigger = micro_batches(n=4)
+    with pytest.raises(RuntimeError, match="saved inputs: this step has .* the plan allocated"):
+        eng.forward_backward(bigger, 2)
