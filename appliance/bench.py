@@ -33,208 +33,36 @@ import gc
 import json
 import math
 import os
-import platform
 import statistics
 import sys
-import time
-import zlib
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from . import quant
-from .blocks import FlatIndex, dtype_from_name, pack, unpack
+from .blocks import dtype_from_name
 from .engine import StreamedEngine
 from .errors import ConfigError
 from .lora import LoraSpec, LoraWeights
+from .measure import (
+    COPY_BYTES,
+    GiB,
+    MiB,
+    cpu_name,
+    device_name,
+    host_memory_available,
+    measure_bandwidth,
+    measure_matmul,
+)
 from .model import ModelArgs
 from .models import block_shapes, linear_weight_names, resolve_targets
 from .planner import blocks_uploaded_per_step, streaming_budget
 from .presets import PRESETS, Shape
+from .synthetic import SyntheticBlockSource
 from .trainer import resolve_device, resolve_dtype
 
-MiB, GiB = 2**20, 2**30
-COPY_BYTES = 256 * MiB  # per bandwidth measurement
 LR = 1e-4
-
-# ---------------------------------------------------------------- random weights
-
-
-class SyntheticBlockSource:
-    """A block source of random weights, each block made on first use (then kept).
-
-    Values are N(0, 0.02) tiled from one pool of random numbers at a different offset per tensor:
-    making 70B parameters with a random generator would take minutes, a copy takes seconds. Norm
-    weights are 1. Blocks are built directly as flat buffers (`flat_block`), so a CUDA engine
-    page-locks and uploads them without another copy; `block(i)` returns views of the same
-    memory.
-    """
-
-    POOL = 2**24 - 3  # odd length: consecutive rows of a tiled matrix do not repeat
-
-    def __init__(
-        self, args: ModelArgs, dtype: torch.dtype, seed: int = 0, base_quant: str = "none"
-    ):
-        self.args, self.dtype = args, dtype
-        self.base_quant = base_quant  # int8 | nf4: linear weights made, then quantized
-        gen = torch.Generator().manual_seed(seed)
-        self._pool = (torch.randn(self.POOL, generator=gen) * 0.02).to(dtype)
-        self._seed = seed
-        self._flat: dict[int, tuple[np.ndarray, FlatIndex]] = {}
-        self._globals: dict[str, torch.Tensor] | None = None
-
-    @property
-    def num_blocks(self) -> int:
-        return self.args.num_layers
-
-    def _shapes(self, i: int) -> dict[str, tuple[int, ...]]:
-        return block_shapes(self.args)
-
-    def _fill(self, t: torch.Tensor, name: str, i: int) -> None:
-        if "norm" in name:
-            t.fill_(1.0)
-            return
-        flat, n, P = t.view(-1), t.numel(), self.POOL
-        # a stable hash (Python's str hash changes per process): the same weights every run
-        o = zlib.crc32(f"{self._seed}/{i}/{name}".encode()) % P
-        done = 0
-        while done < n:
-            k = min(n - done, P - o)
-            flat[done : done + k].copy_(self._pool[o : o + k])
-            done, o = done + k, 0
-
-    def flat_block(self, i: int) -> tuple[np.ndarray, FlatIndex]:
-        """Block i as one flat byte buffer + index (made now if first asked)."""
-        if i not in self._flat:
-            shapes = self._shapes(i)
-            esize = self.dtype.itemsize
-            dname = str(self.dtype).removeprefix("torch.")
-            index: FlatIndex = {}
-            offset = 0
-            for key, shape in shapes.items():
-                index[key] = (offset, shape, dname)
-                offset += -(-math.prod(shape) * esize // 64) * 64  # 64-byte aligned, as pack()
-            buf = np.empty(offset, dtype=np.uint8)
-            for key, t in unpack(buf, index).items():
-                self._fill(t, key, i)
-            if self.base_quant != "none":
-                buf, index = pack(quant.quantize_block(unpack(buf, index), self.base_quant))
-            self._flat[i] = (buf, index)
-        return self._flat[i]
-
-    def block(self, i: int) -> dict[str, torch.Tensor]:
-        return unpack(*self.flat_block(i))
-
-    def globals(self) -> dict[str, torch.Tensor]:
-        if self._globals is None:
-            a = self.args
-            g = {
-                "model.embed_tokens.weight": torch.empty(
-                    a.vocab_size, a.hidden_size, dtype=self.dtype
-                ),
-                "model.norm.weight": torch.empty(a.hidden_size, dtype=self.dtype),
-            }
-            if not a.tie_word_embeddings:
-                g["lm_head.weight"] = torch.empty(a.vocab_size, a.hidden_size, dtype=self.dtype)
-            for name, t in g.items():
-                self._fill(t, name, -1)
-            self._globals = g
-        return self._globals
-
-
-# ---------------------------------------------------------------- measurements
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        p = torch.cuda.get_device_properties(device)
-        return f"{p.name} ({p.total_memory / GiB:.0f} GiB)"
-    return f"{cpu_name()} ({torch.get_num_threads()} threads, {os.cpu_count()} CPUs)"
-
-
-def measure_bandwidth(device: torch.device, nbytes: int = COPY_BYTES, reps: int = 5) -> float:
-    """Bytes/s: pinned host→device copies on CUDA, host memcpy on CPU (the best of `reps`)."""
-    best = math.inf
-    if device.type == "cuda":
-        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        dst.copy_(src, non_blocking=True)  # warm-up
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src, non_blocking=True)
-            end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) / 1e3)
-        del src, dst
-        torch.cuda.empty_cache()
-    else:
-        src = torch.ones(nbytes, dtype=torch.uint8)
-        dst = torch.empty_like(src)
-        dst.copy_(src)
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            best = min(best, time.perf_counter() - t0)
-    return nbytes / best
-
-
-def measure_matmul(device: torch.device, dtype: torch.dtype, n: int, reps: int) -> float:
-    """FLOP/s of an (n, n) @ (n, n) matmul in `dtype`.
-
-    CUDA: matmuls for at least a second first (clocks and power settle), then the median of `reps`
-    matmuls each timed with events; CPU: the best of `reps` single matmuls.
-    """
-    gen = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
-    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
-    out = torch.empty(n, n, device=device, dtype=dtype)
-    for _ in range(2):
-        torch.matmul(a, b, out=out)
-    if device.type == "cuda":
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < 1.0:  # warm up for ≥ 1 s
-            torch.matmul(a, b, out=out)
-            torch.cuda.synchronize(device)
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.matmul(a, b, out=out)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        seconds = statistics.median(times)
-    else:
-        seconds = math.inf
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            torch.matmul(a, b, out=out)
-            seconds = min(seconds, time.perf_counter() - t0)
-    return 2 * n**3 / seconds
-
-
-def host_memory_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
 
 # ---------------------------------------------------------------- the runs
 

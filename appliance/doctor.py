@@ -189,7 +189,7 @@ def check_shm(needs: Needs | None) -> Check:
 
 
 def memory_available() -> int | None:
-    from .bench import host_memory_available
+    from .measure import host_memory_available
 
     return host_memory_available()
 
@@ -268,7 +268,7 @@ def check_speed() -> list[Check]:
     on each GPU (a second or two each)."""
     import torch
 
-    from .bench import measure_bandwidth, measure_matmul
+    from .measure import measure_bandwidth, measure_matmul
 
     if not torch.cuda.is_available():
         return [Check("speed", "warn", "no GPU to measure", "")]

@@ -125,7 +125,7 @@ def load_args(model: str | None, preset: str | None) -> tuple[ModelArgs, str]:
     if (model is None) == (preset is None):
         raise ConfigError("give one of --model DIR|s3://... or --preset NAME")
     if preset is not None:
-        from .bench import PRESETS
+        from .presets import PRESETS
 
         if preset not in PRESETS:
             raise ConfigError(f"--preset {preset!r} is unknown; one of {', '.join(PRESETS)}")
@@ -531,8 +531,8 @@ def measure_this_gpu(dtype: str = "bfloat16") -> dict:
     trainer's GPU is visible."""
     import torch
 
-    from .bench import measure_bandwidth, measure_matmul
     from .blocks import dtype_from_name
+    from .measure import measure_bandwidth, measure_matmul
 
     dev = torch.device("cuda", 0)
     return {

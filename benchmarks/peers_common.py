@@ -44,16 +44,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from appliance.bench import (
-    LR,
-    SyntheticBlockSource,
-    _batches,
-    device_name,
-    host_memory_available,
-)
+from appliance.bench import LR, _batches
 from appliance.lora import LoraSpec, LoraWeights
+from appliance.measure import device_name, host_memory_available
 from appliance.model import ModelArgs
 from appliance.presets import PRESETS, Shape
+from appliance.synthetic import SyntheticBlockSource
 
 GiB = 2**30
 

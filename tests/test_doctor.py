@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from appliance.bench import PRESETS, host_memory_available
 from appliance.cli import main
+from appliance.measure import host_memory_available
 from appliance.plan import block_bytes
+from appliance.presets import PRESETS
 from tests.helpers_net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

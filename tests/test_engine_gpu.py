@@ -12,13 +12,13 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from appliance.bench import SyntheticBlockSource
 from appliance.blocks import DictBlockSource
 from appliance.engine import StreamedEngine
 from appliance.lora import LoraSpec, LoraWeights
 from appliance.model import HEAD_CHUNK_VALUES
 from appliance.planner import CUDA_MARGIN_BYTES, plan_memory
 from appliance.presets import _llama
+from appliance.synthetic import SyntheticBlockSource
 from tests.helpers_model import VOCAB, make_model, rel_err
 from tests.helpers_model import lora_with_random_b as _lora_with_random_b
 

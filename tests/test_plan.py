@@ -15,7 +15,6 @@ import torch
 from click.testing import CliRunner
 
 from appliance import hardware
-from appliance.bench import PRESETS, SyntheticBlockSource
 from appliance.cli import main
 from appliance.plan import (
     PlanInput,
@@ -27,7 +26,9 @@ from appliance.plan import (
     make_plan,
 )
 from appliance.planner import CUDA_MARGIN_BYTES, effective_budget, plan_memory, streaming_budget
+from appliance.presets import PRESETS
 from appliance.streaming import DeviceWeights
+from appliance.synthetic import SyntheticBlockSource
 
 A10_BUDGET = int(0.9 * 23028 * 2**20)  # the engine's default budget: 90 % of what the card has
 A10_B, A10_P = 25e9, 70e12

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from appliance import models
-from appliance.bench import SyntheticBlockSource
 from appliance.engine import StreamedEngine
 from appliance.planner import blocks_uploaded_per_step
 from appliance.presets import _llama
+from appliance.synthetic import SyntheticBlockSource
 from tests.helpers_model import lora_with_random_b
 
 ARGS = _llama(512, 64, 160, 6, 4, 2)  # six blocks
