@@ -44,6 +44,7 @@ from . import quant
 from .blocks import dtype_from_name
 from .engine import StreamedEngine
 from .errors import ConfigError
+from .gpu_monitor import NvmlSampler
 from .lora import LoraSpec, LoraWeights
 from .measure import (
     COPY_BYTES,
@@ -99,6 +100,7 @@ def _run_mode(
     budget: int | None,
     bandwidth: float,
     matmul: float,
+    profile: bool = False,
 ) -> dict:
     args, L = source.args, source.args.num_layers
     row: dict = {"mode": mode, "tokens_per_step": sum(ids.numel() for ids, _ in batches)}
@@ -139,12 +141,20 @@ def _run_mode(
                     + (f" or give at most {fit / GiB:.3g} GiB" if fit else "")
                 )
             measured_b = engine.weights.measure_bandwidth()
-        losses, timed = [], []
+        losses, timed, nvml = [], [], []
+        sampler = NvmlSampler.for_cuda_device(device.index or 0) if device.type == "cuda" else None
         for s in range(shape.warmup + shape.steps):
+            if sampler and s == shape.warmup:
+                sampler.start()  # utilization as nvidia-smi sees it, over the timed steps
             stats = engine.train_step(batches, LR)
             losses.append(stats.loss)
             if s >= shape.warmup:
                 timed.append(stats)
+                if sampler and (mean := sampler.take_mean()) is not None:
+                    nvml.append(mean)
+        if sampler:
+            sampler.stop()
+        profile_table = _profile_step(engine, batches, device) if profile else None
         if device.type == "cuda":
             resident = len(engine.weights.resident)  # the engine's plan under this budget
         else:  # weights are read in place; "streamed" counts every block as if copied (nominal)
@@ -173,6 +183,8 @@ def _run_mode(
     return {
         **row,
         "fits": True,
+        "nvml_util_mean": statistics.mean(nvml) if nvml else None,
+        "profile": profile_table,
         "resident_blocks": resident,
         "blocks": L,
         "streamed_blocks": L - resident,
@@ -202,6 +214,18 @@ def _run_mode(
     }
 
 
+def _profile_step(engine: StreamedEngine, batches: list, device: torch.device) -> str:
+    """One more step under torch.profiler: its operators by self time (device time on CUDA),
+    the top 25, as the profiler's own table. What a row that misses its floor is read with."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        engine.train_step(batches, LR)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=25)
+
+
 def run_bench(
     preset: str,
     device: str | torch.device = "cpu",
@@ -213,9 +237,11 @@ def run_bench(
     steps: int | None = None,
     warmup: int | None = None,
     base_quant: str = "none",
+    profile: bool = False,
 ) -> dict:
     """Run `preset` streamed and resident; returns every measured number (see module doc).
     `base_quant` (int8 | nf4): the blocks' linear weights are quantized (as --base-quant).
+    `profile`: each row also profiles one step more (torch.profiler; the row's "profile").
 
     `None` picks the preset's default for the device; dtype defaults to the trainer's (`--dtype
     auto`: trainer.resolve_dtype). ConfigError for a preset that cannot run here, with what to
@@ -293,7 +319,9 @@ def run_bench(
             )
         budget_kind = "the largest under which half the blocks stream (planner.streaming_budget)"
     modes = [
-        _run_mode(m, source, batches, shape, device, dtype, gpu_memory_budget, bandwidth, matmul)
+        _run_mode(
+            m, source, batches, shape, device, dtype, gpu_memory_budget, bandwidth, matmul, profile
+        )
         for m in ("streamed", "resident")
     ]
     spec = LoraSpec()
@@ -372,22 +400,23 @@ def format_table(result: dict) -> str:
         ),
         "",
         "| mode | tokens/step | step s | tokens/s | W GB | B GB/s | W/B s | F TFLOP | F/P s "
-        "| floor s | time/floor | h2d stall | dequant | GPU busy |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| floor s | time/floor | h2d stall | dequant | GPU busy | NVML util |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["modes"]:
         if not r["fits"]:
-            lines.append(f"| {r['mode']} | {r['tokens_per_step']} | {r['reason']} |" + " — |" * 11)
+            lines.append(f"| {r['mode']} | {r['tokens_per_step']} | {r['reason']} |" + " — |" * 12)
             continue
         stall = r["h2d_stall_seconds_per_step"] / r["step_seconds"]
         busy = "—" if r["gpu_busy_ratio"] is None else f"{r['gpu_busy_ratio']:.0%}"
+        nvml = "—" if r.get("nvml_util_mean") is None else f"{r['nvml_util_mean']:.0%}"
         lines.append(
             f"| {r['mode']} | {r['tokens_per_step']} | {_g(r['step_seconds'])} "
             f"| {_g(r['tokens_per_second'])} | {_g(r['streamed_bytes'] / 1e9)} "
             f"| {_g(r['bandwidth_bytes_per_second'] / 1e9, 3)} "
             f"| {_g(r['floor_h2d_seconds'])} | {_g(r['flops_per_step'] / 1e12)} "
             f"| {_g(r['floor_compute_seconds'])} | {_g(r['floor_seconds'])} | {r['ratio']:.2f} "
-            f"| {stall:.1%} | {r['dequant_share']:.1%} | {busy} |"
+            f"| {stall:.1%} | {r['dequant_share']:.1%} | {busy} | {nvml} |"
         )
     return "\n".join(lines)
 
@@ -469,6 +498,12 @@ def parser(prog: str = "python -m appliance.bench") -> argparse.ArgumentParser:
         default="none",
         help="Quantize the blocks' linear weights, as train --base-quant. [none]",
     )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="Profile one more step per row (torch.profiler): its top operators by self time, "
+        "printed and in the JSON.",
+    )
     return ap
 
 
@@ -486,8 +521,13 @@ def run_from_args(a: argparse.Namespace) -> dict:
     names = ("micro_batch_size", "seq_len", "micro_batches", "steps", "warmup")
     shape = {k: getattr(a, k) for k in names if getattr(a, k) is not None}
     dtype = dtype_from_name(a.dtype) if a.dtype != "auto" else None
-    result = run_bench(a.preset, device, dtype, budget, **shape, base_quant=a.base_quant)
+    result = run_bench(
+        a.preset, device, dtype, budget, **shape, base_quant=a.base_quant, profile=a.profile
+    )
     print_table(result)
+    for row in result["modes"]:
+        if row.get("profile"):
+            print(f"\n{row['mode']}: one step under torch.profiler\n{row['profile']}")
     if a.json_path:
         write_json(result, a.json_path)
     return result

@@ -35,13 +35,13 @@ tests)
     $py -m appliance.bench --preset 1b --json "$OUT/appliance-1b.json" | tee "$OUT/appliance-1b.md"
     ;;
 7b)  # 7B's 13.5 GB fit a 24 GiB budget whole: the preset's default budget streams half of it
-    peers 7b ""
+    peers 7b "--profile"
     ;;
 13b)
-    peers 13b "--gpu-memory-budget 24GiB"
+    peers 13b "--gpu-memory-budget 24GiB --profile"
     ;;
 70b-nf4)
-    $py -m appliance.bench --preset 70b --base-quant nf4 --gpu-memory-budget 24GiB \
+    $py -m appliance.bench --preset 70b --base-quant nf4 --gpu-memory-budget 24GiB --profile \
         --json "$OUT/appliance-70b-nf4.json" | tee "$OUT/appliance-70b-nf4.md"
     ;;
 *)

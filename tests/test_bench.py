@@ -32,7 +32,7 @@ ROW_FIELDS = {
     "h2d_bytes_per_step", "h2d_seconds_per_step", "h2d_stall_seconds_per_step",
     "gpu_busy_seconds_per_step", "gpu_busy_ratio", "phase_seconds", "losses", "peak_gpu_bytes",
     "streamed_blocks", "bandwidth_bytes_per_second", "step_seconds_median",
-    "dequant_seconds_per_step", "dequant_share",
+    "dequant_seconds_per_step", "dequant_share", "nvml_util_mean", "profile",
 }  # fmt: skip
 
 
@@ -84,6 +84,7 @@ def test_tiny_on_cpu_measures_every_field(tiny_run):
             row["floor_h2d_seconds"], row["streamed_bytes"] / row["bandwidth_bytes_per_second"]
         )
         assert row["dequant_seconds_per_step"] == 0.0  # no --base-quant
+        assert row["nvml_util_mean"] is None and row["profile"] is None  # no GPU; not asked
         assert math.isclose(row["ratio"], row["step_seconds"] / row["floor_seconds"])
         assert math.isclose(
             row["floor_compute_seconds"],
@@ -105,9 +106,9 @@ def test_table_is_printed_with_one_row_per_mode(tiny_run):
     for row in result["modes"]:
         line = next(x for x in out.splitlines() if x.startswith(f"| {row['mode']} |"))
         cells = [c.strip() for c in line.strip("|").split("|")]
-        assert len(cells) == 14
+        assert len(cells) == 15
         assert cells[1] == "64" and cells[10] == f"{row['ratio']:.2f}"
-        assert cells[12] == "0.0%" and cells[13] == "—"  # no dequant; no GPU busy on a CPU
+        assert cells[12] == "0.0%" and cells[13:] == ["—", "—"]  # no dequant; no GPU on a CPU
 
 
 def test_a_resident_mode_that_does_not_fit_is_a_table_row():
@@ -310,3 +311,17 @@ def test_a_preset_streams_half_its_blocks_by_default_and_a_budget_that_streams_n
             "1b", "cuda", torch.bfloat16, 60 * 2**30,
             micro_batch_size=1, seq_len=256, micro_batches=2, steps=1, warmup=0,
         )  # fmt: skip
+
+
+def test_profile_adds_one_profiled_step_per_row(tmp_path, capsys):
+    """--profile: each row profiles one more step; its operator table is printed and in the JSON
+    (what a row that misses its floor is read with)."""
+    path = tmp_path / "bench.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0"]
+    assert B.main([*argv, "--profile", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(path.read_text())["modes"]
+    for row in rows:
+        assert "Self CPU" in row["profile"] and "aten::" in row["profile"]
+        assert f"{row['mode']}: one step under torch.profiler" in out
+    assert len(rows[0]["losses"]) == 1  # the profiled step is not a timed one
