@@ -41,7 +41,7 @@ tests)
     peers 13b "--gpu-memory-budget 24GiB --profile"
     ;;
 70b-nf4)
-    $py -m appliance.bench --preset 70b --base-quant nf4 --gpu-memory-budget 24GiB --profile \
+    $py -m appliance.bench --preset 70b --base-quant nf4 --gpu-memory-budget 24GiB --steps 2 --profile \
         --json "$OUT/appliance-70b-nf4.json" | tee "$OUT/appliance-70b-nf4.md"
     ;;
 *)
