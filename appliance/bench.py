@@ -214,6 +214,23 @@ def _run_mode(
     }
 
 
+def model_facts(args: ModelArgs, dtype: torch.dtype) -> dict:
+    """The shape a result was measured on (the bench's and the peers' JSON), and its unquantized
+    bytes in `dtype`."""
+    return {
+        "architecture": args.architecture,
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.hidden_size,
+        "intermediate_size": args.intermediate_size,
+        "num_layers": args.num_layers,
+        "num_heads": args.num_heads,
+        "num_kv_heads": args.num_kv_heads,
+        "params": args.param_count(),
+        "block_bytes": args.block_param_count() * dtype.itemsize,
+        "weight_bytes": args.param_count() * dtype.itemsize,
+    }
+
+
 def _profile_step(engine: StreamedEngine, batches: list, device: torch.device) -> str:
     """One more step under torch.profiler: its operators by self time (device time on CUDA),
     the top 25, as the profiler's own table. What a row that misses its floor is read with."""
@@ -338,18 +355,7 @@ def run_bench(
         "torch": torch.__version__,
         "dtype": dname,
         "base_quant": base_quant,
-        "model": {
-            "architecture": args.architecture,
-            "vocab_size": args.vocab_size,
-            "hidden_size": args.hidden_size,
-            "intermediate_size": args.intermediate_size,
-            "num_layers": args.num_layers,
-            "num_heads": args.num_heads,
-            "num_kv_heads": args.num_kv_heads,
-            "params": args.param_count(),
-            "block_bytes": args.block_param_count() * dtype.itemsize,
-            "weight_bytes": weight_bytes,
-        },
+        "model": {**model_facts(args, dtype), "weight_bytes": weight_bytes},
         "lora": {  # the targets as this family reads them (Phi-3: the fused qkv and gate_up)
             "rank": spec.rank,
             "alpha": spec.alpha,

@@ -33,20 +33,28 @@ def device_name(device: torch.device) -> str:
     return f"{cpu_name()} ({torch.get_num_threads()} threads, {os.cpu_count()} CPUs)"
 
 
+def cuda_copy_seconds(dst: torch.Tensor, src: torch.Tensor, reps: int) -> list[float]:
+    """Seconds of `reps` copies src → dst on the current stream, each timed with CUDA events
+    (after one untimed copy)."""
+    dst.copy_(src, non_blocking=True)  # warm-up
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
 def measure_bandwidth(device: torch.device, nbytes: int = COPY_BYTES, reps: int = 5) -> float:
     """Bytes/s: pinned host→device copies on CUDA, host memcpy on CPU (the best of `reps`)."""
     best = math.inf
     if device.type == "cuda":
         src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        dst.copy_(src, non_blocking=True)  # warm-up
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src, non_blocking=True)
-            end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) / 1e3)
+        best = min(cuda_copy_seconds(dst, src, reps))
         del src, dst
         torch.cuda.empty_cache()
     else:

@@ -14,6 +14,7 @@ import ctypes
 import functools
 import math
 import re
+import statistics
 import time
 import warnings
 
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from .blocks import BlockSource, pack, unpack
+from .measure import cuda_copy_seconds
 from .quant import QuantizedTensor, dequantize, quantized_nbytes
 
 
@@ -310,17 +312,7 @@ class DeviceWeights:
         free = len(self._free_slots) == len(self._slots) > 0
         dst = self._slots[0][: flat.numel()] if free else torch.empty_like(src, device=self.device)
         torch.cuda.synchronize(self.device)
-        dst.copy_(src, non_blocking=True)  # warm-up
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src, non_blocking=True)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        times.sort()
-        return flat.numel() / times[len(times) // 2]
+        return flat.numel() / statistics.median(cuda_copy_seconds(dst, src, reps))
 
     def stall_seconds(self) -> float:
         """Seconds compute has waited for weights since the last take or clear (syncs CUDA)."""

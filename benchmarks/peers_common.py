@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from appliance.bench import LR, _batches
+from appliance.bench import LR, _batches, model_facts
 from appliance.lora import LoraSpec, LoraWeights
 from appliance.measure import device_name, host_memory_available
 from appliance.model import ModelArgs
@@ -342,20 +342,6 @@ def _versions() -> dict:
     }
 
 
-def _model_facts(args: ModelArgs, dtype: torch.dtype) -> dict:
-    return {
-        "architecture": args.architecture,
-        "vocab_size": args.vocab_size,
-        "hidden_size": args.hidden_size,
-        "intermediate_size": args.intermediate_size,
-        "num_layers": args.num_layers,
-        "num_heads": args.num_heads,
-        "num_kv_heads": args.num_kv_heads,
-        "params": args.param_count(),
-        "weight_bytes": args.param_count() * dtype.itemsize,
-    }
-
-
 def check_host_memory(setup: Setup) -> None:
     """DoesNotFit if the base weights do not fit in host memory (more than 90% of what is
     available, the bench's own check)."""
@@ -386,7 +372,7 @@ def run_peer(peer: Peer, setup: Setup, keep_model: bool = False) -> tuple[dict, 
         "device_name": device_name(dev),
         **_versions(),
         "dtype": str(setup.dtype).removeprefix("torch."),
-        "model": _model_facts(setup.args, setup.dtype),
+        "model": model_facts(setup.args, setup.dtype),
         "lora": {
             "rank": spec.rank,
             "alpha": spec.alpha,

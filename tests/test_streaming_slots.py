@@ -50,6 +50,17 @@ def engines(base_quant: str = "none", resident: frozenset = frozenset()):
     return source, ref, eng
 
 
+def same_step(ref, eng, mbs, step: int) -> None:
+    """One forward/backward and AdamW step of both engines: the same loss and LoRA gradients,
+    bit for bit."""
+    loss_r, _, _ = ref.forward_backward(mbs, step)
+    loss_c, _, _ = eng.forward_backward(mbs, step)
+    assert loss_c == loss_r
+    assert all(torch.equal(a, b) for a, b in zip(grads(eng), grads(ref), strict=True))
+    ref.optimizer_step(lr=1e-2)
+    eng.optimizer_step(lr=1e-2)
+
+
 def in_slots(engine, tensors) -> bool:
     spans = [(t.data_ptr(), t.data_ptr() + t.numel()) for t in engine.weights._slots]
     return all(any(lo <= t.data_ptr() < hi for lo, hi in spans) for t in tensors)
@@ -62,12 +73,7 @@ def test_blocks_copied_through_two_slots_equal_blocks_read_in_place(base_quant, 
     mbs = micro_batches()
     flat = source.flat_block(0)[0].nbytes
     for step in range(3):
-        loss_r, _, _ = ref.forward_backward(mbs, step)
-        loss_c, _, _ = eng.forward_backward(mbs, step)
-        assert loss_c == loss_r
-        assert all(torch.equal(a, b) for a, b in zip(grads(eng), grads(ref), strict=True))
-        ref.optimizer_step(lr=1e-2)
-        eng.optimizer_step(lr=1e-2)
+        same_step(ref, eng, mbs, step)
         copied = eng.weights.take_timings()["h2d_bytes"]
         if step > 0:  # steady state: what the planner counts (block 0 stayed from the last step)
             assert copied == blocks_uploaded_per_step(L, len(resident)) * flat
@@ -126,12 +132,7 @@ def test_offloaded_saved_inputs_equal_inputs_kept_in_place():
     mbs = micro_batches()
     eng.saved.allocate(sum(ids.numel() for ids, _ in mbs), ARGS.hidden_size, torch.float32)
     for step in range(2):
-        loss_r, _, _ = ref.forward_backward(mbs, step)
-        loss_c, _, _ = eng.forward_backward(mbs, step)
-        assert loss_c == loss_r
-        assert all(torch.equal(a, b) for a, b in zip(grads(eng), grads(ref), strict=True))
-        ref.optimizer_step(lr=1e-2)
-        eng.optimizer_step(lr=1e-2)
+        same_step(ref, eng, mbs, step)
         assert eng.saved._loaded == {}  # every slot given back
     bigger = micro_batches(n=4)
     with pytest.raises(RuntimeError, match="saved inputs: this step has .* the plan allocated"):
