@@ -199,6 +199,9 @@ def _run_mode(
         "floor_h2d_seconds": floor_h2d,
         "floor_compute_seconds": floor_compute,
         "floor_seconds": floor,
+        # T*: the tokens per step at which W/B = F/P (F grows with the tokens, W does not);
+        # above it the step is compute-bound, and the Proof's step/floor figure applies
+        "crossover_tokens_per_step": row["tokens_per_step"] * floor_h2d / floor_compute,
         "ratio": step / floor,
         "dequant_seconds_per_step": dequant,
         "dequant_share": dequant / step,
@@ -423,6 +426,17 @@ def format_table(result: dict) -> str:
             f"| {_g(r['floor_h2d_seconds'])} | {_g(r['flops_per_step'] / 1e12)} "
             f"| {_g(r['floor_compute_seconds'])} | {_g(r['floor_seconds'])} | {r['ratio']:.2f} "
             f"| {stall:.1%} | {r['dequant_share']:.1%} | {busy} | {nvml} |"
+        )
+    streamed = [r for r in result["modes"] if r["fits"] and r["streamed_bytes"]]
+    for r in streamed:
+        lines.append(
+            f"\n{r['mode']}: T* = {r['crossover_tokens_per_step']:.0f} tokens per step (W/B = F/P; "
+            f"this run: {r['tokens_per_step']}, "
+            + (
+                "compute-bound)"
+                if r["tokens_per_step"] >= r["crossover_tokens_per_step"]
+                else "copy-bound)"
+            )
         )
     return "\n".join(lines)
 

@@ -33,6 +33,7 @@ ROW_FIELDS = {
     "gpu_busy_seconds_per_step", "gpu_busy_ratio", "phase_seconds", "losses", "peak_gpu_bytes",
     "streamed_blocks", "bandwidth_bytes_per_second", "step_seconds_median",
     "dequant_seconds_per_step", "dequant_share", "nvml_util_mean", "profile",
+    "crossover_tokens_per_step",
 }  # fmt: skip
 
 
@@ -85,6 +86,11 @@ def test_tiny_on_cpu_measures_every_field(tiny_run):
         )
         assert row["dequant_seconds_per_step"] == 0.0  # no --base-quant
         assert row["nvml_util_mean"] is None and row["profile"] is None  # no GPU; not asked
+        # T*: where the copies' floor and the compute floor meet, F being linear in the tokens
+        assert math.isclose(
+            row["crossover_tokens_per_step"] / row["tokens_per_step"],
+            row["floor_h2d_seconds"] / row["floor_compute_seconds"],
+        )
         assert math.isclose(row["ratio"], row["step_seconds"] / row["floor_seconds"])
         assert math.isclose(
             row["floor_compute_seconds"],
