@@ -1,7 +1,8 @@
 """`appliance bench`: the streamed step against its floor and against resident training.
 
     python -m appliance.bench --preset tiny --json bench.json            # seconds, on a CPU
-    python -m appliance.bench --preset 7b --gpu-memory-budget 24GiB     # on a GPU
+    python -m appliance.bench --preset 13b --gpu-memory-budget 24GiB    # on a GPU
+    python -m appliance.bench --preset 7b     # on a GPU: a budget that streams half the blocks
 
 A preset (appliance/presets.py) is a real model's shape (Llama, Qwen3, Gemma 2/3, Phi-4-mini)
 with random weights made in memory (nothing is downloaded). The same model and batches run twice
