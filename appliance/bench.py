@@ -61,6 +61,7 @@ from .model import ModelArgs
 from .models import block_shapes, linear_weight_names, resolve_targets
 from .planner import blocks_uploaded_per_step, streaming_budget
 from .presets import PRESETS, Shape
+from .streaming import with_index
 from .synthetic import SyntheticBlockSource
 from .trainer import resolve_device, resolve_dtype
 
@@ -273,6 +274,7 @@ def run_bench(
     p, device = PRESETS[preset], torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu")
+    device = with_index(device)  # "cuda" → the current device: torch.cuda calls need an index
     if device.type == "cpu":
         if p.cpu is None:
             cpu_ok = " and ".join(k for k, v in PRESETS.items() if v.cpu)

@@ -45,7 +45,7 @@ from .lora import LoraSpec, LoraWeights
 from .loss_scale import LossScaler
 from .offload import SavedInputs
 from .planner import CUDA_MARGIN_BYTES, effective_budget, plan_memory, step_flops
-from .streaming import DeviceWeights
+from .streaming import DeviceWeights, with_index
 
 # (input_ids (B, T), labels (B, T)), labels shifted; packed documents add a third element, the
 # layout (positions (B, T), segments (B, T)): per-row RoPE positions and document ids (model.py)
@@ -117,7 +117,7 @@ class StreamedEngine:
         place (DeviceWeights' `copies`): the tests' way to run the GPU path's bookkeeping here."""
         self.args = source.args
         self.group = group
-        self.device = torch.device(device)
+        self.device = with_index(torch.device(device))  # "cuda" → the current CUDA device
         self.dtype = dtype
         # no adapters: an empty LoraWeights, whose per-block contexts add nothing
         self.lora = lora if lora is not None else LoraWeights(self.args, LoraSpec(targets=()))
@@ -150,8 +150,10 @@ class StreamedEngine:
         self.saved = SavedInputs(self.device, self.args.num_layers)
 
     def close(self) -> None:
-        """Unregister pinned host memory and free device weights (DeviceWeights.close)."""
+        """Unregister page-locked host memory and free device weights (DeviceWeights.close,
+        SavedInputs.close)."""
         self.weights.close()
+        self.saved.close()
 
     def __enter__(self) -> StreamedEngine:
         return self
@@ -279,6 +281,9 @@ class StreamedEngine:
                         hs[m] = models.block_forward(h, w, self.args, cos, sin, lora, mask, layer=i)
                 if i + 1 < L or not save:
                     self.weights.release(i)  # in training the last block stays: backward's first
+                # a quantized block's dequantized weights go before the next block's are made
+                # (the plan counts one block's)
+                del w
         return hs
 
     def forward_backward(
@@ -347,6 +352,7 @@ class StreamedEngine:
                 self.saved.done(i)
                 if i > 0:
                     self.weights.release(i)  # block 0 stays: it is the first of the next forward
+                del w  # as in the forward: one block's dequantized weights at a time
         if self.group is not None:
             loss = self._all_reduce_grads_and(loss)
         self._sync()
@@ -460,6 +466,8 @@ class StreamedEngine:
         """(summed NLL, predicted tokens) without dropout or gradients."""
         if not self._planned:
             self.plan(micro_batches)
+        self.weights.clear_timings()  # an eval's copies and waits are not reported: no pile-up
+        self._busy_events.clear()
         hs = self._forward(micro_batches, step=0, dropout=False, save=False)
         # summed on the device in fp64 (as Python floats would) and read once: no sync per batch
         total = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -473,6 +481,7 @@ class StreamedEngine:
         ids = input_ids.to(self.device)
         if not self._planned:
             self.plan([(ids, ids)])
+        self.weights.clear_timings()
         hs = self._forward([(ids, ids)], step=0, dropout=False, save=False)
         return M.logits(hs[0], self.weights.globals, self.args)
 

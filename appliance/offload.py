@@ -26,6 +26,8 @@ import contextlib
 
 import torch
 
+from .streaming import host_unregister, page_locked_empty
+
 
 class SavedInputs:
     """Block inputs saved by the forward for the backward's recompute (see module docstring)."""
@@ -42,9 +44,15 @@ class SavedInputs:
         """Offload from now on: room for `tokens` positions (a step's global batch, all its
         micro-batches) of width `hidden` per block, on the host (one page-locked buffer) and in two
         device slots."""
+        self.close()  # a second plan: the first plan's buffers go (after any copy using them)
         self.cuda = self.device.type == "cuda"
         self.offload, self.dtype, self.capacity = True, dtype, tokens * hidden
-        self._host = torch.empty(self.num_blocks * self.capacity, dtype=dtype, pin_memory=self.cuda)
+        n = self.num_blocks * self.capacity
+        if self.cuda:  # registered in place: exactly its size (torch's pinned memory rounds up)
+            self._host, registered = page_locked_empty(n, dtype, self.device)
+            self._registered = self._host.data_ptr() if registered else None
+        else:
+            self._host = torch.empty(n, dtype=dtype)
         self._slots = [
             torch.empty(self.capacity, dtype=dtype, device=self.device) for _ in range(2)
         ]
@@ -105,7 +113,7 @@ class SavedInputs:
                 dev = self._slots[slot][offset : offset + shape.numel()].view(shape)
                 dev.copy_(host, non_blocking=True)
                 out.append(dev)
-            ready = torch.cuda.Event(enable_timing=True) if self.cuda else None
+            ready = torch.cuda.Event() if self.cuda else None
             if ready is not None:
                 ready.record()
         self._loaded[i] = (out, ready, slot)
@@ -146,6 +154,17 @@ class SavedInputs:
     def _copy_waits_for_compute(self) -> None:
         if self.cuda:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def close(self) -> None:
+        """Unregister the page-locked host buffer (before it is freed) and drop the slots; no
+        more offload until `allocate` again (idempotent)."""
+        if getattr(self, "cuda", False):
+            torch.cuda.synchronize(self.device)  # no copy may still use the buffers
+        if getattr(self, "_registered", None) is not None:
+            host_unregister(self._registered)
+            self._registered = None
+        self.offload = False
+        self._host, self._slots, self._loaded = None, [], {}
 
     def take_stall_seconds(self) -> float:
         """Seconds compute waited for saved inputs to come back since the last call (syncs)."""

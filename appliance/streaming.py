@@ -46,6 +46,14 @@ class HostEvent:
 _clock = time.perf_counter  # HostEvent's clock (a test swaps in one that ticks by exactly 1 s)
 
 
+def with_index(device: torch.device) -> torch.device:
+    """`device` with its index: a bare "cuda" becomes the current CUDA device. Some torch.cuda
+    calls (set_per_process_memory_fraction among them) refuse a CUDA device without one."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class DeviceWeights:
     """Block weights on the compute device: resident, prefetched on a side stream, or direct (CPU).
 
@@ -94,9 +102,7 @@ class DeviceWeights:
                 self._host.append((flat, index, pinned))
             self._biggest = max(f.numel() for f, _, _ in self._host)
             if not all(p for _, _, p in self._host):
-                self._staging = [
-                    torch.empty(self._biggest, dtype=torch.uint8, pin_memory=True) for _ in range(2)
-                ]
+                self._staging = [self._page_locked(self._biggest) for _ in range(2)]
                 self._staging_free: list[torch.cuda.Event | None] = [None, None]
                 self._next_staging = 0
 
@@ -110,8 +116,8 @@ class DeviceWeights:
         streamed block never goes through the caching allocator: no allocation, no
         `record_stream`, no allocator retry under a tight budget (docs/architecture.md).
         """
-        if self.cuda and self._slots:
-            torch.cuda.synchronize(self.device)  # no copy may still write the slots we drop
+        if self.cuda:  # no copy may still write the slots or resident buffers we drop
+            torch.cuda.synchronize(self.device)
         self.resident = set(resident)
         self._configured = True
         for i in [i for i in self._on_device if i not in self.resident]:
@@ -149,19 +155,16 @@ class DeviceWeights:
         for i in [i for i in self._on_device if i != keep and i not in self.resident]:
             self.release(i)
 
-    def _register(self, flat: torch.Tensor) -> bool:
-        """Page-lock `flat` in place (cudaHostRegister, flags 0); False if refused (then we stage).
+    def _page_locked(self, nbytes: int) -> torch.Tensor:
+        t, registered = page_locked_empty(nbytes, torch.uint8, self.device)
+        if registered:
+            self._registered.append(t.data_ptr())
+        return t
 
-        Flags 0: the object store maps its pages writable (numpy marks them read-only, CUDA does
-        not care), so cudaHostRegisterReadOnly is not needed.
-        """
-        lib = _cudart()
-        if lib is None or flat.numel() == 0:
+    def _register(self, flat: torch.Tensor) -> bool:
+        """Page-lock `flat` in place (host_register); close() undoes it."""
+        if not host_register(flat, self.device):
             return False
-        with torch.cuda.device(self.device):
-            if lib.cudaHostRegister(flat.data_ptr(), flat.numel(), 0) != 0:
-                lib.cudaGetLastError()  # clear it: a refused registration must not fail a kernel
-                return False
         self._registered.append(flat.data_ptr())
         return True
 
@@ -174,10 +177,8 @@ class DeviceWeights:
         """
         if self.cuda:
             torch.cuda.synchronize(self.device)  # no copy may still be reading the buffers
-        for ptr in self._registered:  # non-empty only if _cudart() found the runtime
-            lib = _cudart()
-            if lib.cudaHostUnregister(ptr) != 0:
-                lib.cudaGetLastError()
+        for ptr in self._registered:
+            host_unregister(ptr)
         self._registered.clear()
         self._on_device.clear()
         self._host = []
@@ -218,6 +219,22 @@ class DeviceWeights:
                 )
             slot = self._free_slots.pop(0)
             dev = self._slots[slot][: flat.numel()]
+        try:
+            start, done = self._copy(dev, flat, pinned, slot)
+        except BaseException:  # (a KeyboardInterrupt in the staging wait): the slot stays free
+            if slot is not None:
+                self._free_slots.insert(0, slot)
+            raise
+        self.host_seconds += time.perf_counter() - t0
+        self.h2d_bytes += flat.numel()
+        self._h2d_events.append((start, done))
+        self._on_device[i] = (unpack(dev, index), done, slot)
+
+    def _copy(
+        self, dev: torch.Tensor, flat: torch.Tensor, pinned: bool, slot: int | None
+    ) -> tuple[torch.cuda.Event | HostEvent, torch.cuda.Event | HostEvent]:
+        """Queue `flat` → `dev` on the copy stream, after the slot's last block is done with it
+        (through a pinned staging buffer if `flat` is not page-locked); its (start, done) events."""
         with self._on_copy_stream():
             if self.cuda and slot is not None and self._slot_free[slot] is not None:
                 self._stream.wait_event(self._slot_free[slot])  # its last block is done with it
@@ -236,10 +253,7 @@ class DeviceWeights:
             done.record()
             if not pinned:
                 self._staging_free[k] = done
-        self.host_seconds += time.perf_counter() - t0
-        self.h2d_bytes += flat.numel()
-        self._h2d_events.append((start, done))
-        self._on_device[i] = (unpack(dev, index), done, slot)
+        return start, done
 
     def get(self, i: int) -> dict[str, torch.Tensor]:
         """Block i's weights, ready for use on the current stream."""
@@ -305,6 +319,7 @@ class DeviceWeights:
         else the pinned staging buffer it goes through; copied into the device `reps` times (one
         warm-up before), each timed with events; the median. CUDA only; call it between steps
         (it uses a free streaming slot, or a temporary buffer)."""
+        torch.cuda.synchronize(self.device)  # no copy may still read the staging buffer
         flat, _, pinned = self._host[0]
         src = flat if pinned else self._staging[0][: flat.numel()]
         if not pinned:
@@ -332,6 +347,8 @@ class DeviceWeights:
         `h2d_seconds` of copy (DMA) time, `h2d_stall` (compute waiting for a copy), `h2d_host`
         (host time blocked in prefetch: staging waits and memcpy), `dequant` seconds. On CPU
         nothing is copied: the stall is the waits for the source's blocks."""
+        if self.cuda:  # every event recorded so far has completed: elapsed_time may ask them
+            torch.cuda.synchronize(self.device)
         out = {
             "h2d_bytes": self.h2d_bytes,
             "h2d_seconds": sum(a.elapsed_time(b) for a, b in self._h2d_events) / 1e3,
@@ -380,6 +397,46 @@ def _flat_block(source: BlockSource, i: int, dtype: torch.dtype) -> tuple[torch.
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(buf), index, False
     return buf, index, buf.is_pinned()
+
+
+def host_register(t: torch.Tensor, device: torch.device) -> bool:
+    """Page-lock `t`'s memory in place for copies to and from `device` (cudaHostRegister,
+    flags 0); False if refused or CUDA's runtime is not loaded. The caller unregisters it
+    (host_unregister) before the memory is freed: a freed range still registered would make a
+    later allocation at the same address look pinned while CUDA still maps the old pages.
+
+    Flags 0: the object store maps its pages writable (numpy marks them read-only, CUDA does
+    not care), so cudaHostRegisterReadOnly is not needed."""
+    lib = _cudart()
+    nbytes = t.numel() * t.element_size()
+    if lib is None or nbytes == 0:
+        return False
+    with torch.cuda.device(device):
+        if lib.cudaHostRegister(t.data_ptr(), nbytes, 0) != 0:
+            lib.cudaGetLastError()  # clear it: a refused registration must not fail a kernel
+            return False
+    return True
+
+
+def host_unregister(ptr: int) -> None:
+    """Undo host_register of the memory at `ptr`."""
+    lib = _cudart()
+    if lib is not None and lib.cudaHostUnregister(ptr) != 0:
+        lib.cudaGetLastError()
+
+
+def page_locked_empty(
+    numel: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, bool]:
+    """(an uninitialized host tensor of `numel` values, page-locked for `device`; whether it was
+    registered). Plain memory registered in place takes exactly its size, where torch's
+    `pin_memory=True` rounds the allocation up to a power of two (its caching host allocator's
+    default: 40 GiB of saved activations would lock 64 GiB). Registered: the caller must
+    host_unregister it before freeing it; if registration is refused, torch's pinned memory."""
+    t = torch.empty(numel, dtype=dtype)
+    if host_register(t, device):
+        return t, True
+    return torch.empty(numel, dtype=dtype, pin_memory=True), False
 
 
 @functools.cache

@@ -137,3 +137,37 @@ def test_offloaded_saved_inputs_equal_inputs_kept_in_place():
     bigger = micro_batches(n=4)
     with pytest.raises(RuntimeError, match="saved inputs: this step has .* the plan allocated"):
         eng.forward_backward(bigger, 2)
+
+
+def test_a_copy_interrupted_before_it_is_queued_leaves_its_slot_free(monkeypatch):
+    """Ctrl-C in the staging wait (or any error before the copy is queued): the slot it took goes
+    back, so the next prefetch still finds two."""
+    _, _, eng = engines()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eng.weights, "_copy", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        eng.weights.prefetch(1)
+    assert len(eng.weights._free_slots) == 2 and 1 not in eng.weights._on_device
+    monkeypatch.undo()
+    eng.weights.prefetch(1)
+    assert 1 in eng.weights._on_device
+
+
+def test_a_bare_cuda_device_gets_the_current_devices_index(monkeypatch):
+    """torch.cuda.set_per_process_memory_fraction (the engine's budget cap) refuses a CUDA device
+    without an index; the engine and the bench take "cuda" as the current device, with its
+    index. (No GPU here: current_device is the only thing mocked.)"""
+    from torch.cuda._utils import _get_device_index
+
+    from appliance.streaming import with_index
+
+    with pytest.raises(ValueError, match="specified index"):
+        _get_device_index(torch.device("cuda"))  # what a bare "cuda" would meet
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert with_index(torch.device("cuda")) == torch.device("cuda", 1)
+    assert _get_device_index(with_index(torch.device("cuda"))) == 1
+    assert with_index(torch.device("cuda", 0)) == torch.device("cuda", 0)
+    assert with_index(torch.device("cpu")) == torch.device("cpu")
