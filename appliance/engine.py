@@ -175,7 +175,8 @@ class StreamedEngine:
         L = self.args.num_layers
         free, total = torch.cuda.mem_get_info(self.device)
         budget = effective_budget(self.budget, total, free, torch.cuda.memory_reserved(self.device))
-        p = plan_memory(self.args, budget=budget, **self.plan_inputs(micro_batches))
+        inputs = self.plan_inputs(micro_batches)
+        p = plan_memory(self.args, budget=budget, **inputs)
         if not p.fits:
             raise ConfigError(
                 f"--gpu-memory-budget: {budget / 2**30:.1f} GiB usable (the budget, at most the "
@@ -188,8 +189,7 @@ class StreamedEngine:
         # through the plan's fixed slots
         self.weights.configure(set(range(L - p.resident_blocks, L)), p.streaming_slots or 2)
         if p.offload_activations:  # page-locked host room for the biggest global batch, once
-            tokens = sum(mb[0].numel() for mb in micro_batches)
-            self.saved.allocate(tokens, self.args.hidden_size, self.dtype)
+            self.saved.allocate(inputs["tokens"], self.args.hidden_size, self.dtype)
 
     def plan_inputs(self, micro_batches: list[MicroBatch]) -> dict:
         """What `plan` tells planner.plan_memory besides the budget: the bytes this engine holds

@@ -22,11 +22,9 @@ numbers do not change with offload: the bytes go out and come back unchanged
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from .streaming import host_unregister, page_locked_empty
+from .streaming import SideStream, event_seconds, host_unregister, page_locked_empty
 
 
 class SavedInputs:
@@ -57,8 +55,8 @@ class SavedInputs:
             torch.empty(self.capacity, dtype=dtype, device=self.device) for _ in range(2)
         ]
         self._slot_free: list[torch.cuda.Event | None] = [None, None]
-        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self._copy_waits_for_compute()  # the slots' memory may have been compute's just before
+        self._copier = SideStream(self.device)
+        self._copier.wait_for_compute()  # the slots' memory may have been compute's just before
         self._layout: list[tuple[int, torch.Size]] = []  # per micro-batch: (offset, shape)
         self._loaded: dict[int, tuple[list[torch.Tensor], torch.cuda.Event, int]] = {}
 
@@ -90,11 +88,11 @@ class SavedInputs:
         m = len(self._saved[i])
         offset, shape = self._layout[m]
         host = self._host[i * self.capacity + offset :][: shape.numel()].view(shape)
-        self._copy_waits_for_compute()  # h is computed
-        with self._on_copy_stream():
+        self._copier.wait_for_compute()  # h is computed
+        with self._copier.copying():
             host.copy_(h, non_blocking=True)
         if self.cuda:
-            h.record_stream(self._stream)  # h's memory is not reused before the copy is done
+            h.record_stream(self._copier.stream)  # h's memory is not reused before the copy
         self._saved[i].append(host)  # the copy back, on the same stream, comes after this one
 
     # ------------------------------------------------------------ backward
@@ -105,17 +103,15 @@ class SavedInputs:
         if not self.offload or not 0 <= i < self.num_blocks or i in self._loaded:
             return
         slot = next(k for k in (0, 1) if k not in {s for _, _, s in self._loaded.values()})
-        with self._on_copy_stream():
-            if self.cuda and self._slot_free[slot] is not None:
-                self._stream.wait_event(self._slot_free[slot])  # its last block is done with it
+        with self._copier.copying():
+            self._copier.wait(self._slot_free[slot])  # its last block is done with it
             out = []
             for (offset, shape), host in zip(self._layout, self._saved[i], strict=False):
                 dev = self._slots[slot][offset : offset + shape.numel()].view(shape)
                 dev.copy_(host, non_blocking=True)
                 out.append(dev)
-            ready = torch.cuda.Event() if self.cuda else None
-            if ready is not None:
-                ready.record()
+            ready = self._copier.event()
+            ready.record()
         self._loaded[i] = (out, ready, slot)
 
     def take(self, i: int) -> list[torch.Tensor]:
@@ -128,12 +124,8 @@ class SavedInputs:
         out, ready, _ = self._loaded[i]
         if not self.cuda:  # the copy was done when prefetch returned
             return list(out)
-        compute = torch.cuda.current_stream(self.device)
-        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        before.record(compute)
-        compute.wait_event(ready)  # the copy back is a stall of compute if it is not done yet
-        after.record(compute)
-        self._stall_events.append((before, after))
+        # the copy back is a stall of compute if it is not done yet
+        self._stall_events.append(self._copier.compute_waits(ready))
         return out
 
     def done(self, i: int) -> None:
@@ -143,17 +135,7 @@ class SavedInputs:
 
     def _free(self, i: int) -> None:
         _, _, slot = self._loaded.pop(i)
-        if self.cuda:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            self._slot_free[slot] = event
-
-    def _on_copy_stream(self):
-        return torch.cuda.stream(self._stream) if self.cuda else contextlib.nullcontext()
-
-    def _copy_waits_for_compute(self) -> None:
-        if self.cuda:
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._slot_free[slot] = self._copier.compute_mark()
 
     def close(self) -> None:
         """Unregister the page-locked host buffer (before it is freed) and drop the slots; no
@@ -171,6 +153,6 @@ class SavedInputs:
         if not self._stall_events:
             return 0.0
         torch.cuda.synchronize(self.device)
-        seconds = sum(a.elapsed_time(b) for a, b in self._stall_events) / 1e3
+        seconds = event_seconds(self._stall_events)
         self._stall_events.clear()
         return seconds

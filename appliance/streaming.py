@@ -54,6 +54,58 @@ def with_index(device: torch.device) -> torch.device:
     return device
 
 
+def event_seconds(spans: list[tuple[torch.cuda.Event | HostEvent, ...]]) -> float:
+    """Seconds between each (start, end) pair of recorded events, summed (CUDA: after a sync)."""
+    return sum(a.elapsed_time(b) for a, b in spans) / 1e3
+
+
+class SideStream:
+    """A CUDA stream for copies beside the compute stream, and the events that order the two
+    (DeviceWeights' block uploads, SavedInputs' activation copies). On a CPU (the tests' copy
+    paths) there is no stream: a copy is done when it returns, so every wait is a no-op and
+    timing events read the host clock."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def copying(self):
+        """Context: work queued inside it goes on the side stream."""
+        return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+
+    def event(self, timing: bool = False) -> torch.cuda.Event | HostEvent:
+        return torch.cuda.Event(enable_timing=timing) if self.cuda else HostEvent()
+
+    def wait_for_compute(self) -> None:
+        """Later side-stream work comes after everything compute has queued so far."""
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def wait(self, event: torch.cuda.Event | None) -> None:
+        """Later side-stream work comes after `event` (None: nothing to wait for)."""
+        if self.cuda and event is not None:
+            self.stream.wait_event(event)
+
+    def compute_mark(self) -> torch.cuda.Event | None:
+        """An event recorded now on the compute stream (None on a CPU): e.g. "the compute stream
+        is done with this slot" once it passes here."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def compute_waits(self, event: torch.cuda.Event) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        """Make compute wait for `event` (a copy's); the (before, after) timing events around the
+        wait, whose gap is compute stalled on that copy. CUDA only."""
+        compute = torch.cuda.current_stream(self.device)
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(compute)
+        compute.wait_event(event)
+        after.record(compute)
+        return before, after
+
+
 class DeviceWeights:
     """Block weights on the compute device: resident, prefetched on a side stream, or direct (CPU).
 
@@ -92,7 +144,7 @@ class DeviceWeights:
         self._configured = False
         g = source.globals()
         self.globals = {k: v.to(device=device, dtype=dtype) for k, v in g.items()}
-        self._stream = torch.cuda.Stream(device) if self.cuda else None
+        self._copier = SideStream(device)
         if self.copies:
             self._host: list[tuple[torch.Tensor, dict, bool]] = []
             for i in range(source.num_blocks):
@@ -132,22 +184,7 @@ class DeviceWeights:
         self._free_slots = list(range(slots))
         # the slots' memory may come from the allocator's cache, last used by compute: the first
         # copy into them must come after that work
-        self._copy_waits_for_compute()
-
-    # ------------------------------------------------------------ streams (no-ops on a CPU)
-
-    def _event(self, timing: bool = False) -> torch.cuda.Event | HostEvent:
-        return torch.cuda.Event(enable_timing=timing) if self.cuda else HostEvent()
-
-    def _on_copy_stream(self):
-        return torch.cuda.stream(self._stream) if self.cuda else contextlib.nullcontext()
-
-    def _copy_waits_for_compute(self) -> None:
-        if self.cuda:
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-
-    def _compute_stream(self) -> torch.cuda.Stream | None:
-        return torch.cuda.current_stream(self.device) if self.cuda else None
+        self._copier.wait_for_compute()
 
     def drop_streamed(self, keep: int | None = None) -> None:
         """Release every streamed block on the device but `keep`: what a step that raised midway
@@ -210,7 +247,7 @@ class DeviceWeights:
         t0 = time.perf_counter()
         if i in self.resident:  # its own buffer, allocated on compute's stream, kept until close
             slot, dev = None, torch.empty(flat.numel(), dtype=torch.uint8, device=self.device)
-            self._copy_waits_for_compute()  # its memory may have just been freed by compute
+            self._copier.wait_for_compute()  # its memory may have just been freed by compute
         else:
             if not self._free_slots:
                 raise RuntimeError(
@@ -235,9 +272,9 @@ class DeviceWeights:
     ) -> tuple[torch.cuda.Event | HostEvent, torch.cuda.Event | HostEvent]:
         """Queue `flat` → `dev` on the copy stream, after the slot's last block is done with it
         (through a pinned staging buffer if `flat` is not page-locked); its (start, done) events."""
-        with self._on_copy_stream():
-            if self.cuda and slot is not None and self._slot_free[slot] is not None:
-                self._stream.wait_event(self._slot_free[slot])  # its last block is done with it
+        with self._copier.copying():
+            if slot is not None:
+                self._copier.wait(self._slot_free[slot])  # its last block is done with it
             src = flat
             if not pinned:  # through a page-locked staging buffer: host work, timed on the host
                 k = self._next_staging
@@ -246,10 +283,10 @@ class DeviceWeights:
                     self._staging_free[k].synchronize()  # the copy out of this buffer is done
                 src = self._staging[k][: flat.numel()]
                 src.copy_(flat)  # host memcpy into page-locked memory
-            start = self._event(timing=True)
+            start = self._copier.event(timing=True)
             start.record()  # right before the copy: the copy's time is the DMA's alone
             dev.copy_(src, non_blocking=True)
-            done = self._event(timing=True)
+            done = self._copier.event(timing=True)
             done.record()
             if not pinned:
                 self._staging_free[k] = done
@@ -268,13 +305,8 @@ class DeviceWeights:
         w, done, slot = self._on_device[i]
         if done is not None:
             if self.cuda:  # on a CPU the copy was done when prefetch returned
-                stream = torch.cuda.current_stream(self.device)
-                before = torch.cuda.Event(enable_timing=True)
-                after = torch.cuda.Event(enable_timing=True)
-                before.record(stream)
-                stream.wait_event(done)  # compute waits for the copy: this gap is the h2d stall
-                after.record(stream)
-                self._stall_events.append((before, after))
+                # compute waits for the copy: this gap is the h2d stall
+                self._stall_events.append(self._copier.compute_waits(done))
             self._on_device[i] = (w, None, slot)
         return self._materialise(w)
 
@@ -285,11 +317,7 @@ class DeviceWeights:
         no-op for weights already in the compute dtype: views of the slot)."""
         if not any(isinstance(v, QuantizedTensor) for v in w.values()):
             return {k: v.to(device=self.device, dtype=self.dtype) for k, v in w.items()}
-        before, after = (
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            if self.cuda
-            else (HostEvent(), HostEvent())
-        )
+        before, after = self._copier.event(timing=True), self._copier.event(timing=True)
         before.record()
         out = {
             k: dequantize(v.to(self.device), self.dtype)
@@ -308,9 +336,7 @@ class DeviceWeights:
             return
         _, _, slot = self._on_device.pop(i)
         if slot is not None:
-            event = self._event()
-            event.record(self._compute_stream())
-            self._slot_free[slot] = event
+            self._slot_free[slot] = self._copier.compute_mark()
             self._free_slots.append(slot)
 
     def measure_bandwidth(self, reps: int = 10) -> float:
@@ -333,28 +359,22 @@ class DeviceWeights:
         """Seconds compute has waited for weights since the last take or clear (syncs CUDA)."""
         if self.cuda:
             torch.cuda.synchronize(self.device)
-        return sum(a.elapsed_time(b) for a, b in self._stall_events) / 1e3
-
-    def dequant_seconds(self) -> float:
-        """Seconds spent dequantizing blocks since the last take or clear (syncs CUDA): device
-        time between events on the compute stream, or the host clock on CPU."""
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-        return sum(a.elapsed_time(b) for a, b in self._dequant_events) / 1e3
+        return event_seconds(self._stall_events)
 
     def take_timings(self) -> dict[str, float]:
         """What the weights cost since the last take or clear (syncs CUDA): `h2d_bytes` copied,
         `h2d_seconds` of copy (DMA) time, `h2d_stall` (compute waiting for a copy), `h2d_host`
-        (host time blocked in prefetch: staging waits and memcpy), `dequant` seconds. On CPU
-        nothing is copied: the stall is the waits for the source's blocks."""
+        (host time blocked in prefetch: staging waits and memcpy), `dequant` seconds (device
+        time between events on the compute stream, or the host clock on CPU). On CPU nothing is
+        copied: the stall is the waits for the source's blocks."""
         if self.cuda:  # every event recorded so far has completed: elapsed_time may ask them
             torch.cuda.synchronize(self.device)
         out = {
             "h2d_bytes": self.h2d_bytes,
-            "h2d_seconds": sum(a.elapsed_time(b) for a, b in self._h2d_events) / 1e3,
-            "h2d_stall": self.stall_seconds(),
+            "h2d_seconds": event_seconds(self._h2d_events),
+            "h2d_stall": event_seconds(self._stall_events),
             "h2d_host": self.host_seconds,
-            "dequant": self.dequant_seconds(),
+            "dequant": event_seconds(self._dequant_events),
         }
         self.clear_timings()
         return out

@@ -230,15 +230,9 @@ def test_streamed_blocks_go_through_fixed_slots_without_allocator_retries():
 def budget_where(engine: StreamedEngine, mbs, want) -> int:
     """The smallest budget (16 MiB steps) under which the engine's own planner gives a plan
     that `want`s, asked with the numbers StreamedEngine.plan passes (plus the CUDA margin)."""
-    w = engine.weights
+    inputs = engine.plan_inputs(mbs)
     for mib in range(64, 80 * 1024, 16):
-        p = plan_memory(
-            engine.args, dtype_bytes=engine.dtype.itemsize, budget=mib * 2**20,
-            tokens=sum(ids.numel() for ids, _ in mbs), biggest=max(ids.numel() for ids, _ in mbs),
-            longest=max(ids.shape[-1] for ids, _ in mbs), block_bytes=w.block_bytes(),
-            globals_bytes=sum(t.numel() * t.element_size() for t in w.globals.values()),
-            lora_params=engine.lora.num_parameters(),
-        )  # fmt: skip
+        p = plan_memory(engine.args, budget=mib * 2**20, **inputs)
         if p.fits and want(p):
             return mib * 2**20 + CUDA_MARGIN_BYTES
     raise AssertionError("no budget gives the plan asked for")
