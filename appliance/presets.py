@@ -12,25 +12,6 @@ from dataclasses import dataclass
 from .model import ModelArgs
 
 
-def _llama(
-    vocab: int, hidden: int, inter: int, layers: int, heads: int, kv: int, **kw
-) -> ModelArgs:
-    return ModelArgs(
-        architecture="LlamaForCausalLM",
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=kv,
-        head_dim=hidden // heads,
-        rms_norm_eps=kw.pop("rms_norm_eps", 1e-5),
-        rope_theta=kw.pop("rope_theta", 10000.0),
-        max_position_embeddings=kw.pop("max_position_embeddings", 4096),
-        **kw,
-    )
-
-
 def _family(
     arch: str, vocab: int, hidden: int, inter: int, layers: int, heads: int, kv: int, hs: int, **kw
 ) -> ModelArgs:
@@ -48,6 +29,17 @@ def _family(
         rope_theta=kw.pop("rope_theta", 10000.0),
         max_position_embeddings=kw.pop("max_position_embeddings", 8192),
         **kw,
+    )
+
+
+def _llama(
+    vocab: int, hidden: int, inter: int, layers: int, heads: int, kv: int, **kw
+) -> ModelArgs:
+    """A Llama shape: heads of hidden/heads dimensions, Llama 2's eps and context unless given."""
+    kw.setdefault("rms_norm_eps", 1e-5)
+    kw.setdefault("max_position_embeddings", 4096)
+    return _family(
+        "LlamaForCausalLM", vocab, hidden, inter, layers, heads, kv, hidden // heads, **kw
     )
 
 
