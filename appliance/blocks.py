@@ -134,6 +134,26 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def quantized_view(
+    flat: torch.Tensor, off: int, shape: tuple[int, ...], kind: str
+) -> QuantizedTensor:
+    """The quantized weight of `shape` at byte `off` of a flat uint8 buffer, as views."""
+    code_bytes, scales_at, n = quant.entry_layout(shape, kind)
+    codes = flat[off : off + code_bytes]
+    if kind == "int8":
+        codes = codes.view(torch.int8).view(shape)
+    scales = flat[off + scales_at : off + scales_at + 4 * n].view(torch.float32)
+    return QuantizedTensor(kind, tuple(shape), codes, scales)
+
+
+def readonly_tensor(arr: np.ndarray) -> torch.Tensor:
+    """torch.from_numpy of an array that may be read-only (shared memory, a mapped file), without
+    torch's warning that it is not writable. The tensor must never be written."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(arr)
+
+
 def unpack(
     buf: np.ndarray | torch.Tensor, index: FlatIndex
 ) -> dict[str, torch.Tensor | QuantizedTensor]:
@@ -142,21 +162,11 @@ def unpack(
 
     The views must never be written: Ray's object store buffers are immutable.
     """
-    if isinstance(buf, np.ndarray):
-        with warnings.catch_warnings():  # torch warns the array is not writable; we never write
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.from_numpy(buf)
-    else:
-        flat = buf
+    flat = readonly_tensor(buf) if isinstance(buf, np.ndarray) else buf
     out = {}
     for name, (off, shape, dtype_name) in index.items():
         if dtype_name in quant.KINDS:
-            code_bytes, scales_at, n = quant.entry_layout(shape, dtype_name)
-            codes = flat[off : off + code_bytes]
-            if dtype_name == "int8":
-                codes = codes.view(torch.int8).view(shape)
-            scales = flat[off + scales_at : off + scales_at + 4 * n].view(torch.float32)
-            out[name] = QuantizedTensor(dtype_name, tuple(shape), codes, scales)
+            out[name] = quantized_view(flat, off, shape, dtype_name)
             continue
         dtype = _DTYPES[dtype_name]
         n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -169,8 +179,8 @@ class FlatBlockSource:
     """Blocks as flat byte buffers + indexes (the WeightStore's shared-memory layout)."""
 
     args: ModelArgs
-    global_buf: np.ndarray
-    global_index: FlatIndex
+    global_bufs: list[np.ndarray]  # the embeddings, final norm and LM head: a buffer each
+    global_index: list[FlatIndex]
     block_bufs: list[np.ndarray]
     block_index: list[FlatIndex]
 
@@ -179,7 +189,10 @@ class FlatBlockSource:
         return len(self.block_bufs)
 
     def globals(self) -> dict[str, torch.Tensor]:
-        return unpack(self.global_buf, self.global_index)
+        out: dict[str, torch.Tensor] = {}
+        for buf, index in zip(self.global_bufs, self.global_index, strict=True):
+            out.update(unpack(buf, index))
+        return out
 
     def block(self, i: int) -> dict[str, torch.Tensor]:
         return unpack(self.block_bufs[i], self.block_index[i])

@@ -140,27 +140,39 @@ def check_quantizable(name: str, shape: tuple[int, ...], dtype: torch.dtype | st
         )
 
 
-def quantize(w: torch.Tensor, kind: str, name: str = "weight") -> QuantizedTensor:
+def quantize(
+    w: torch.Tensor, kind: str, name: str = "weight", out: QuantizedTensor | None = None
+) -> QuantizedTensor:
     """Quantize a 2-D weight (any float dtype; converted to fp32 first) as `kind`.
 
     On a CPU with numba, quant_cpu's fused kernels (one pass per value); else the PyTorch
-    functions below. Both give the same codes and scales (tests compare them bit for bit)."""
+    functions below. Both give the same codes and scales (tests compare them bit for bit).
+    `out`: where to write the codes and scales (views into a block's buffer: the fused kernels
+    write there directly, with no array of their own); returned."""
     check_quantizable(name, tuple(w.shape), w.dtype)
     if kind not in ("int8", "nf4"):
         raise ValueError(f"unknown quantization {kind!r}; one of int8, nf4")
     fused = _fused_kernels() if w.device.type == "cpu" else None
+    into = (out.codes, out.scales) if fused and out is not None else (None, None)
     if kind == "int8":
-        codes, scales, bad = fused.quantize_int8(w) if fused else quantize_int8(w)
+        codes, scales, bad = fused.quantize_int8(w, *into) if fused else quantize_int8(w)
         where = f"row {bad}"
     else:
-        codes, scales, bad = fused.quantize_nf4(w, NF4_THRESHOLDS) if fused else quantize_nf4(w)
+        codes, scales, bad = (
+            fused.quantize_nf4(w, NF4_THRESHOLDS, *into) if fused else quantize_nf4(w)
+        )
         where = f"values {bad * NF4_BLOCK}..{(bad + 1) * NF4_BLOCK - 1} (flattened)"
     if bad >= 0:
         raise ModelError(
             f"{name}: {where} holds inf or NaN, which cannot be quantized; the checkpoint is "
             "damaged (re-download or re-export it) or use --base-quant none"
         )
-    return QuantizedTensor(kind, tuple(w.shape), codes, scales)
+    if out is None:
+        return QuantizedTensor(kind, tuple(w.shape), codes, scales)
+    if codes.data_ptr() != out.codes.data_ptr():  # computed elsewhere: copy into place
+        out.codes.copy_(codes.view(out.codes.shape))
+        out.scales.copy_(scales)
+    return out
 
 
 @functools.cache

@@ -132,23 +132,39 @@ def _source(w: torch.Tensor) -> np.ndarray:
 
 
 def quantize_nf4(
-    w: torch.Tensor, thresholds: torch.Tensor
+    w: torch.Tensor,
+    thresholds: torch.Tensor,
+    codes: torch.Tensor | None = None,
+    absmax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(codes, absmax, bad block or -1) as quant.quantize_nf4 defines them."""
+    """(codes, absmax, bad block or -1) as quant.quantize_nf4 defines them; written into
+    `codes` (uint8, (blocks·32,)) and `absmax` (fp32, (blocks,)) when given."""
     src = _source(w)
     pad = -src.size % 64
     if pad:  # the last block zero-padded (a copy; real weights are whole blocks)
         src = np.concatenate([src, np.zeros(pad, src.dtype)])
-    codes = np.empty(src.size // 2, np.uint8)
-    absmax = np.empty(src.size // 64, np.float32)
-    bad = _nf4(src, thresholds.numpy(), codes, absmax)
-    return torch.from_numpy(codes), torch.from_numpy(absmax), int(bad)
+    if codes is None or absmax is None:
+        codes = torch.empty(src.size // 2, dtype=torch.uint8)
+        absmax = torch.empty(src.size // 64, dtype=torch.float32)
+    bad = _nf4(src, thresholds.numpy(), _flat(codes, src.size // 2), _flat(absmax, src.size // 64))
+    return codes, absmax, int(bad)
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(codes (out, in), scales (out,), bad row or -1) as quant.quantize_int8 defines them."""
+def quantize_int8(
+    w: torch.Tensor, codes: torch.Tensor | None = None, scales: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(codes (out, in), scales (out,), bad row or -1) as quant.quantize_int8 defines them;
+    written into `codes` (int8, (out, in)) and `scales` (fp32, (out,)) when given."""
     rows, cols = w.shape
-    codes = np.empty(rows * cols, np.int8)
-    scales = np.empty(rows, np.float32)
-    bad = _int8(_source(w), rows, cols, codes, scales)
-    return torch.from_numpy(codes).view(rows, cols), torch.from_numpy(scales), int(bad)
+    if codes is None or scales is None:
+        codes = torch.empty(rows, cols, dtype=torch.int8)
+        scales = torch.empty(rows, dtype=torch.float32)
+    bad = _int8(_source(w), rows, cols, _flat(codes, rows * cols), _flat(scales, rows))
+    return codes, scales, int(bad)
+
+
+def _flat(t: torch.Tensor, n: int) -> np.ndarray:
+    """A contiguous CPU tensor of n values as the 1-D array the kernels write (same memory)."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n:
+        raise ValueError(f"an output of {n} contiguous CPU values, got {tuple(t.shape)}")
+    return t.view(-1).numpy()

@@ -1,22 +1,25 @@
 """WeightStore: the base model, loaded once per node into Ray's shared-memory object store.
 
-Each block becomes one flat byte buffer (blocks.pack) put into the object store; the trainer on the
+Each block becomes one flat byte buffer (blocks.layout) put into the object store, and so does
+each global tensor (embeddings, final norm, LM head); the trainer on the
 same node maps the same pages (`ray.get` of a numpy array is a zero-copy read-only view), so the
 model exists once in host memory however many times the trainer is restarted. The store actor
 owns the objects: they live as long as it does, across trainer restarts.
 
 A plain class: without Ray (tests, `appliance eval`) it keeps the buffers itself.
 
-Loading reads each tensor's bytes from the safetensors files straight into its block's buffer
-(at the offsets the file headers give), converting or quantizing (--base-quant) in the same pass
-where the stored dtype is not the one kept; a few threads each read, convert and put one block
-at a time, side by side. Peak memory: the store's copy of the model plus one block per thread.
+Loading maps the safetensors files (their pages mapped at once, MAP_POPULATE: the page cache's
+pages, no copy and no fault per page) at the offsets the file headers give. A block whose tensors
+lie side by side in one file in the dtype kept is put straight from the file's pages: one copy,
+into the object store. Any other buffer is assembled from the mapped tensors, converting or
+quantizing (--base-quant) in the same pass, then put. A few threads each load one block at a
+time, side by side. Peak memory: the store's copy of the model plus one block per thread.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,7 +30,14 @@ import numpy as np
 import torch
 
 from . import hf_checkpoint, quant, storage
-from .blocks import FlatBlockSource, FlatIndex, dtype_from_name, layout, write_entry
+from .blocks import (
+    FlatBlockSource,
+    FlatIndex,
+    dtype_from_name,
+    layout,
+    quantized_view,
+    readonly_tensor,
+)
 from .errors import ModelError
 from .hf_checkpoint import ST_DTYPES, TensorLocation
 from .metrics import WeightStoreMetrics
@@ -40,8 +50,8 @@ class WeightHandles:
 
     args: ModelArgs
     dtype: str
-    global_ref: Any
-    global_index: FlatIndex
+    global_refs: list[Any]  # one buffer per global tensor (embeddings, final norm, LM head)
+    global_index: list[FlatIndex]
     block_refs: list[Any]
     block_index: list[FlatIndex]
     nbytes: int
@@ -49,14 +59,15 @@ class WeightHandles:
 
     def source(self) -> FlatBlockSource:
         """Resolve into a block source of zero-copy views (ray.get of shared-memory objects)."""
-        refs = [self.global_ref, *self.block_refs]
-        if _is_ref(self.global_ref):
+        refs = [*self.global_refs, *self.block_refs]
+        if _is_ref(refs[0]):
             import ray
 
             bufs = ray.get(refs)
         else:
             bufs = refs
-        return FlatBlockSource(self.args, bufs[0], self.global_index, bufs[1:], self.block_index)
+        g = len(self.global_refs)
+        return FlatBlockSource(self.args, bufs[:g], self.global_index, bufs[g:], self.block_index)
 
 
 def _is_ref(x: Any) -> bool:
@@ -89,6 +100,7 @@ class WeightStore:
         self.base_quant = base_quant
         self.read_threads = read_threads or max(1, min(4, os.cpu_count() or 1))
         self.load_count = 0
+        self.buffers_from_file = 0  # buffers put straight from the files' pages (the last load)
         self.load_seconds = 0.0
         self._handles: WeightHandles | None = None
 
@@ -105,35 +117,41 @@ class WeightStore:
         ckpt = hf_checkpoint.SafetensorsCheckpoint(model_dir)
         ckpt.check(args)  # every tensor present with its shape, from the headers
         locs = hf_checkpoint.tensor_locations(ckpt)
-        # what each buffer holds: [globals, block 0, ...], short name → full name
-        parts = [{n: n for n in hf_checkpoint.global_names(args)}]
+        # what each buffer holds, short name → full name: each global tensor on its own (so that
+        # each can be put straight from the file), then block 0, 1, ...
+        parts = [{n: n} for n in hf_checkpoint.global_names(args)]
+        g = len(parts)
         for i in range(args.num_layers):
             prefix = f"model.layers.{i}."
             parts.append({n[len(prefix) :]: n for n in hf_checkpoint.block_names(args, i)})
-        plans = [self._plan(p, locs, quantize=k > 0) for k, p in enumerate(parts)]
+        plans = [self._plan(p, locs, quantize=k >= g) for k, p in enumerate(parts)]
         put = _putter()
-        # With Ray, put copies into the object store: a block's buffer is then free for a later
-        # block (fresh memory would cost a page fault per 4 KiB, every block). Without Ray the
-        # store keeps the buffers themselves.
+        # With Ray, put copies into the object store: an assembled block's buffer is then free
+        # for a later block (fresh memory would cost a page fault per 4 KiB, every block).
+        # Without Ray the store keeps the buffers themselves.
         recycle = put is not _keep
         free: list[np.ndarray] = []  # list.append/pop are atomic: shared by the threads
-        block_size = max((size for _, _, size, _ in plans[1:]), default=0)
+        block_size = max((p.size for p in plans[g:] if p.span is None), default=0)
 
         def load(k: int) -> tuple[Any, FlatIndex, int]:
-            """Read (and convert) buffer k, then put it: the two copies of one buffer run in one
+            """Map, assemble (if needed) and put buffer k: the copies of one buffer run in one
             thread, the threads' buffers side by side (Ray's put is one memcpy per call, in the
             calling thread: putting from one thread only made it the whole load's bottleneck)."""
+            plan = plans[k]
+            if plan.span is not None:  # the file's own bytes: put them as they lie
+                view = _map(*plan.span, plan.size)
+                return (put(view) if recycle else view.copy()), plan.index, plan.size
             out = None
-            if recycle and k > 0:
+            if recycle and k >= g:
                 try:
                     out = free.pop()
                 except IndexError:
                     out = np.empty(block_size, dtype=np.uint8)
-            buf, index = _read_buffer(*plans[k], out)
+            buf = _read_buffer(plan, out)
             ref = put(buf)
             if out is not None:
                 free.append(out)
-            return ref, index, buf.nbytes
+            return ref, plan.index, buf.nbytes
 
         # every buffer, in order, by a few threads (each holds one buffer at a time)
         with ThreadPoolExecutor(self.read_threads) as pool:
@@ -142,17 +160,18 @@ class WeightStore:
         indexes = [index for _, index, _ in loaded]
         nbytes = sum(n for _, _, n in loaded)
         self.load_count += 1
+        self.buffers_from_file = sum(p.span is not None for p in plans)
         WeightStoreMetrics().record(nbytes)
         self.load_seconds = time.perf_counter() - t0
         return WeightHandles(
-            args, self.dtype, refs[0], indexes[0], refs[1:], indexes[1:], nbytes, self.base_quant
+            args, self.dtype, refs[:g], indexes[:g], refs[g:], indexes[g:], nbytes, self.base_quant
         )
 
     def _plan(
         self, names: dict[str, str], locs: dict[str, TensorLocation], quantize: bool
-    ) -> tuple[dict[str, TensorLocation], FlatIndex, int, str]:
-        """(short name → location, the buffer's index, its size, dtype) of one buffer; refuses,
-        naming the tensor, a dtype it cannot convert or a weight it cannot quantize."""
+    ) -> _BufferPlan:
+        """How to load one buffer (its tensors' locations, its index and size); refuses, naming
+        the tensor, a dtype it cannot convert or a weight it cannot quantize."""
         entries = {}
         for short, full in names.items():
             loc = locs[full]
@@ -166,13 +185,22 @@ class WeightStore:
                 entries[short] = (loc.shape, self.base_quant)
             else:
                 entries[short] = (loc.shape, self.dtype)
+        sources = {s: locs[f] for s, f in names.items()}
+        if _kept_as_stored(sources, entries, self.dtype):
+            # laid out in the file's order, the buffer may be the file's range as it lies
+            in_file_order = dict(sorted(entries.items(), key=lambda e: sources[e[0]].offset))
+            index, size = layout(in_file_order)
+            span = _file_span(sources, index, size)
+            if span is not None:
+                return _BufferPlan(sources, index, size, self.dtype, span)
         index, size = layout(entries)
-        return {s: locs[f] for s, f in names.items()}, index, size, self.dtype
+        return _BufferPlan(sources, index, size, self.dtype, None)
 
     def stats(self) -> dict:
         return {
             "load_count": self.load_count,
             "load_seconds": self.load_seconds,
+            "buffers_from_file": self.buffers_from_file,
             "nbytes": self._handles.nbytes if self._handles else 0,
             "base_quant": self.base_quant,
             "pid": os.getpid(),
@@ -186,66 +214,93 @@ def _node_id() -> str | None:
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
-def _read_buffer(
-    locs: dict[str, TensorLocation],
-    index: FlatIndex,
-    size: int,
-    dtype_name: str,
-    out: np.ndarray | None = None,
-) -> tuple[np.ndarray, FlatIndex]:
-    """Read one buffer's tensors from their files into one flat array laid out by `index`
-    (the first `size` bytes of `out`, else a new array).
+@dataclass
+class _BufferPlan:
+    """One buffer of the store: where its tensors lie, its layout, and, when the buffer is a
+    range of one file as it lies (`span`: that file and the range's first byte), that range."""
 
-    A tensor stored as it is kept is read straight into its place; another is read into a
-    scratch array, then converted (or quantized, from fp32) into its place."""
-    buf = np.empty(size, dtype=np.uint8) if out is None else out[:size]
+    locs: dict[str, TensorLocation]  # short name → where its bytes are
+    index: FlatIndex
+    size: int
+    dtype: str  # the dtype kept (quantized entries say their kind in the index)
+    span: tuple[Path, int] | None
+
+
+def _kept_as_stored(
+    locs: dict[str, TensorLocation], entries: dict[str, tuple[tuple[int, ...], str]], dtype: str
+) -> bool:
+    """Whether every tensor is kept in the dtype the file stores it in (none quantized)."""
+    keep = dtype_from_name(dtype)
+    return all(
+        kind == dtype and ST_DTYPES[locs[n].dtype] == keep for n, (_, kind) in entries.items()
+    )
+
+
+def _file_span(
+    locs: dict[str, TensorLocation], index: FlatIndex, size: int
+) -> tuple[Path, int] | None:
+    """(file, first byte) when the buffer laid out by `index` is byte for byte one range of one
+    file (every tensor where the layout puts it, nothing between them, none padded); else None."""
+    if not locs or len({loc.path for loc in locs.values()}) > 1:
+        return None
+    start = min(loc.offset for loc in locs.values())
+    if max(loc.offset + loc.nbytes for loc in locs.values()) - start != size:
+        return None
+    if any(index[n][0] != loc.offset - start for n, loc in locs.items()):
+        return None
+    return next(iter(locs.values())).path, start
+
+
+def _read_buffer(plan: _BufferPlan, out: np.ndarray | None = None) -> np.ndarray:
+    """Assemble one buffer from its mapped tensors, laid out by its index (into the first
+    `size` bytes of `out`, else a new array): a tensor stored as it is kept is copied into its
+    place; another is converted (or quantized, from fp32) into its place."""
+    buf = np.empty(plan.size, dtype=np.uint8) if out is None else out[: plan.size]
     flat = torch.from_numpy(buf)
-    dtype = dtype_from_name(dtype_name)
-    files: dict[Path, int] = {}
-    try:
-        for short, loc in locs.items():
-            fd = files.get(loc.path)
-            if fd is None:
-                fd = files[loc.path] = os.open(loc.path, os.O_RDONLY)
-            off, shape, kind = index[short]
-            src = ST_DTYPES[loc.dtype]
-            if kind == dtype_name and src == dtype:
-                _pread_into(fd, buf[off : off + loc.nbytes], loc)
-                continue
-            raw = _scratch(loc.nbytes)
-            _pread_into(fd, raw, loc)
-            t = torch.from_numpy(raw).view(src).view(shape)
-            if kind in quant.KINDS:
-                write_entry(flat, off, quant.quantize(t, kind, short))
-            else:
-                n = t.numel() * dtype.itemsize
-                flat[off : off + n].view(dtype).copy_(t.reshape(-1))
-    finally:
-        for fd in files.values():
-            os.close(fd)
-    return buf, index
+    dtype = dtype_from_name(plan.dtype)
+    for short, loc in plan.locs.items():
+        off, shape, kind = plan.index[short]
+        raw = _map(loc.path, loc.offset, loc.nbytes)
+        src = ST_DTYPES[loc.dtype]
+        if kind == plan.dtype and src == dtype:
+            np.copyto(buf[off : off + loc.nbytes], raw)
+            continue
+        t = readonly_tensor(raw).view(src).view(shape)
+        if kind in quant.KINDS:  # coded straight into its place
+            quant.quantize(t, kind, short, out=quantized_view(flat, off, shape, kind))
+        else:
+            n = t.numel() * dtype.itemsize
+            flat[off : off + n].view(dtype).copy_(t.reshape(-1))
+    return buf
 
 
-_local = threading.local()
+# Map a file's pages at once (Linux): a mapping's first read of each 4 KiB page would otherwise
+# trap, which costs as much as copying the page out with a read.
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
-def _scratch(nbytes: int) -> np.ndarray:
-    """This thread's reusable read buffer, at least `nbytes` (fresh memory faults per page)."""
-    buf = getattr(_local, "buf", None)
-    if buf is None or buf.nbytes < nbytes:
-        buf = _local.buf = np.empty(nbytes, dtype=np.uint8)
-    return buf[:nbytes]
-
-
-def _pread_into(fd: int, dest: np.ndarray, loc: TensorLocation) -> None:
-    """Fill `dest` with the tensor's bytes from the file (pread: threads share the fd safely)."""
-    view = memoryview(dest)
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], loc.offset + done)
-        if n <= 0:
-            raise ModelError(f"{loc.path}: unexpected end of file reading a tensor; re-download")
-        done += n
+def _map(path: Path, offset: int, nbytes: int) -> np.ndarray:
+    """The file's bytes [offset, offset + nbytes) as a read-only uint8 array over its pages (no
+    copy), unmapped when the array is freed. (Read-only: a private writable mapping would be
+    populated by copying every page.)"""
+    if nbytes == 0:
+        return np.empty(0, dtype=np.uint8)
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    with open(path, "rb") as f:
+        try:
+            mapped = mmap.mmap(
+                f.fileno(),
+                offset + nbytes - start,
+                flags=mmap.MAP_SHARED | _POPULATE,
+                prot=mmap.PROT_READ,
+                offset=start,
+            )
+        except ValueError as e:  # the range runs past the end of the file
+            raise ModelError(
+                f"{path}: the file ends before byte {offset + nbytes} its header promises "
+                f"({e}); the file is truncated: download it again"
+            ) from None
+    return np.frombuffer(mapped, dtype=np.uint8, count=nbytes, offset=offset - start)
 
 
 def _keep(arr: np.ndarray) -> np.ndarray:
@@ -265,7 +320,7 @@ def store_nbytes(args: ModelArgs, dtype: str, base_quant: str = "none") -> int:
     """Bytes the WeightStore holds for a model of `args` (embeddings included), from the shapes
     alone: what loading it would put into the object store (tests check the two agree)."""
     total = 0
-    names = [hf_checkpoint.global_names(args)]
+    names = [hf_checkpoint.global_names(args)]  # (stored one buffer per tensor: the same bytes)
     names += [hf_checkpoint.block_names(args, i) for i in range(args.num_layers)]
     shapes = hf_checkpoint.expected_shapes(args)
     for k, part in enumerate(names):

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from appliance import quant
-from appliance.blocks import pack, unpack
+from appliance.blocks import pack, quantized_view, unpack
 from appliance.errors import ModelError
 from appliance.model import ModelArgs
 from appliance.quant import NF4_LEVELS, QuantizedTensor
@@ -178,6 +178,25 @@ def test_bitsandbytes_nf4_agrees_where_it_installs(case):
     theirs = packed.reshape(-1).numpy()
     np.testing.assert_array_equal(theirs, q.codes[: theirs.size].numpy())
     np.testing.assert_array_equal(state.absmax.numpy(), q.scales.numpy())
+
+
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+@pytest.mark.parametrize("numba", [True, False])
+def test_quantize_into_a_buffer_writes_the_codes_in_place(kind, numba, monkeypatch):
+    """How the store quantizes: the codes and scales go straight into the block's buffer, at
+    the entry's offset, equal to quantize's own (fused kernels, or the PyTorch functions)."""
+    w = (int8_cases() if kind == "int8" else nf4_cases())[0]
+    want = quant.quantize(w, kind)
+    if not numba:
+        monkeypatch.setattr(quant, "_fused_kernels", lambda: None)
+    size = quant.quantized_nbytes(tuple(w.shape), kind)
+    flat = torch.full((64 + size + 64,), 0xAB, dtype=torch.uint8)  # a neighbour on each side
+    out = quantized_view(flat, 64, tuple(w.shape), kind)
+    assert quant.quantize(w, kind, out=out) is out
+    assert torch.equal(out.codes, want.codes) and torch.equal(out.scales, want.scales)
+    code_bytes, scales_at, n = quant.entry_layout(tuple(w.shape), kind)
+    assert (flat[:64] == 0xAB).all() and (flat[64 + scales_at + 4 * n :] == 0xAB).all()
+    assert torch.equal(flat[64 : 64 + code_bytes].view(want.codes.dtype), want.codes.reshape(-1))
 
 
 def test_quantized_weights_round_trip_through_a_flat_buffer():
