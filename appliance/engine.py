@@ -45,7 +45,7 @@ from .lora import LoraSpec, LoraWeights
 from .loss_scale import LossScaler
 from .offload import SavedInputs
 from .planner import CUDA_MARGIN_BYTES, effective_budget, plan_memory, step_flops
-from .streaming import DeviceWeights, with_index
+from .streaming import DeviceWeights, event_seconds, with_index
 
 # (input_ids (B, T), labels (B, T)), labels shifted; packed documents add a third element, the
 # layout (positions (B, T), segments (B, T)): per-row RoPE positions and document ids (model.py)
@@ -436,7 +436,7 @@ class StreamedEngine:
         phases["h2d_host"] = w["h2d_host"]
         busy = ratio = None
         if self.device.type == "cuda":
-            busy = sum(a.elapsed_time(b) for a, b in self._busy_events) / 1e3
+            busy = event_seconds(self._busy_events)
             ratio = busy / (t2 - t0)
         self._busy_events.clear()
         tokens = sum(mb[0].numel() for mb in micro_batches)

@@ -33,19 +33,24 @@ def device_name(device: torch.device) -> str:
     return f"{cpu_name()} ({torch.get_num_threads()} threads, {os.cpu_count()} CPUs)"
 
 
-def cuda_copy_seconds(dst: torch.Tensor, src: torch.Tensor, reps: int) -> list[float]:
-    """Seconds of `reps` copies src → dst on the current stream, each timed with CUDA events
-    (after one untimed copy)."""
-    dst.copy_(src, non_blocking=True)  # warm-up
+def cuda_seconds(fn, reps: int) -> list[float]:
+    """Seconds of each of `reps` calls of `fn`, timed with CUDA events on the current stream."""
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        dst.copy_(src, non_blocking=True)
+        fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return times
+
+
+def cuda_copy_seconds(dst: torch.Tensor, src: torch.Tensor, reps: int) -> list[float]:
+    """Seconds of `reps` copies src → dst on the current stream, each timed with CUDA events
+    (after one untimed copy)."""
+    dst.copy_(src, non_blocking=True)  # warm-up
+    return cuda_seconds(lambda: dst.copy_(src, non_blocking=True), reps)
 
 
 def measure_bandwidth(device: torch.device, nbytes: int = COPY_BYTES, reps: int = 5) -> float:
@@ -85,15 +90,7 @@ def measure_matmul(device: torch.device, dtype: torch.dtype, n: int, reps: int) 
         while time.perf_counter() - t0 < 1.0:  # warm up for ≥ 1 s
             torch.matmul(a, b, out=out)
             torch.cuda.synchronize(device)
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.matmul(a, b, out=out)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        seconds = statistics.median(times)
+        seconds = statistics.median(cuda_seconds(lambda: torch.matmul(a, b, out=out), reps))
     else:
         seconds = math.inf
         for _ in range(reps):

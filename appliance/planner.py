@@ -39,9 +39,7 @@ class MemoryPlan:
     def device_activation_bytes(self) -> int:
         """Saved inputs on the device: all of them, or offloaded, the two blocks' worth in the
         device slots they come back through (offload.SavedInputs)."""
-        if self.offload_activations:
-            return 2 * self.activation_bytes // self.num_blocks
-        return self.activation_bytes
+        return device_saved_bytes(self.activation_bytes, self.num_blocks, self.offload_activations)
 
     @property
     def min_bytes(self) -> int:
@@ -108,12 +106,17 @@ def plan_memory(
         work += biggest * longest * args.num_heads * (4 + 3 * dtype_bytes)
     free = budget - globals_bytes - lora - work
     offload = saved > free // 2
-    # offloaded, two blocks' worth come back to the device at a time (offload.SavedInputs' slots)
-    free -= 2 * saved // L if offload else saved
+    free -= device_saved_bytes(saved, L, offload)
     resident = L if free >= L * block_bytes else min(L, free // block_bytes - 2)
     return MemoryPlan(
         budget, globals_bytes, lora, work, saved, offload, block_bytes, L, int(max(resident, -1))
     )
+
+
+def device_saved_bytes(saved: int, num_blocks: int, offload: bool) -> int:
+    """Device bytes of the saved block inputs: all of them, or offloaded, two blocks' worth (the
+    device slots they come back through, offload.SavedInputs)."""
+    return 2 * saved // num_blocks if offload else saved
 
 
 def streaming_budget(args: ModelArgs, *, stream_fraction: float = 0.5, **inputs) -> int | None:

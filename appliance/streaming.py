@@ -16,12 +16,11 @@ import math
 import re
 import statistics
 import time
-import warnings
 
 import numpy as np
 import torch
 
-from .blocks import BlockSource, pack, unpack
+from .blocks import BlockSource, pack, readonly_tensor, unpack
 from .measure import cuda_copy_seconds
 from .quant import QuantizedTensor, dequantize, quantized_nbytes
 
@@ -412,10 +411,8 @@ def _flat_block(source: BlockSource, i: int, dtype: torch.dtype) -> tuple[torch.
         buf, index = pack(
             {k: v if isinstance(v, QuantizedTensor) else v.to(dtype) for k, v in w.items()}
         )
-    if isinstance(buf, np.ndarray):
-        with warnings.catch_warnings():  # read-only shared memory: we never write through it
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(buf), index, False
+    if isinstance(buf, np.ndarray):  # read-only shared memory: we never write through it
+        return readonly_tensor(buf), index, False
     return buf, index, buf.is_pinned()
 
 

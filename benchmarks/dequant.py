@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from appliance import models, quant
+from appliance.measure import cuda_seconds
 from appliance.presets import PRESETS
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -67,22 +68,13 @@ def timer(device: torch.device, reps: int, warmup: int):
     def median_ms(fn) -> float:
         for _ in range(warmup):
             fn()
+        if device.type == "cuda":
+            return 1e3 * statistics.median(cuda_seconds(fn, reps))
         times = []
         for _ in range(reps):
-            if device.type == "cuda":
-                start, end = (
-                    torch.cuda.Event(enable_timing=True),
-                    torch.cuda.Event(enable_timing=True),
-                )
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(1e3 * (time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
         return statistics.median(times)
 
     return median_ms
@@ -102,26 +94,17 @@ def triton_kernels(device: torch.device):
 def dequant_fns(qs: dict[str, quant.QuantizedTensor], dtype: torch.dtype, kernels) -> dict:
     """implementation → a function dequantizing every weight of the block once."""
 
-    def pytorch():
-        return [
-            quant.dequantize_int8(q.codes, q.scales, dtype)
+    def every_weight(impl):  # quant (PyTorch) or quant_gpu (Triton): the same signatures
+        return lambda: [
+            impl.dequantize_int8(q.codes, q.scales, dtype)
             if q.kind == "int8"
-            else quant.dequantize_nf4(q.codes, q.scales, q.shape, dtype)
+            else impl.dequantize_nf4(q.codes, q.scales, q.shape, dtype)
             for q in qs.values()
         ]
 
-    fns = {"pytorch": pytorch}
+    fns = {"pytorch": every_weight(quant)}
     if kernels is not None:
-
-        def triton():
-            return [
-                kernels.dequantize_int8(q.codes, q.scales, dtype)
-                if q.kind == "int8"
-                else kernels.dequantize_nf4(q.codes, q.scales, q.shape, dtype)
-                for q in qs.values()
-            ]
-
-        fns["triton"] = triton
+        fns["triton"] = every_weight(kernels)
     return fns
 
 
