@@ -10,7 +10,9 @@ sharded safetensors) into a temporary directory, and deletes it at the end. Then
    first pass warms the page cache; the best of the next passes is reported);
 2. store: for each --quant, a WeightStore Ray actor (embedded Ray) loads the checkpoint into the
    object store; the time of its `handles()` call, the bytes it holds, and the actor's peak
-   private memory (sampled; the object store's shared pages are not private) beside one block.
+   private memory (sampled; the object store's shared pages are not private) beside one block;
+3. with --in-driver N: the same load N times in this process, the median after the first (whose
+   puts, like every fresh actor's, fault in each object-store page it writes).
 
 GB/s is checkpoint bytes / seconds for both, so the ratio store/read is the fraction of the disk
 (page-cache) rate the store reaches. Then the quantizers alone: ns per value of the fused CPU
@@ -26,6 +28,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -181,6 +184,36 @@ def store_load(model_dir: Path, kind: str, threads: int | None) -> dict:
         ray.kill(actor)
 
 
+def driver_loads(model_dir: Path, kind: str, threads: int | None, loads: int) -> dict:
+    """The same WeightStore load in this (the driver) process, `loads` times in a row, each
+    load's objects freed before the next. The first writes object-store pages this process has
+    not mapped yet (a page fault per 4 KiB, as every load in a fresh actor does); the later ones
+    land on pages it has: what the loader costs without that."""
+    import resource
+
+    def cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    seconds, cpu_seconds = [], []
+    for _ in range(loads):
+        c0, t0 = cpu(), time.perf_counter()
+        handles = WeightStore(model_dir, "bfloat16", kind, threads).handles()
+        seconds.append(time.perf_counter() - t0)
+        cpu_seconds.append(cpu() - c0)
+        store_bytes = handles.nbytes
+        del handles  # its objects go before the next load
+        time.sleep(0.5)
+    return {
+        "quant": kind,
+        "seconds_each": seconds,  # [0]: the first, onto pages this process has not mapped
+        "cpu_seconds_each": cpu_seconds,  # this process, all its threads (other work included)
+        "seconds": statistics.median(seconds[1:]),
+        "cpu_seconds": statistics.median(cpu_seconds[1:]),
+        "store_bytes": store_bytes,
+    }
+
+
 def kernel_rates(kinds: list[str], repeats: int = 5) -> list[dict]:
     """ns per value of each quantizer on one (8192, 2048) bf16 weight, best of `repeats`, on one
     thread (the store runs one per reader thread): the fused kernel against the PyTorch one."""
@@ -211,7 +244,13 @@ def kernel_rates(kinds: list[str], repeats: int = 5) -> list[dict]:
     return rows
 
 
-def run(model: str | None, kinds: list[str], read_passes: int, threads: int | None) -> dict:
+def run(
+    model: str | None,
+    kinds: list[str],
+    read_passes: int,
+    threads: int | None,
+    in_driver: int = 0,
+) -> dict:
     import ray
 
     tmp = None
@@ -237,13 +276,14 @@ def run(model: str | None, kinds: list[str], read_passes: int, threads: int | No
             rows = [first] + [
                 {**store_load(model_dir, k, threads), "object_store": "warm"} for k in kinds
             ]
+            driver = driver_loads(model_dir, kinds[0], threads, in_driver) if in_driver else None
         finally:
             ray.shutdown()
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     read_rate = ckpt_bytes / read_s
-    for r in rows:
+    for r in rows + ([driver] if driver else []):
         r["gb_per_second"] = ckpt_bytes / r["seconds"] / GB
         r["ratio_to_read"] = ckpt_bytes / r["seconds"] / read_rate
         r["store_ratio_to_checkpoint"] = r["store_bytes"] / ckpt_bytes
@@ -261,6 +301,7 @@ def run(model: str | None, kinds: list[str], read_passes: int, threads: int | No
         "load_average": os.getloadavg(),  # this machine is shared: wall times depend on it
         "read": {"seconds": read_s, "gb_per_second": read_rate / GB, "passes": read_passes},
         "store": rows,
+        "driver": driver,
         "kernels": kernel_rates(kinds),
     }
 
@@ -287,6 +328,14 @@ def format_table(result: dict) -> str:
             f"{s['peak_private_bytes'] / 2**20:.0f} | {s['quantized_block_bytes'] / 2**20:.0f} | "
             f"{s['buffers_from_file']}/{s['buffers']} |"
         )
+    d = result.get("driver")
+    if d:
+        lines.append(
+            f"| WeightStore in the driver, --base-quant {d['quant']} (median of loads 2..."
+            f"{len(d['seconds_each'])}: its store mapping warm) | {d['seconds']:.2f} | "
+            f"{d['cpu_seconds']:.1f} | {d['gb_per_second']:.2f} | {d['ratio_to_read']:.2f} | | "
+            f"{d['store_bytes'] / GB:.2f} | | | |"
+        )
     if result.get("kernels"):
         lines += ["", "| quantizer (1 thread, (8192, 2048) bf16) | ns/value |", "|---|---:|"]
         lines += [
@@ -301,6 +350,14 @@ def parser(prog: str = "python -m appliance.load_bench") -> argparse.ArgumentPar
     ap.add_argument("--quant", default="none,int8,nf4", help="--base-quant values to load with")
     ap.add_argument("--read-passes", type=int, default=2, help="timed file reads (after one)")
     ap.add_argument("--threads", type=int, default=None, help="WeightStore read threads")
+    ap.add_argument(
+        "--in-driver",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also load N times (N >= 2) in this process, with the first --quant; the median of "
+        "the loads after the first (this process's object-store mapping then warm)",
+    )
     ap.add_argument("--json", dest="json_path", default=None, help="also write the results here")
     return ap
 
@@ -312,7 +369,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m appliance.load_be
         bad = [k for k in kinds if k not in quant.KINDS]
         if bad or not kinds:
             raise ConfigError(f"--quant {a.quant!r}: each one of {', '.join(quant.KINDS)}")
-        result = run(a.model, kinds, a.read_passes, a.threads)
+        if a.in_driver == 1 or a.in_driver < 0:
+            raise ConfigError(f"--in-driver {a.in_driver}: 0 (none) or at least 2 loads")
+        result = run(a.model, kinds, a.read_passes, a.threads, a.in_driver)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -113,12 +113,21 @@ def test_the_load_bench_row_counts_the_buffers_put_from_the_files(ray_local, tmp
     """`appliance bench --load`'s store row, with Ray: the store's bytes, and how many buffers
     went straight from the files' pages (here a bf16 checkpoint kept in bf16: the embeddings and
     the norm at least; a block only where it lies in one shard)."""
-    from appliance.load_bench import LLAMA_1B, format_table, store_load, write_checkpoint
+    from appliance.load_bench import (
+        LLAMA_1B,
+        driver_loads,
+        format_table,
+        store_load,
+        write_checkpoint,
+    )
 
     small = {**LLAMA_1B, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128}
     small.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     write_checkpoint(tmp_path / "m", small, shard_bytes=40_000)
     row = store_load(tmp_path / "m", "none", 2)
+    driver = driver_loads(tmp_path / "m", "none", 2, loads=2)
+    assert len(driver["seconds_each"]) == 2 and driver["seconds"] == driver["seconds_each"][1]
+    assert driver["store_bytes"] == row["store_bytes"]
     assert row["store_bytes"] == WeightStore(tmp_path / "m", "bfloat16").handles().nbytes
     assert row["buffers"] == 2 + 2  # embeddings (tied), final norm, two blocks
     assert 2 <= row["buffers_from_file"] <= 4
@@ -129,6 +138,16 @@ def test_the_load_bench_row_counts_the_buffers_put_from_the_files(ray_local, tmp
         "load_average": (0.0, 0.0, 0.0),
         "read": {"seconds": 1.0, "gb_per_second": 1.0},
         "store": [{**row, "object_store": "cold", "gb_per_second": 1.0, "ratio_to_read": 1.0}],
+        "driver": {**driver, "gb_per_second": 1.0, "ratio_to_read": 1.0},
         "kernels": [],
     }
-    assert f"| {row['buffers_from_file']}/4 |" in format_table(result)
+    table = format_table(result)
+    assert f"| {row['buffers_from_file']}/4 |" in table
+    assert "| WeightStore in the driver, --base-quant none (median of loads 2...2" in table
+
+
+def test_the_load_bench_refuses_one_load_in_the_driver(capsys):
+    from appliance.load_bench import main
+
+    assert main(["--in-driver", "1"]) == 1
+    assert "--in-driver 1: 0 (none) or at least 2 loads" in capsys.readouterr().err
