@@ -39,6 +39,8 @@ import torch
 
 from . import quant
 from .blocks import entry_nbytes
+from .cluster import SHM_DIR
+from .doctor import tmpfs_huge_policy
 from .errors import ConfigError
 from .weight_store import WeightStore
 
@@ -299,6 +301,8 @@ def run(
         "checkpoint_made_seconds": made,
         "cpus": os.cpu_count(),
         "load_average": os.getloadavg(),  # this machine is shared: wall times depend on it
+        # the object store's pages: 2 MiB with huge=within_size|always, else 4 KiB (doctor)
+        "shm_huge": tmpfs_huge_policy(Path(SHM_DIR)),
         "read": {"seconds": read_s, "gb_per_second": read_rate / GB, "passes": read_passes},
         "store": rows,
         "driver": driver,
@@ -310,7 +314,8 @@ def format_table(result: dict) -> str:
     r = result["read"]
     lines = [
         f"checkpoint: {result['model']}, {result['checkpoint_bytes'] / GB:.2f} GB; "
-        f"{result['cpus']} CPUs, load average {result['load_average'][0]:.1f}",
+        f"{result['cpus']} CPUs, load average {result['load_average'][0]:.1f}; "
+        f"/dev/shm huge={result.get('shm_huge')}",
         "",
         "| load | seconds | CPU s | GB/s | × read | × none | store GB | peak heap MB | block MB "
         "| from file |",

@@ -203,3 +203,55 @@ def test_s3_model_checks_credentials_and_endpoint(s3_bucket, s3_client, s3_endpo
     assert rc == 1 and "s3" in failed(checks)
     assert checks["s3"]["detail"] == f"no AWS credentials found (endpoint {s3_endpoint})"
     assert "AWS_ACCESS_KEY_ID" in checks["s3"]["fix"]
+
+
+MOUNTS = """\
+overlay / overlay rw,relatime,lowerdir=/l,upperdir=/u,workdir=/w 0 0
+tmpfs /dev/shm tmpfs rw,nosuid,nodev,size=65536k 0 0
+tmpfs /mnt/big\\040shm tmpfs rw,relatime,size=100g,huge=within_size 0 0
+tmpfs /mnt/big\\040shm/inner tmpfs rw,huge=always 0 0
+/dev/vda1 /mnt/big\\040shm/disk ext4 rw,relatime 0 0
+"""
+
+
+def test_the_huge_page_policy_is_the_mount_holding_the_path():
+    from appliance.doctor import tmpfs_huge_policy
+
+    plain = "always within_size advise [never] deny force"
+    assert tmpfs_huge_policy(Path("/dev/shm"), MOUNTS, plain) == "never"  # not said: never
+    assert tmpfs_huge_policy(Path("/mnt/big shm/x"), MOUNTS, plain) == "within_size"
+    assert tmpfs_huge_policy(Path("/mnt/big shm/inner"), MOUNTS, plain) == "always"
+    assert tmpfs_huge_policy(Path("/mnt/big shm/disk/y"), MOUNTS, plain) is None  # ext4
+    assert tmpfs_huge_policy(Path("/srv"), MOUNTS, plain) is None  # the overlay root
+    # the system-wide setting overrides every tmpfs's option when it denies or forces
+    denied = "always within_size advise never [deny] force"
+    assert tmpfs_huge_policy(Path("/mnt/big shm"), MOUNTS, denied) == "never"
+    assert tmpfs_huge_policy(Path("/dev/shm"), MOUNTS, "never [force]") == "always"
+    assert tmpfs_huge_policy(Path("/dev/shm"), MOUNTS, "") == "never"  # no sysfs file
+
+
+@pytest.mark.parametrize("huge, status", [("never", "warn"), ("within_size", "ok")])
+def test_shm_pages_reads_the_real_mount(monkeypatch, huge, status):
+    from appliance.doctor import SHMEM_ENABLED
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        system = Path(SHMEM_ENABLED).read_text()
+    except OSError:
+        pytest.skip("no transparent huge pages in this kernel")
+    if "[deny]" in system or "[force]" in system:
+        pytest.skip(f"{SHMEM_ENABLED} overrides every mount here: {system.strip()}")
+    with tempfile.TemporaryDirectory() as d:
+        options = f"size=16m,huge={huge}"
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", d]).returncode != 0:
+            pytest.skip(f"mount -t tmpfs -o {options} refused here")
+        try:
+            monkeypatch.setenv("APPLIANCE_SHM_DIR", d)
+            rc, checks = doctor_here("--device", "cpu")
+        finally:
+            subprocess.run(["umount", d], check=True)
+    c = checks["shm_pages"]
+    assert c["status"] == status and f"{d}: tmpfs with huge={huge}" in c["detail"]
+    assert ("huge=within_size" in c["fix"]) == (status == "warn")
+    assert "shm_pages" not in failed(checks)  # slower, never a reason to refuse
