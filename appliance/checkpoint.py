@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance import storage
-from appliance.errors import ApplianceError
+from appliance.errors import NOT_FOUND, ApplianceError, StorageError
 
 logger = logging.getLogger(__name__)
 
@@ -233,8 +233,8 @@ def _read_marker(output_uri: str) -> str | None:
     uri = storage.join(checkpoints_uri(output_uri), LATEST_MARKER)
     try:
         return storage.read_bytes(uri).decode("utf-8", "replace").strip()
-    except storage.StorageError as e:
-        if e.kind == storage.NOT_FOUND:
+    except StorageError as e:
+        if e.kind == NOT_FOUND:
             return None
         raise
 
@@ -244,8 +244,8 @@ def _load_verified(uri: str) -> tuple[dict[str, Any] | None, dict[str, bytes], l
     manifest_uri = storage.join(uri, MANIFEST)
     try:
         raw = storage.read_bytes(manifest_uri)
-    except storage.StorageError as e:
-        if e.kind == storage.NOT_FOUND:
+    except StorageError as e:
+        if e.kind == NOT_FOUND:
             return None, {}, [f"{manifest_uri}: missing (the checkpoint was never completed)"]
         raise
     try:
@@ -264,8 +264,8 @@ def _load_verified(uri: str) -> tuple[dict[str, Any] | None, dict[str, bytes], l
         furi = storage.join(uri, fname)
         try:
             data = storage.read_bytes(furi)
-        except storage.StorageError as e:
-            if e.kind != storage.NOT_FOUND:
+        except StorageError as e:
+            if e.kind != NOT_FOUND:
                 raise
             problems.append(f"{furi}: missing")
             continue

@@ -26,7 +26,7 @@ from .checkpoint import LATEST_MARKER, checkpoints_uri
 from .cluster import check_shared_output, on_node, start_ray, trainer_slots, weight_store_bytes
 from .config import TrainConfig, flag
 from .data import Holdout, check_dataset, check_has_targets, unreadable_files
-from .errors import ConfigError, cause_chain
+from .errors import ConfigError, StorageError, cause_chain
 from .hf_checkpoint import SafetensorsCheckpoint, read_model_args, seq_len_problems, tokenizer_path
 from .hub import resolve_model
 from .interrupt import GracefulStop, RunInterrupted
@@ -35,7 +35,6 @@ from .model import ModelArgs
 from .models import resolve_targets
 from .progress import Progress
 from .run import IDENTITY_KEYS, LEGACY_IDENTITY, RUN_FILE, Inputs, Run, run_identity, write_run_file
-from .storage import StorageError
 from .trainer import resolve_device, resolve_dtype
 
 

@@ -6,10 +6,12 @@ single message argument, so they pickle across Ray actor boundaries unchanged.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class ApplianceError(Exception):
     """Base class for errors caused by the user's input, not by a bug: bad config (ConfigError),
-    model (ModelError), data (data.DataError), storage (storage.StorageError) or checkpoints
+    model (ModelError), data (data.DataError), storage (StorageError) or checkpoints
     (checkpoint.CheckpointError). The CLI prints these; anything else is a bug and keeps its
     traceback."""
 
@@ -20,6 +22,29 @@ class ConfigError(ApplianceError):
 
 class ModelError(ApplianceError):
     """A model directory that cannot be used: missing files, unsupported architecture, bad shapes."""
+
+
+# Error kinds carried by StorageError.kind, for callers that branch on them.
+NOT_FOUND = "not_found"
+NO_BUCKET = "no_bucket"
+ACCESS_DENIED = "access_denied"
+NO_CREDENTIALS = "no_credentials"
+NO_SPACE = "no_space"
+INVALID = "invalid"
+OTHER = "other"
+
+
+class StorageError(ApplianceError):
+    """A storage operation failed. ``uri`` names the object; ``kind`` is one of the
+    error-kind constants above (``NOT_FOUND``, ``NO_BUCKET``, ``ACCESS_DENIED``, ...)."""
+
+    def __init__(self, message: str, uri: str | None = None, kind: str = OTHER) -> None:
+        super().__init__(message)
+        self.uri = uri
+        self.kind = kind
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles across Ray processes
+        return (type(self), (str(self), self.uri, self.kind))
 
 
 def cause_chain(e: BaseException) -> list[BaseException]:

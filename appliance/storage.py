@@ -32,38 +32,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance.errors import ApplianceError
+from appliance.errors import (
+    ACCESS_DENIED,
+    INVALID,
+    NO_SPACE,
+    NOT_FOUND,
+    OTHER,
+    StorageError,
+)
+from appliance.s3 import S3_SCHEME, s3_client, s3_error, transfer_config
 
 logger = logging.getLogger(__name__)
 
-S3_SCHEME = "s3://"
-DEFAULT_MAX_ATTEMPTS = 10
-DEFAULT_MULTIPART_BYTES = 64 * 1024 * 1024
 DEFAULT_CACHE_ROOT = Path("~/.cache/appliance/s3")
 _INDEX_DIR = ".etags"  # under the cache root: what each localized file was downloaded from
-
-# Error kinds carried by StorageError.kind, for callers that branch on them.
-NOT_FOUND = "not_found"
-NO_BUCKET = "no_bucket"
-ACCESS_DENIED = "access_denied"
-NO_CREDENTIALS = "no_credentials"
-NO_SPACE = "no_space"
-INVALID = "invalid"
-OTHER = "other"
-
-
-class StorageError(ApplianceError):
-    """A storage operation failed. ``uri`` names the object; ``kind`` is one of the module's
-    error-kind constants (``NOT_FOUND``, ``NO_BUCKET``, ``ACCESS_DENIED``, ...)."""
-
-    def __init__(self, message: str, uri: str | None = None, kind: str = OTHER) -> None:
-        super().__init__(message)
-        self.uri = uri
-        self.kind = kind
-
-    def __reduce__(self) -> tuple[Any, ...]:  # pickles across Ray processes
-        return (type(self), (str(self), self.uri, self.kind))
-
 
 # --------------------------------------------------------------------------------------------
 # URIs
@@ -105,178 +87,6 @@ def _local(uri: str | os.PathLike[str]) -> Path:
     if s.startswith("file://"):
         s = s[len("file://") :]
     return Path(s).expanduser()
-
-
-# --------------------------------------------------------------------------------------------
-# S3 client and error mapping
-
-_client_lock = threading.Lock()
-_clients: dict[tuple[str | None, ...], Any] = {}
-
-
-def _endpoint_url() -> str | None:
-    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if not raw:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise StorageError(f"{name}={raw!r} is not an integer", None, INVALID) from None
-
-
-def s3_client() -> Any:
-    """A boto3 S3 client for the current environment (cached; boto3 clients are thread-safe).
-
-    Retries: ``mode="adaptive"`` (exponential backoff plus client-side rate limiting on
-    throttling and 5xx), ``APPLIANCE_S3_MAX_ATTEMPTS`` retries. The endpoint comes from
-    ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` when set, passed explicitly so that older
-    botocore versions honour it too.
-    """
-    env = os.environ
-    max_attempts = _env_int("APPLIANCE_S3_MAX_ATTEMPTS", DEFAULT_MAX_ATTEMPTS)
-    endpoint = _endpoint_url()
-    key = (
-        endpoint,
-        str(max_attempts),
-        env.get("AWS_ACCESS_KEY_ID"),
-        env.get("AWS_SECRET_ACCESS_KEY"),
-        env.get("AWS_SESSION_TOKEN"),
-        env.get("AWS_PROFILE"),
-        env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"),
-    )
-    with _client_lock:
-        client = _clients.get(key)
-        if client is None:
-            import boto3
-            from botocore.config import Config
-
-            config = Config(
-                retries={"max_attempts": max_attempts, "mode": "adaptive"},
-                connect_timeout=10,
-                read_timeout=60,
-            )
-            # A fresh Session per client: the default session is not thread-safe to create.
-            client = boto3.session.Session().client("s3", endpoint_url=endpoint, config=config)
-            if len(_clients) >= 8:
-                _clients.clear()
-            _clients[key] = client
-        return client
-
-
-def transfer_config(
-    multipart_threshold: int | None = None, multipart_chunksize: int | None = None
-) -> Any:
-    """``boto3.s3.transfer.TransferConfig`` for uploads/downloads: multipart at or above
-    ``multipart_threshold`` bytes, parts of ``multipart_chunksize`` bytes (S3's minimum part is
-    5 MiB), 8 parts in flight."""
-    from boto3.s3.transfer import TransferConfig
-
-    threshold = multipart_threshold or _env_int(
-        "APPLIANCE_S3_MULTIPART_THRESHOLD", DEFAULT_MULTIPART_BYTES
-    )
-    chunksize = multipart_chunksize or _env_int(
-        "APPLIANCE_S3_MULTIPART_CHUNKSIZE", max(threshold, 5 * 1024 * 1024)
-    )
-    return TransferConfig(
-        multipart_threshold=threshold, multipart_chunksize=chunksize, max_concurrency=8
-    )
-
-
-def _client_error(exc: BaseException) -> BaseException:
-    """The botocore error behind ``exc`` (boto3's transfer layer wraps them)."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, (ClientError, BotoCoreError)):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return exc
-
-
-def _bucket_exists(bucket: str) -> bool | None:
-    """True/False when S3 says so; None when it cannot tell (e.g. no permission)."""
-    from botocore.exceptions import ClientError
-
-    try:
-        s3_client().head_bucket(Bucket=bucket)
-        return True
-    except ClientError as e:
-        code = str(e.response.get("Error", {}).get("Code", ""))
-        if code in ("404", "NoSuchBucket", "NotFound"):
-            return False
-        return None
-    except Exception:
-        return None
-
-
-def _s3_error(exc: BaseException, uri: str, action: str) -> StorageError:
-    """Turn a boto3/botocore failure into a StorageError that names the URI and the fix."""
-    from botocore.exceptions import (
-        ClientError,
-        EndpointConnectionError,
-        NoCredentialsError,
-        PartialCredentialsError,
-    )
-
-    err = _client_error(exc)
-    bucket, key = split_s3(uri)
-    if isinstance(err, (NoCredentialsError, PartialCredentialsError)):
-        return StorageError(
-            f"no AWS credentials found while {action} {uri}: set AWS_ACCESS_KEY_ID and "
-            "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or run where an instance/IRSA role is "
-            "attached",
-            uri,
-            NO_CREDENTIALS,
-        )
-    if isinstance(err, EndpointConnectionError):
-        return StorageError(
-            f"cannot reach the S3 endpoint while {action} {uri} ({err}): check the network "
-            f"and AWS_ENDPOINT_URL (now {_endpoint_url() or 'unset'})",
-            uri,
-            OTHER,
-        )
-    if not isinstance(err, ClientError):
-        return StorageError(f"S3 failure while {action} {uri}: {err}", uri, OTHER)
-
-    error = err.response.get("Error", {})
-    code = str(error.get("Code", ""))
-    message = error.get("Message") or ""
-    if code in ("NoSuchKey", "404", "NotFound") and _bucket_exists(bucket) is False:
-        code = "NoSuchBucket"  # HEAD requests cannot say which one was missing
-    if code == "NoSuchBucket":
-        return StorageError(
-            f"bucket '{bucket}' does not exist ({uri}): create it or fix the URI",
-            uri,
-            NO_BUCKET,
-        )
-    if code in ("NoSuchKey", "404", "NotFound"):
-        return StorageError(
-            f"no such object {uri} (while {action}): check the path, e.g. "
-            f"`aws s3 ls {join(S3_SCHEME + bucket, key.rsplit('/', 1)[0] if '/' in key else '')}/`",
-            uri,
-            NOT_FOUND,
-        )
-    if code in ("AccessDenied", "403", "Forbidden", "AllAccessDisabled"):
-        return StorageError(
-            f"access denied while {action} {uri}: the credentials in use lack permission on "
-            f"arn:aws:s3:::{bucket}/{key}; grant it (bucket policy or IAM role) or use other "
-            "credentials (AWS_PROFILE / AWS_ACCESS_KEY_ID)",
-            uri,
-            ACCESS_DENIED,
-        )
-    if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"):
-        return StorageError(
-            f"S3 rejected the credentials while {action} {uri} ({code}): check "
-            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN or AWS_PROFILE",
-            uri,
-            NO_CREDENTIALS,
-        )
-    return StorageError(f"S3 error {code} while {action} {uri}: {message}", uri, OTHER)
 
 
 def _local_error(exc: OSError, uri: str, action: str) -> StorageError:
@@ -326,7 +136,7 @@ def _s3_list(uri: str) -> list[ObjectInfo]:
                 if name and not name.endswith("/"):  # skip console "folder" markers
                     out.append(ObjectInfo(name, int(obj["Size"]), obj["ETag"].strip('"')))
     except Exception as e:
-        raise _s3_error(e, uri, "listing") from e
+        raise s3_error(e, uri, "listing") from e
     return sorted(out, key=lambda o: o.name)
 
 
@@ -375,13 +185,13 @@ def exists(uri: str) -> bool:
             return True
         except ClientError as e:
             if str(e.response.get("Error", {}).get("Code")) not in ("404", "NoSuchKey"):
-                raise _s3_error(e, uri, "checking") from e
+                raise s3_error(e, uri, "checking") from e
         except Exception as e:
-            raise _s3_error(e, uri, "checking") from e
+            raise s3_error(e, uri, "checking") from e
     try:
         resp = s3_client().list_objects_v2(Bucket=bucket, Prefix=_s3_prefix(key), MaxKeys=1)
     except Exception as e:
-        raise _s3_error(e, uri, "checking") from e
+        raise s3_error(e, uri, "checking") from e
     return bool(resp.get("KeyCount") or resp.get("Contents"))
 
 
@@ -396,7 +206,7 @@ def read_bytes(uri: str) -> bytes:
     try:
         return s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
     except Exception as e:
-        raise _s3_error(e, uri, "reading") from e
+        raise s3_error(e, uri, "reading") from e
 
 
 _umask_lock = threading.Lock()
@@ -445,7 +255,7 @@ def write_bytes(uri: str, data: bytes) -> None:
     try:
         s3_client().upload_fileobj(io.BytesIO(data), bucket, key, Config=transfer_config())
     except Exception as e:
-        raise _s3_error(e, uri, "writing") from e
+        raise s3_error(e, uri, "writing") from e
 
 
 def upload_file(
@@ -473,7 +283,7 @@ def upload_file(
     try:
         s3_client().upload_file(str(src), bucket, key, Config=config)
     except Exception as e:
-        raise _s3_error(e, uri, "uploading to") from e
+        raise s3_error(e, uri, "uploading to") from e
 
 
 def download_file(
@@ -512,7 +322,7 @@ def download_file(
         except OSError:
             pass
         if isinstance(e, Exception):
-            raise _s3_error(e, uri, "downloading") from e
+            raise s3_error(e, uri, "downloading") from e
         raise
 
 
@@ -528,7 +338,7 @@ def delete(uri: str) -> None:
     try:
         s3_client().delete_object(Bucket=bucket, Key=key)
     except Exception as e:
-        raise _s3_error(e, uri, "deleting") from e
+        raise s3_error(e, uri, "deleting") from e
 
 
 def delete_prefix(uri: str) -> None:
@@ -567,7 +377,7 @@ def delete_prefix(uri: str) -> None:
     except StorageError:
         raise
     except Exception as e:
-        raise _s3_error(e, uri, "deleting") from e
+        raise s3_error(e, uri, "deleting") from e
 
 
 def size(uri: str) -> int:
@@ -584,7 +394,7 @@ def size(uri: str) -> int:
     try:
         return int(s3_client().head_object(Bucket=bucket, Key=key)["ContentLength"])
     except Exception as e:
-        raise _s3_error(e, uri, "reading the size of") from e
+        raise s3_error(e, uri, "reading the size of") from e
 
 
 def open_text_lines(uri: str, encoding: str = "utf-8", chunk_bytes: int = 1 << 20) -> Iterator[str]:
@@ -603,7 +413,7 @@ def open_text_lines(uri: str, encoding: str = "utf-8", chunk_bytes: int = 1 << 2
     try:
         body = s3_client().get_object(Bucket=bucket, Key=key)["Body"]
     except Exception as e:
-        raise _s3_error(e, uri, "opening") from e
+        raise s3_error(e, uri, "opening") from e
     return _s3_lines(body, uri, encoding, chunk_bytes)
 
 
@@ -628,7 +438,7 @@ def _s3_lines(body: Any, uri: str, encoding: str, chunk_bytes: int) -> Iterator[
                 yield line.removesuffix("\r")
         pending += decoder.decode(b"", final=True)
     except Exception as e:
-        raise _s3_error(e, uri, "reading") from e
+        raise s3_error(e, uri, "reading") from e
     finally:
         body.close()
     if pending:
@@ -682,7 +492,7 @@ def localize(uri: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
         try:
             head = s3_client().head_object(Bucket=bucket, Key=key)
         except Exception as e:
-            err = _s3_error(e, uri, "localizing")
+            err = s3_error(e, uri, "localizing")
             if err.kind == NOT_FOUND:
                 err = StorageError(
                     f"nothing at {uri}: no object with that key and no objects under it; "

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from appliance import storage
-from appliance.storage import StorageError
+from appliance.errors import StorageError
 
 pytest_plugins = ["tests.s3_server"]
 

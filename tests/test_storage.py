@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from appliance import storage
-from appliance.storage import StorageError
+from appliance import errors, s3, storage
+from appliance.errors import StorageError
 
 pytest_plugins = ["tests.s3_server"]
 
@@ -47,11 +47,11 @@ def test_is_s3_and_join() -> None:
 
 
 def test_storage_error_pickles() -> None:
-    err = StorageError("bucket 'x' does not exist", "s3://x/y", storage.NO_BUCKET)
+    err = StorageError("bucket 'x' does not exist", "s3://x/y", errors.NO_BUCKET)
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is StorageError
     assert str(back) == str(err)
-    assert (back.uri, back.kind) == ("s3://x/y", storage.NO_BUCKET)
+    assert (back.uri, back.kind) == ("s3://x/y", errors.NO_BUCKET)
 
 
 # ---------------------------------------------------------------------------------- round trips
@@ -120,7 +120,7 @@ def test_missing_file_errors_name_the_uri(base_uri: str, tmp_path: Path) -> None
     ):
         with pytest.raises(StorageError) as info:
             call()
-        assert info.value.kind == storage.NOT_FOUND
+        assert info.value.kind == errors.NOT_FOUND
         assert uri in str(info.value)
         assert info.value.uri == uri
     assert not (tmp_path / "x").exists()
@@ -153,7 +153,7 @@ def test_client_uses_endpoint_and_adaptive_retries(
     s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("APPLIANCE_S3_MAX_ATTEMPTS", "7")
-    client = storage.s3_client()
+    client = s3.s3_client()
     assert client.meta.endpoint_url == s3_endpoint
     # botocore's max_attempts counts retries: 7 retries = 8 attempts in all.
     assert client.meta.config.retries == {"mode": "adaptive", "total_max_attempts": 8}
@@ -194,7 +194,7 @@ def test_missing_bucket_errors(s3_endpoint: str, tmp_path: Path) -> None:
         with pytest.raises(StorageError) as info:
             call()
         msg = str(info.value)
-        assert info.value.kind == storage.NO_BUCKET, (what, msg)
+        assert info.value.kind == errors.NO_BUCKET, (what, msg)
         assert (
             "bucket 'no-such-bucket-appliance' does not exist (s3://no-such-bucket-appliance" in msg
         )
@@ -232,14 +232,14 @@ def test_access_denied_names_the_uri(
         ):
             with pytest.raises(StorageError) as info:
                 call()
-            assert info.value.kind == storage.ACCESS_DENIED
+            assert info.value.kind == errors.ACCESS_DENIED
             assert "access denied while" in str(info.value)
             assert uri in str(info.value)
 
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIANOTAREALKEY00000")
         with pytest.raises(StorageError, match="rejected the credentials") as info:
             storage.read_bytes(uri)
-        assert info.value.kind == storage.NO_CREDENTIALS
+        assert info.value.kind == errors.NO_CREDENTIALS
 
 
 def test_no_credentials(s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -249,7 +249,7 @@ def test_no_credentials(s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
     with pytest.raises(StorageError, match="no AWS credentials found") as info:
         storage.read_bytes("s3://some-bucket/k")
-    assert info.value.kind == storage.NO_CREDENTIALS
+    assert info.value.kind == errors.NO_CREDENTIALS
     assert "s3://some-bucket/k" in str(info.value)
 
 
@@ -331,7 +331,7 @@ def test_localize_single_file_and_default_cache(
 
     with pytest.raises(StorageError, match="nothing at") as info:
         storage.localize(f"s3://{s3_bucket}/data/missing.jsonl", cache_dir=tmp_path / "c")
-    assert info.value.kind == storage.NOT_FOUND
+    assert info.value.kind == errors.NOT_FOUND
     assert f"s3://{s3_bucket}/data/missing.jsonl" in str(info.value)
 
 
@@ -347,7 +347,7 @@ def test_localize_checks_free_space(
     with pytest.raises(StorageError) as info:
         storage.localize(model_prefix, cache_dir=cache)
     msg = str(info.value)
-    assert info.value.kind == storage.NO_SPACE
+    assert info.value.kind == errors.NO_SPACE
     assert model_prefix in msg
     assert f"need {total} bytes" in msg
     assert "100 bytes" in msg and "free" in msg
