@@ -34,7 +34,8 @@ from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .model import ModelArgs
 from .models import resolve_targets
 from .progress import Progress
-from .run import IDENTITY_KEYS, LEGACY_IDENTITY, RUN_FILE, Inputs, Run, run_identity, write_run_file
+from .run import Inputs, Run
+from .run_record import IDENTITY_KEYS, LEGACY_IDENTITY, RUN_FILE, run_identity, write_run_file
 from .trainer import resolve_device, resolve_dtype
 
 

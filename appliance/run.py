@@ -16,11 +16,9 @@ restored) or worker (recreated at its cursor).
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import math
 import os
-import re
 import signal
 import time
 from collections import deque
@@ -36,24 +34,21 @@ from .cluster import Slot, local_slots, on_node
 from .config import CHECKPOINT_MINUTES, TrainConfig, flag
 from .data import Holdout
 from .engine import lr_at
-from .errors import ApplianceError, ConfigError, cause_chain
+from .errors import ConfigError, cause_chain
+from .failures import RestartsExhausted, gather, unrecoverable
 from .interrupt import GracefulStop, RunInterrupted
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .metrics import DriverMetrics
 from .progress import Progress
+from .run_record import write_run_file
 from .tokenize_worker import ACTOR_OPTIONS, ShardWorker, default_num_workers
 from .trainer import Trainer, TrainerSettings
 from .weight_store import WeightStore
 
-RUN_FILE = "run.json"
 TRAINER_STATE = "trainer_state.pt"  # LoRA weights + optimizer + step + RNG (torch.save)
 DRIVER_STATE = "driver_state.json"  # step, schedule position, worker cursors, losses
 CONFIG_FILE = "config.json"  # the run's resolved config
 FAULT_ENV = "APPLIANCE_FAULT_KILL_DURING_CHECKPOINT"  # tests: SIGKILL mid-write at this step
-
-
-class RestartsExhausted(ApplianceError):
-    """More actor failures than --max-restarts allows."""
 
 
 @contextlib.contextmanager
@@ -74,26 +69,6 @@ def _fault_injection(step: int):
         yield
     finally:
         storage.write_bytes = real_write
-
-
-# the keys that define a run: changing one makes an existing output a different run
-IDENTITY_KEYS = (
-    "model",
-    "data",
-    "seq_len",
-    "lora_rank",
-    "lora_alpha",
-    "lora_targets",
-    "seed",
-    "micro_batch_size",
-    "micro_batches_per_step",
-    "base_quant",
-    "packing",
-    "eval_split",
-)
-# what a run.json written before an identity key existed meant by its absence: such a run packed
-# documents as one stream, had an unquantized base and no held-out split
-LEGACY_IDENTITY = {"base_quant": "none", "packing": "stream", "eval_split": None}
 
 
 @dataclass
@@ -155,21 +130,6 @@ class RunState:
             eval_losses=list(d.get("eval_losses", [])),
             skipped_steps=d.get("skipped_steps", 0),
         )
-
-
-def run_identity(cfg: TrainConfig) -> dict:
-    d = cfg.to_dict()
-    return {k: d[k] for k in IDENTITY_KEYS}
-
-
-def write_run_file(cfg: TrainConfig, status: str, extra: dict | None = None) -> None:
-    record = {
-        "identity": run_identity(cfg),
-        "config": cfg.to_dict(),
-        "status": status,
-        **(extra or {}),
-    }
-    storage.write_bytes(storage.join(cfg.output, RUN_FILE), json.dumps(record, indent=2).encode())
 
 
 def write_adapter(output: str, files: dict[str, bytes]) -> None:
@@ -665,67 +625,3 @@ def _kept_on_resume(cfg: TrainConfig, name: str, before: int | None, why: str) -
             f"pass {flag(name)} {before} or leave it out"
         )
     return before
-
-
-def gather(refs: list, grace: float = 30.0) -> list:
-    """ray.get of every ref, raising as soon as one fails. A failure that names no dead actor
-    (a rank whose collective broke because a peer died) waits up to `grace` seconds for the
-    others, to raise the peer's death instead: that is what recovery needs to see."""
-    import ray
-    from ray.exceptions import RayActorError
-
-    def telling(e: BaseException) -> bool:
-        return any(isinstance(c, RayActorError | ApplianceError) for c in cause_chain(e))
-
-    results: dict = {}
-    waiting = list(refs)
-    while waiting:
-        [ready], waiting = ray.wait(waiting, num_returns=1)
-        try:
-            results[ready] = ray.get(ready)
-        except Exception as first:  # noqa: BLE001 - re-raised (or a better one) below
-            if telling(first) or not waiting:
-                raise
-            done, _ = ray.wait(waiting, num_returns=len(waiting), timeout=grace)
-            for ref in done:
-                try:
-                    ray.get(ref)
-                except Exception as e:  # noqa: BLE001
-                    if telling(e):
-                        raise e from None
-            raise
-    return [results[r] for r in refs]
-
-
-class ActorStartFailed(ApplianceError):
-    """An actor's __init__ raised a user error (a worker that cannot read the data, say)."""
-
-
-_RAISED = re.compile(r"^([A-Za-z_][\w.]*\.)?([A-Za-z_]\w*): ", re.MULTILINE)
-
-
-def unrecoverable(error: BaseException) -> BaseException | None:
-    """What to raise instead of retrying `error`: the user error in its chain, or the user error
-    an actor's __init__ raised (Ray passes that one on only as text); None when a restart may
-    help. Retrying either would fail the same way every time."""
-    from ray.exceptions import RayActorError
-
-    chain = cause_chain(error)
-    user = next((c for c in chain if isinstance(c, ApplianceError)), None)
-    if user is not None:
-        return user
-    died = next((c for c in chain if isinstance(c, RayActorError) and c.actor_init_failed), None)
-    if died is None:
-        return None
-    text = str(died)
-    for m in reversed(list(_RAISED.finditer(text))):  # the traceback's last "module.Error: "
-        module, name = (m.group(1) or "").rstrip("."), m.group(2)
-        try:
-            cls = getattr(importlib.import_module(module), name) if module else None
-        except ImportError:
-            cls = None
-        if isinstance(cls, type) and issubclass(cls, ApplianceError):
-            return ActorStartFailed(text[m.end() :].strip())
-        if isinstance(cls, type) and issubclass(cls, BaseException):
-            break
-    return died  # a bug in __init__: raise it with Ray's traceback text, don't retry

@@ -14,7 +14,7 @@ from appliance.config import TrainConfig, build_config
 from appliance.driver import connect
 from appliance.errors import ConfigError
 from appliance.progress import Progress
-from appliance.run import write_run_file
+from appliance.run_record import write_run_file
 from tests.helpers_model import make_model
 from tests.helpers_ray import node_processes, wait_gone
 from tests.helpers_tokenizer import sentences

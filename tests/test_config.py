@@ -134,7 +134,7 @@ def test_a_run_recorded_before_packing_and_quantization_resumes_as_it_was(tmp_pa
     import json
 
     from appliance.driver import check_output, recorded_config
-    from appliance.run import LEGACY_IDENTITY, RUN_FILE, run_identity
+    from appliance.run_record import LEGACY_IDENTITY, RUN_FILE, run_identity
 
     out = tmp_path / "out"
     out.mkdir()

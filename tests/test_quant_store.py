@@ -17,7 +17,7 @@ from appliance.config import build_config
 from appliance.driver import check_output, train
 from appliance.errors import ConfigError
 from appliance.progress import Progress
-from appliance.run import RUN_FILE
+from appliance.run_record import RUN_FILE
 from appliance.weight_store import WeightStore, local_source
 from tests.helpers_model import load_hf, make_model, tiny_train_config
 from tests.helpers_tokenizer import sentences

@@ -25,7 +25,7 @@ import pytest
 
 from appliance.checkpoint import load_latest_checkpoint
 from appliance.config import build_config
-from appliance.run import write_run_file
+from appliance.run_record import write_run_file
 from tests.helpers_model import make_model
 from tests.helpers_net import free_port
 from tests.helpers_tokenizer import sentences

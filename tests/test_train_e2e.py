@@ -291,7 +291,7 @@ def test_batches_in_flight_stay_within_the_prefetch_window(ray_local, model_dir,
 
 def test_a_trainer_whose_init_raises_a_user_error_is_not_restarted(ray_local, model_dir, tmp_path):
     from appliance.errors import ConfigError
-    from appliance.run import ActorStartFailed
+    from appliance.failures import ActorStartFailed
 
     class Refuses(Trainer):
         def __init__(self, *args, **kwargs):
@@ -311,7 +311,7 @@ def test_a_trainer_whose_init_raises_a_user_error_is_not_restarted(ray_local, mo
 
 
 def test_the_failure_past_max_restarts_is_not_counted_as_a_restart(ray_local, model_dir, tmp_path):
-    from appliance.run import RestartsExhausted
+    from appliance.failures import RestartsExhausted
 
     class DiesEveryStep(Trainer):
         def step(self, batches, lr, first=0):
