@@ -123,14 +123,8 @@ def start_ray(cfg: TrainConfig, progress: Progress, weight_bytes: int | None = N
 
     if ray.is_initialized():
         return
-    from .metrics import (
-        RUN_ENV,
-        choose_metrics_port,
-        metrics_url,
-        ray_init_kwargs,
-        run_label,
-        set_run_label,
-    )
+    from .metrics import RUN_ENV, run_label, set_run_label
+    from .metrics_endpoint import choose_metrics_port, metrics_url, ray_init_kwargs
 
     # Every process of this job (trainers, tokenizer workers, the weight store) labels its
     # metrics with the run: the Ray session is shared by every RayJob on a cluster.

@@ -359,7 +359,7 @@ def check_speed() -> list[Check]:
 
 
 def check_port(port: int) -> Check:
-    from .metrics import port_is_free
+    from .metrics_endpoint import port_is_free
 
     if port_is_free(port):
         return Check("metrics_port", "ok", f"port {port} is free")

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from appliance import metrics as M
+from appliance import metrics_endpoint as endpoint
 from appliance.errors import ConfigError
 from appliance.gpu_monitor import NvmlSampler
 from tests.helpers_net import free_port
@@ -39,7 +40,7 @@ def embedded_ray() -> Iterator[int]:
         ray.shutdown()
     port = free_port()
     with ray_session(
-        num_cpus=2, include_dashboard=False, log_to_driver=False, **M.ray_init_kwargs(port)
+        num_cpus=2, include_dashboard=False, log_to_driver=False, **endpoint.ray_init_kwargs(port)
     ):
         yield port
 
@@ -96,7 +97,7 @@ class RecordEverything:
 
 
 def scrape(port: int) -> str:
-    with urllib.request.urlopen(M.metrics_url(port), timeout=10) as r:
+    with urllib.request.urlopen(endpoint.metrics_url(port), timeout=10) as r:
         return r.read().decode()
 
 
@@ -348,12 +349,12 @@ def test_driver_checkpoint_goes_to_phase_checkpoint_rank_driver(fake_ray):
 
 def test_ray_init_kwargs_and_url():
     port = free_port()
-    kw = M.ray_init_kwargs(port)
+    kw = endpoint.ray_init_kwargs(port)
     assert kw["_metrics_export_port"] == port
     assert kw["_system_config"]["metrics_report_interval_ms"] == 1000
-    assert M.metrics_url(8080) == "http://127.0.0.1:8080/metrics"
+    assert endpoint.metrics_url(8080) == "http://127.0.0.1:8080/metrics"
     with pytest.raises(ConfigError, match="--metrics-port must be a TCP port"):
-        M.ray_init_kwargs(0)
+        endpoint.ray_init_kwargs(0)
 
 
 def test_ray_init_kwargs_refuses_a_port_in_use():
@@ -363,7 +364,7 @@ def test_ray_init_kwargs_refuses_a_port_in_use():
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(ConfigError, match=f"--metrics-port {port} is already in use"):
-            M.ray_init_kwargs(port)
+            endpoint.ray_init_kwargs(port)
 
 
 def test_ray_init_accepts_the_kwargs_by_name():
@@ -373,7 +374,7 @@ def test_ray_init_accepts_the_kwargs_by_name():
     import ray._private.worker as worker
 
     source = inspect.getsource(worker.init)
-    for key in M.ray_init_kwargs(free_port()):
+    for key in endpoint.ray_init_kwargs(free_port()):
         assert f'kwargs.pop("{key}"' in source, key
 
 
