@@ -2,6 +2,8 @@
 
     python benchmarks/block_step.py                      # hidden 1024, seq 512, 1 thread, CPU
     python benchmarks/block_step.py --threads 2 --json block.json
+    python benchmarks/block_step.py --device cuda --dtype bfloat16 --hidden 4096 --heads 32 \
+        --seq 2048 --compile --families llama,llama+dropout    # 7B's block: eager vs compiled
 
 The streamed step runs each block twice per micro-batch: once forward under no_grad (the
 layer-major forward), once recomputed with grad and backpropagated (the backward). This times
@@ -10,6 +12,12 @@ every projection (fp32 adapters cast to the compute dtype, as the engine does), 
 block math (norms, RoPE, LoRA, SiLU·up) shows up here without the rest of the step. The `appliance`
 package that is imported is the one timed: run it from two checkouts to compare them
 (docs/benchmarks.md gives the commands). Prints a table of medians (ms) and writes JSON.
+
+`--compile` adds a row per family for `torch.compile(models.block_forward)` (Inductor: the
+elementwise work of the block fused into generated kernels), beside the eager block (the fused
+primitives: F.rms_norm, in-place SiLU·up, ...): the measurement issue 10 asks for to choose
+between them on a GPU. Each compiled row also gives its largest difference from the eager block
+(forward output, LoRA gradients), and the seconds its first calls took to compile.
 """
 
 from __future__ import annotations
@@ -53,47 +61,87 @@ def block_args(family: str, hidden: int, heads: int, kv_heads: int) -> M.ModelAr
     )
 
 
-def time_block(args: M.ModelArgs, dropout: float, batch: int, seq: int, reps: int) -> dict:
+def time_block(
+    args: M.ModelArgs,
+    dropout: float,
+    batch: int,
+    seq: int,
+    reps: int,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    compile_block: bool = False,
+) -> dict:
+    """Median ms of the block's no-grad forward and of its recompute + backward, eager (the
+    fused primitives) or `torch.compile`d; a compiled row also has its largest difference from
+    the eager block and its compile seconds."""
+    dev = torch.device(device)
     gen = torch.Generator().manual_seed(0)
     w = {
-        name: torch.randn(shape, generator=gen) * (0.02 if len(shape) == 2 else 1.0)
+        name: (torch.randn(shape, generator=gen) * (0.02 if len(shape) == 2 else 1.0)).to(
+            dev, dtype
+        )
         for name, shape in models.block_shapes(args).items()
     }
-    lora = LoraWeights(args, LoraSpec(rank=16, alpha=32.0, dropout=dropout))
+    lora = LoraWeights(args, LoraSpec(rank=16, alpha=32.0, dropout=dropout), device=dev)
     with torch.no_grad():
         for _, B in lora.blocks[0].values():
-            B.normal_(0, 0.02, generator=gen)  # B = 0 would make LoRA's contribution trivial
-    cos, sin = M.rope_cos_sin(args, seq, torch.device("cpu"), torch.float32)
-    x = torch.randn(batch, seq, args.hidden_size, generator=gen)
-    grad_out = torch.randn(batch, seq, args.hidden_size, generator=gen)
+            B.copy_(torch.randn(B.shape, generator=gen) * 0.02)  # B = 0: LoRA would add nothing
+    cos, sin = M.rope_cos_sin(args, seq, dev, dtype)
+    x = torch.randn(batch, seq, args.hidden_size, generator=gen).to(dev, dtype)
+    grad_out = torch.randn(batch, seq, args.hidden_size, generator=gen).to(dev, dtype)
+    block = torch.compile(models.block_forward, dynamic=False) if compile_block else None
 
-    def forward() -> None:
+    def context() -> M.LoraContext:
+        ctx = lora.context(0, dtype)
+        ctx.generator = torch.Generator(dev).manual_seed(1)  # the same masks every call
+        return ctx
+
+    def forward(fn=models.block_forward) -> torch.Tensor:
         with torch.no_grad():
-            ctx = lora.context(0, torch.float32)
-            ctx.generator = torch.Generator().manual_seed(1)
-            models.block_forward(x, w, args, cos, sin, ctx)
+            return fn(x, w, args, cos, sin, context())
 
-    def backward() -> None:
-        ctx = lora.context(0, torch.float32)
-        ctx.generator = torch.Generator().manual_seed(1)
+    def backward(fn=models.block_forward) -> list[torch.Tensor]:
         xg = x.detach().requires_grad_(True)
-        models.block_forward(xg, w, args, cos, sin, ctx).backward(grad_out)
+        fn(xg, w, args, cos, sin, context()).backward(grad_out)
+        grads = [p.grad for p in lora.parameters()]
         for p in lora.parameters():
             p.grad = None
+        return grads
 
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    row: dict = {"impl": "compiled" if block else "eager"}
+    if block is not None:
+        t0 = time.perf_counter()
+        y, grads = forward(block), backward(block)
+        sync()
+        row["compile_seconds"] = time.perf_counter() - t0
+        y_ref, grads_ref = forward(), backward()
+        row["max_abs_diff_output"] = (y.float() - y_ref.float()).abs().max().item()
+        row["max_abs_diff_lora_grad"] = max(
+            (g.float() - r.float()).abs().max().item()
+            for g, r in zip(grads, grads_ref, strict=True)
+        )
+    fn = block or models.block_forward
     for _ in range(2):  # warm-up: first calls allocate and pick kernels
-        forward()
-        backward()
+        forward(fn)
+        backward(fn)
     fwd, bwd = [], []
     for _ in range(reps):  # alternate, so a change in machine load hits both alike
+        sync()
         t0 = time.perf_counter()
-        forward()
+        forward(fn)
+        sync()
         t1 = time.perf_counter()
-        backward()
+        backward(fn)
+        sync()
         t2 = time.perf_counter()
         fwd.append(t1 - t0)
         bwd.append(t2 - t1)
     return {
+        **row,
         "forward_ms": 1e3 * statistics.median(fwd),
         "recompute_backward_ms": 1e3 * statistics.median(bwd),
         "forward_ms_min": 1e3 * min(fwd),
@@ -111,20 +159,40 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier timings)")
     p.add_argument("--families", default=",".join(FAMILIES))
+    p.add_argument("--device", default="cpu", help="cpu | cuda")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--compile", action="store_true", help="also time torch.compile of the block")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
+    dtype = getattr(torch, a.dtype)
     rows = {}
     for fam in a.families.split(","):
         args = block_args(fam, a.hidden, a.heads, a.kv_heads)
-        rows[fam] = time_block(args, 0.1 if "dropout" in fam else 0.0, a.batch, a.seq, a.reps)
+        for compiled in (False, True) if a.compile else (False,):
+            rows[fam + (" compiled" if compiled else "")] = time_block(
+                args, 0.1 if "dropout" in fam else 0.0, a.batch, a.seq, a.reps,
+                a.device, dtype, compiled,
+            )  # fmt: skip
     print(
         f"hidden {a.hidden}, heads {a.heads}/{a.kv_heads}, batch {a.batch} × seq {a.seq}, "
-        f"LoRA r16 on every projection, fp32, {a.threads} thread(s), median of {a.reps}"
+        f"LoRA r16 on every projection, {a.dtype} on {a.device}, {a.threads} thread(s), "
+        f"median of {a.reps}"
     )
-    print("| block | forward ms | recompute+backward ms |\n|---|---:|---:|")
-    for fam, r in rows.items():
-        print(f"| {fam} | {r['forward_ms']:.1f} | {r['recompute_backward_ms']:.1f} |")
+    print(
+        "| block | forward ms | recompute+backward ms | compile s | max diff (out; LoRA grad) |\n"
+        "|---|---:|---:|---:|---|"
+    )
+    for name, r in rows.items():
+        diff = (
+            f"{r['max_abs_diff_output']:.1e}; {r['max_abs_diff_lora_grad']:.1e}"
+            if "compile_seconds" in r
+            else ""
+        )
+        print(
+            f"| {name} | {r['forward_ms']:.1f} | {r['recompute_backward_ms']:.1f} | "
+            f"{format(r['compile_seconds'], '.1f') if 'compile_seconds' in r else ''} | {diff} |"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"shape": vars(a), "rows": rows}, f, indent=2)

@@ -2,6 +2,7 @@
 # The GPU proof of issues 10 and 13, in stages that each fit one device call (≤ 10 minutes).
 #
 #   benchmarks/gpu_proof.sh tests     # pytest -m gpu, the dequant kernels' bench, bench 1b
+#   benchmarks/gpu_proof.sh block     # 7B's block: eager (fused primitives) vs torch.compile
 #   benchmarks/gpu_proof.sh 7b        # appliance streamed + resident, FSDP2 offload, HF+PEFT
 #   benchmarks/gpu_proof.sh 13b       # the same at 13b, streamed under a 24 GiB budget
 #   benchmarks/gpu_proof.sh 70b-nf4   # 70b with an NF4 base under 24 GiB: floor, dequant share
@@ -10,7 +11,7 @@
 # triton and pytest; no Ray, boto3 or numba: nothing here needs them). Every JSON, table and log
 # goes to $OUT (default /tmp/gpu_proof). docs/benchmarks.md says how the numbers are recorded.
 set -uo pipefail
-stage=${1:?"stage: tests | 7b | 13b | 70b-nf4"}
+stage=${1:?"stage: tests | block | 7b | 13b | 70b-nf4"}
 OUT=${OUT:-/tmp/gpu_proof}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -34,6 +35,11 @@ tests)
     $py benchmarks/dequant.py --json "$OUT/dequant.json" | tee "$OUT/dequant.md"
     $py -m appliance.bench --preset 1b --json "$OUT/appliance-1b.json" | tee "$OUT/appliance-1b.md"
     ;;
+block)  # issue 10 item 3: whichever of the two measures faster is the one to keep
+    $py benchmarks/block_step.py --device cuda --dtype bfloat16 --hidden 4096 --heads 32 \
+        --kv-heads 32 --seq 2048 --reps 10 --compile --families llama,llama+dropout \
+        --json "$OUT/block-compile.json" | tee "$OUT/block-compile.md"
+    ;;
 7b)  # 7B's 13.5 GB fit a 24 GiB budget whole: the preset's default budget streams half of it
     peers 7b "--profile"
     ;;
@@ -45,7 +51,7 @@ tests)
         --json "$OUT/appliance-70b-nf4.json" | tee "$OUT/appliance-70b-nf4.md"
     ;;
 *)
-    echo "unknown stage $stage: tests | 7b | 13b | 70b-nf4" >&2
+    echo "unknown stage $stage: tests | block | 7b | 13b | 70b-nf4" >&2
     exit 2
     ;;
 esac
