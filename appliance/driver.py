@@ -300,7 +300,7 @@ def _let_metrics_report(cfg: TrainConfig) -> None:
     """Wait one metrics report interval before Ray shuts down: each process hands its numbers to
     its node's metrics agent periodically, so without this the last step's and the final
     checkpoint's numbers would die with the processes, unseen by Prometheus."""
-    from .metrics import METRICS_REPORT_INTERVAL_MS
+    from .metrics_endpoint import METRICS_REPORT_INTERVAL_MS
 
     ms = METRICS_REPORT_INTERVAL_MS  # what the embedded Ray is started with
     if cfg.cluster:  # the cluster's own setting, as Ray reads it (its default is 10 s)
