@@ -107,9 +107,9 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 def write_entry(flat: torch.Tensor, off: int, t: torch.Tensor | QuantizedTensor) -> None:
     """Copy a tensor or a quantized weight into the flat uint8 buffer at byte offset `off`."""
     if isinstance(t, QuantizedTensor):
-        code_bytes, scales_at, n = quant.entry_layout(t.shape, t.kind)
-        flat[off : off + code_bytes].copy_(_as_bytes(t.codes))
-        flat[off + scales_at : off + scales_at + 4 * n].copy_(_as_bytes(t.scales))
+        place = quantized_view(flat, off, t.shape, t.kind)
+        place.codes.copy_(t.codes.view(place.codes.shape))
+        place.scales.copy_(t.scales)
     else:
         n = t.numel() * t.element_size()
         flat[off : off + n].copy_(_as_bytes(t))

@@ -3,14 +3,13 @@ downloaded): a block source the engine streams exactly like the weight store's."
 
 from __future__ import annotations
 
-import math
 import zlib
 
 import numpy as np
 import torch
 
 from . import quant
-from .blocks import FlatIndex, pack, unpack
+from .blocks import FlatIndex, layout, pack, unpack
 from .model import ModelArgs
 from .models import block_shapes
 
@@ -61,15 +60,9 @@ class SyntheticBlockSource:
     def flat_block(self, i: int) -> tuple[np.ndarray, FlatIndex]:
         """Block i as one flat byte buffer + index (made now if first asked)."""
         if i not in self._flat:
-            shapes = self._shapes(i)
-            esize = self.dtype.itemsize
             dname = str(self.dtype).removeprefix("torch.")
-            index: FlatIndex = {}
-            offset = 0
-            for key, shape in shapes.items():
-                index[key] = (offset, shape, dname)
-                offset += -(-math.prod(shape) * esize // 64) * 64  # 64-byte aligned, as pack()
-            buf = np.empty(offset, dtype=np.uint8)
+            index, size = layout({key: (shape, dname) for key, shape in self._shapes(i).items()})
+            buf = np.empty(size, dtype=np.uint8)
             for key, t in unpack(buf, index).items():
                 self._fill(t, key, i)
             if self.base_quant != "none":
