@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import statistics
 import sys
@@ -44,12 +43,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from appliance.bench import LR, _batches, model_facts
+from appliance.bench import LR, _batches, _release_cuda, model_facts
 from appliance.lora import LoraSpec, LoraWeights
 from appliance.measure import device_name, host_memory_available
 from appliance.model import ModelArgs
 from appliance.presets import PRESETS, Shape
+from appliance.streaming import with_index
 from appliance.synthetic import SyntheticBlockSource
+from appliance.trainer import resolve_device
 
 GiB = 2**30
 
@@ -220,14 +221,11 @@ def resolve(preset: str, device: str = "auto", steps: int | None = None, warmup:
     bench picks), bf16 on CUDA / fp32 on a CPU. ValueError, naming the flag, if it cannot run."""
     if preset not in LLAMA_PRESETS:
         raise ValueError(f"--preset {preset!r}: one of {', '.join(LLAMA_PRESETS)} (Llama shapes)")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    dev = torch.device(resolve_device(device))
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA GPU is visible to torch here")
-        if dev.index is None:  # torch.cuda.set_device and the device mesh want an index
-            dev = torch.device("cuda", torch.cuda.current_device())
+        dev = with_index(dev)  # torch.cuda.set_device and the device mesh want an index
     p = PRESETS[preset]
     default = p.gpu if dev.type == "cuda" else p.cpu
     if default is None:
@@ -318,13 +316,6 @@ def train_steps(
     return losses, seconds
 
 
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-
-
 def _oom_reason(e: BaseException) -> str:
     where = "host" if isinstance(e, MemoryError) else "GPU"
     first = (str(e).splitlines() or [type(e).__name__])[0]
@@ -386,7 +377,7 @@ def run_peer(peer: Peer, setup: Setup, keep_model: bool = False) -> tuple[dict, 
     }
     extras: dict = {}
     if dev.type == "cuda":
-        _free(dev)
+        _release_cuda(dev)
         torch.cuda.reset_peak_memory_stats(dev)
     reason = model = optimizer = None
     with peer.setup_context(setup):
@@ -424,7 +415,7 @@ def run_peer(peer: Peer, setup: Setup, keep_model: bool = False) -> tuple[dict, 
             reason = _oom_reason(e)
         model = optimizer = None  # the traceback is gone with the except block: all is freed
     if reason is not None:
-        _free(dev)
+        _release_cuda(dev)
         result.update(fits=False, reason=reason)
         result["peak_gpu_bytes"] = (
             torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
@@ -444,7 +435,7 @@ def run_peer(peer: Peer, setup: Setup, keep_model: bool = False) -> tuple[dict, 
         losses=losses,
     )
     if not keep_model:
-        _free(dev)
+        _release_cuda(dev)
     return result, extras
 
 
