@@ -33,22 +33,24 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 # The base image tag pins the distribution; pinning apt package versions on top only breaks
 # the build whenever Ubuntu publishes a security update.
+# gcc, libc6-dev and python3-dev build the appliance's one C extension (the fused CPU quantizers,
+# appliance/_quantize.c); only this stage has them, the runtime stage copies the built library.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 # torch first, from the PyTorch CUDA index; the appliance's `torch>=...` is then already met.
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}+${TORCH_CUDA}"
 WORKDIR /src
-COPY pyproject.toml README.md constraints.txt ./
+COPY pyproject.toml setup.py README.md constraints.txt ./
 COPY appliance ./appliance
 # constraints.txt pins torch==2.13.0, which the +cu126 build satisfies: pip keeps it. The check
 # fails the build if a CPU or another CUDA build of torch slipped in (cu126 -> torch.version.cuda
 # 12.6).
 RUN pip install --constraint constraints.txt . "ray[default]==${RAY_VERSION}" \
-    && python -c "import torch, ray, appliance; \
+    && python -c "import torch, ray, appliance, appliance._quantize; \
 want = '${TORCH_CUDA}'[2:-1] + '.' + '${TORCH_CUDA}'[-1]; \
 assert torch.version.cuda == want, (torch.version.cuda, want); \
 assert ray.__version__ == '${RAY_VERSION}', (ray.__version__, '${RAY_VERSION}'); \

@@ -145,7 +145,7 @@ def quantize(
 ) -> QuantizedTensor:
     """Quantize a 2-D weight (any float dtype; converted to fp32 first) as `kind`.
 
-    On a CPU with numba, quant_cpu's fused kernels (one pass per value); else the PyTorch
+    On a CPU, quant_cpu's fused C kernels (one pass per value) where built; else the PyTorch
     functions below. Both give the same codes and scales (tests compare them bit for bit).
     `out`: where to write the codes and scales (views into a block's buffer: the fused kernels
     write there directly, with no array of their own); returned."""
@@ -177,13 +177,14 @@ def quantize(
 
 @functools.cache
 def _fused_kernels():
-    """quant_cpu (numba's fused kernels), imported on first use; None where numba is missing or
-    cannot compile here (then the PyTorch functions code the same values, ~5x slower)."""
+    """quant_cpu (the fused C kernels), imported on first use; None where the extension was not
+    built at install (then the PyTorch functions code the same values, ~5x slower)."""
     try:
         from . import quant_cpu
-    except (ImportError, RuntimeError, OSError) as e:  # no numba; no writable cache directory
+    except ImportError as e:  # appliance._quantize not compiled (no C compiler at install)
         warnings.warn(
-            f"--base-quant: numba's CPU kernels unavailable ({e}); quantizing with PyTorch, slower",
+            f"--base-quant: the fused CPU quantizers are not built ({e}); quantizing with "
+            "PyTorch, ~5x slower (reinstall the appliance where a C compiler is present)",
             stacklevel=2,
         )
         return None

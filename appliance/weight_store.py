@@ -18,12 +18,9 @@ time, side by side. Peak memory: the store's copy of the model plus one block pe
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import mmap
 import os
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,8 +107,7 @@ class WeightStore:
     def handles(self) -> WeightHandles:
         """Load on first call (block by block), then return the same handles every time."""
         if self._handles is None:
-            with _cyclic_gc_paused():
-                self._handles = self._load()
+            self._handles = self._load()
         return self._handles
 
     def _load(self) -> WeightHandles:
@@ -210,23 +206,6 @@ class WeightStore:
             "pid": os.getpid(),
             "node_id": _node_id(),
         }
-
-
-@contextlib.contextmanager
-def _cyclic_gc_paused() -> Iterator[None]:
-    """Python's cycle collector off for the load, back on after (if it was on).
-
-    A quantized load imports numba and sets up its typing (a few hundred thousand objects that
-    stay alive); each collection pass then walks all of them again. With the collector on, that
-    took ≈0.3 s more (numba import 0.21-0.27 s → 0.11 s, its first call 0.26-0.35 s → 0.12 s;
-    docs/benchmarks.md). The load itself makes no reference cycles: refcounting frees its buffers."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _node_id() -> str | None:

@@ -21,7 +21,7 @@ first, median of --reps); on a CPU with perf_counter.
     share = 2 · dequant / step matmuls    (per step; issue 13 asks < 5%)
     fwd share = dequant / forward pass's matmuls (8 × one F.linear per projection: the worst pass)
 
-Needs only torch (and triton for the Triton column): no Ray, boto3 or numba. Prints a table and
+Needs only torch (and triton for the Triton column): no Ray or boto3. Prints a table and
 writes JSON with every number.
 """
 

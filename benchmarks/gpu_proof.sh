@@ -8,7 +8,7 @@
 #   benchmarks/gpu_proof.sh 70b-nf4   # 70b with an NF4 base under 24 GiB: floor, dequant share
 #
 # Run from the repository root on the GPU machine (its image has torch, transformers, peft,
-# triton and pytest; no Ray, boto3 or numba: nothing here needs them). Every JSON, table and log
+# triton and pytest; no Ray or boto3: nothing here needs them). Every JSON, table and log
 # goes to $OUT (default /tmp/gpu_proof). docs/benchmarks.md says how the numbers are recorded.
 set -uo pipefail
 stage=${1:?"stage: tests | block | 7b | 13b | 70b-nf4"}

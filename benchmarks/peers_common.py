@@ -23,7 +23,7 @@ resident rows (benchmarks/compare.py):
   run (model build included).
 
 A shape that does not fit (GPU or host memory) gives `fits: false` and the reason, not a crash.
-Nothing here imports Ray, boto3 or numba (the GPU machine has none of them).
+Nothing here imports Ray or boto3 (the GPU machine has neither).
 """
 
 from __future__ import annotations

@@ -255,3 +255,20 @@ def test_shm_pages_reads_the_real_mount(monkeypatch, huge, status):
     assert c["status"] == status and f"{d}: tmpfs with huge={huge}" in c["detail"]
     assert ("huge=within_size" in c["fix"]) == (status == "warn")
     assert "shm_pages" not in failed(checks)  # slower, never a reason to refuse
+
+
+@pytest.mark.parametrize("base_quant, status", [("nf4", "warn"), ("none", "ok")])
+def test_quantizers_says_whether_the_c_kernels_are_built(monkeypatch, base_quant, status):
+    """Built by this install (make test's, with a C compiler): ok, naming the library. Where the
+    extension is missing (None in sys.modules makes its import fail, as an install without a
+    compiler would), a quantized run is warned that it will load ~5x slower, and told how to
+    build it; an unquantized run does not need it."""
+    rc, checks = doctor_here("--device", "cpu", "--base-quant", base_quant)
+    c = checks["quantizers"]
+    assert c["status"] == "ok" and "fused C kernels built (_quantize." in c["detail"]
+    monkeypatch.setitem(sys.modules, "appliance._quantize", None)
+    rc, checks = doctor_here("--device", "cpu", "--base-quant", base_quant)
+    c = checks["quantizers"]
+    assert c["status"] == status and "the fused C kernels are not built" in c["detail"]
+    assert ("C compiler" in c["fix"]) == (status == "warn")
+    assert "quantizers" not in failed(checks)

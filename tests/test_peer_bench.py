@@ -238,11 +238,11 @@ def test_compare_flags_runs_of_other_tokens(bench_run, hf_run):
     assert "not comparable" in table and "hf-peft: shape seq_len 64, the bench's 128" in table
 
 
-def test_no_ray_boto3_or_numba_needed():
+def test_no_ray_or_boto3_needed():
     """The GPU machine has none of them: the scripts import without."""
     code = (
         "import sys\n"
-        "for m in ('ray', 'boto3', 'numba'):\n"
+        "for m in ('ray', 'boto3'):\n"
         "    sys.modules[m] = None\n"
         "import benchmarks.peer_fsdp2_offload, benchmarks.peer_hf_peft, benchmarks.compare\n"
     )

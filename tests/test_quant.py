@@ -62,7 +62,19 @@ def int8_cases() -> list[torch.Tensor]:
     w[5, :6] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5])  # scale 1: exact halves
     w[5, 6:] = 0.25
     big = torch.randn(70, 130, generator=g).to(torch.bfloat16)  # 9100 values: several chunks
-    return [w, w.to(torch.bfloat16), torch.randn(1, 1, generator=g), w.to(torch.float16), big]
+    # rows longer than the kernel's 4096-value chunk, not a multiple of it; row 1's absmax in
+    # its third chunk, row 2 all zeros
+    wide = torch.randn(3, 9000, generator=g)
+    wide[1, 8500] = 40.0
+    wide[2] = 0
+    return [
+        w,
+        w.to(torch.bfloat16),
+        torch.randn(1, 1, generator=g),
+        w.to(torch.float16),
+        big,
+        wide.to(torch.bfloat16),
+    ]
 
 
 def nf4_cases() -> list[torch.Tensor]:
@@ -77,6 +89,13 @@ def nf4_cases() -> list[torch.Tensor]:
     ties.view(-1)[16:31] = -torch.from_numpy(mids)
     big = torch.randn(70, 130, generator=g).to(torch.bfloat16)  # 9100 values: several chunks
     big[7] = 0
+    # the code's edges: each level's threshold (the smallest fp32 nearer the level above, as the
+    # definition's fp32 distances decide) and the fp32 just below it, with absmax 1
+    t = quant.NF4_THRESHOLDS
+    edges = torch.zeros(64)
+    edges[0] = 1.0
+    edges[1:16] = t
+    edges[16:31] = torch.nextafter(t, torch.tensor(-math.inf))
     return [
         padded,
         zero_block,
@@ -85,11 +104,13 @@ def nf4_cases() -> list[torch.Tensor]:
         torch.randn(1, 3, generator=g),
         padded.to(torch.float16),
         big,
+        edges.view(2, 32),
     ]
 
 
 def fused():
-    """quant_cpu, numba's fused kernels: quant.quantize's path on a CPU (numba is a dependency)."""
+    """quant_cpu, the fused C kernels: quant.quantize's path on a CPU. Built by every install
+    with a C compiler (as `make test`'s): a missing build fails here rather than skipping."""
     from appliance import quant_cpu
 
     assert quant._fused_kernels() is quant_cpu
@@ -97,7 +118,8 @@ def fused():
 
 
 # the two implementations of each definition: the fused CPU kernel and the PyTorch functions
-# (what a device without numba, or a CUDA tensor, uses); each must equal the reference exactly
+# (what an install without the C extension, or a CUDA tensor, uses); each must equal the
+# reference exactly
 INT8 = {"fused": lambda w: fused().quantize_int8(w), "torch": quant.quantize_int8}
 NF4 = {
     "fused": lambda w: fused().quantize_nf4(w, quant.NF4_THRESHOLDS),
@@ -106,7 +128,7 @@ NF4 = {
 
 
 @pytest.mark.parametrize("impl", INT8)
-@pytest.mark.parametrize("case", range(5))
+@pytest.mark.parametrize("case", range(6))
 def test_int8_codes_and_scales_equal_the_definition(case, impl):
     w = int8_cases()[case]
     got = INT8[impl](w)
@@ -124,7 +146,7 @@ def test_int8_codes_and_scales_equal_the_definition(case, impl):
 
 
 @pytest.mark.parametrize("impl", NF4)
-@pytest.mark.parametrize("case", range(7))
+@pytest.mark.parametrize("case", range(8))
 def test_nf4_codes_and_absmax_equal_the_definition(case, impl):
     w = nf4_cases()[case]
     got = NF4[impl](w)
@@ -160,6 +182,49 @@ def test_inf_or_nan_weights_are_refused_naming_the_tensor_and_where(kind, impl, 
     assert "--base-quant none" in str(e.value)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_fused_kernels_equal_the_pytorch_functions_on_real_sized_weights(dtype):
+    """Bit for bit, on a weight of a real model's width (the 1B shape's k_proj: 512 x 2048, and
+    an MLP row of 8192) with values spread over many binades, tiny and large: the C kernels'
+    vectorized loops, chunk edges and tails against quant.py's PyTorch functions (which the
+    tests above hold to the definition value by value)."""
+    g = torch.Generator().manual_seed(7)
+    for shape in [(512, 2048), (24, 8192 + 64 * 3)]:
+        w = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-20, 8, shape, generator=g))
+        w = w.to(dtype)
+        for kind, ours, theirs in [
+            ("int8", fused().quantize_int8(w), quant.quantize_int8(w)),
+            ("nf4", fused().quantize_nf4(w, quant.NF4_THRESHOLDS), quant.quantize_nf4(w)),
+        ]:
+            assert ours[2] == -1 and theirs[2] == -1, kind
+            assert torch.equal(ours[0], theirs[0]), (kind, shape)
+            assert torch.equal(ours[1], theirs[1]), (kind, shape)
+
+
+def test_the_c_kernels_refuse_buffers_of_the_wrong_size():
+    """The extension's own checks: a buffer shorter than the kernel would write or read is a
+    ValueError naming it, never a write past its end."""
+    from appliance import _quantize
+
+    src = np.zeros(128, np.uint16)
+    thresholds = quant.NF4_THRESHOLDS.numpy()
+    with pytest.raises(ValueError, match="codes"):
+        _quantize.nf4(src, 2, thresholds, np.zeros(63, np.uint8), np.zeros(2, np.float32))
+    with pytest.raises(ValueError, match="absmax"):
+        _quantize.nf4(src, 2, thresholds, np.zeros(64, np.uint8), np.zeros(1, np.float32))
+    with pytest.raises(ValueError, match="64-value blocks"):
+        _quantize.nf4(src[:100], 2, thresholds, np.zeros(64, np.uint8), np.zeros(2, np.float32))
+    with pytest.raises(ValueError, match="itemsize 3"):
+        _quantize.nf4(src, 3, thresholds, np.zeros(64, np.uint8), np.zeros(2, np.float32))
+    with pytest.raises(ValueError, match="src"):
+        _quantize.int8(src, 2, 4, 64, np.zeros(256, np.int8), np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match="scales"):
+        _quantize.int8(src, 2, 2, 64, np.zeros(128, np.int8), np.zeros(1, np.float32))
+    with pytest.raises(TypeError):  # codes must be writable
+        _quantize.int8(src, 2, 2, 64, bytes(128), np.zeros(2, np.float32))
+    assert _quantize.nf4(src, 2, thresholds, np.zeros(64, np.uint8), np.zeros(2, np.float32)) == -1
+
+
 @pytest.mark.parametrize("case", [0, 1, 3, 4])
 def test_bitsandbytes_nf4_agrees_where_it_installs(case):
     """bitsandbytes' `quantize_4bit(nf4, blocksize=64)`: the same absmax and codes (it stores
@@ -181,13 +246,13 @@ def test_bitsandbytes_nf4_agrees_where_it_installs(case):
 
 
 @pytest.mark.parametrize("kind", ["int8", "nf4"])
-@pytest.mark.parametrize("numba", [True, False])
-def test_quantize_into_a_buffer_writes_the_codes_in_place(kind, numba, monkeypatch):
+@pytest.mark.parametrize("fused_kernels", [True, False])
+def test_quantize_into_a_buffer_writes_the_codes_in_place(kind, fused_kernels, monkeypatch):
     """How the store quantizes: the codes and scales go straight into the block's buffer, at
     the entry's offset, equal to quantize's own (fused kernels, or the PyTorch functions)."""
     w = (int8_cases() if kind == "int8" else nf4_cases())[0]
     want = quant.quantize(w, kind)
-    if not numba:
+    if not fused_kernels:
         monkeypatch.setattr(quant, "_fused_kernels", lambda: None)
     size = quant.quantized_nbytes(tuple(w.shape), kind)
     flat = torch.full((64 + size + 64,), 0xAB, dtype=torch.uint8)  # a neighbour on each side

@@ -111,7 +111,7 @@ def test_the_load_bench_checkpoint_is_a_valid_sharded_model(tmp_path):
 
 
 def test_the_load_bench_times_both_quantizers_and_prints_them():
-    """The kernel table of `appliance bench --load`: the fused kernel (numba is a dependency) and
+    """The kernel table of `appliance bench --load`: the fused C kernel (built by the install) and
     the PyTorch functions, for each --quant asked (none has no quantizer)."""
     from appliance.load_bench import format_table, kernel_rates
 

@@ -151,26 +151,3 @@ def test_the_load_bench_refuses_one_load_in_the_driver(capsys):
 
     assert main(["--in-driver", "1"]) == 1
     assert "--in-driver 1: 0 (none) or at least 2 loads" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("enabled", [True, False])
-def test_the_load_pauses_the_cycle_collector_and_restores_it(model_dir, monkeypatch, enabled):
-    import gc
-
-    from appliance import weight_store
-
-    seen = []
-    read = weight_store.hf_checkpoint.read_model_args
-
-    def spy(path):
-        seen.append(gc.isenabled())
-        return read(path)
-
-    monkeypatch.setattr(weight_store.hf_checkpoint, "read_model_args", spy)
-    (gc.enable if enabled else gc.disable)()
-    try:
-        WeightStore(model_dir, "float32", "nf4").handles()
-        assert seen == [False]  # off while loading
-        assert gc.isenabled() is enabled  # as it was before
-    finally:
-        gc.enable()

@@ -1,0 +1,219 @@
+/* appliance._quantize: the fused CPU quantizers the WeightStore runs as it loads (quant_cpu.py).
+ *
+ * One pass per value over a small chunk that stays in the L1 cache: the value's bits widened to
+ * fp32 (bf16 is the high half of an fp32), the absmax of its row (int8) or of its 64-value block
+ * (nf4), the division, the code, the packing. The arithmetic is quant.py's definition in fp32,
+ * operation for operation (tests compare the codes bit for bit with it), so:
+ *   - no -ffast-math: the division stays a division, `(v + 1.5*2^23) - 1.5*2^23` stays two adds;
+ *   - the absmax is taken on the integer bits (for IEEE floats |x| orders as its bits with the
+ *     sign cleared, and an integer max vectorizes where a float max does not); a value whose
+ *     bits reach those of inf (inf or NaN) stops the kernel, which returns where it was.
+ *
+ * Built by setup.py at install (a C compiler and Python's headers; an optional extension: where
+ * it does not build, quant.py quantizes with its PyTorch functions, which give the same codes
+ * ~5x slower). It replaces numba, whose import and first call cost ~0.4 s of every load and
+ * which compiled its kernels again (~2 s) wherever its cache directory was not writable.
+ * Each kernel releases the GIL: the WeightStore's reader threads quantize side by side.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define CHUNK 4096              /* values at a time: 16 KiB of fp32 */
+#define NONFINITE 0x7F800000u   /* fp32 bits of +inf */
+#define NF4_BLOCK 64
+
+/* On x86-64 with glibc, each kernel is compiled for AVX-512, AVX2 and the baseline, and the
+ * loader picks the widest the CPU has (GCC's function multi-versioning). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__GLIBC__)
+#define VERSIONS __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define VERSIONS
+#endif
+
+static inline float as_float(uint32_t bits) {
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* yi[0:n] = the fp32 bits of src[start : start + n] (bf16 bits as uint16, or fp32 bits). */
+static inline void widen(const void *src, int itemsize, int64_t start, int64_t n, uint32_t *yi) {
+    if (itemsize == 2) {
+        const uint16_t *s = (const uint16_t *)src + start;
+        for (int64_t i = 0; i < n; i++)
+            yi[i] = (uint32_t)s[i] << 16;
+    } else {
+        memcpy(yi, (const uint32_t *)src + start, (size_t)n * sizeof *yi);
+    }
+}
+
+/* NF4 codes (two per byte, the first value in the high nibble) and per-64 absmax of n values
+ * (n % 64 == 0). t: the 15 thresholds between the 16 levels; a value's code is how many of them
+ * are <= value / absmax. Returns -1, or the index of a block holding a non-finite value. */
+VERSIONS static int64_t nf4(const void *src, int itemsize, int64_t n, const float *t,
+                            uint8_t *codes, float *absmax) {
+    uint32_t yi[CHUNK];
+    float y[CHUNK];
+    uint8_t c[CHUNK];
+    for (int64_t s = 0; s < n; s += CHUNK) {
+        int64_t size = n - s < CHUNK ? n - s : CHUNK;
+        widen(src, itemsize, s, size, yi);
+        for (int64_t b = 0; b < size / NF4_BLOCK; b++) {
+            const uint32_t *block = yi + b * NF4_BLOCK;
+            uint32_t m = 0;
+            for (int i = 0; i < NF4_BLOCK; i++) {
+                uint32_t a = block[i] & 0x7FFFFFFFu;
+                m = a > m ? a : m;
+            }
+            if (m >= NONFINITE)
+                return s / NF4_BLOCK + b;
+            float mv = as_float(m);
+            absmax[s / NF4_BLOCK + b] = mv;
+            float d = mv != 0.0f ? mv : 1.0f; /* a zero block: 0 / 1, every code that of 0.0 */
+            for (int i = 0; i < NF4_BLOCK; i++)
+                y[b * NF4_BLOCK + i] = as_float(block[i]) / d;
+        }
+        for (int64_t i = 0; i < size; i++) {
+            float v = y[i];
+            c[i] = (uint8_t)((t[0] <= v) + (t[1] <= v) + (t[2] <= v) + (t[3] <= v) +
+                             (t[4] <= v) + (t[5] <= v) + (t[6] <= v) + (t[7] <= v) +
+                             (t[8] <= v) + (t[9] <= v) + (t[10] <= v) + (t[11] <= v) +
+                             (t[12] <= v) + (t[13] <= v) + (t[14] <= v));
+        }
+        uint8_t *out = codes + s / 2;
+        for (int64_t i = 0; i < size / 2; i++)
+            out[i] = (uint8_t)((c[2 * i] << 4) | c[2 * i + 1]);
+    }
+    return -1;
+}
+
+/* int8 codes and per-row scales of rows x cols values: scale = max|w_row| / 127,
+ * q = clamp(round_half_even(w / scale), -127, 127). yi: room for one row's fp32 bits (each row
+ * is widened once, then read from the cache twice). Returns -1, or the index of a row holding a
+ * non-finite value. */
+VERSIONS static int64_t int8(const void *src, int itemsize, int64_t rows, int64_t cols,
+                             int8_t *codes, float *scales, uint32_t *yi) {
+    const float rounder = 12582912.0f; /* 1.5 * 2^23 */
+    for (int64_t r = 0; r < rows; r++) {
+        widen(src, itemsize, r * cols, cols, yi);
+        uint32_t m = 0;
+        for (int64_t i = 0; i < cols; i++) {
+            uint32_t a = yi[i] & 0x7FFFFFFFu;
+            m = a > m ? a : m;
+        }
+        if (m >= NONFINITE)
+            return r;
+        float scale = as_float(m) / 127.0f;
+        scales[r] = scale;
+        float d = scale != 0.0f ? scale : 1.0f; /* a zero row: 0 / 1, all zeros */
+        int8_t *out = codes + r * cols;
+        for (int64_t i = 0; i < cols; i++) {
+            /* |v| <= 127 (+ rounding): adding and taking away 1.5 * 2^23 rounds it to an
+             * integer in the FPU's own mode, nearest with ties to even, as torch.round */
+            float v = as_float(yi[i]) / d;
+            int32_t q = (int32_t)((v + rounder) - rounder);
+            out[i] = (int8_t)(q < -127 ? -127 : (q > 127 ? 127 : q));
+        }
+    }
+    return -1;
+}
+
+/* ---- Python bindings: buffers in (C-contiguous), the kernel's return value out ---- */
+
+static int check_size(const char *what, Py_ssize_t have, Py_ssize_t need) {
+    if (have < need) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes, the kernel needs %zd", what, have, need);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(nf4_doc,
+             "nf4(src, itemsize, thresholds, codes, absmax) -> -1 or the first bad block\n\n"
+             "src: the values' bits (itemsize 2: bf16, 4: fp32), a whole number of 64-value "
+             "blocks; thresholds: 15 fp32; codes: len(src) / 2 bytes; absmax: one fp32 per block.");
+
+static PyObject *py_nf4(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer src, thr, codes, absmax;
+    int itemsize;
+    if (!PyArg_ParseTuple(args, "y*iy*w*w*", &src, &itemsize, &thr, &codes, &absmax))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = itemsize > 0 ? src.len / itemsize : 0;
+    if (itemsize != 2 && itemsize != 4) {
+        PyErr_Format(PyExc_ValueError, "itemsize %d: 2 (bf16) or 4 (fp32)", itemsize);
+    } else if (src.len % ((Py_ssize_t)itemsize * NF4_BLOCK) != 0) {
+        PyErr_Format(PyExc_ValueError, "src: %zd bytes, not a whole number of %d-value blocks",
+                     src.len, NF4_BLOCK);
+    } else if (check_size("thresholds", thr.len, 15 * (Py_ssize_t)sizeof(float)) == 0 &&
+               check_size("codes", codes.len, n / 2) == 0 &&
+               check_size("absmax", absmax.len, n / NF4_BLOCK * (Py_ssize_t)sizeof(float)) == 0) {
+        int64_t bad;
+        Py_BEGIN_ALLOW_THREADS
+        bad = nf4(src.buf, itemsize, n, (const float *)thr.buf, (uint8_t *)codes.buf,
+                  (float *)absmax.buf);
+        Py_END_ALLOW_THREADS
+        result = PyLong_FromLongLong(bad);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&thr);
+    PyBuffer_Release(&codes);
+    PyBuffer_Release(&absmax);
+    return result;
+}
+
+PyDoc_STRVAR(int8_doc,
+             "int8(src, itemsize, rows, cols, codes, scales) -> -1 or the first bad row\n\n"
+             "src: rows x cols values' bits (itemsize 2: bf16, 4: fp32); codes: rows x cols "
+             "bytes; scales: one fp32 per row.");
+
+static PyObject *py_int8(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer src, codes, scales;
+    int itemsize;
+    Py_ssize_t rows, cols;
+    if (!PyArg_ParseTuple(args, "y*innw*w*", &src, &itemsize, &rows, &cols, &codes, &scales))
+        return NULL;
+    PyObject *result = NULL;
+    if (itemsize != 2 && itemsize != 4) {
+        PyErr_Format(PyExc_ValueError, "itemsize %d: 2 (bf16) or 4 (fp32)", itemsize);
+    } else if (rows < 0 || cols < 0) {
+        PyErr_Format(PyExc_ValueError, "rows %zd, cols %zd: not a shape", rows, cols);
+    } else if (check_size("src", src.len, rows * cols * itemsize) == 0 &&
+               check_size("codes", codes.len, rows * cols) == 0 &&
+               check_size("scales", scales.len, rows * (Py_ssize_t)sizeof(float)) == 0) {
+        uint32_t *row = PyMem_RawMalloc(cols > 0 ? (size_t)cols * sizeof *row : 1);
+        if (row == NULL) {
+            PyErr_NoMemory();
+        } else {
+            int64_t bad;
+            Py_BEGIN_ALLOW_THREADS
+            bad = int8(src.buf, itemsize, rows, cols, (int8_t *)codes.buf, (float *)scales.buf,
+                       row);
+            Py_END_ALLOW_THREADS
+            PyMem_RawFree(row);
+            result = PyLong_FromLongLong(bad);
+        }
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&codes);
+    PyBuffer_Release(&scales);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"nf4", py_nf4, METH_VARARGS, nf4_doc},
+    {"int8", py_int8, METH_VARARGS, int8_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "appliance._quantize",
+    "Fused CPU quantizers (int8, NF4) for the WeightStore; see quant_cpu.py.", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__quantize(void) { return PyModule_Create(&module); }
