@@ -234,8 +234,8 @@ def tmpfs_huge_policy(
 def check_shm_pages() -> Check:
     """Whether the object store's shared memory comes in 2 MiB pages. With 4 KiB pages every
     process that writes the store (the weight store's load) takes a page fault per 4 KiB; with
-    huge pages one per 2 MiB (docs/benchmarks.md, "The quantizers in C": the 1B bf16 load 0.49-0.62 s
-    on 4 KiB pages, 0.19-0.38 s on 2 MiB pages)."""
+    huge pages one per 2 MiB (docs/benchmarks.md, "The quantizers in C": the 1B bf16 load
+    0.58-0.66 s on 4 KiB pages, 0.29 s on 2 MiB pages)."""
     path = shm_dir()
     policy = tmpfs_huge_policy(path)
     if policy is None:

@@ -225,6 +225,31 @@ def test_the_c_kernels_refuse_buffers_of_the_wrong_size():
     assert _quantize.nf4(src, 2, thresholds, np.zeros(64, np.uint8), np.zeros(2, np.float32)) == -1
 
 
+def test_without_the_c_extension_quantize_warns_and_codes_the_same(monkeypatch):
+    """An install without a C compiler (or a source tree never installed, as on a bare GPU
+    image): appliance._quantize does not import; quantize says so once, naming the fix, and
+    codes with the PyTorch functions, the same values."""
+    import sys
+
+    import appliance
+
+    fused()  # imported once, as in any process that quantized before
+    w = nf4_cases()[0]
+    want = quant.quantize(w, "nf4")
+    monkeypatch.setitem(sys.modules, "appliance._quantize", None)  # its import now fails
+    monkeypatch.delitem(sys.modules, "appliance.quant_cpu")
+    for name in ("_quantize", "quant_cpu"):  # else `from . import name` finds the attribute
+        monkeypatch.delattr(appliance, name)
+    quant._fused_kernels.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="not built.*C compiler"):
+            got = quant.quantize(w, "nf4")
+        assert quant._fused_kernels() is None
+    finally:
+        quant._fused_kernels.cache_clear()
+    assert torch.equal(got.codes, want.codes) and torch.equal(got.scales, want.scales)
+
+
 @pytest.mark.parametrize("case", [0, 1, 3, 4])
 def test_bitsandbytes_nf4_agrees_where_it_installs(case):
     """bitsandbytes' `quantize_4bit(nf4, blocksize=64)`: the same absmax and codes (it stores
