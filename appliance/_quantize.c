@@ -27,8 +27,10 @@
 /* On x86-64 with glibc, each kernel is compiled for AVX-512, AVX2 and the baseline, and the
  * loader picks the widest the CPU has (GCC's function multi-versioning). */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__GLIBC__)
+#define CLONED 1
 #define VERSIONS __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
+#define CLONED 0
 #define VERSIONS
 #endif
 
@@ -204,9 +206,27 @@ static PyObject *py_int8(PyObject *self, PyObject *args) {
     return result;
 }
 
+PyDoc_STRVAR(isa_doc, "isa() -> the instruction set the kernels run with on this CPU");
+
+static PyObject *py_isa(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+#if CLONED
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("x86-64-v4"))
+        return PyUnicode_FromString("x86-64-v4 (AVX-512)");
+    if (__builtin_cpu_supports("x86-64-v3"))
+        return PyUnicode_FromString("x86-64-v3 (AVX2)");
+    return PyUnicode_FromString("x86-64 baseline (no AVX2: ~4x slower)");
+#else
+    return PyUnicode_FromString("the compiler's default for this machine");
+#endif
+}
+
 static PyMethodDef methods[] = {
     {"nf4", py_nf4, METH_VARARGS, nf4_doc},
     {"int8", py_int8, METH_VARARGS, int8_doc},
+    {"isa", py_isa, METH_NOARGS, isa_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -270,7 +270,9 @@ def check_quantizers(base_quant: str) -> Check:
             "reinstall the appliance where a C compiler and Python's headers are present "
             "(e.g. apt-get install gcc python3-dev; pip install --force-reinstall --no-deps .)",
         )
-    return Check("quantizers", "ok", f"fused C kernels built ({Path(ext.__file__).name})")
+    return Check(
+        "quantizers", "ok", f"fused C kernels built ({Path(ext.__file__).name}, {ext.isa()})"
+    )
 
 
 def memory_available() -> int | None:

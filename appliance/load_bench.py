@@ -240,7 +240,10 @@ def kernel_rates(kinds: list[str], repeats: int = 5) -> list[dict]:
                     t0 = time.perf_counter()
                     fn(w)
                     best = min(best, time.perf_counter() - t0)
-                rows.append({"quant": kind, "impl": name, "ns_per_value": best / w.numel() * 1e9})
+                row = {"quant": kind, "impl": name, "ns_per_value": best / w.numel() * 1e9}
+                if name == "fused":
+                    row["isa"] = fused.isa()
+                rows.append(row)
     finally:
         torch.set_num_threads(threads)
     return rows
@@ -344,7 +347,9 @@ def format_table(result: dict) -> str:
     if result.get("kernels"):
         lines += ["", "| quantizer (1 thread, (8192, 2048) bf16) | ns/value |", "|---|---:|"]
         lines += [
-            f"| {k['quant']} {k['impl']} | {k['ns_per_value']:.2f} |" for k in result["kernels"]
+            f"| {k['quant']} {k['impl']}{', ' + k['isa'] if k.get('isa') else ''} | "
+            f"{k['ns_per_value']:.2f} |"
+            for k in result["kernels"]
         ]
     return "\n".join(lines)
 

@@ -22,6 +22,11 @@ import torch
 from . import _quantize
 
 
+def isa() -> str:
+    """The instruction set the kernels run with here (the widest of their builds the CPU has)."""
+    return _quantize.isa()
+
+
 def _source(w: torch.Tensor) -> np.ndarray:
     """The bits the kernels read, 1-D: bf16 as uint16, fp32 as uint32; other floats converted to
     fp32 first (a copy; checkpoints are bf16 or fp32 almost always)."""

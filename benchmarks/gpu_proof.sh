@@ -20,6 +20,11 @@ py=python3
 nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max \
     --format=csv >"$OUT/gpu-$stage.csv" 2>&1
 $py -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
+# The CPU quantizers (appliance/_quantize.c) where this machine can compile them: the copied tree
+# has no built library, and 70b-nf4 quantizes its synthetic blocks on the CPU. Without a
+# compiler the PyTorch functions code the same values, more slowly.
+$py setup.py -q build_ext --inplace >"$OUT/build-ext-$stage.log" 2>&1 \
+    || echo "no C quantizers here (see $OUT/build-ext-$stage.log): PyTorch quantizes"
 
 peers() {  # $1 preset, $2 appliance bench flags
     $py -m appliance.bench --preset "$1" $2 --json "$OUT/appliance-$1.json" | tee "$OUT/appliance-$1.md"

@@ -132,4 +132,7 @@ def test_the_load_bench_times_both_quantizers_and_prints_them():
         "store": [],
         "kernels": rows,
     }
-    assert "| nf4 fused |" in format_table(result) and "| int8 torch |" in format_table(result)
+    table = format_table(result)
+    assert "| int8 torch |" in table and "| nf4 torch |" in table
+    assert f"| nf4 fused, {rows[1]['isa']} |" in table  # the fused rows name their ISA
+    assert rows[1]["isa"] and "isa" not in rows[0]
