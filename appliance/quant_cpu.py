@@ -27,6 +27,12 @@ def isa() -> str:
     return _quantize.isa()
 
 
+def paths() -> list[str]:
+    """The ways the NF4 kernel can find codes on this CPU, fastest first: a table lookup with
+    AVX-512 (x86-64-v4) or AVX2 (x86-64-v3), or the count of thresholds (any CPU)."""
+    return _quantize.paths()
+
+
 def _source(w: torch.Tensor) -> np.ndarray:
     """The bits the kernels read, 1-D: bf16 as uint16, fp32 as uint32; other floats converted to
     fp32 first (a copy; checkpoints are bf16 or fp32 almost always)."""
@@ -41,9 +47,11 @@ def quantize_nf4(
     thresholds: torch.Tensor,
     codes: torch.Tensor | None = None,
     absmax: torch.Tensor | None = None,
+    path: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(codes, absmax, bad block or -1) as quant.quantize_nf4 defines them; written into
-    `codes` (uint8, (blocks·32,)) and `absmax` (fp32, (blocks,)) when given."""
+    `codes` (uint8, (blocks·32,)) and `absmax` (fp32, (blocks,)) when given. `path`: how the
+    codes are found, one of paths() (default: the fastest here; tests run each)."""
     src = _source(w)
     pad = -src.size % 64
     if pad:  # the last block zero-padded (a copy; real weights are whole blocks)
@@ -53,7 +61,12 @@ def quantize_nf4(
         absmax = torch.empty(src.size // 64, dtype=torch.float32)
     thresholds = thresholds.to(torch.float32).contiguous().numpy()
     bad = _quantize.nf4(
-        src, src.itemsize, thresholds, _flat(codes, src.size // 2), _flat(absmax, src.size // 64)
+        src,
+        src.itemsize,
+        thresholds,
+        _flat(codes, src.size // 2),
+        _flat(absmax, src.size // 64),
+        path,
     )
     return codes, absmax, int(bad)
 

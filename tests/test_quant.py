@@ -121,8 +121,20 @@ def fused():
 # (what an install without the C extension, or a CUDA tensor, uses); each must equal the
 # reference exactly
 INT8 = {"fused": lambda w: fused().quantize_int8(w), "torch": quant.quantize_int8}
+NF4_PATHS = ["x86-64-v4", "x86-64-v3", "count"]  # the C kernel's ways to find the codes
+
+
+def fused_nf4(w: torch.Tensor, path: str | None = None):
+    """The fused NF4 kernel, by its default path or by one named (skipped on a CPU without it:
+    CI's and this machine's run all three)."""
+    if path is not None and path not in fused().paths():
+        pytest.skip(f"this CPU does not run the {path} path ({fused().paths()})")
+    return fused().quantize_nf4(w, quant.NF4_THRESHOLDS, path=path)
+
+
 NF4 = {
-    "fused": lambda w: fused().quantize_nf4(w, quant.NF4_THRESHOLDS),
+    "fused": fused_nf4,
+    **{f"fused-{p}": lambda w, p=p: fused_nf4(w, p) for p in NF4_PATHS},
     "torch": quant.quantize_nf4,
 }
 
@@ -192,9 +204,10 @@ def test_the_fused_kernels_equal_the_pytorch_functions_on_real_sized_weights(dty
     for shape in [(512, 2048), (24, 8192 + 64 * 3)]:
         w = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-20, 8, shape, generator=g))
         w = w.to(dtype)
+        nf4 = quant.quantize_nf4(w)
         for kind, ours, theirs in [
             ("int8", fused().quantize_int8(w), quant.quantize_int8(w)),
-            ("nf4", fused().quantize_nf4(w, quant.NF4_THRESHOLDS), quant.quantize_nf4(w)),
+            *((f"nf4 {p}", fused_nf4(w, p), nf4) for p in fused().paths()),
         ]:
             assert ours[2] == -1 and theirs[2] == -1, kind
             assert torch.equal(ours[0], theirs[0]), (kind, shape)
@@ -223,6 +236,29 @@ def test_the_c_kernels_refuse_buffers_of_the_wrong_size():
     with pytest.raises(TypeError):  # codes must be writable
         _quantize.int8(src, 2, 2, 64, bytes(128), np.zeros(2, np.float32))
     assert _quantize.nf4(src, 2, thresholds, np.zeros(64, np.uint8), np.zeros(2, np.float32)) == -1
+    with pytest.raises(ValueError, match="path sse9: not one this CPU runs"):
+        _quantize.nf4(src, 2, thresholds, np.zeros(64, np.uint8), np.zeros(2, np.float32), "sse9")
+
+
+@pytest.mark.parametrize("path", NF4_PATHS)
+def test_thresholds_the_bins_cannot_separate_are_counted(path):
+    """The table paths need at most one threshold per 1/16-wide bin (NF4's are >= 0.08 apart);
+    given two in one bin, every path counts instead, and the codes are still the count of
+    thresholds <= w / absmax."""
+    g = torch.Generator().manual_seed(3)
+    t = torch.sort(torch.rand(15, generator=g) * 2 - 1).values
+    t[1] = t[0] + 0.01  # same bin
+    t = torch.sort(t).values.contiguous()
+    w = torch.rand(4, 64, generator=g) * 2 - 1
+    w[:, 0] = 1.0  # absmax 1: w / absmax is w
+    w[1, 1:16] = t  # exactly on each threshold
+    if path not in fused().paths():
+        pytest.skip(f"this CPU does not run the {path} path")
+    codes, _, bad = fused().quantize_nf4(w, t, path=path)
+    assert bad == -1
+    want = (t[None, :] <= w.reshape(-1)[:, None]).sum(1)
+    got = torch.stack([codes >> 4, codes & 15], 1).reshape(-1)
+    assert torch.equal(got.long(), want)
 
 
 def test_without_the_c_extension_quantize_warns_and_codes_the_same(monkeypatch):
