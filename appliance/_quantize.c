@@ -381,10 +381,9 @@ static PyObject *py_isa(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
 #if CLONED
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("x86-64-v4"))
+    if (path_runs_here(0))
         return PyUnicode_FromString("x86-64-v4 (AVX-512)");
-    if (__builtin_cpu_supports("x86-64-v3"))
+    if (path_runs_here(1))
         return PyUnicode_FromString("x86-64-v3 (AVX2)");
     return PyUnicode_FromString("x86-64 baseline (no AVX2: ~4x slower)");
 #else
