@@ -62,8 +62,8 @@ def int8_cases() -> list[torch.Tensor]:
     w[5, :6] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5])  # scale 1: exact halves
     w[5, 6:] = 0.25
     big = torch.randn(70, 130, generator=g).to(torch.bfloat16)  # 9100 values: several chunks
-    # rows longer than the kernel's 4096-value chunk, not a multiple of it; row 1's absmax in
-    # its third chunk, row 2 all zeros
+    # long rows (the C kernel widens a whole row into its scratch buffer, then codes it), not a
+    # multiple of 64; row 1's absmax near its end, row 2 all zeros
     wide = torch.randn(3, 9000, generator=g)
     wide[1, 8500] = 40.0
     wide[2] = 0
