@@ -147,6 +147,11 @@ def _peak_private(pid: int, stop: threading.Event, out: list[int]) -> None:
         time.sleep(0.005)
 
 
+def _cpu_seconds(proc) -> float:
+    """User + system CPU seconds of a psutil.Process so far (all its threads)."""
+    return sum(proc.cpu_times()[:2])
+
+
 def store_load(model_dir: Path, kind: str, threads: int | None) -> dict:
     """Load `model_dir` with a WeightStore Ray actor; its time, bytes and peak private memory."""
     import ray
@@ -161,11 +166,11 @@ def store_load(model_dir: Path, kind: str, threads: int | None) -> dict:
         stop, peak = threading.Event(), [base]
         sampler = threading.Thread(target=_peak_private, args=(pid, stop, peak))
         sampler.start()
-        cpu0 = sum(proc.cpu_times()[:2])
+        cpu0 = _cpu_seconds(proc)
         t0 = time.perf_counter()
         handles = ray.get(actor.handles.remote())
         seconds = time.perf_counter() - t0
-        cpu = sum(proc.cpu_times()[:2]) - cpu0
+        cpu = _cpu_seconds(proc) - cpu0
         stop.set()
         sampler.join()
         block = max(sum(entry_nbytes(s, d) for _, s, d in i.values()) for i in handles.block_index)
@@ -191,18 +196,15 @@ def driver_loads(model_dir: Path, kind: str, threads: int | None, loads: int) ->
     load's objects freed before the next. The first writes object-store pages this process has
     not mapped yet (a page fault per 4 KiB, as every load in a fresh actor does); the later ones
     land on pages it has: what the loader costs without that."""
-    import resource
+    import psutil
 
-    def cpu() -> float:
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        return r.ru_utime + r.ru_stime
-
+    me = psutil.Process()
     seconds, cpu_seconds = [], []
     for _ in range(loads):
-        c0, t0 = cpu(), time.perf_counter()
+        c0, t0 = _cpu_seconds(me), time.perf_counter()
         handles = WeightStore(model_dir, "bfloat16", kind, threads).handles()
         seconds.append(time.perf_counter() - t0)
-        cpu_seconds.append(cpu() - c0)
+        cpu_seconds.append(_cpu_seconds(me) - c0)
         store_bytes = handles.nbytes
         del handles  # its objects go before the next load
         time.sleep(0.5)
