@@ -124,12 +124,12 @@ INT8 = {"fused": lambda w: fused().quantize_int8(w), "torch": quant.quantize_int
 NF4_PATHS = ["x86-64-v4", "x86-64-v3", "count"]  # the C kernel's ways to find the codes
 
 
-def fused_nf4(w: torch.Tensor, path: str | None = None):
+def fused_nf4(w: torch.Tensor, path: str | None = None, thresholds=quant.NF4_THRESHOLDS):
     """The fused NF4 kernel, by its default path or by one named (skipped on a CPU without it:
     CI's and this machine's run all three)."""
     if path is not None and path not in fused().paths():
         pytest.skip(f"this CPU does not run the {path} path ({fused().paths()})")
-    return fused().quantize_nf4(w, quant.NF4_THRESHOLDS, path=path)
+    return fused().quantize_nf4(w, thresholds, path=path)
 
 
 NF4 = {
@@ -252,9 +252,7 @@ def test_thresholds_the_bins_cannot_separate_are_counted(path):
     w = torch.rand(4, 64, generator=g) * 2 - 1
     w[:, 0] = 1.0  # absmax 1: w / absmax is w
     w[1, 1:16] = t  # exactly on each threshold
-    if path not in fused().paths():
-        pytest.skip(f"this CPU does not run the {path} path")
-    codes, _, bad = fused().quantize_nf4(w, t, path=path)
+    codes, _, bad = fused_nf4(w, path, t)
     assert bad == -1
     want = (t[None, :] <= w.reshape(-1)[:, None]).sum(1)
     got = torch.stack([codes >> 4, codes & 15], 1).reshape(-1)
