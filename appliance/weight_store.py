@@ -209,8 +209,10 @@ class WeightStore:
 
 
 def _node_id() -> str | None:
-    import ray
-
+    try:
+        import ray
+    except ImportError:  # a GPU image without Ray: in-process, no node
+        return None
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
@@ -308,9 +310,12 @@ def _keep(arr: np.ndarray) -> np.ndarray:
 
 
 def _putter():
-    """ray.put when Ray is up (a copy into the object store), else keep the array itself."""
-    import ray
-
+    """ray.put when Ray is up (a copy into the object store), else keep the array itself
+    (also where Ray is not installed: `appliance eval` and the benches on a bare GPU image)."""
+    try:
+        import ray
+    except ImportError:
+        return _keep
     if ray.is_initialized():
         return ray.put
     return _keep

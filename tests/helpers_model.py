@@ -159,7 +159,12 @@ def write_config(directory: str | Path, arch: str = "LlamaForCausalLM", **change
 
 
 def load_hf(directory: str | Path) -> transformers.PreTrainedModel:
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    """The reference model, in fp32 with eager attention: the definition itself. (transformers
+    5.17, as on the GPU image, picks SDPA for Gemma 2 and drops its attention soft-capping;
+    later releases refuse SDPA for it.)"""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation="eager"
+    )
     return model.eval()
 
 

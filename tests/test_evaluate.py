@@ -144,3 +144,34 @@ def test_adapter_for_another_model_is_refused(model_dir, tmp_path):
     data = write_jsonl(tmp_path / "one.jsonl", [{"text": "the cat"}])
     with pytest.raises(ModelError, match="rank or model mismatch"):
         evaluate(model_dir, data, seq_len=8, adapter_dir=tmp_path / "adapter")
+
+
+def test_eval_runs_where_ray_and_boto3_are_not_installed(model_dir, texts, tmp_path):
+    """The GPU image has neither Ray nor boto3: `evaluate` (the weight store kept in-process,
+    quantized on load) runs there and gives the loss it gives here. (The store once imported Ray
+    to ask whether it was up, and failed.)"""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    data = write_jsonl(tmp_path / "eval.jsonl", [{"text": t} for t in texts])
+    here = evaluate(model_dir, data, seq_len=10, base_quant="nf4")
+    script = (
+        "import json, sys; sys.modules['ray'] = None; sys.modules['boto3'] = None; "
+        "from appliance.evaluate import evaluate; "
+        f"r = evaluate({str(model_dir)!r}, {data!r}, seq_len=10, base_quant='nf4'); "
+        "print(json.dumps({'loss': r['loss'], 'tokens': r['tokens']}))"
+    )
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    there = json.loads(run.stdout.strip().splitlines()[-1])
+    assert there == {"loss": here["loss"], "tokens": here["tokens"]}

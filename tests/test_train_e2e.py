@@ -23,10 +23,11 @@ from appliance.blocks import DictBlockSource
 from appliance.config import build_config
 from appliance.driver import prepare, train
 from appliance.engine import StreamedEngine, lr_at
+from appliance.feed import schedule, worker_kwargs
 from appliance.hf_checkpoint import read_model_args
 from appliance.lora import load_adapter
 from appliance.progress import Progress
-from appliance.run import Run, schedule, worker_kwargs
+from appliance.run import Run
 from appliance.tokenize_worker import TokenizeWorker
 from appliance.trainer import Trainer, TrainerSettings
 from appliance.weight_store import WeightStore
