@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The Ray-free tests on the GPU image's Python stack, on a CPU: what benchmarks/gpu_proof.sh will
+# meet there, checked before a GPU is lent. Not part of `make test` (it downloads torch 2.11's
+# CUDA build, about 3 GB, from PyPI).
+#
+#   bash scripts/gpu-image-stack.sh            # builds .venv-gpu-image once, then runs the tests
+#
+# The device image (the device tool's KINDS.md, 2026-11): Python 3.12, torch 2.11.0+cu130,
+# transformers 5.17.0, numpy 2.5.2, safetensors 0.8.0, triton, no Ray, no boto3. The test files
+# below import neither; any test that reaches for Ray fails here as it would there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=.venv-gpu-image
+PY=${PYTHON312:-$(command -v python3.12 || true)}
+if [ -z "$PY" ] && [ -x "$HOME/.pyenv/versions/3.12.1/bin/python" ]; then
+    PY=$HOME/.pyenv/versions/3.12.1/bin/python
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+    "${PY:-python3}" -m venv "$VENV"
+    "$VENV/bin/pip" install -q torch==2.11.0 numpy==2.5.2 transformers==5.17.0 safetensors==0.8.0 \
+        peft tokenizers click rich pyyaml jinja2 pyarrow prometheus-client psutil huggingface_hub \
+        pytest setuptools
+fi
+"$VENV/bin/python" setup.py -q build_ext --inplace  # the C quantizers, as gpu_proof.sh builds them
+"$VENV/bin/python" -c "import importlib.util as u, sys; \
+bad = [m for m in ('ray', 'boto3') if u.find_spec(m)]; sys.exit(f'{bad} installed in $VENV') if bad else None"
+PYTHONPATH=$PWD exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@" \
+    tests/test_bench.py tests/test_block_step.py tests/test_chat.py tests/test_config.py \
+    tests/test_data.py tests/test_data_parallel_engine.py tests/test_engine_gpu.py \
+    tests/test_engine_parity.py tests/test_engine_step.py tests/test_evaluate.py \
+    tests/test_export.py tests/test_loss_scale.py tests/test_model_families.py \
+    tests/test_packing.py tests/test_peer_bench.py tests/test_plan.py tests/test_quant.py \
+    tests/test_quant_gpu.py tests/test_quant_parity.py tests/test_streaming_slots.py \
+    tests/test_validation.py
