@@ -357,15 +357,17 @@ class StreamedEngine:
             loss = self._all_reduce_grads_and(loss)
         self._sync()
         t2 = time.perf_counter()
-        backward_stall = self.weights.stall_seconds() - forward_stall
-        backward_stall += self.saved.take_stall_seconds()  # saved inputs coming back
+        saved_stall = self.saved.take_stall_seconds()  # offloaded inputs coming back (CUDA)
+        backward_stall = self.weights.stall_seconds() - forward_stall + saved_stall
         backward_host = self.weights.host_seconds - forward_host
-        # phases must not overlap: the time compute waited for weights is h2d_stall and the time
-        # the host was blocked staging them is h2d_host, neither is compute; the gradient
-        # all-reduce counts as backward
+        # phases must not overlap: the time compute waited for a host→device copy (weights, or
+        # offloaded block inputs) is h2d_stall and the time the host was blocked staging weights
+        # is h2d_host, neither is compute; the gradient all-reduce counts as backward.
+        # train_step adds the weights' stall (taken with the step's other copy timings).
         phases = {
             "forward": t1 - t0 - forward_stall - forward_host,
             "backward": t2 - t1 - backward_stall - backward_host,
+            "h2d_stall": saved_stall,
         }
         return float(loss), n_target, phases
 
@@ -432,7 +434,7 @@ class StreamedEngine:
         self.step_count += 1
         w = self.weights.take_timings()
         phases["optimizer"] = t2 - t1
-        phases["h2d_stall"] = w["h2d_stall"]
+        phases["h2d_stall"] += w["h2d_stall"]  # the weights' waits, beside the saved inputs
         phases["h2d_host"] = w["h2d_host"]
         busy = ratio = None
         if self.device.type == "cuda":

@@ -136,8 +136,9 @@ STEP_TIME_SECONDS = MetricSpec(
 PHASE_SECONDS = MetricSpec(
     "appliance_phase_seconds", COUNTER, "seconds",
     "Seconds per phase: forward, backward, optimizer, data_wait (waiting for a batch), h2d_stall "
-    "(compute waiting for weights to arrive), h2d_host (the host blocked staging weights into "
-    "page-locked memory), checkpoint, other (step time no phase claimed). "
+    "(compute waiting for a host-to-device copy: weights, or offloaded activations), h2d_host "
+    "(the host blocked staging weights into page-locked memory), checkpoint, other (step time "
+    "no phase claimed). "
     'Rank "driver" carries checkpoints the driver writes between steps.',
     ("rank", "phase"),
 )  # fmt: skip

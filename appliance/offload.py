@@ -22,9 +22,11 @@ numbers do not change with offload: the bytes go out and come back unchanged
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-from .streaming import SideStream, event_seconds, host_unregister, page_locked_empty
+from .streaming import SideStream, event_seconds, page_locked_empty, unregister_all
 
 
 class SavedInputs:
@@ -35,6 +37,9 @@ class SavedInputs:
         self.offload = False
         self._saved: list[list[torch.Tensor | None]] = [[] for _ in range(num_blocks)]
         self._stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._registered: list[int] = []  # the host buffer's address, when registered in place
+        # an object dropped without close() (an exception on the way) unregisters it all the same
+        weakref.finalize(self, unregister_all, self._registered, device)
 
     # ------------------------------------------------------------ plan time
 
@@ -48,7 +53,8 @@ class SavedInputs:
         n = self.num_blocks * self.capacity
         if self.cuda:  # registered in place: exactly its size (torch's pinned memory rounds up)
             self._host, registered = page_locked_empty(n, dtype, self.device)
-            self._registered = self._host.data_ptr() if registered else None
+            if registered:
+                self._registered.append(self._host.data_ptr())
         else:
             self._host = torch.empty(n, dtype=dtype)
         self._slots = [
@@ -142,11 +148,12 @@ class SavedInputs:
         more offload until `allocate` again (idempotent)."""
         if getattr(self, "cuda", False):
             torch.cuda.synchronize(self.device)  # no copy may still use the buffers
-        if getattr(self, "_registered", None) is not None:
-            host_unregister(self._registered)
-            self._registered = None
+        unregister_all(self._registered, self.device)
         self.offload = False
         self._host, self._slots, self._loaded = None, [], {}
+        # the saved inputs are views of the host buffer: dropped with it (a second plan would
+        # otherwise hold two page-locked buffers until the next step starts)
+        self._saved = [[] for _ in range(self.num_blocks)]
 
     def take_stall_seconds(self) -> float:
         """Seconds compute waited for saved inputs to come back since the last call (syncs)."""

@@ -198,6 +198,13 @@ def _gpu_kernels():
     values, in several passes over the weight)."""
     try:
         from . import quant_gpu
+
+        # Triton compiles a kernel (and its launcher, with the host's C compiler) at its first
+        # launch, not at import: launch both here, so that a missing compiler, an unwritable
+        # cache or a GPU its ptxas does not know falls back now, not in the middle of a step
+        device = _probe_device()
+        if device is not None:
+            _launch_each(quant_gpu, device)
     except Exception as e:  # no triton; a triton that does not match this torch or driver
         warnings.warn(
             f"--base-quant: Triton's GPU kernels unavailable ({type(e).__name__}: {e}); "
@@ -206,6 +213,22 @@ def _gpu_kernels():
         )
         return None
     return quant_gpu
+
+
+def _probe_device() -> torch.device | None:
+    """Where _gpu_kernels launches the kernels once: this process's CUDA device, if any."""
+    return torch.device("cuda") if torch.cuda.is_available() else None
+
+
+def _launch_each(kernels, device: torch.device) -> None:  # type: ignore[no-untyped-def]
+    """Dequantize a tiny weight of each kind with `kernels` on `device`, waiting for the GPU (a
+    kernel's launch errors surface at the next synchronization)."""
+    w = torch.linspace(-1.0, 1.0, 2 * NF4_BLOCK).view(2, NF4_BLOCK)
+    q8, q4 = quantize(w, "int8", "probe"), quantize(w, "nf4", "probe")
+    kernels.dequantize_int8(q8.codes.to(device), q8.scales.to(device), torch.bfloat16)
+    kernels.dequantize_nf4(q4.codes.to(device), q4.scales.to(device), q4.shape, torch.bfloat16)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # where dequantize uses quant_gpu: codes on these device types, into these dtypes (those tested)
@@ -257,6 +280,14 @@ def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
 
 def _levels(device: torch.device) -> torch.Tensor:
     return torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
+
+
+@functools.cache
+def _nf4_pairs(device: torch.device) -> torch.Tensor:
+    """(256, 2) fp32 on `device`: the two levels a byte of codes holds (high nibble first). Made
+    once per device: a host tensor copied to a GPU on every call would wait for the GPU."""
+    byte = torch.arange(256)
+    return _levels(torch.device("cpu"))[torch.stack([byte >> 4, byte & 0xF], dim=1)].to(device)
 
 
 def _nf4_thresholds() -> torch.Tensor:
@@ -347,9 +378,7 @@ def dequantize_nf4(
     codes: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor:
     """level · absmax, in `dtype`, shape `shape` (the padding dropped)."""
-    levels = _levels(codes.device)
-    byte = torch.arange(256, device=codes.device)
-    pairs = levels[torch.stack([byte >> 4, byte & 0xF], dim=1)]  # (256, 2): a byte's two values
+    pairs = _nf4_pairs(codes.device)  # (256, 2): a byte's two values
     w = torch.index_select(pairs, 0, codes.to(torch.int32)).view(-1, NF4_BLOCK)
     w.mul_(absmax[:, None])
     return w.view(-1)[: math.prod(shape)].view(shape).to(dtype)

@@ -16,6 +16,7 @@ import math
 import re
 import statistics
 import time
+import weakref
 
 import numpy as np
 import torch
@@ -137,9 +138,12 @@ class DeviceWeights:
         self._dequant_events: list[tuple[torch.cuda.Event | HostEvent, ...]] = []
         self.host_seconds = 0.0  # host time blocked in prefetch: staging waits and memcpy
         self._registered: list[int] = []  # host addresses we cudaHostRegister'ed (close() undoes)
+        # an object dropped without close() (an exception on the way) unregisters them all the same
+        weakref.finalize(self, unregister_all, self._registered, device)
         self._slots: list[torch.Tensor] = []  # streaming slots: flat device buffers, made once
         self._slot_free: list[torch.cuda.Event | None] = []  # recorded when a slot's block left
         self._free_slots: list[int] = []
+        self._resident_buffers: dict[int, torch.Tensor] = {}  # allocated by configure, not filled
         self._configured = False
         g = source.globals()
         self.globals = {k: v.to(device=device, dtype=dtype) for k, v in g.items()}
@@ -171,10 +175,23 @@ class DeviceWeights:
             torch.cuda.synchronize(self.device)
         self.resident = set(resident)
         self._configured = True
-        for i in [i for i in self._on_device if i not in self.resident]:
-            del self._on_device[i]
+        # what stays: blocks uploaded into their own buffer that remain resident (a block that
+        # was in a streaming slot goes with the slots, whether it is resident now or not)
+        for i, (_, _, slot) in list(self._on_device.items()):
+            if i not in self.resident or slot is not None:
+                del self._on_device[i]
         self._slots, self._slot_free, self._free_slots = [], [], []
-        if not self.copies or len(self.resident) >= self.source.num_blocks:
+        if not self.copies:
+            return
+        # each resident block's own buffer, allocated now with the slots (the plan counts both):
+        # not in the middle of the first step, between its activations
+        self._resident_buffers = {
+            i: torch.empty(self._host[i][0].numel(), dtype=torch.uint8, device=self.device)
+            for i in sorted(self.resident)
+            if i not in self._on_device and 0 <= i < self.source.num_blocks
+        }
+        if len(self.resident) >= self.source.num_blocks:
+            self._copier.wait_for_compute()  # the buffers' memory may have been compute's
             return
         self._slots = [
             torch.empty(self._biggest, dtype=torch.uint8, device=self.device) for _ in range(slots)
@@ -212,13 +229,11 @@ class DeviceWeights:
         maps the old pages. The object is unusable afterwards.
         """
         if self.cuda:
-            torch.cuda.synchronize(self.device)  # no copy may still be reading the buffers
-        for ptr in self._registered:
-            host_unregister(ptr)
-        self._registered.clear()
+            torch.cuda.synchronize(self.device)  # no copy may still use the buffers we drop
+        unregister_all(self._registered, self.device)
         self._on_device.clear()
         self._host = []
-        self._slots, self._free_slots = [], []
+        self._slots, self._free_slots, self._resident_buffers = [], [], {}
 
     def block_bytes(self) -> int:
         """Bytes of one block as uploaded: flat, each tensor padded to 64 bytes (blocks.pack);
@@ -244,9 +259,11 @@ class DeviceWeights:
             self.configure(set())
         flat, index, pinned = self._host[i]
         t0 = time.perf_counter()
-        if i in self.resident:  # its own buffer, allocated on compute's stream, kept until close
-            slot, dev = None, torch.empty(flat.numel(), dtype=torch.uint8, device=self.device)
-            self._copier.wait_for_compute()  # its memory may have just been freed by compute
+        if i in self.resident:  # its own buffer (configure allocated it), kept until close
+            slot, dev = None, self._resident_buffers.pop(i, None)
+            if dev is None:
+                dev = torch.empty(flat.numel(), dtype=torch.uint8, device=self.device)
+                self._copier.wait_for_compute()  # its memory may have just been freed by compute
         else:
             if not self._free_slots:
                 raise RuntimeError(
@@ -416,20 +433,24 @@ def _flat_block(source: BlockSource, i: int, dtype: torch.dtype) -> tuple[torch.
     return buf, index, buf.is_pinned()
 
 
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+
+
 def host_register(t: torch.Tensor, device: torch.device) -> bool:
     """Page-lock `t`'s memory in place for copies to and from `device` (cudaHostRegister,
-    flags 0); False if refused or CUDA's runtime is not loaded. The caller unregisters it
+    portable); False if refused or CUDA's runtime is not loaded. The caller unregisters it
     (host_unregister) before the memory is freed: a freed range still registered would make a
     later allocation at the same address look pinned while CUDA still maps the old pages.
 
-    Flags 0: the object store maps its pages writable (numpy marks them read-only, CUDA does
-    not care), so cudaHostRegisterReadOnly is not needed."""
+    Portable: pinned for every CUDA context, not only the current one (should the runtime found
+    by _cudart have another current device than torch's). Not read-only: the object store maps
+    its pages writable (numpy marks them read-only, CUDA does not care)."""
     lib = _cudart()
     nbytes = t.numel() * t.element_size()
     if lib is None or nbytes == 0:
         return False
     with torch.cuda.device(device):
-        if lib.cudaHostRegister(t.data_ptr(), nbytes, 0) != 0:
+        if lib.cudaHostRegister(t.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE) != 0:
             lib.cudaGetLastError()  # clear it: a refused registration must not fail a kernel
             return False
     return True
@@ -440,6 +461,19 @@ def host_unregister(ptr: int) -> None:
     lib = _cudart()
     if lib is not None and lib.cudaHostUnregister(ptr) != 0:
         lib.cudaGetLastError()
+
+
+def unregister_all(ptrs: list[int], device: torch.device) -> None:
+    """Unregister (host_unregister) every address in `ptrs`, once no copy can still use them,
+    and empty the list: what close() does, and what weakref.finalize does for an object that
+    was dropped without it (then at most once: the list is empty after)."""
+    if not ptrs:
+        return
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    for ptr in ptrs:
+        host_unregister(ptr)
+    ptrs.clear()
 
 
 def page_locked_empty(

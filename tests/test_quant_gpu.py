@@ -187,6 +187,40 @@ def test_without_triton_dequantize_warns_once_and_uses_pytorch(monkeypatch):
         quant._gpu_kernels.cache_clear()  # the next test imports triton afresh, where it can
 
 
+def test_kernels_that_fail_at_their_first_launch_fall_back_before_the_first_step(monkeypatch):
+    """Triton compiles at a kernel's first launch, not at import (a missing C compiler, an
+    unwritable cache, a GPU its ptxas does not know): the dispatch launches both kernels once when
+    it first loads them, and a failure there warns and takes the PyTorch path, rather than
+    raising inside a training step. (The GPU is stood in for by the CPU and the kernels by a
+    module whose launches fail, as they would.)"""
+    import types
+
+    launched = []
+
+    def failing(*args):
+        launched.append(args[-1])
+        raise RuntimeError("ptxas fatal: Value 'sm_120' is not defined for option 'gpu-name'")
+
+    broken = types.ModuleType("appliance.quant_gpu")
+    broken.dequantize_int8 = broken.dequantize_nf4 = failing
+    monkeypatch.setitem(sys.modules, "appliance.quant_gpu", broken)
+    monkeypatch.setattr(quant, "_probe_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(quant, "_GPU_DEVICES", ("cpu",))  # take the GPU branch with CPU codes
+    quant._gpu_kernels.cache_clear()
+    try:
+        name, q = cases()[0]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = quant.dequantize(q, torch.bfloat16)
+        messages = [str(w.message) for w in caught]
+        assert len(messages) == 1 and "Triton's GPU kernels unavailable" in messages[0]
+        assert "ptxas fatal" in messages[0] and "dequantizing with PyTorch" in messages[0]
+        assert launched == [torch.bfloat16]  # the probe's int8 launch, before any step's
+        assert _same_bits(got, _torch_path(q, torch.bfloat16)), name
+    finally:
+        quant._gpu_kernels.cache_clear()
+
+
 def test_dequant_benchmark_runs_on_a_cpu_and_writes_json(tmp_path):
     """benchmarks/dequant.py's CPU path (tiny, PyTorch only): a table and JSON, and none of Ray,
     boto3 imported (the script must run on a bare GPU image)."""

@@ -171,3 +171,63 @@ def test_a_bare_cuda_device_gets_the_current_devices_index(monkeypatch):
     assert _get_device_index(with_index(torch.device("cuda"))) == 1
     assert with_index(torch.device("cuda", 0)) == torch.device("cuda", 0)
     assert with_index(torch.device("cpu")) == torch.device("cpu")
+
+
+def test_resident_blocks_get_their_buffers_when_configured_and_a_replan_frees_old_slots():
+    """configure allocates each resident block's own buffer with the slots (not between the
+    first step's activations); a second configure that makes a block resident which was in a
+    slot drops that copy with the old slots, and the block comes back into its own buffer."""
+    source, ref, eng = engines(resident=frozenset({4, 5}))
+    w = eng.weights
+    assert sorted(w._resident_buffers) == [4, 5]
+    planned = {i: t.data_ptr() for i, t in w._resident_buffers.items()}
+    size = source.flat_block(5)[0].nbytes
+    w.prefetch(5)
+    assert all(planned[5] <= t.data_ptr() < planned[5] + size for t in w.get(5).values())
+    assert sorted(w._resident_buffers) == [4]
+    w.release(5)  # a resident block stays
+    w.prefetch(1)  # streamed: in a slot
+    w.configure({1, 5}, slots=2)  # a second plan: block 1 is resident now
+    assert sorted(w._on_device) == [5]  # the old slot's copy of block 1 is gone
+    assert sorted(w._resident_buffers) == [1]
+    w.prefetch(1)
+    assert not in_slots(eng, w.get(1).values())
+    got, want = w.get(1), source.block(1)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    same_step(ref, eng, micro_batches(), 0)  # and the engine still computes the same step
+
+
+def test_host_memory_registered_by_an_object_dropped_without_close_is_unregistered(monkeypatch):
+    """DeviceWeights and SavedInputs page-lock host memory in place; if one is dropped without
+    close() (an exception on the way out of a trainer or a test), its registrations are undone
+    all the same, once: a freed range left registered would make a later allocation at the same
+    address look pinned. (No GPU here: the addresses are made up and host_unregister records
+    them instead of calling CUDA.)"""
+    import gc
+
+    from appliance import streaming
+
+    undone = []
+    monkeypatch.setattr(streaming, "host_unregister", undone.append)
+    _, _, eng = engines()
+    eng.weights._registered.extend([0x1000, 0x2000])
+    eng.saved._registered.append(0x3000)
+    eng.weights.close()  # closed: unregistered now, and not again when collected
+    assert undone == [0x1000, 0x2000]
+    eng.weights._registered.append(0x4000)  # (as if registered after)
+    del eng
+    gc.collect()
+    assert sorted(undone) == [0x1000, 0x2000, 0x3000, 0x4000]
+
+
+def test_closing_the_saved_inputs_drops_the_views_of_their_host_buffer():
+    """A second plan (allocate → close) must not keep the first plan's host buffer alive
+    through the last step's saved views until the next step starts."""
+    _, _, eng = engines()
+    mbs = micro_batches()
+    eng.saved.allocate(sum(ids.numel() for ids, _ in mbs), ARGS.hidden_size, torch.float32)
+    eng.saved.start_step([ids.shape + (ARGS.hidden_size,) for ids, _ in mbs])
+    eng.saved.save(0, torch.ones(mbs[0][0].shape + (ARGS.hidden_size,)))
+    assert eng.saved._saved[0]
+    eng.saved.close()
+    assert all(saved == [] for saved in eng.saved._saved)
