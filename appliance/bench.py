@@ -23,7 +23,8 @@ its own page-locked blocks into the device, median of 10, on CUDA; a host memcpy
 CPU, where nothing is really copied: weights are read in place, so the row is nominal), F = the
 step's FLOPs (≈ 6·N·T), P = the measured dense matmul rate in the compute dtype (`--dtype
 auto`: bf16 on GPU, fp16 on one without bf16, fp32 on CPU). Every row reports its time against
-that floor.
+that floor. W is the weights alone: where the plan offloads saved block inputs to the host, the
+bytes they bring back in the backward are reported beside it (`offload_h2d_bytes_per_step`).
 """
 
 from __future__ import annotations
@@ -208,6 +209,9 @@ def _run_mode(
         "dequant_seconds_per_step": dequant,
         "dequant_share": dequant / step,
         "h2d_bytes_per_step": h2d_bytes,
+        # offloaded activations coming back in the backward: host→device too, beside W (which
+        # counts weights only, as the floor is defined); 0 when the saved inputs stay on device
+        "offload_h2d_bytes_per_step": statistics.mean(s.offload_h2d_bytes for s in timed),
         "h2d_seconds_per_step": h2d_seconds,
         "h2d_stall_seconds_per_step": statistics.mean(s.phase_seconds["h2d_stall"] for s in timed),
         "gpu_busy_seconds_per_step": statistics.mean(busy_seconds) if busy_seconds else None,
@@ -361,6 +365,7 @@ def run_bench(
         "torch": torch.__version__,
         "dtype": dname,
         "base_quant": base_quant,
+        "dequant_kernels": _dequant_kernels(base_quant, device),
         "model": {**model_facts(args, dtype), "weight_bytes": weight_bytes},
         "lora": {  # the targets as this family reads them (Phi-3: the fused qkv and gate_up)
             "rank": spec.rank,
@@ -380,6 +385,18 @@ def run_bench(
         "matmul": {"flops_per_second": matmul, "kind": f"{dname} ({n}, {n}) @ ({n}, {n})"},
         "modes": modes,
     }
+
+
+def _dequant_kernels(base_quant: str, device: torch.device) -> str | None:
+    """What dequantized the blocks: "triton" (quant_gpu's fused kernels), or "pytorch" (on a CPU,
+    or where the Triton kernels did not load or launch: quant warned why); None unquantized."""
+    from . import quant
+
+    if base_quant == "none":
+        return None
+    if device.type in quant._GPU_DEVICES and quant._gpu_kernels() is not None:
+        return "triton"
+    return "pytorch"
 
 
 # ---------------------------------------------------------------- output

@@ -70,7 +70,8 @@ class StepStats:
     phase_seconds: dict[str, float] = field(
         default_factory=dict
     )  # forward, backward, optimizer, h2d_stall, h2d_host: they partition step_seconds
-    h2d_bytes: int = 0
+    h2d_bytes: int = 0  # the blocks' weights copied host→device
+    offload_h2d_bytes: int = 0  # offloaded block inputs copied back host→device (backward)
     h2d_seconds: float = 0.0  # copy (DMA) time, on the copy stream: overlaps compute
     dequant_seconds: float = 0.0  # dequantizing a quantized base, inside forward and backward
     gpu_busy_seconds: float | None = None  # see StreamedEngine.train_step (CUDA only)
@@ -449,6 +450,7 @@ class StreamedEngine:
             grad_norm=norm,
             phase_seconds=phases,
             h2d_bytes=w["h2d_bytes"],
+            offload_h2d_bytes=self.saved.take_h2d_bytes(),
             h2d_seconds=w["h2d_seconds"],
             dequant_seconds=w["dequant"],
             gpu_busy_seconds=busy,

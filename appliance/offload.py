@@ -38,6 +38,7 @@ class SavedInputs:
         self._saved: list[list[torch.Tensor | None]] = [[] for _ in range(num_blocks)]
         self._stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._registered: list[int] = []  # the host buffer's address, when registered in place
+        self.h2d_bytes = 0  # saved inputs copied back to the device (take_h2d_bytes resets it)
         # an object dropped without close() (an exception on the way) unregisters it all the same
         weakref.finalize(self, unregister_all, self._registered, device)
 
@@ -115,6 +116,7 @@ class SavedInputs:
             for (offset, shape), host in zip(self._layout, self._saved[i], strict=False):
                 dev = self._slots[slot][offset : offset + shape.numel()].view(shape)
                 dev.copy_(host, non_blocking=True)
+                self.h2d_bytes += host.numel() * host.element_size()
                 out.append(dev)
             ready = self._copier.event()
             ready.record()
@@ -154,6 +156,11 @@ class SavedInputs:
         # the saved inputs are views of the host buffer: dropped with it (a second plan would
         # otherwise hold two page-locked buffers until the next step starts)
         self._saved = [[] for _ in range(self.num_blocks)]
+
+    def take_h2d_bytes(self) -> int:
+        """Bytes of saved inputs copied back to the device since the last call."""
+        n, self.h2d_bytes = self.h2d_bytes, 0
+        return n
 
     def take_stall_seconds(self) -> float:
         """Seconds compute waited for saved inputs to come back since the last call (syncs)."""

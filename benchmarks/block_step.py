@@ -17,7 +17,9 @@ package that is imported is the one timed: run it from two checkouts to compare 
 elementwise work of the block fused into generated kernels), beside the eager block (the fused
 primitives: F.rms_norm, in-place SiLU·up, ...): the measurement issue 10 asks for to choose
 between them on a GPU. Each compiled row also gives its largest difference from the eager block
-(forward output, LoRA gradients), and the seconds its first calls took to compile.
+(forward output, LoRA gradients), the seconds its first calls took to compile, and the graph
+breaks Dynamo made in them (each one splits the block into separately compiled pieces with eager
+PyTorch between them: LoRA dropout's seeded `bernoulli_` is one, once per projection).
 """
 
 from __future__ import annotations
@@ -114,10 +116,14 @@ def time_block(
 
     row: dict = {"impl": "compiled" if block else "eager"}
     if block is not None:
+        from torch._dynamo.utils import counters
+
+        breaks = sum(counters["graph_break"].values())
         t0 = time.perf_counter()
         y, grads = forward(block), backward(block)
         sync()
         row["compile_seconds"] = time.perf_counter() - t0
+        row["graph_breaks"] = sum(counters["graph_break"].values()) - breaks
         y_ref, grads_ref = forward(), backward()
         row["max_abs_diff_output"] = (y.float() - y_ref.float()).abs().max().item()
         row["max_abs_diff_lora_grad"] = max(
@@ -180,8 +186,9 @@ def main() -> None:
         f"median of {a.reps}"
     )
     print(
-        "| block | forward ms | recompute+backward ms | compile s | max diff (out; LoRA grad) |\n"
-        "|---|---:|---:|---:|---|"
+        "| block | forward ms | recompute+backward ms | compile s | graph breaks "
+        "| max diff (out; LoRA grad) |\n"
+        "|---|---:|---:|---:|---:|---|"
     )
     for name, r in rows.items():
         diff = (
@@ -191,7 +198,8 @@ def main() -> None:
         )
         print(
             f"| {name} | {r['forward_ms']:.1f} | {r['recompute_backward_ms']:.1f} | "
-            f"{format(r['compile_seconds'], '.1f') if 'compile_seconds' in r else ''} | {diff} |"
+            f"{format(r['compile_seconds'], '.1f') if 'compile_seconds' in r else ''} | "
+            f"{r.get('graph_breaks', '')} | {diff} |"
         )
     if a.json:
         with open(a.json, "w") as f:

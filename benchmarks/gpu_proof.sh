@@ -10,6 +10,10 @@
 # Run from the repository root on the GPU machine (its image has torch, transformers, peft,
 # triton and pytest; no Ray or boto3: nothing here needs them). Every JSON, table and log
 # goes to $OUT (default /tmp/gpu_proof). docs/benchmarks.md says how the numbers are recorded.
+# Estimated device time on an H100 (read from the code, not yet measured): tests 4-5 min,
+# block 3-4, 7b 3.5-4.5, 13b 5-7 (FSDP2 offload is most of it), 70b-nf4 5-6: about 25 minutes
+# for all five, so a 30-minute device budget runs them once each. Before any of them,
+# `bash scripts/gpu-image-stack.sh` checks the same code on the image's software, on a CPU.
 set -uo pipefail
 stage=${1:?"stage: tests | block | 7b | 13b | 70b-nf4"}
 OUT=${OUT:-/tmp/gpu_proof}
@@ -20,6 +24,8 @@ py=python3
 nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max \
     --format=csv >"$OUT/gpu-$stage.csv" 2>&1
 $py -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
+# Triton builds each kernel's launcher with the host's C compiler at its first launch
+echo "C compilers: $(command -v gcc cc clang | tr '\n' ' ')"
 # The CPU quantizers (appliance/_quantize.c) where this machine can compile them: the copied tree
 # has no built library, and 70b-nf4 quantizes its synthetic blocks on the CPU. Without a
 # compiler the PyTorch functions code the same values, more slowly.
@@ -27,6 +33,7 @@ $py setup.py -q build_ext --inplace >"$OUT/build-ext-$stage.log" 2>&1 \
     || echo "no C quantizers here (see $OUT/build-ext-$stage.log): PyTorch quantizes"
 
 peers() {  # $1 preset, $2 appliance bench flags
+    # shellcheck disable=SC2086  # $2 is several flags, split on purpose
     $py -m appliance.bench --preset "$1" $2 --json "$OUT/appliance-$1.json" | tee "$OUT/appliance-$1.md"
     $py -m benchmarks.peer_hf_peft --preset "$1" --json "$OUT/hf-$1.json"
     $py -m benchmarks.peer_fsdp2_offload --preset "$1" --json "$OUT/fsdp2-$1.json"

@@ -20,7 +20,11 @@ and their gradients are. Gradient accumulation over the micro-batches is FSDP2's
 
 One process, world size 1: the script sets MASTER_ADDR=127.0.0.1 and MASTER_PORT (a free port)
 itself and starts the group with nccl on CUDA, gloo on a CPU. Tokens, loss and optimizer are the
-bench's (peers_common.py).
+bench's (peers_common.py). With one rank, torch 2.11's FSDP2 has no all-gather to run: it copies
+each layer's sharded (host) parameters to the GPU when the layer is about to run, on the compute
+stream (`FSDPParamGroup.wait_for_unshard`), so its copies do not overlap compute. That is FSDP2
+with CPU offload on one GPU as PyTorch ships it, which is what this peer measures; the results
+say "one GPU" for that reason.
 
 On a CPU (CPU-only torch, gloo) FSDP2 with CPUOffloadPolicy runs, but only with
 `pin_memory=False` (pinning needs an accelerator), and the "offload" is nominal: host and device
@@ -69,8 +73,8 @@ def process_group(setup: pc.Setup):
 def build(setup: pc.Setup):
     """The PeftModel, each decoder layer and the root fully_shard-ed with CPU offload, filled
     with the bench's weights; its AdamW (over the sharded LoRA parameters, on the CPU)."""
-    pc.check_host_memory(setup)  # every weight lives in host memory
     cuda = setup.device.type == "cuda"
+    pc.check_host_memory(setup, pinned=cuda)  # every weight lives in (pinned) host memory
     model = pc.build_meta_model(setup.args, setup.dtype)
     mesh = init_device_mesh(setup.device.type, (1,))
     offload = CPUOffloadPolicy(pin_memory=cuda)  # pinning needs an accelerator

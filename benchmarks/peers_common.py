@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import statistics
 import sys
 import time
@@ -333,14 +334,24 @@ def _versions() -> dict:
     }
 
 
-def check_host_memory(setup: Setup) -> None:
+def check_host_memory(setup: Setup, pinned: bool = False) -> None:
     """DoesNotFit if the base weights do not fit in host memory (more than 90% of what is
-    available, the bench's own check)."""
-    need = setup.args.param_count() * setup.dtype.itemsize
+    available, the bench's own check). `pinned`: each weight is page-locked on its own through
+    torch's pinned-memory allocator (FSDP2's CPUOffloadPolicy on CUDA), which rounds every
+    allocation up to a power of two: 13B's 24 GiB of bf16 then takes 41 GiB."""
+    from appliance.hf_checkpoint import expected_shapes
+
+    size = setup.dtype.itemsize
+    if pinned:
+        shapes = expected_shapes(setup.args).values()
+        need = sum(1 << max(0, (math.prod(s) * size - 1).bit_length()) for s in shapes)
+    else:
+        need = setup.args.param_count() * size
     available = host_memory_available()
     if available is not None and need > 0.9 * available:
+        kept = " page-locked (each rounded up to a power of two)" if pinned else ""
         raise DoesNotFit(
-            f"host memory: the {str(setup.dtype).removeprefix('torch.')} weights need "
+            f"host memory: the {str(setup.dtype).removeprefix('torch.')} weights{kept} need "
             f"{need / GiB:.1f} GiB, {available / GiB:.1f} GiB is available"
         )
 

@@ -19,7 +19,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     "${PY:-python3}" -m venv "$VENV"
     "$VENV/bin/pip" install -q torch==2.11.0 numpy==2.5.2 transformers==5.17.0 safetensors==0.8.0 \
         peft tokenizers click rich pyyaml jinja2 pyarrow prometheus-client psutil huggingface_hub \
-        pytest setuptools
+        nvidia-ml-py pytest setuptools
 fi
 "$VENV/bin/python" setup.py -q build_ext --inplace  # the C quantizers, as gpu_proof.sh builds them
 "$VENV/bin/python" -c "import importlib.util as u, sys; \

@@ -30,6 +30,7 @@ ROW_FIELDS = {
     "step_seconds", "step_seconds_min", "tokens_per_second", "flops_per_step",
     "floor_h2d_seconds", "floor_compute_seconds", "floor_seconds", "ratio",
     "h2d_bytes_per_step", "h2d_seconds_per_step", "h2d_stall_seconds_per_step",
+    "offload_h2d_bytes_per_step",
     "gpu_busy_seconds_per_step", "gpu_busy_ratio", "phase_seconds", "losses", "peak_gpu_bytes",
     "streamed_blocks", "bandwidth_bytes_per_second", "step_seconds_median",
     "dequant_seconds_per_step", "dequant_share", "nvml_util_mean", "profile",
@@ -62,6 +63,7 @@ def test_tiny_on_cpu_measures_every_field(tiny_run):
     assert result["matmul"]["flops_per_second"] > 0
     assert "float32" in result["matmul"]["kind"]
     assert result["host"]["cpus"] >= 1 and result["date"]
+    assert result["base_quant"] == "none" and result["dequant_kernels"] is None
 
     streamed, resident = result["modes"]
     assert (streamed["mode"], resident["mode"]) == ("streamed", "resident")
@@ -77,6 +79,7 @@ def test_tiny_on_cpu_measures_every_field(tiny_run):
         assert set(row) == ROW_FIELDS, set(row) ^ ROW_FIELDS
         assert row["fits"] and row["tokens_per_step"] == 64
         assert row["peak_gpu_bytes"] is None  # measured on CUDA only
+        assert row["offload_h2d_bytes_per_step"] == 0  # activations are offloaded on CUDA only
         assert row["step_seconds"] > 0 and row["tokens_per_second"] > 0
         assert row["flops_per_step"] == 6 * args.num_layers * args.block_param_count() * 64
         assert row["floor_seconds"] > 0 and row["ratio"] > 0
@@ -331,3 +334,12 @@ def test_profile_adds_one_profiled_step_per_row(tmp_path, capsys):
         assert "Self CPU" in row["profile"] and "aten::" in row["profile"]
         assert f"{row['mode']}: one step under torch.profiler" in out
     assert len(rows[0]["losses"]) == 1  # the profiled step is not a timed one
+
+
+def test_a_quantized_bench_says_what_dequantized_its_blocks():
+    """With --base-quant the JSON names the dequantizer: "pytorch" on a CPU (on a GPU, "triton"
+    unless its kernels did not load or launch), so a dequant share is read against the right one."""
+    from appliance import bench
+
+    assert bench._dequant_kernels("nf4", torch.device("cpu")) == "pytorch"
+    assert bench._dequant_kernels("none", torch.device("cpu")) is None

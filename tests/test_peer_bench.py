@@ -280,3 +280,22 @@ def test_the_gpu_configuration_in_bf16_on_a_cpu():
         base = model.get_base_model()
         assert base.lm_head.weight is base.model.embed_tokens.weight  # still tied
     assert result["mixed_precision"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+
+
+def test_fsdp2s_pinned_weights_are_counted_as_torch_pins_them(monkeypatch):
+    """FSDP2's CPU offload on CUDA page-locks each weight on its own through torch's pinned-memory
+    allocator, which rounds every allocation up to a power of two: 13B's 24.2 GiB of bf16 take
+    41.0 GiB there. A host with 40 GiB available holds the plain weights, not the pinned ones.
+    (The host's available memory is the one thing stood in for.)"""
+    from appliance.hf_checkpoint import expected_shapes
+
+    p = B.PRESETS["13b"]
+    setup = pc.Setup("13b", p.args, torch.device("cpu"), torch.bfloat16, p.gpu)
+    pinned = sum(1 << (math.prod(s) * 2 - 1).bit_length() for s in expected_shapes(p.args).values())
+    assert 41 * pc.GiB < pinned < 41.1 * pc.GiB  # vs 24.2 GiB unpinned
+    monkeypatch.setattr(pc, "host_memory_available", lambda: 40 * pc.GiB)
+    pc.check_host_memory(setup)  # 24.2 GiB ≤ 90% of 40
+    with pytest.raises(
+        pc.DoesNotFit, match=r"page-locked .* need 41\.0 GiB, 40\.0 GiB is available"
+    ):
+        pc.check_host_memory(setup, pinned=True)
