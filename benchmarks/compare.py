@@ -159,15 +159,25 @@ def main(argv: list[str] | None = None) -> int:
         "--out", default=None, metavar="FILE", help="Write the table here. [compare-PRESET.md]"
     )
     a = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    if not Path(a.appliance).is_file():
+        print(f"error: {a.appliance}: no such file (did appliance bench finish?)", file=sys.stderr)
+        return 1
     bench = json.loads(Path(a.appliance).read_text())
     if "modes" not in bench:
         print(f"error: {a.appliance} is not appliance bench --json output", file=sys.stderr)
         return 1
-    peers = [json.loads(Path(p).read_text()) for p in a.peer]
-    for path, p in zip(a.peer, peers, strict=True):
+    peers = []
+    for path in a.peer:
+        if not Path(path).is_file():  # that peer died (gpu_proof.sh goes on): the rest compare
+            print(
+                f"warning: {path}: no such file (did the peer finish?); left out", file=sys.stderr
+            )
+            continue
+        p = json.loads(Path(path).read_text())
         if "system" not in p:
             print(f"error: {path} is not a peer script's --json output", file=sys.stderr)
             return 1
+        peers.append(p)
     table = format_table(bench, peers)
     print(table, end="")
     out = Path(a.out or f"compare-{bench['preset']}.md")

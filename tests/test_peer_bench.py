@@ -230,6 +230,25 @@ def test_compare_makes_the_table(bench_run, hf_run, fsdp_run, tmp_path):
     assert "streamed ≥ 0.9× resident throughput: " in table
 
 
+def test_compare_leaves_out_a_peer_that_did_not_finish(bench_run, hf_run, tmp_path, capsys):
+    """gpu_proof.sh goes on after a peer dies: the table compares what did finish and says
+    what is missing; a missing bench run is an error naming the file."""
+    bench, hf = tmp_path / "a.json", tmp_path / "h.json"
+    bench.write_text(json.dumps(bench_run))
+    hf.write_text(json.dumps(hf_run["json"]))
+    out, gone = tmp_path / "table.md", tmp_path / "fsdp2.json"
+    rc = compare.main(["--appliance", str(bench), "--peer", str(gone), "--peer", str(hf),
+                       "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    assert (
+        f"warning: {gone}: no such file (did the peer finish?); left out" in capsys.readouterr().err
+    )
+    rows = [x for x in out.read_text().splitlines() if x.startswith("| ") and "---" not in x][1:]
+    assert [x.split(" | ")[0] for x in rows][2:] == [f"| {hf_run['json']['label']}"]
+    rc = compare.main(["--appliance", str(tmp_path / "none.json"), "--peer", str(hf)])
+    assert rc == 1 and "none.json: no such file" in capsys.readouterr().err
+
+
 def test_compare_flags_runs_of_other_tokens(bench_run, hf_run):
     other = json.loads(json.dumps(hf_run["json"]))
     other["shape"]["seq_len"] = 64
