@@ -358,17 +358,17 @@ class StreamedEngine:
             loss = self._all_reduce_grads_and(loss)
         self._sync()
         t2 = time.perf_counter()
-        saved_stall = self.saved.take_stall_seconds()  # offloaded inputs coming back (CUDA)
-        backward_stall = self.weights.stall_seconds() - forward_stall + saved_stall
+        # compute's waits for host→device copies: the weights' and the offloaded block inputs'
+        stall = self.weights.stall_seconds() + self.saved.take_stall_seconds()
+        backward_stall = stall - forward_stall
         backward_host = self.weights.host_seconds - forward_host
-        # phases must not overlap: the time compute waited for a host→device copy (weights, or
-        # offloaded block inputs) is h2d_stall and the time the host was blocked staging weights
-        # is h2d_host, neither is compute; the gradient all-reduce counts as backward.
-        # train_step adds the weights' stall (taken with the step's other copy timings).
+        # phases must not overlap: the time compute waited for a host→device copy is h2d_stall
+        # and the time the host was blocked staging weights is h2d_host, neither is compute; the
+        # gradient all-reduce counts as backward
         phases = {
             "forward": t1 - t0 - forward_stall - forward_host,
             "backward": t2 - t1 - backward_stall - backward_host,
-            "h2d_stall": saved_stall,
+            "h2d_stall": stall,
         }
         return float(loss), n_target, phases
 
@@ -435,7 +435,6 @@ class StreamedEngine:
         self.step_count += 1
         w = self.weights.take_timings()
         phases["optimizer"] = t2 - t1
-        phases["h2d_stall"] += w["h2d_stall"]  # the weights' waits, beside the saved inputs
         phases["h2d_host"] = w["h2d_host"]
         busy = ratio = None
         if self.device.type == "cuda":

@@ -70,13 +70,19 @@ class WeightHandles:
         return FlatBlockSource(self.args, bufs[:g], self.global_index, bufs[g:], self.block_index)
 
 
-def _is_ref(x: Any) -> bool:
+def _ray() -> Any:
+    """The ray module, or None where it is not installed (the GPU image: the store then keeps
+    its buffers in-process, as it does when Ray is not started)."""
     try:
         import ray
+    except ImportError:
+        return None
+    return ray
 
-        return isinstance(x, ray.ObjectRef)
-    except ImportError:  # pragma: no cover - ray is a hard dependency
-        return False
+
+def _is_ref(x: Any) -> bool:
+    ray = _ray()
+    return ray is not None and isinstance(x, ray.ObjectRef)
 
 
 class WeightStore:
@@ -209,11 +215,10 @@ class WeightStore:
 
 
 def _node_id() -> str | None:
-    try:
-        import ray
-    except ImportError:  # a GPU image without Ray: in-process, no node
+    ray = _ray()
+    if ray is None or not ray.is_initialized():
         return None
-    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    return ray.get_runtime_context().get_node_id()
 
 
 @dataclass
@@ -312,13 +317,8 @@ def _keep(arr: np.ndarray) -> np.ndarray:
 def _putter():
     """ray.put when Ray is up (a copy into the object store), else keep the array itself
     (also where Ray is not installed: `appliance eval` and the benches on a bare GPU image)."""
-    try:
-        import ray
-    except ImportError:
-        return _keep
-    if ray.is_initialized():
-        return ray.put
-    return _keep
+    ray = _ray()
+    return ray.put if ray is not None and ray.is_initialized() else _keep
 
 
 def store_nbytes(args: ModelArgs, dtype: str, base_quant: str = "none") -> int:
