@@ -24,7 +24,8 @@ CPU, where nothing is really copied: weights are read in place, so the row is no
 step's FLOPs (≈ 6·N·T), P = the measured dense matmul rate in the compute dtype (`--dtype
 auto`: bf16 on GPU, fp16 on one without bf16, fp32 on CPU). Every row reports its time against
 that floor. W is the weights alone: where the plan offloads saved block inputs to the host, the
-bytes they bring back in the backward are reported beside it (`offload_h2d_bytes_per_step`).
+bytes they bring back in the backward (all blocks' but the last's, which stay on the device) are
+reported beside it (`offload_h2d_bytes_per_step`).
 """
 
 from __future__ import annotations

@@ -32,8 +32,25 @@ def friendly_errors(fn):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
+        except ModuleNotFoundError as e:  # a dependency left out (pip --no-deps, a GPU image)
+            package = (e.name or "").partition(".")[0]
+            if package not in MISSING_HINTS:
+                raise
+            command = click.get_current_context().info_name
+            click.echo(f"error: `appliance {command}` needs {MISSING_HINTS[package]}", err=True)
+            sys.exit(1)
 
     return wrapper
+
+
+# dependencies whose absence is an install to fix, not a bug: what to install, and what runs
+# without it (the GPU machine's image has neither Ray nor boto3)
+MISSING_HINTS = {
+    "ray": "Ray, which is not installed here: pip install 'ray[default]>=2.40' "
+    "(eval and bench run without it)",
+    "boto3": "boto3 for s3:// paths, which is not installed here: pip install 'boto3>=1.34'",
+    "botocore": "boto3 for s3:// paths, which is not installed here: pip install 'boto3>=1.34'",
+}
 
 
 def _version() -> str:

@@ -7,7 +7,9 @@ from them (engine.py). When they do not fit the budget (planner.plan_memory says
 - one page-locked host buffer for all of them, allocated once at plan time (`allocate`), each
   (block, micro-batch) a fixed range of it: no pinned allocation per tensor, per step;
 - forward: each input is copied device→host on a stream of its own, after an event marks it
-  computed, so the copy overlaps the next micro-batch's compute;
+  computed, so the copy overlaps the next micro-batch's compute; except the last block's: the
+  backward starts with it, so it is copied device→device into a slot, where the backward takes it
+  (no round trip over PCIe, and no wait for one at the start of the backward);
 - backward: while block i computes, block i−1's inputs are copied host→device on that stream into
   one of two device slots allocated once (the plan counts them), and the compute stream waits on
   the copy's event only when it reaches block i−1. A slot is reused once the compute stream has
@@ -65,7 +67,8 @@ class SavedInputs:
         self._copier = SideStream(self.device)
         self._copier.wait_for_compute()  # the slots' memory may have been compute's just before
         self._layout: list[tuple[int, torch.Size]] = []  # per micro-batch: (offset, shape)
-        self._loaded: dict[int, tuple[list[torch.Tensor], torch.cuda.Event, int]] = {}
+        # block → (its inputs in a device slot, the copy's event (None: compute's own), slot)
+        self._loaded: dict[int, tuple[list[torch.Tensor], torch.cuda.Event | None, int]] = {}
 
     def start_step(self, shapes: list[torch.Size]) -> None:
         """A new forward whose micro-batches' hidden states have `shapes`: lays them out in each
@@ -84,6 +87,8 @@ class SavedInputs:
             )
         for i in list(self._loaded):  # a step that raised may have left a slot taken
             self._free(i)
+        if self.cuda:  # ... and a copy into it in flight, which the last block's save must follow
+            torch.cuda.current_stream(self.device).wait_stream(self._copier.stream)
 
     # ------------------------------------------------------------ forward
 
@@ -94,6 +99,9 @@ class SavedInputs:
             return
         m = len(self._saved[i])
         offset, shape = self._layout[m]
+        if i == self.num_blocks - 1:  # the backward's first block: kept on the device, in a slot
+            self._keep_last(m, h)
+            return
         host = self._host[i * self.capacity + offset :][: shape.numel()].view(shape)
         self._copier.wait_for_compute()  # h is computed
         with self._copier.copying():
@@ -101,6 +109,18 @@ class SavedInputs:
         if self.cuda:
             h.record_stream(self._copier.stream)  # h's memory is not reused before the copy
         self._saved[i].append(host)  # the copy back, on the same stream, comes after this one
+
+    def _keep_last(self, m: int, h: torch.Tensor) -> None:
+        """The last block's input of micro-batch m, copied into slot 0 on the compute stream
+        (ordered after compute's earlier use of that slot, and, by start_step, after any copy
+        into it); the backward's `take` finds it there, ready, as if prefetched."""
+        i, (offset, shape) = self.num_blocks - 1, self._layout[m]
+        if m == 0:
+            self._loaded[i] = ([], None, 0)
+        dev = self._slots[0][offset : offset + shape.numel()].view(shape)
+        dev.copy_(h)
+        self._loaded[i][0].append(dev)
+        self._saved[i].append(dev)
 
     # ------------------------------------------------------------ backward
 
@@ -130,7 +150,7 @@ class SavedInputs:
             return [t.to(self.device, non_blocking=True) for t in saved]
         self.prefetch(i)
         out, ready, _ = self._loaded[i]
-        if not self.cuda:  # the copy was done when prefetch returned
+        if not self.cuda or ready is None:  # the copy is done (CPU) or was compute's own (last)
             return list(out)
         # the copy back is a stall of compute if it is not done yet
         self._stall_events.append(self._copier.compute_waits(ready))

@@ -154,6 +154,16 @@ def test_data_without_model_is_refused_instead_of_training_the_demo(tmp_path, da
     assert not (tmp_path / "o").exists()
 
 
+def test_train_where_ray_is_not_installed_says_what_to_install(tmp_path, model, data, monkeypatch):
+    """Ray is a dependency, but an install with --no-deps (the GPU machine's image) lacks it:
+    `train` then says to install it, in one line, before it writes anything."""
+    monkeypatch.setitem(sys.modules, "ray", None)  # None in sys.modules: `import ray` raises
+    out = tmp_path / "out"
+    code, output = train("--model", model, "--data", data, "--output", out, "--steps", 2)
+    assert_one_user_error(code, output, out, "`appliance train` needs Ray", "pip install")
+    assert not out.exists()
+
+
 def test_every_bad_flag_is_reported_at_once_each_naming_its_flag():
     code, out = train("--seq-len", "abc", "--lr", "x", "--lora-rank", "0")
     assert_user_error(code, out)
