@@ -366,7 +366,7 @@ def run_bench(
         "torch": torch.__version__,
         "dtype": dname,
         "base_quant": base_quant,
-        "dequant_kernels": _dequant_kernels(base_quant, device),
+        "dequant_kernels": _dequant_kernels(base_quant, device, dtype),
         "model": {**model_facts(args, dtype), "weight_bytes": weight_bytes},
         "lora": {  # the targets as this family reads them (Phi-3: the fused qkv and gate_up)
             "rank": spec.rank,
@@ -388,16 +388,14 @@ def run_bench(
     }
 
 
-def _dequant_kernels(base_quant: str, device: torch.device) -> str | None:
+def _dequant_kernels(base_quant: str, device: torch.device, dtype: torch.dtype) -> str | None:
     """What dequantized the blocks: "triton" (quant_gpu's fused kernels), or "pytorch" (on a CPU,
     or where the Triton kernels did not load or launch: quant warned why); None unquantized."""
-    from . import quant
+    from .quant import gpu_dequantizers
 
     if base_quant == "none":
         return None
-    if device.type in quant._GPU_DEVICES and quant._gpu_kernels() is not None:
-        return "triton"
-    return "pytorch"
+    return "triton" if gpu_dequantizers(device, dtype) is not None else "pytorch"
 
 
 # ---------------------------------------------------------------- output

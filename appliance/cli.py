@@ -45,11 +45,12 @@ def friendly_errors(fn):
 
 # dependencies whose absence is an install to fix, not a bug: what to install, and what runs
 # without it (the GPU machine's image has neither Ray nor boto3)
+_BOTO3_HINT = "boto3 for s3:// paths, which is not installed here: pip install 'boto3>=1.34'"
 MISSING_HINTS = {
     "ray": "Ray, which is not installed here: pip install 'ray[default]>=2.40' "
     "(eval and bench run without it)",
-    "boto3": "boto3 for s3:// paths, which is not installed here: pip install 'boto3>=1.34'",
-    "botocore": "boto3 for s3:// paths, which is not installed here: pip install 'boto3>=1.34'",
+    "boto3": _BOTO3_HINT,
+    "botocore": _BOTO3_HINT,  # boto3's own dependency, missing with it
 }
 
 

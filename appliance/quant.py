@@ -236,14 +236,21 @@ _GPU_DEVICES = ("cuda",)  # the tests add "cpu" to run the dispatch under Triton
 _GPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def gpu_dequantizers(device: torch.device, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    """quant_gpu's fused kernels where `dequantize` uses them (codes on a GPU, into a dtype they
+    are tested in, Triton loaded and launched), else None: the PyTorch functions below."""
+    if device.type in _GPU_DEVICES and dtype in _GPU_DTYPES:
+        return _gpu_kernels()
+    return None
+
+
 def dequantize(q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
     """The weight back in `dtype`, on the codes' device (shape q.shape).
 
     On a CUDA device with Triton, quant_gpu's fused kernels (one pass: codes and scales read
     once, the weight written once in `dtype`); else the PyTorch functions below. Both give the
     same values bit for bit (tests/test_quant_gpu.py)."""
-    on_gpu = q.codes.device.type in _GPU_DEVICES and dtype in _GPU_DTYPES
-    fused = _gpu_kernels() if on_gpu else None
+    fused = gpu_dequantizers(q.codes.device, dtype)
     if q.kind == "int8":
         impl = fused.dequantize_int8 if fused else dequantize_int8
         return impl(q.codes, q.scales, dtype)

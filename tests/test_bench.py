@@ -341,5 +341,5 @@ def test_a_quantized_bench_says_what_dequantized_its_blocks():
     unless its kernels did not load or launch), so a dequant share is read against the right one."""
     from appliance import bench
 
-    assert bench._dequant_kernels("nf4", torch.device("cpu")) == "pytorch"
-    assert bench._dequant_kernels("none", torch.device("cpu")) is None
+    assert bench._dequant_kernels("nf4", torch.device("cpu"), torch.float32) == "pytorch"
+    assert bench._dequant_kernels("none", torch.device("cpu"), torch.float32) is None
