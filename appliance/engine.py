@@ -47,6 +47,9 @@ from .offload import SavedInputs
 from .planner import CUDA_MARGIN_BYTES, effective_budget, plan_memory, step_flops
 from .streaming import DeviceWeights, event_seconds, with_index
 
+#: What a plan is sized for, of a batch (batch_sizes)
+SIZES = ("tokens", "biggest", "longest")
+
 # (input_ids (B, T), labels (B, T)), labels shifted; packed documents add a third element, the
 # layout (positions (B, T), segments (B, T)): per-row RoPE positions and document ids (model.py)
 MicroBatch = tuple[torch.Tensor, ...]
@@ -83,6 +86,16 @@ class StepStats:
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
+
+
+def batch_sizes(micro_batches: list[MicroBatch]) -> dict[str, int]:
+    """A global batch's sizes the plan depends on: its tokens, its biggest micro-batch's tokens,
+    its longest sequence."""
+    return {
+        "tokens": sum(mb[0].numel() for mb in micro_batches),
+        "biggest": max(mb[0].numel() for mb in micro_batches),
+        "longest": max(mb[0].shape[-1] for mb in micro_batches),
+    }
 
 
 class StreamedEngine:
@@ -146,7 +159,7 @@ class StreamedEngine:
         self.scaler = (loss_scaler or LossScaler()) if fp16 else None
         self.step_count = 0
         self._busy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._planned = False
+        self._sized_for: dict[str, int] = {}  # the batch sizes the plan holds (none yet)
         self._rope: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
         self.saved = SavedInputs(self.device, self.args.num_layers)
 
@@ -167,16 +180,19 @@ class StreamedEngine:
     def plan(self, micro_batches: list[MicroBatch]) -> None:
         """Decide which blocks stay resident and where saved activations live (CUDA only).
 
-        Sized for `micro_batches` (the biggest global batch to come); the first step or eval
-        calls it if nobody did. ConfigError if even streaming every block does not fit the budget.
+        Sized for `micro_batches` (the biggest global batch to come), and for any bigger batch
+        planned before; a step or eval whose batch the plan does not hold plans again (_plan_for).
+        ConfigError if even streaming every block does not fit the budget.
         """
-        self._planned = True
+        inputs = self.plan_inputs(micro_batches)
+        for k in SIZES:  # never smaller than a batch already planned for
+            inputs[k] = max(inputs[k], self._sized_for.get(k, 0))
+        self._sized_for = {k: inputs[k] for k in SIZES}
         if self.device.type != "cuda":
             return
         L = self.args.num_layers
         free, total = torch.cuda.mem_get_info(self.device)
         budget = effective_budget(self.budget, total, free, torch.cuda.memory_reserved(self.device))
-        inputs = self.plan_inputs(micro_batches)
         p = plan_memory(self.args, budget=budget, **inputs)
         if not p.fits:
             raise ConfigError(
@@ -191,6 +207,17 @@ class StreamedEngine:
         self.weights.configure(set(range(L - p.resident_blocks, L)), p.streaming_slots or 2)
         if p.offload_activations:  # page-locked host room for the biggest global batch, once
             self.saved.allocate(inputs["tokens"], self.args.hidden_size, self.dtype)
+        else:
+            self.saved.close()  # kept on the device (a plan before this one may have offloaded)
+
+    def _plan_for(self, micro_batches: list[MicroBatch]) -> None:
+        """Plan (again) if the plan does not hold `micro_batches`: none was made yet, or one was
+        made for a smaller batch (an eval's before the first, bigger, training step)."""
+        if not micro_batches:
+            return
+        sizes = batch_sizes(micro_batches)
+        if not self._sized_for or any(sizes[k] > self._sized_for[k] for k in SIZES):
+            self.plan(micro_batches)
 
     def plan_inputs(self, micro_batches: list[MicroBatch]) -> dict:
         """What `plan` tells planner.plan_memory besides the budget: the bytes this engine holds
@@ -198,9 +225,7 @@ class StreamedEngine:
         w = self.weights
         return dict(
             dtype_bytes=self.dtype.itemsize,
-            tokens=sum(mb[0].numel() for mb in micro_batches),
-            biggest=max(mb[0].numel() for mb in micro_batches),
-            longest=max(mb[0].shape[-1] for mb in micro_batches),
+            **batch_sizes(micro_batches),
             block_bytes=w.block_bytes(),
             # the globals, and a quantized block's dequantized weights while it computes
             globals_bytes=sum(t.numel() * t.element_size() for t in w.globals.values())
@@ -298,8 +323,7 @@ class StreamedEngine:
         """
         if self.optimizer is None:
             raise ValueError("this engine was built with lora=None: it evaluates, it cannot train")
-        if not self._planned and micro_batches:
-            self.plan(micro_batches)
+        self._plan_for(micro_batches)
         L = self.args.num_layers
         g = self.weights.globals
         # the step's timings start here: what an eval or logits call recorded since the last step
@@ -467,8 +491,7 @@ class StreamedEngine:
     @torch.no_grad()
     def eval_loss(self, micro_batches: list[MicroBatch]) -> tuple[float, int]:
         """(summed NLL, predicted tokens) without dropout or gradients."""
-        if not self._planned:
-            self.plan(micro_batches)
+        self._plan_for(micro_batches)
         self.weights.clear_timings()  # an eval's copies and waits are not reported: no pile-up
         self._busy_events.clear()
         hs = self._forward(micro_batches, step=0, dropout=False, save=False)
@@ -482,8 +505,7 @@ class StreamedEngine:
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full logits (B, T, vocab) in fp32, for parity tests and export checks."""
         ids = input_ids.to(self.device)
-        if not self._planned:
-            self.plan([(ids, ids)])
+        self._plan_for([(ids, ids)])
         self.weights.clear_timings()
         hs = self._forward([(ids, ids)], step=0, dropout=False, save=False)
         return M.logits(hs[0], self.weights.globals, self.args)

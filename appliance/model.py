@@ -298,7 +298,7 @@ def attention(
     if mask is None:
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     elif isinstance(mask, torch.Tensor):
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        y = masked_sdpa(q, k, v, mask)
     else:
         y = _flex_attention(q, k, v, mask, gqa)  # (B, nh, T, hs)
     y = y.transpose(1, 2).reshape(B, T, args.num_heads * hs)
@@ -334,14 +334,33 @@ def attend(
     if mask is not None:
         keep = keep & mask  # (B, 1, T, T)
     if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
-    if gqa:  # query head h reads key/value head h // (nh / nkv)
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        return masked_sdpa(q, k, v, keep, scale)
+    k, v = repeat_kv(k, v, q.shape[1])
     scores = q @ k.transpose(-2, -1) * (scale if scale is not None else q.shape[-1] ** -0.5)
     scores = torch.tanh(scores / softcap) * softcap  # (B, nh, T, T)
     scores = scores.masked_fill(~keep, float("-inf"))
     return F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def repeat_kv(k: torch.Tensor, v: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v (B, nkv, T, hs) with each head repeated to `heads` heads: query head h reads key/value
+    head h // (heads / nkv). Unchanged without grouped-query heads."""
+    if k.shape[1] == heads:
+        return k, v
+    n = heads // k.shape[1]
+    return k.repeat_interleave(n, dim=1), v.repeat_interleave(n, dim=1)
+
+
+def masked_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale=None
+) -> torch.Tensor:
+    """SDPA with an explicit boolean mask (True: may attend). Grouped-query keys and values are
+    repeated to the query heads first, as transformers does where it passes a mask: SDPA's
+    enable_gqa runs only in its flash and math kernels on CUDA (torch 2.11's documentation), and
+    flash takes no mask, so a masked GQA call would take the math kernel, which writes out fp32
+    (B, nh, T, T) scores; with repeated heads the memory-efficient kernel takes it."""
+    k, v = repeat_kv(k, v, q.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -476,7 +476,7 @@ def format_plan(r: dict) -> str:
         + (" (offloaded to host)" if r["offload_activations"] else ""),
         f"  LoRA + AdamW state (fp32)      {_b(g['lora_optimizer'])}",
         f"  embeddings, norm, head         {_b(g['globals'])}",
-        f"  working set (block, head)      {_b(g['working_set'])}",
+        f"  working set (transient)        {_b(g['working_set'])}",
         f"  total                          {_b(g['total'])}",
         "",
         "Time (per optimizer step, per GPU)",

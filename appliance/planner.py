@@ -19,7 +19,8 @@ class MemoryPlan:
     budget: int
     globals_bytes: int  # embeddings, final norm, LM head on the device
     lora_bytes: int  # LoRA parameter, gradient and two Adam moments, fp32
-    work_bytes: int  # transient: one micro-batch through one block, and the fp32 head
+    work_bytes: int  # transient: the step's hidden states and their gradients, one
+    # micro-batch through one block, and the fp32 head
     activation_bytes: int  # every block's saved input, for every micro-batch of the step
     offload_activations: bool  # saved inputs live in pinned host memory instead
     block_bytes: int  # one block as uploaded
@@ -97,7 +98,11 @@ def plan_memory(
     L, C = args.num_layers, args.hidden_size
     lora = lora_params * 4 * 4  # param, grad, two Adam moments (fp32)
     saved = L * tokens * C * dtype_bytes
-    work = biggest * (6 * C + 4 * args.intermediate_size) * dtype_bytes * 2
+    # the step's hidden states: the last block's outputs for every micro-batch, then their
+    # gradients, both held at the head (the backward then carries one of them block to block)
+    work = 2 * tokens * C * dtype_bytes
+    # one micro-batch through one block
+    work += biggest * (6 * C + 4 * args.intermediate_size) * dtype_bytes * 2
     # the head, one sequence chunk at a time (model.HEAD_CHUNK_VALUES): fp32 logits, their
     # softmax and its gradient
     work += min(biggest * args.vocab_size, HEAD_CHUNK_VALUES) * 4 * 3

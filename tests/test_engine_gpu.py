@@ -70,7 +70,8 @@ def half_streaming_budget(source, mbs, dtype) -> int:
     fixed = sum(t.numel() for t in source.globals().values()) * es
     fixed += LoraWeights(a, SPEC).num_parameters() * 4 * 4
     biggest = max(ids.numel() for ids, _ in mbs)
-    work = biggest * (6 * a.hidden_size + 4 * a.intermediate_size) * es * 2
+    work = 2 * sum(ids.numel() for ids, _ in mbs) * a.hidden_size * es  # hidden states, grads
+    work += biggest * (6 * a.hidden_size + 4 * a.intermediate_size) * es * 2
     work += min(biggest * a.vocab_size, HEAD_CHUNK_VALUES) * 4 * 3
     saved = L * sum(ids.numel() for ids, _ in mbs) * a.hidden_size * es
     # the plan keeps CUDA_MARGIN_BYTES of the budget for what lives outside its parts
@@ -274,3 +275,37 @@ def test_offloaded_activations_equal_the_resident_run_bit_for_bit():
     (losses_r, g_r), (losses_o, g_o) = results
     assert losses_o == losses_r
     assert all(torch.equal(a, b) for a, b in zip(g_o, g_r, strict=True))
+
+
+def test_an_eval_before_the_first_step_does_not_size_the_plan_for_training():
+    """An eval first (the demo's, before training) plans for its batch, which saves nothing: the
+    first training step, whose saved inputs must go to host memory under this budget, plans
+    again and allocates them, and its loss and gradients equal an engine planned for it first."""
+    args = _llama(2048, 1024, 2816, 4, 8, 4)
+    source = SyntheticBlockSource(args, torch.bfloat16)
+    mbs = batches(args.vocab_size, n=8, rows=2, T=1024)
+    results = []
+    with sdpa_kernel(SDPBackend.MATH):
+        for eval_first in (False, True):
+            engine = StreamedEngine(
+                source, lora_with_random_b(args, "cuda"), device="cuda", dtype=torch.bfloat16,
+                grad_clip=None,
+            )  # fmt: skip
+            engine.budget = budget_where(engine, mbs, lambda p: p.offload_activations)
+            torch.cuda.set_per_process_memory_fraction(
+                engine.budget / torch.cuda.get_device_properties(0).total_memory
+            )
+            if eval_first:
+                engine.eval_loss(mbs[:1])
+                assert not engine.saved.offload  # one micro-batch's inputs stay on the device
+            loss, _, _ = engine.forward_backward(mbs, step=0)
+            assert engine.saved.offload
+            results.append((loss, grads(engine)))
+            engine.close()
+            del engine
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.set_per_process_memory_fraction(1.0)
+    (loss_a, g_a), (loss_b, g_b) = results
+    assert loss_b == loss_a
+    assert all(torch.equal(a, b) for a, b in zip(g_b, g_a, strict=True))

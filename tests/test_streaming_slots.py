@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from appliance import models
-from appliance.engine import StreamedEngine
+from appliance.engine import StreamedEngine, batch_sizes
 from appliance.planner import blocks_uploaded_per_step
 from appliance.presets import _llama
 from appliance.synthetic import SyntheticBlockSource
@@ -143,6 +143,28 @@ def test_offloaded_saved_inputs_equal_inputs_kept_in_place():
     bigger = micro_batches(n=4)
     with pytest.raises(RuntimeError, match="saved inputs: this step has .* the plan allocated"):
         eng.forward_backward(bigger, 2)
+
+
+def test_a_batch_bigger_than_the_plan_holds_is_planned_again(monkeypatch):
+    """The demo evaluates before it trains: the plan made for the eval's batch (smaller, nothing
+    saved) is made again for the first training step's, sized for the biggest of each size seen;
+    a batch the plan holds plans nothing. (On CUDA the plan then allocates what the bigger batch
+    needs: the offload's host buffer, tests/test_engine_gpu.py.)"""
+    _, _, eng = engines()
+    planned = []
+    plan = eng.plan
+    monkeypatch.setattr(eng, "plan", lambda mbs: (planned.append(batch_sizes(mbs)), plan(mbs)))
+    small, big = micro_batches(n=1), micro_batches(n=4)
+    longer = micro_batches(n=1, rows=1, T=48)  # fewer tokens than `big`, a longer sequence
+    eng.eval_loss(small)
+    eng.forward_backward(big, 0)
+    eng.forward_backward(big, 1)
+    eng.eval_loss(small)
+    assert planned == [batch_sizes(small), batch_sizes(big)]
+    eng.eval_loss(longer)
+    assert planned[2:] == [batch_sizes(longer)]
+    # the most tokens of `big`; the biggest micro-batch (48 tokens) and longest row of `longer`
+    assert eng._sized_for == {"tokens": 4 * 2 * 16, "biggest": 48, "longest": 48}
 
 
 def test_a_copy_interrupted_before_it_is_queued_leaves_its_slot_free(monkeypatch):
