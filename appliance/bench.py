@@ -333,6 +333,7 @@ def run_bench(
     matmul = measure_matmul(device, dtype, n, reps)
     dname = str(dtype).removeprefix("torch.")
     source = SyntheticBlockSource(args, dtype, base_quant=base_quant)
+    source.make_all()  # on the host's cores, before anything is timed
     batches = _batches(args, shape)
     budget_kind = "--gpu-memory-budget" if gpu_memory_budget else None
     if device.type == "cuda" and gpu_memory_budget is None:

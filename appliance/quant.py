@@ -221,12 +221,14 @@ def _probe_device() -> torch.device | None:
 
 
 def _launch_each(kernels, device: torch.device) -> None:  # type: ignore[no-untyped-def]
-    """Dequantize a tiny weight of each kind with `kernels` on `device`, waiting for the GPU (a
+    """Dequantize a tiny weight of each kind into each dtype dequantize uses them for, with
+    `kernels` on `device` (Triton compiles one kernel per output dtype), waiting for the GPU (a
     kernel's launch errors surface at the next synchronization)."""
     w = torch.linspace(-1.0, 1.0, 2 * NF4_BLOCK).view(2, NF4_BLOCK)
-    q8, q4 = quantize(w, "int8", "probe"), quantize(w, "nf4", "probe")
-    kernels.dequantize_int8(q8.codes.to(device), q8.scales.to(device), torch.bfloat16)
-    kernels.dequantize_nf4(q4.codes.to(device), q4.scales.to(device), q4.shape, torch.bfloat16)
+    q8, q4 = quantize(w, "int8", "probe").to(device), quantize(w, "nf4", "probe").to(device)
+    for dtype in _GPU_DTYPES:
+        kernels.dequantize_int8(q8.codes, q8.scales, dtype)
+        kernels.dequantize_nf4(q4.codes, q4.scales, q4.shape, dtype)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

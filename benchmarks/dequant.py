@@ -32,6 +32,7 @@ import json
 import os
 import statistics
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -80,9 +81,18 @@ def timer(device: torch.device, reps: int, warmup: int):
     return median_ms
 
 
-def triton_kernels(device: torch.device):
-    """quant_gpu on CUDA where triton imports (else None, with the reason)."""
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+def triton_kernels(device: torch.device, dtype: torch.dtype):
+    """quant_gpu where quant.dequantize uses it (else None, with the reason): on CUDA, what
+    quant.gpu_dequantizers decides, after launching each kernel once (a Triton that imports but
+    cannot compile or launch gives the PyTorch column alone, with its warning as the reason)."""
+    if device.type == "cuda":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            kernels = quant.gpu_dequantizers(device, dtype)
+        if kernels is None:
+            return None, str(caught[-1].message) if caught else f"none for {dtype}"
+        return kernels, None
+    if os.environ.get("TRITON_INTERPRET") != "1":
         return None, "not on CUDA"  # on a CPU only under Triton's interpreter (a smoke test)
     try:
         from appliance import quant_gpu
@@ -160,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not cuda:
         torch.set_num_threads(a.threads)
     presets = (a.presets or ("7b,70b" if cuda else "tiny")).split(",")
-    kernels, no_triton = triton_kernels(device)
+    kernels, no_triton = triton_kernels(device, dtype)
     median_ms = timer(device, a.reps, a.warmup)
     gen = torch.Generator().manual_seed(0)
     rows = []

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -177,6 +178,21 @@ def test_synthetic_weights_are_the_same_in_every_process():
         for seed in ("1", "2")
     }
     assert len(sums) == 1, sums
+
+
+@pytest.mark.parametrize("base_quant", ["none", "nf4"])
+def test_synthetic_blocks_made_all_at_once_by_threads_equal_those_made_one_by_one(base_quant):
+    """make_all (the bench's: every block made on the host's cores before timing) gives each
+    block the bytes and index that making it alone gives."""
+    args = B.PRESETS["tiny"].args
+    together = B.SyntheticBlockSource(args, torch.bfloat16, base_quant=base_quant)
+    together.make_all(threads=3)
+    assert sorted(together._flat) == list(range(args.num_layers))
+    for i in reversed(range(args.num_layers)):
+        alone = B.SyntheticBlockSource(args, torch.bfloat16, base_quant=base_quant)
+        buf, index = alone.flat_block(i)
+        assert together._flat[i][1] == index
+        assert np.array_equal(together._flat[i][0], buf)
 
 
 def test_synthetic_blocks_are_made_lazily_with_the_checkpoint_layout():

@@ -221,6 +221,40 @@ def test_kernels_that_fail_at_their_first_launch_fall_back_before_the_first_step
         quant._gpu_kernels.cache_clear()
 
 
+def test_the_first_launch_probes_every_dtype_the_kernels_are_used_for(monkeypatch):
+    """Triton compiles one kernel per output dtype: a kernel that compiles in bfloat16 but not in
+    float16 falls back when the kernels are first loaded (a warning, the PyTorch path), not at the
+    first float16 step's dequantize. (CPU and a stand-in module for the GPU, as above.)"""
+    import types
+
+    launched = []
+
+    def fails_in_float16(*args):
+        launched.append(args[-1])
+        if args[-1] == torch.float16:
+            raise RuntimeError("triton: unsupported conversion to fp16 on this target")
+        return None
+
+    partial = types.ModuleType("appliance.quant_gpu")
+    partial.dequantize_int8 = partial.dequantize_nf4 = fails_in_float16
+    monkeypatch.setitem(sys.modules, "appliance.quant_gpu", partial)
+    monkeypatch.setattr(quant, "_probe_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(quant, "_GPU_DEVICES", ("cpu",))
+    quant._gpu_kernels.cache_clear()
+    try:
+        name, q = cases()[0]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = quant.dequantize(q, torch.bfloat16)  # a bfloat16 step loads the kernels
+        messages = [str(w.message) for w in caught]
+        assert len(messages) == 1 and "unsupported conversion to fp16" in messages[0]
+        assert launched == [torch.bfloat16, torch.bfloat16, torch.float16]  # int8, nf4, int8
+        assert quant.gpu_dequantizers(torch.device("cpu"), torch.float16) is None
+        assert _same_bits(got, _torch_path(q, torch.bfloat16)), name
+    finally:
+        quant._gpu_kernels.cache_clear()
+
+
 def test_dequant_benchmark_runs_on_a_cpu_and_writes_json(tmp_path):
     """benchmarks/dequant.py's CPU path (tiny, PyTorch only): a table and JSON, and none of Ray,
     boto3 imported (the script must run on a bare GPU image)."""
