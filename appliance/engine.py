@@ -227,9 +227,11 @@ class StreamedEngine:
             dtype_bytes=self.dtype.itemsize,
             **batch_sizes(micro_batches),
             block_bytes=w.block_bytes(),
-            # the globals, and a quantized block's dequantized weights while it computes
+            # the globals, a quantized block's dequantized weights while it computes, and the
+            # packed documents' masks, kept for a whole pass
             globals_bytes=sum(t.numel() * t.element_size() for t in w.globals.values())
-            + w.dequant_bytes(),
+            + w.dequant_bytes()
+            + self._mask_bytes(micro_batches),
             lora_params=self.lora.num_parameters(),
         )
 
@@ -250,6 +252,14 @@ class StreamedEngine:
         if self.device.type == "cuda" and models.takes_block_mask(self.args):
             return positions, M.document_block_mask(segments), {}
         return positions, M.document_mask(segments), {}
+
+    def _mask_bytes(self, micro_batches: list[MicroBatch]) -> int:
+        """Device bytes of the boolean (B, 1, T, T) document masks `_attention_inputs` makes for
+        a pass's packed micro-batches (a BlockMask, where one replaces them, is small)."""
+        if self.device.type == "cuda" and models.takes_block_mask(self.args):
+            return 0
+        packed = [mb[0].shape for mb in micro_batches if len(mb) > 2 and mb[2] is not None]
+        return sum(B * T * T for B, T in packed)
 
     def _block_inputs(
         self, attn: tuple, T: int, i: int

@@ -25,6 +25,7 @@ them on a machine without a GPU).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -87,6 +88,12 @@ def _nf4_levels(device: torch.device) -> torch.Tensor:
     return _levels[device]
 
 
+def _on(device: torch.device):  # type: ignore[no-untyped-def]
+    """Where a kernel launches: Triton launches on the current CUDA device, whichever device the
+    tensors are on, so a launch for another device's tensors makes that one current for it."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """codes int8 (out, in) · scales fp32 (out,) per row, as `dtype` (quant.dequantize_int8)."""
     rows, cols = codes.shape
@@ -94,7 +101,10 @@ def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     out = torch.empty((rows, cols), dtype=dtype, device=codes.device)
     if out.numel():
         grid = (rows, triton.cdiv(cols, _INT8_COLS))
-        _int8_kernel[grid](codes, scales, out, cols, BLOCK=_INT8_COLS, BF16=dtype == torch.bfloat16)
+        with _on(codes.device):
+            _int8_kernel[grid](
+                codes, scales, out, cols, BLOCK=_INT8_COLS, BF16=dtype == torch.bfloat16
+            )
     return out
 
 
@@ -110,7 +120,8 @@ def dequantize_nf4(
     if numel:
         grid = (triton.cdiv(numel, _NF4_VALUES),)
         levels = _nf4_levels(codes.device)
-        _nf4_kernel[grid](
-            codes, absmax, levels, out, numel, BLOCK=_NF4_VALUES, BF16=dtype == torch.bfloat16
-        )
+        with _on(codes.device):
+            _nf4_kernel[grid](
+                codes, absmax, levels, out, numel, BLOCK=_NF4_VALUES, BF16=dtype == torch.bfloat16
+            )
     return out

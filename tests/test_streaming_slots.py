@@ -167,6 +167,21 @@ def test_a_batch_bigger_than_the_plan_holds_is_planned_again(monkeypatch):
     assert eng._sized_for == {"tokens": 4 * 2 * 16, "biggest": 48, "longest": 48}
 
 
+def test_the_plan_counts_the_packed_documents_masks_a_pass_keeps():
+    """Packed micro-batches carry a layout (positions, segments): a pass keeps a boolean
+    (B, 1, T, T) document mask for each (on a CPU; on CUDA a Llama block takes a small BlockMask
+    instead), and the plan counts them; unpacked micro-batches have none."""
+    _, _, eng = engines()
+    plain = micro_batches(n=3, rows=2, T=16)
+    segments = torch.arange(16).div(6, rounding_mode="floor").expand(2, 16)  # 3 documents a row
+    positions = torch.arange(16).remainder(6).expand(2, 16)
+    packed = [(ids, labels, (positions, segments)) for ids, labels in plain]
+    extra = eng.plan_inputs(packed)["globals_bytes"] - eng.plan_inputs(plain)["globals_bytes"]
+    assert extra == 3 * 2 * 16 * 16
+    mask = eng._attention_inputs(packed[0])[1]
+    assert mask.dtype == torch.bool and mask.numel() * mask.element_size() == 2 * 16 * 16
+
+
 def test_a_copy_interrupted_before_it_is_queued_leaves_its_slot_free(monkeypatch):
     """Ctrl-C in the staging wait (or any error before the copy is queued): the slot it took goes
     back, so the next prefetch still finds two."""
