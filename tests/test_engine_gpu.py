@@ -109,11 +109,8 @@ def run_resident_and_streamed(dtype: torch.dtype):
             # the backward of the first step left it on the device for this step's forward
             assert second.h2d_bytes == (2 * streamed - 1) * flat
         out.append((loss, n_target, g, second.loss))
-        engine.close()
-        del engine
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.set_per_process_memory_fraction(1.0)
+        release(engine)
+        del engine  # its LoRA state too, before the next engine plans
     return out
 
 
@@ -239,25 +236,43 @@ def budget_where(engine: StreamedEngine, mbs, want) -> int:
     raise AssertionError("no budget gives the plan asked for")
 
 
+OFFLOAD_ARGS = _llama(2048, 1024, 2816, 4, 8, 4)  # small blocks: long micro-batches offload
+
+
+def offload_engine(source, mbs, offload: bool = True) -> StreamedEngine:
+    """A bf16 engine over `source`; `offload`: under (and capped at) the smallest budget whose
+    plan for `mbs` sends the saved inputs to host memory."""
+    engine = StreamedEngine(
+        source, lora_with_random_b(source.args, "cuda"), device="cuda", dtype=torch.bfloat16,
+        grad_clip=None,
+    )  # fmt: skip
+    if offload:
+        engine.budget = budget_where(engine, mbs, lambda p: p.offload_activations)
+        torch.cuda.set_per_process_memory_fraction(
+            engine.budget / torch.cuda.get_device_properties(0).total_memory
+        )
+    return engine
+
+
+def release(engine: StreamedEngine) -> None:
+    """Close the engine (its device weights and saved inputs go) and lift its memory cap, for
+    the next engine of the test."""
+    engine.close()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(1.0)
+
+
 def test_offloaded_activations_equal_the_resident_run_bit_for_bit():
     """Small blocks, long micro-batches: a budget under which the saved inputs go to page-locked
     host memory (on their own stream, back through two device slots) gives the same loss and
     LoRA gradients, bit for bit, as keeping everything on the device."""
-    args = _llama(2048, 1024, 2816, 4, 8, 4)
-    source = SyntheticBlockSource(args, torch.bfloat16)
-    mbs = batches(args.vocab_size, n=8, rows=2, T=1024)
+    source = SyntheticBlockSource(OFFLOAD_ARGS, torch.bfloat16)
+    mbs = batches(OFFLOAD_ARGS.vocab_size, n=8, rows=2, T=1024)
     results = []
     with sdpa_kernel(SDPBackend.MATH):
         for offload in (False, True):
-            engine = StreamedEngine(
-                source, lora_with_random_b(args, "cuda"), device="cuda", dtype=torch.bfloat16,
-                grad_clip=None,
-            )  # fmt: skip
-            if offload:
-                engine.budget = budget_where(engine, mbs, lambda p: p.offload_activations)
-                torch.cuda.set_per_process_memory_fraction(
-                    engine.budget / torch.cuda.get_device_properties(0).total_memory
-                )
+            engine = offload_engine(source, mbs, offload)
             engine.plan(mbs)
             assert engine.saved.offload == offload
             losses = []
@@ -267,11 +282,8 @@ def test_offloaded_activations_equal_the_resident_run_bit_for_bit():
                 g = grads(engine)
                 engine.optimizer_step(lr=1e-3)
             results.append((losses, g))
-            engine.close()
-            del engine
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            torch.cuda.set_per_process_memory_fraction(1.0)
+            release(engine)
+            del engine  # its LoRA state too, before the next engine plans
     (losses_r, g_r), (losses_o, g_o) = results
     assert losses_o == losses_r
     assert all(torch.equal(a, b) for a, b in zip(g_o, g_r, strict=True))
@@ -281,31 +293,20 @@ def test_an_eval_before_the_first_step_does_not_size_the_plan_for_training():
     """An eval first (the demo's, before training) plans for its batch, which saves nothing: the
     first training step, whose saved inputs must go to host memory under this budget, plans
     again and allocates them, and its loss and gradients equal an engine planned for it first."""
-    args = _llama(2048, 1024, 2816, 4, 8, 4)
-    source = SyntheticBlockSource(args, torch.bfloat16)
-    mbs = batches(args.vocab_size, n=8, rows=2, T=1024)
+    source = SyntheticBlockSource(OFFLOAD_ARGS, torch.bfloat16)
+    mbs = batches(OFFLOAD_ARGS.vocab_size, n=8, rows=2, T=1024)
     results = []
     with sdpa_kernel(SDPBackend.MATH):
         for eval_first in (False, True):
-            engine = StreamedEngine(
-                source, lora_with_random_b(args, "cuda"), device="cuda", dtype=torch.bfloat16,
-                grad_clip=None,
-            )  # fmt: skip
-            engine.budget = budget_where(engine, mbs, lambda p: p.offload_activations)
-            torch.cuda.set_per_process_memory_fraction(
-                engine.budget / torch.cuda.get_device_properties(0).total_memory
-            )
+            engine = offload_engine(source, mbs)
             if eval_first:
                 engine.eval_loss(mbs[:1])
                 assert not engine.saved.offload  # one micro-batch's inputs stay on the device
             loss, _, _ = engine.forward_backward(mbs, step=0)
             assert engine.saved.offload
             results.append((loss, grads(engine)))
-            engine.close()
-            del engine
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            torch.cuda.set_per_process_memory_fraction(1.0)
+            release(engine)
+            del engine  # its LoRA state too, before the next engine plans
     (loss_a, g_a), (loss_b, g_b) = results
     assert loss_b == loss_a
     assert all(torch.equal(a, b) for a, b in zip(g_b, g_a, strict=True))
