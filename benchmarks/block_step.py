@@ -122,9 +122,9 @@ def time_block(
 
     row: dict = {"impl": "compiled" if block else "eager"}
     if block is not None:
-        row["recompile_limit"] = torch._dynamo.config.recompile_limit
-    if block is not None:
         from torch._dynamo.utils import counters
+
+        row["recompile_limit"] = torch._dynamo.config.recompile_limit
 
         breaks = sum(counters["graph_break"].values())
         t0 = time.perf_counter()
