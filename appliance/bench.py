@@ -392,11 +392,9 @@ def run_bench(
 def _dequant_kernels(base_quant: str, device: torch.device, dtype: torch.dtype) -> str | None:
     """What dequantized the blocks: "triton" (quant_gpu's fused kernels), or "pytorch" (on a CPU,
     or where the Triton kernels did not load or launch: quant warned why); None unquantized."""
-    from .quant import gpu_dequantizers
-
     if base_quant == "none":
         return None
-    return "triton" if gpu_dequantizers(device, dtype) is not None else "pytorch"
+    return "triton" if quant.gpu_dequantizers(device, dtype) is not None else "pytorch"
 
 
 # ---------------------------------------------------------------- output

@@ -13,6 +13,7 @@ Three ways, as the machine allows:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -187,46 +188,58 @@ def test_without_triton_dequantize_warns_once_and_uses_pytorch(monkeypatch):
         quant._gpu_kernels.cache_clear()  # the next test imports triton afresh, where it can
 
 
+@contextlib.contextmanager
+def stand_in_kernels(monkeypatch, launch):
+    """quant_gpu replaced by a module whose two kernels are `launch` (args as quant_gpu's, the
+    dtype last), on a CPU that takes the GPU branch, loaded afresh: as Triton kernels that compile
+    or fail at their first launch would be on a GPU."""
+    import types
+
+    stand_in = types.ModuleType("appliance.quant_gpu")
+    stand_in.dequantize_int8 = stand_in.dequantize_nf4 = launch
+    monkeypatch.setitem(sys.modules, "appliance.quant_gpu", stand_in)
+    monkeypatch.setattr(quant, "_probe_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(quant, "_GPU_DEVICES", ("cpu",))  # take the GPU branch with CPU codes
+    quant._gpu_kernels.cache_clear()
+    try:
+        yield
+    finally:
+        quant._gpu_kernels.cache_clear()
+
+
+def dequantize_warning(q: QuantizedTensor) -> tuple[torch.Tensor, list[str]]:
+    """A bfloat16 dequantize of q (the first loads the kernels) and the warnings it gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = quant.dequantize(q, torch.bfloat16)
+    return got, [str(w.message) for w in caught]
+
+
 def test_kernels_that_fail_at_their_first_launch_fall_back_before_the_first_step(monkeypatch):
     """Triton compiles at a kernel's first launch, not at import (a missing C compiler, an
     unwritable cache, a GPU its ptxas does not know): the dispatch launches both kernels once when
     it first loads them, and a failure there warns and takes the PyTorch path, rather than
     raising inside a training step. (The GPU is stood in for by the CPU and the kernels by a
     module whose launches fail, as they would.)"""
-    import types
-
     launched = []
 
     def failing(*args):
         launched.append(args[-1])
         raise RuntimeError("ptxas fatal: Value 'sm_120' is not defined for option 'gpu-name'")
 
-    broken = types.ModuleType("appliance.quant_gpu")
-    broken.dequantize_int8 = broken.dequantize_nf4 = failing
-    monkeypatch.setitem(sys.modules, "appliance.quant_gpu", broken)
-    monkeypatch.setattr(quant, "_probe_device", lambda: torch.device("cpu"))
-    monkeypatch.setattr(quant, "_GPU_DEVICES", ("cpu",))  # take the GPU branch with CPU codes
-    quant._gpu_kernels.cache_clear()
-    try:
+    with stand_in_kernels(monkeypatch, failing):
         name, q = cases()[0]
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            got = quant.dequantize(q, torch.bfloat16)
-        messages = [str(w.message) for w in caught]
+        got, messages = dequantize_warning(q)
         assert len(messages) == 1 and "Triton's GPU kernels unavailable" in messages[0]
         assert "ptxas fatal" in messages[0] and "dequantizing with PyTorch" in messages[0]
         assert launched == [torch.bfloat16]  # the probe's int8 launch, before any step's
         assert _same_bits(got, _torch_path(q, torch.bfloat16)), name
-    finally:
-        quant._gpu_kernels.cache_clear()
 
 
 def test_the_first_launch_probes_every_dtype_the_kernels_are_used_for(monkeypatch):
     """Triton compiles one kernel per output dtype: a kernel that compiles in bfloat16 but not in
     float16 falls back when the kernels are first loaded (a warning, the PyTorch path), not at the
     first float16 step's dequantize. (CPU and a stand-in module for the GPU, as above.)"""
-    import types
-
     launched = []
 
     def fails_in_float16(*args):
@@ -235,24 +248,13 @@ def test_the_first_launch_probes_every_dtype_the_kernels_are_used_for(monkeypatc
             raise RuntimeError("triton: unsupported conversion to fp16 on this target")
         return None
 
-    partial = types.ModuleType("appliance.quant_gpu")
-    partial.dequantize_int8 = partial.dequantize_nf4 = fails_in_float16
-    monkeypatch.setitem(sys.modules, "appliance.quant_gpu", partial)
-    monkeypatch.setattr(quant, "_probe_device", lambda: torch.device("cpu"))
-    monkeypatch.setattr(quant, "_GPU_DEVICES", ("cpu",))
-    quant._gpu_kernels.cache_clear()
-    try:
+    with stand_in_kernels(monkeypatch, fails_in_float16):
         name, q = cases()[0]
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            got = quant.dequantize(q, torch.bfloat16)  # a bfloat16 step loads the kernels
-        messages = [str(w.message) for w in caught]
+        got, messages = dequantize_warning(q)  # a bfloat16 step loads the kernels
         assert len(messages) == 1 and "unsupported conversion to fp16" in messages[0]
         assert launched == [torch.bfloat16, torch.bfloat16, torch.float16]  # int8, nf4, int8
         assert quant.gpu_dequantizers(torch.device("cpu"), torch.float16) is None
         assert _same_bits(got, _torch_path(q, torch.bfloat16)), name
-    finally:
-        quant._gpu_kernels.cache_clear()
 
 
 def test_dequant_benchmark_runs_on_a_cpu_and_writes_json(tmp_path):
