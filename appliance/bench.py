@@ -17,8 +17,8 @@ resident is refused, since it would time ordinary training.
 
 The floor of one step (docs/architecture.md, "The speed floor") is max(W / B, F / P): W = the
 bytes the engine copies host→device in one step (each streamed block once per pass, less block 0,
-which stays from one step's backward into the next forward: 2·streamed − 1 blocks; on CUDA the
-bytes it really copied), B = bandwidth measured from the memory the engine copies from (one of
+which stays from one step's backward into the next forward, and less the last block when none is
+resident: planner.blocks_uploaded_per_step; the engine's own count is reported beside it), B = bandwidth measured from the memory the engine copies from (one of
 its own page-locked blocks into the device, median of 10, on CUDA; a host memcpy of 256 MiB on
 CPU, where nothing is really copied: weights are read in place, so the row is nominal), F = the
 step's FLOPs (≈ 6·N·T), P = the measured dense matmul rate in the compute dtype (`--dtype
@@ -172,7 +172,7 @@ def _run_mode(
         del engine, lora
         _release_cuda(device)
 
-    # the bytes one steady-state step copies: 2·streamed − 1 blocks (block 0 stays between steps)
+    # the bytes one steady-state step copies (block 0 stays between steps; planner's count)
     W = blocks_uploaded_per_step(L, resident) * block_bytes
     B = measured_b or bandwidth
     step = statistics.mean(s.step_seconds for s in timed)

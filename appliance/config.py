@@ -44,7 +44,9 @@ class TrainConfig:
         "*.safetensors, tokenizer.json), or an id (org/name) in the local Hugging Face cache. "
         "Omit for the built-in demo.",
     )
-    data: str | None = _f(None, "Training data: a .jsonl/.txt file, a directory of them, or s3://.")
+    data: str | None = _f(
+        None, "Training data: a .jsonl, .parquet or .txt file, a directory of them, or s3://."
+    )
     output: str | None = _f(
         None, "Where the adapter and checkpoints go (directory or s3:// prefix)."
     )

@@ -110,7 +110,7 @@ class RawDocument:
 def find_data_files(path: str | Path) -> list[Path]:
     """The dataset's files in document order.
 
-    DataError if the path is missing, holds no .jsonl/.txt file, or no document at all.
+    DataError if the path is missing, holds no .jsonl, .parquet or .txt file, or no document at all.
     """
     root = Path(path)
     if not root.exists():
