@@ -293,16 +293,16 @@ def run_bench(
         dtype = dtype_from_name(resolve_dtype("auto", device.type))
     default = p.gpu if device.type == "cuda" else p.cpu
     shape = Shape(
-        micro_batch_size or default.micro_batch_size,
-        seq_len or default.seq_len,
-        micro_batches or default.micro_batches,
+        default.micro_batch_size if micro_batch_size is None else micro_batch_size,
+        default.seq_len if seq_len is None else seq_len,
+        default.micro_batches if micro_batches is None else micro_batches,
         default.steps if steps is None else steps,
         default.warmup if warmup is None else warmup,
     )
     for flag, v in (
         ("--micro-batch-size", shape.micro_batch_size),
         ("--seq-len", shape.seq_len),
-        ("--micro-batches", shape.micro_batches),
+        ("--micro-batches-per-step", shape.micro_batches),
         ("--steps", shape.steps),
     ):
         if v < 1:
@@ -517,7 +517,13 @@ def parser(prog: str = "python -m appliance.bench") -> argparse.ArgumentParser:
     )
     ap.add_argument("--seq-len", type=int, default=None, metavar="N", help="Tokens per row.")
     ap.add_argument(
-        "--micro-batches", type=int, default=None, metavar="N", help="Micro-batches per step."
+        "--micro-batches-per-step",
+        "--micro-batches",  # the older spelling, still accepted
+        dest="micro_batches",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Micro-batches per optimizer step (as train's flag).",
     )
     ap.add_argument("--steps", type=int, default=None, metavar="N", help="Timed steps.")
     ap.add_argument(

@@ -48,7 +48,7 @@ class ChatTemplate:
         import jinja2
 
         try:
-            return _compiled(self.template).render(
+            return _compiled(self.template, self.source).render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 tools=None,
@@ -62,10 +62,12 @@ class ChatTemplate:
 _CACHE: dict[str, Any] = {}
 
 
-def _compiled(template: str):
-    """The compiled jinja2 template (cached per process: workers render thousands of records)."""
+def _compiled(template: str, source: str):
+    """The compiled jinja2 template (cached per process: workers render thousands of records).
+    ChatError naming `source` (where the template came from) and the line when it does not
+    compile."""
     if template not in _CACHE:
-        from jinja2.exceptions import TemplateError
+        from jinja2.exceptions import TemplateError, TemplateSyntaxError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str):
@@ -84,8 +86,12 @@ def _compiled(template: str):
         # `strftime_now is defined` (Llama 3.x) fall back to their fixed date.
         try:
             _CACHE[template] = env.from_string(template)
+        except TemplateSyntaxError as e:
+            raise ChatError(
+                f"chat template {source} does not compile, at its line {e.lineno}: {e.message}"
+            ) from None
         except TemplateError as e:
-            raise ChatError(f"chat template does not compile: {e}") from None
+            raise ChatError(f"chat template {source} does not compile: {e}") from None
     return _CACHE[template]
 
 
@@ -121,7 +127,7 @@ def load_chat_template(model_dir: str | Path, override: str | Path | None = None
         template = (model_dir / TEMPLATE_FILE).read_text(encoding="utf-8")
     else:
         value = config.get("chat_template")
-        source = f"{config_path}: chat_template"
+        source = f"{config_path} chat_template"
         if value is None:
             return None
         if isinstance(value, list):  # the named form: use the "default" one
@@ -136,7 +142,7 @@ def load_chat_template(model_dir: str | Path, override: str | Path | None = None
             raise ChatError(f"{source} must be a string or a list of named templates")
         template = value
     chat = ChatTemplate(source, template, specials)
-    _compiled(template)  # fail now, naming the template, not in the first worker
+    _compiled(template, source)  # fail now, naming the template, not in the first worker
     return chat
 
 

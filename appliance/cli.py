@@ -1,4 +1,4 @@
-"""The `appliance` command: train, eval, export, bench.
+"""The `appliance` command: train, eval, export, bench, plan, doctor.
 
 Flags of `train` are generated from config.TrainConfig, so the config file and the command line
 share one typed schema. User errors print as `error: ...` lines and exit 1, without a traceback.
@@ -14,6 +14,7 @@ import click
 
 from . import config as C
 from .errors import ApplianceError, cause_chain
+from .hardware import GPUS as GPU_CLASSES
 from .interrupt import RunInterrupted
 
 
@@ -88,6 +89,9 @@ def main() -> None:
     """Fine-tune Llama-family models larger than one GPU by streaming blocks from host memory."""
 
 
+METAVARS = {"micro_batches_per_step": "[N|auto]"}  # fields whose type alone misleads
+
+
 def _train_options(fn):
     """One click option per TrainConfig field (defaults None: unset flags don't override files).
 
@@ -109,6 +113,7 @@ def _train_options(fn):
             metavar = {int: "INTEGER", float: "FLOAT", tuple: "LIST"}.get(kind, "TEXT")
             if name in C.CHOICES:
                 metavar = "[" + "|".join(C.CHOICES[name]) + "]"
+            metavar = METAVARS.get(name, metavar)
             opt = click.option(
                 C.flag(name), name, type=str, default=None, metavar=metavar, help=help_text
             )
@@ -202,6 +207,13 @@ def train(config_file: str | None, **flags) -> None:
     default=None,
     help="Jinja chat template file for conversation records, instead of the model's.",
 )
+@click.option(
+    "--on-bad-record",
+    type=click.Choice(C.CHOICES["on_bad_record"]),
+    default="fail",
+    show_default=True,
+    help="A malformed record: stop naming it (fail), or leave it out with a warning (skip).",
+)
 @friendly_errors
 def eval_cmd(
     model: str,
@@ -212,15 +224,17 @@ def eval_cmd(
     dtype: str,
     base_quant: str,
     chat_template: str | None = None,
+    on_bad_record: str = "fail",
 ):
     """Print {"loss": mean next-token NLL, "tokens": target tokens} as one JSON line."""
     from . import storage
     from .blocks import dtype_from_name
-    from .evaluate import evaluate
+    from .evaluate import check_device, evaluate
     from .hub import resolve_model
     from .trainer import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
+    check_device(dev)  # before resolve_dtype asks the GPU what it computes
     result = evaluate(
         storage.localize(resolve_model(model)),
         storage.localize(data),
@@ -230,6 +244,8 @@ def eval_cmd(
         dtype=dtype_from_name(resolve_dtype(dtype, dev)),
         base_quant=base_quant,
         chat_template=chat_template,
+        on_bad_record=on_bad_record,
+        warn=lambda message: click.echo(f"warning: {message}", err=True),
     )
     click.echo(json.dumps(result))
 
@@ -268,48 +284,122 @@ def bench(options: tuple[str, ...]) -> None:
     sys.exit(B.main(list(options), prog="appliance bench"))
 
 
-@main.command("plan")
+def _help(name: str) -> str:
+    """A train flag's help text (config.py), for the same flag of another command."""
+    return C.FIELDS[name].metadata["help"]
+
+
+PLAN_SHAPE = ("seq_len", "micro_batch_size", "micro_batches_per_step")  # train's defaults
+PLAN_DTYPES = tuple(d for d in C.CHOICES["dtype"] if d != "auto")  # plan.DTYPES
+
+
+@main.command("plan", short_help="Memory, time and cost of a run, before renting a GPU.")
 @click.option("--model", default=None, help="Model directory or s3:// prefix (config.json only).")
 @click.option("--preset", default=None, help="A bench preset instead of --model (tiny, 7b, ...).")
 @click.option(
-    "--gpu", "gpu", required=True, help="GPU class: a10|a10g|4090|l4|l40s|a100|h100|h200."
+    "--gpu",
+    "gpu",
+    type=click.Choice(list(GPU_CLASSES)),
+    required=True,
+    help="GPU class: its memory, host link, FLOP rate and instance (docs/plan.md's table).",
 )
 @click.option("--gpus", type=int, default=1, show_default=True, help="GPUs (trainers) on one node.")
-@click.option("--seq-len", type=int, default=2048, show_default=True)
-@click.option("--micro-batch-size", type=int, default=1, show_default=True)
+@click.option(
+    "--seq-len",
+    type=int,
+    default=C.TrainConfig.seq_len,
+    show_default=True,
+    help=_help("seq_len"),
+)
+@click.option(
+    "--micro-batch-size",
+    type=int,
+    default=C.TrainConfig.micro_batch_size,
+    show_default=True,
+    help=_help("micro_batch_size"),
+)
 @click.option(
     "--micro-batches-per-step",
-    default="8",
+    default=str(C.TrainConfig.micro_batches_per_step),
     show_default=True,
-    help="N, or auto: the smallest M within 10% of compute-bound that fits.",
+    metavar="[N|auto]",
+    help="Micro-batches per optimizer step (M), or auto: the smallest M within 10% of "
+    "compute-bound that fits.",
 )
-@click.option("--base-quant", default="none", show_default=True, help="none | int8 | nf4.")
-@click.option("--lora-rank", type=int, default=16, show_default=True)
+@click.option(
+    "--base-quant",
+    type=click.Choice(C.CHOICES["base_quant"]),
+    default=C.TrainConfig.base_quant,
+    show_default=True,
+    help=_help("base_quant"),
+)
+@click.option(
+    "--lora-rank",
+    type=int,
+    default=C.TrainConfig.lora_rank,
+    show_default=True,
+    help=_help("lora_rank").rstrip(".") + ", on all seven projections.",
+)
 @click.option("--gpu-memory-budget", default=None, help="e.g. 20GiB (default: 90% of the card).")
 @click.option("--tokens", type=int, default=None, help="Tokens to train on (for time and cost).")
 @click.option("--steps", type=int, default=None, help="Optimizer steps (instead of --tokens).")
 @click.option("--price-per-hour", type=float, default=None, help="$ per GPU-hour (default: table).")
-@click.option("--dtype", default="bfloat16", show_default=True, help="Compute dtype.")
+@click.option(
+    "--dtype",
+    type=click.Choice(PLAN_DTYPES),
+    default="bfloat16",
+    show_default=True,
+    help="Compute dtype (train's auto is bfloat16 on a GPU with bf16).",
+)
 @click.option("--h2d-gbps", type=float, default=None, help="Measured B (GB/s), e.g. from doctor.")
 @click.option("--tflops", type=float, default=None, help="Measured P (TFLOP/s), e.g. from doctor.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @friendly_errors
 def plan_cmd(model, preset, gpu, micro_batches_per_step, gpu_memory_budget, as_json, **kw) -> None:
-    """Memory, time and cost of a run from config.json alone (no weights, no GPU needed)."""
+    """Memory, time and cost of a run from config.json alone (no weights, no GPU needed).
+
+    The shape defaults to train's (--seq-len, --micro-batch-size, --micro-batches-per-step), so
+    `plan --model X` describes `train --model X`. Exits 1 when the run does not fit (GPU memory
+    or host RAM), naming what to change."""
+    from click.core import ParameterSource
+
     from .hub import resolve_model
     from .plan import plan_input, run_plan
 
+    ctx = click.get_current_context()
+    kw["train_defaults"] = tuple(
+        n for n in PLAN_SHAPE if ctx.get_parameter_source(n) == ParameterSource.DEFAULT
+    )
     model = resolve_model(model) if model else model  # a hub id: its local-cache snapshot
     p = plan_input(model, preset, gpu, micro_batches_per_step, gpu_memory_budget, **kw)
-    run_plan(p, as_json)
+    sys.exit(0 if run_plan(p, as_json)["fits"] else 1)
 
 
 @main.command("doctor")
 @click.option("--model", default=None, help="Model directory or s3:// prefix (config.json only).")
 @click.option("--preset", default=None, help="A bench preset instead of --model.")
-@click.option("--base-quant", default="none", show_default=True, help="none | int8 | nf4.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
-@click.option("--metrics-port", type=int, default=8080, show_default=True)
+@click.option(
+    "--base-quant",
+    type=click.Choice(C.CHOICES["base_quant"]),
+    default="none",
+    show_default=True,
+    help="Count the weight store as train --base-quant would store it.",
+)
+@click.option(
+    "--device",
+    type=click.Choice(C.CHOICES["device"]),
+    default="auto",
+    show_default=True,
+    help="The device train would use: auto takes CUDA when a GPU is visible; cuda fails the "
+    "gpus check when none is; cpu skips what only a GPU run needs (page-locking).",
+)
+@click.option(
+    "--metrics-port",
+    type=int,
+    default=C.DEFAULT_METRICS_PORT,
+    show_default=True,
+    help="The metrics port train would bind: checked to be free.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @friendly_errors
 def doctor_cmd(model, preset, base_quant, device, metrics_port, as_json) -> None:

@@ -110,9 +110,16 @@ def check_weights_fit(weight_bytes: int, store_bytes: int, source: str) -> None:
     raise ConfigError(
         f"the model's weights need {need:.1f} GiB of Ray object store, which has "
         f"{store_bytes / GIB:.1f} GiB ({source}): give /dev/shm more (docker run "
-        f"--shm-size={math.ceil(need) + 2}g; Kubernetes: a bigger memory-backed /dev/shm) or set "
-        "--object-store-memory"
+        f"--shm-size={shm_gib_for(weight_bytes)}g; Kubernetes: a bigger memory-backed /dev/shm) "
+        "or set --object-store-memory"
     )
+
+
+def shm_gib_for(weight_bytes: float) -> int:
+    """The /dev/shm size, in whole GiB, whose object store holds a weight store of `weight_bytes`
+    with 10 % headroom (and at least the margin object_store_bytes keeps back): the one number
+    every `--shm-size` suggestion gives (this check, appliance doctor)."""
+    return math.ceil(max(weight_bytes * 1.1, weight_bytes + SHM_MARGIN_BYTES) / GIB)
 
 
 def start_ray(cfg: TrainConfig, progress: Progress, weight_bytes: int | None = None) -> None:
@@ -150,6 +157,7 @@ def start_ray(cfg: TrainConfig, progress: Progress, weight_bytes: int | None = N
         if store is not None and weight_bytes is not None:
             check_weights_fit(weight_bytes, store, source)
         progress.note("starting Ray (embedded)")
+        _quiet_default_token_auth_notice()
         t0 = time.perf_counter()
         try:
             ray.init(
@@ -176,6 +184,20 @@ def start_ray(cfg: TrainConfig, progress: Progress, weight_bytes: int | None = N
         if store is not None:
             progress.note(f"object store: {store / GIB:.1f} GiB ({source})")
         progress.note(f"metrics: {metrics_url(port)}")
+
+
+def _quiet_default_token_auth_notice() -> None:
+    """Ray 2.60's ray.init of a new local cluster enables token authentication and warns that it
+    did, on every run ("Token authentication is enabled ... Set RAY_AUTH_MODE=disabled to opt
+    out"). Authentication stays on; only that notice is dropped: a warning every run says
+    nothing to act on. Any other warning of Ray's (auth disabled, a token missing) still shows."""
+    log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(f is _drop_token_auth_enabled for f in log.filters):
+        log.addFilter(_drop_token_auth_enabled)
+
+
+def _drop_token_auth_enabled(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Token authentication is enabled")
 
 
 class RayStartFailed(ApplianceError):

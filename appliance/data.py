@@ -46,6 +46,30 @@ class DataError(ApplianceError):
     """
 
 
+class BadRecord(DataError):
+    """One record that cannot be used (unreadable, malformed, missing its text): what
+    `--on-bad-record skip` skips. The message names `file:line` and the problem."""
+
+
+SKIP_HINT = "fix the record, or pass --on-bad-record skip to skip bad records"
+SKIP_EXAMPLES = 5  # bad records that `--on-bad-record skip`'s warning names
+
+
+def with_skip_hint(e: DataError) -> DataError:
+    """`e` as `--on-bad-record fail` reports it: a bad record's message also says how to go on."""
+    return DataError(f"{e} ({SKIP_HINT})") if isinstance(e, BadRecord) else e
+
+
+def skipped_message(total: int, examples: Sequence[str], what: str) -> str:
+    """`--on-bad-record skip`'s warning: `total` bad records of `what` were left out; the first
+    ones (`examples`, each "file:line: problem") named, one a line."""
+    head = f"--on-bad-record skip left out {total} bad record(s) of {what}"
+    if not examples:  # (those a resumed run's earlier processes read)
+        return f"{head} (--on-bad-record fail stops at the first and names it)"
+    shown = "all" if len(examples) >= total else "the first"
+    return "\n".join([f"{head}; {shown} {len(examples)}:", *(f"  {e}" for e in examples)])
+
+
 @dataclass
 class Batch:
     """One micro-batch of packed rows from one tokenizer worker.
@@ -256,7 +280,7 @@ def _decode_utf8(data: bytes, where: str) -> str:
         # utf-8-sig: drop a byte-order mark that Windows editors put at the start of a file.
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise DataError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        raise BadRecord(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
 
 
 def _type_name(value: Any) -> str:
@@ -275,19 +299,23 @@ def parse_document(raw: RawDocument, chat: ChatTemplate | None = None) -> Record
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise DataError(f"{raw.where}: malformed JSON: {e.msg} at column {e.colno}") from None
+        # json's C scanner says "Invalid control character at": one "at" is enough
+        problem = f"{e.msg.removesuffix(' at')} at column {e.colno}"
+        if e.msg.startswith("Invalid control character"):
+            problem += " (a tab or other control character inside a string must be escaped: \\t)"
+        raise BadRecord(f"{raw.where}: malformed JSON: {problem}") from None
     if not isinstance(obj, dict):
-        raise DataError(f"{raw.where}: expected a JSON object, found {_type_name(obj)}")
+        raise BadRecord(f"{raw.where}: expected a JSON object, found {_type_name(obj)}")
     if "text" in obj:
         if not isinstance(obj["text"], str):
-            raise DataError(
+            raise BadRecord(
                 f'{raw.where}: "text" must be a string, found {_type_name(obj["text"])}'
             )
         return Record(text=obj["text"])
     if "prompt" in obj and "completion" in obj:
         for key in ("prompt", "completion"):
             if not isinstance(obj[key], str):
-                raise DataError(
+                raise BadRecord(
                     f'{raw.where}: "{key}" must be a string, found {_type_name(obj[key])}'
                 )
         return Record(prompt=obj["prompt"], completion=obj["completion"])
@@ -303,10 +331,10 @@ def parse_document(raw: RawDocument, chat: ChatTemplate | None = None) -> Record
             text, spans = render_with_spans(chat, messages, raw.where)
             return Record(text=text, messages=messages, spans=tuple(spans))
     except ChatError as e:
-        raise DataError(str(e)) from None
+        raise BadRecord(str(e)) from None
     keys = sorted(obj)
     shown = ", ".join(json.dumps(k) for k in keys[:10]) + (", ..." if len(keys) > 10 else "")
-    raise DataError(
+    raise BadRecord(
         f'{raw.where}: record has no "text" (nor "prompt" + "completion", "messages", '
         f'"conversations"); keys found: {shown or "none"}'
     )
@@ -327,6 +355,23 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     tok.no_truncation()
     tok.no_padding()
     return tok
+
+
+def check_tokenizer_fits(
+    tokenizer_path: str | Path, vocab_size: int, model_dir: str | Path
+) -> None:
+    """DataError if the tokenizer makes ids the model in `model_dir` (config.json's
+    `vocab_size`) has no embedding for: a tokenizer of another model. One smaller than the
+    model's vocabulary is fine (models often pad theirs)."""
+    config_path = Path(model_dir) / "config.json"
+    vocab = load_tokenizer(tokenizer_path).get_vocab(with_added_tokens=True)
+    token, largest = max(vocab.items(), key=lambda item: item[1], default=("", -1))
+    if largest >= vocab_size:
+        raise DataError(
+            f"{tokenizer_path} gives token ids up to {largest} ({token!r}), but {config_path} "
+            f"has vocab_size {vocab_size} (ids 0 to {vocab_size - 1}): the tokenizer is not this "
+            "model's; use the tokenizer.json that came with the model"
+        )
 
 
 def check_dataset(data_path: str | Path, tokenizer_path: str | Path) -> list[Path]:
@@ -396,9 +441,9 @@ def check_has_targets(
         if raw is not None:
             try:
                 records.append(parse_document(raw, chat))
-            except DataError:
+            except DataError as e:
                 if on_bad_record != "skip":
-                    raise
+                    raise with_skip_hint(e) from None
         if records and (raw is None or len(records) == chunk):
             if any(mask[1:].any() for _, mask in encode_records(tokenizer, records, eos_id)):
                 return

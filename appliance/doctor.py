@@ -19,6 +19,7 @@ APPLIANCE_SHM_DIR points the check elsewhere (the tests use a small tmpfs).
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import resource
@@ -52,6 +53,28 @@ class Needs:
     page_locked: int  # per trainer process on a GPU (0 on the CPU)
     ram: int  # weight store + trainer + tokenizer processes (their sizes assumed)
     checkpoint: int  # the safetensors files, for a download (bf16 files assumed)
+    base_quant: str = "none"  # what the weight store was counted in
+
+
+def quant_hint(needs: Needs) -> str:
+    """`, or --base-quant int8|nf4` (only the ones smaller than the current), or ""."""
+    from .plan import smaller_quants
+
+    smaller = smaller_quants(needs.base_quant)
+    return f", or --base-quant {'|'.join(smaller)}" if smaller else ""
+
+
+def suggested_sizes(needs: Needs) -> tuple[int, int]:
+    """(/dev/shm, available RAM), whole GiB, that hold this run: what every fix line suggests.
+
+    Embedded Ray's object store takes what /dev/shm holds less a margin, at most 80 % of the RAM
+    available (cluster.object_store_bytes); it must hold the weight store, and the RAM the whole
+    run (`needs.ram`). Both with 10 % headroom."""
+    from .cluster import RAM_RESERVE_FRACTION, shm_gib_for
+
+    store = needs.weight_store
+    ram = 1.1 * max(needs.ram, store / (1 - RAM_RESERVE_FRACTION))
+    return shm_gib_for(store), math.ceil(ram / GiB)
 
 
 def _gib(n: float) -> str:
@@ -76,7 +99,8 @@ def needs_for(
     block = block_bytes(args, dtype_bytes, base_quant)
     store = -(-globals_bytes(args, dtype_bytes) // 64) * 64 + args.num_layers * block
     ram = store + TRAINER_PROCESS_BYTES + TOKENIZER_WORKERS * TOKENIZER_WORKER_BYTES
-    return Needs(store, args.num_layers * block if cuda else 0, ram, args.param_count() * 2)
+    page_locked = args.num_layers * block if cuda else 0
+    return Needs(store, page_locked, ram, args.param_count() * 2, base_quant)
 
 
 # ---------------------------------------------------------------- the checks
@@ -176,10 +200,10 @@ def check_shm(needs: Needs | None) -> Check:
     if needs is None:
         return Check("shm", "ok", detail + " (give --model to check it against a model)")
     detail += f"; the weight store needs {_gib(needs.weight_store)}"
-    size = f"{-(-needs.weight_store * 11 // 10 // GiB)}g"  # 10 % headroom, whole GiB
+    shm, _ = suggested_sizes(needs)
     fix = (
-        f"give the container more shared memory: docker run --shm-size={size} "
-        f"(Helm: the chart's shmSize), or a smaller model / --base-quant"
+        f"give the container more shared memory: docker run --shm-size={shm}g "
+        f"(Helm: the chart's shmSize), or a smaller model{quant_hint(needs)}"
     )
     if total < needs.weight_store:
         return Check("shm", "fail", detail, fix)
@@ -293,12 +317,13 @@ def check_ram(needs: Needs | None) -> Check:
         f"{_gib(needs.ram)}"
     )
     if avail < needs.weight_store:
+        _, ram = suggested_sizes(needs)
         return Check(
             "ram",
             "fail",
             detail,
-            "a box with more RAM, or --base-quant int8|nf4 (the host OOM killer would end the "
-            "run while it loads)",
+            f"a box with {ram} GiB of RAM available{quant_hint(needs)} (the host OOM killer "
+            "would end the run while it loads)",
         )
     if avail < needs.ram:
         return Check("ram", "warn", detail, "little room left: close other processes")
@@ -409,13 +434,13 @@ def check_ray(needs: Needs | None) -> Check:
         return Check("ray", "ok", detail)
     detail += f"; the weight store needs {_gib(needs.weight_store)}"
     if cap < needs.weight_store:
+        shm, ram = suggested_sizes(needs)
         return Check(
             "ray",
             "fail",
             detail,
-            f"give /dev/shm and RAM {_gib(needs.weight_store * 1.25)} or more (docker run "
-            "--shm-size), or set --object-store-memory (ray start --object-store-memory on a "
-            "cluster)",
+            f"docker run --shm-size={shm}g on a box with {ram} GiB of RAM available, or set "
+            "--object-store-memory (ray start --object-store-memory on a cluster)",
         )
     return Check("ray", "ok", detail)
 

@@ -13,7 +13,7 @@ ref, weights from the store to the trainer through shared memory.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import shutil
 import tempfile
@@ -25,8 +25,8 @@ from .chat import load_chat_template
 from .checkpoint import LATEST_MARKER, checkpoints_uri
 from .cluster import check_shared_output, on_node, start_ray, trainer_slots, weight_store_bytes
 from .config import TrainConfig, flag
-from .data import Holdout, check_dataset, check_has_targets, unreadable_files
-from .errors import ConfigError, StorageError, cause_chain
+from .data import Holdout, check_dataset, check_has_targets, check_tokenizer_fits, unreadable_files
+from .errors import NOT_FOUND, ConfigError, StorageError, cause_chain
 from .hf_checkpoint import SafetensorsCheckpoint, read_model_args, seq_len_problems, tokenizer_path
 from .hub import resolve_model
 from .interrupt import GracefulStop, RunInterrupted
@@ -35,7 +35,17 @@ from .model import ModelArgs
 from .models import resolve_targets
 from .progress import Progress
 from .run import Inputs, Run
-from .run_record import IDENTITY_KEYS, LEGACY_IDENTITY, RUN_FILE, run_identity, write_run_file
+from .run_record import (
+    IDENTITY_KEYS,
+    LEGACY_IDENTITY,
+    LOCK_FILE,
+    RUN_FILE,
+    OutputLock,
+    model_fingerprint,
+    read_run_file,
+    run_identity,
+    write_run_file,
+)
 from .trainer import resolve_device, resolve_dtype
 
 
@@ -86,6 +96,12 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
         model_dir = storage.localize(cfg.model)
         data_path = storage.localize(cfg.data)
     except StorageError as e:
+        if cfg.resume and e.uri == cfg.model and e.kind == NOT_FOUND:
+            raise ConfigError(
+                f"--resume: the run's model {cfg.model} is not there any more. If it moved, "
+                f"give its new place: appliance train --output {cfg.output} --resume --model "
+                "NEW_PATH (its files are checked against the run's model)"
+            ) from None
         if where is None or storage.is_s3(e.uri or ""):
             raise
         raise ConfigError(
@@ -96,6 +112,7 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
     check_box(cfg, args)  # /dev/shm, RAM, memlock: fail in seconds, not with an OOM kill later
     SafetensorsCheckpoint(model_dir).check(args)  # every tensor there, readable, right shape
     tok = tokenizer_path(model_dir)
+    check_tokenizer_fits(tok, args.vocab_size, model_dir)  # ids past the embedding: refused
     check_dataset(data_path, tok)  # errors here are clear; inside an actor they'd be wrapped
     notes = [
         f"--data {cfg.data}: skipped {len(skipped)} file(s) that are not .jsonl, .parquet or "
@@ -160,18 +177,21 @@ def check_box(cfg: TrainConfig, args: ModelArgs) -> None:
 def check_output(cfg: TrainConfig) -> None:
     """Refuse an --output that holds something else, unless --overwrite (or --resume of it)."""
     out = cfg.output
-    run_file = storage.join(out, RUN_FILE)
-    if storage.exists(run_file):
-        previous = json.loads(storage.read_bytes(run_file))
+    if cfg.overwrite:  # remove_previous_run replaces whatever run is there, readable or not
+        return
+    previous = read_run_file(out)
+    if previous is not None:
         previous["identity"] = {**LEGACY_IDENTITY, **previous.get("identity", {})}
         recorded = previous["identity"].get("micro_batches_per_step")
         if cfg.resume and cfg.micro_batches_per_step == "auto" and recorded is not None:
             cfg.micro_batches_per_step = recorded  # auto was resolved when the run started
-        same = previous.get("identity") == run_identity(cfg)
+        was, now = previous["identity"], run_identity(cfg)
+        if was.get("model") != now["model"] and _the_runs_model_moved_to(cfg.model, previous):
+            was = {**was, "model": now["model"]}  # run.json records the new path from now on
+        same = was == now
         resume = f"appliance train --output {out} --resume"
         if cfg.resume:
             if not same:
-                was, now = previous.get("identity", {}), run_identity(cfg)
                 changed = [
                     f"{flag(k)} {_shown(now[k])} (the run: {_shown(was.get(k))})"
                     for k in IDENTITY_KEYS
@@ -182,24 +202,32 @@ def check_output(cfg: TrainConfig) -> None:
                     f"would break it. To continue that run as it was: {resume}"
                 )
             return
-        if not cfg.overwrite:
-            what = "the same run" if same else "a different run"
-            raise ConfigError(
-                f"--output {out} already holds {what} "
-                f"({previous.get('status', 'unknown')}); continue it with `{resume}`, "
-                "or pass --overwrite to replace it"
-            )
-        return
+        what = "the same run" if same else "a different run"
+        status = previous.get("status", "unknown")
+        if status == "running":  # the driver holds the output's lock: no process writes it now
+            status = "stopped before it finished" if not storage.is_s3(out) else status
+        raise ConfigError(
+            f"--output {out} already holds {what} ({status}); continue it with `{resume}`, "
+            "or pass --overwrite to replace it"
+        )
     if cfg.resume:
         raise ConfigError(
             f"--resume: {out} holds no run to resume ({RUN_FILE} not found); to start a new run "
             "there, leave out --resume (and give --model and --data)"
         )
-    if not cfg.overwrite and storage.list_files(out):
+    if [f for f in storage.list_files(out) if f != LOCK_FILE]:
         raise ConfigError(
             f"--output {out} is not empty and holds no appliance run; choose an "
             "empty directory or pass --overwrite"
         )
+
+
+def _the_runs_model_moved_to(model: str | None, previous: dict) -> bool:
+    """Whether `model` is the run's own model at a new path: the same files (config, tokenizer,
+    safetensors headers) as run.json's fingerprint of it. A run.json written before fingerprints
+    has none: its model is known by its path alone."""
+    recorded = previous.get("model_fingerprint")
+    return recorded is not None and model_fingerprint(model) == recorded
 
 
 def _shown(value: object) -> str:
@@ -209,10 +237,8 @@ def _shown(value: object) -> str:
 def recorded_config(output: str) -> dict | None:
     """The resolved config in `output`/run.json (what `--output O --resume` continues), or None
     when there is no run.json."""
-    run_file = storage.join(output, RUN_FILE)
-    if not storage.exists(run_file):
-        return None
-    config = json.loads(storage.read_bytes(run_file)).get("config")
+    record = read_run_file(output)
+    config = None if record is None else record.get("config")
     return None if config is None else {**LEGACY_IDENTITY, **config}
 
 
@@ -296,6 +322,15 @@ def resolve_micro_batches(inp: Inputs, progress: Progress) -> None:
     )
 
 
+def _record_failure(cfg: TrainConfig, error: BaseException) -> None:
+    """run.json says a run that raised failed, and why, so the next `appliance train` into its
+    output does not show it as running. Its checkpoints stay: `--resume` continues it."""
+    try:
+        write_run_file(cfg, "failed", {"error": f"{type(error).__name__}: {error}"[:2000]})
+    except Exception:  # noqa: BLE001 - the output itself may be what failed; the error is raised
+        pass
+
+
 def _let_metrics_report(cfg: TrainConfig) -> None:
     """Wait one metrics report interval before Ray shuts down: each process hands its numbers to
     its node's metrics agent periodically, so without this the last step's and the final
@@ -316,27 +351,34 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
     t0 = time.perf_counter()
     started_here = not ray.is_initialized()
     demo = cfg.model is None
+    # a local --output is locked for the whole run (the demo's own temp output needs no lock)
+    local = cfg.output is not None and not storage.is_s3(cfg.output)
+    recorded = False  # whether this run wrote its run.json: a failure is recorded there then
     try:
-        run = connect(cfg, progress)
-        cfg = run.cfg
-        if cfg.overwrite:
-            remove_previous_run(cfg.output)  # before the new run writes anything
-        write_run_file(cfg, "running")
-        for note in run.inp.notes:
-            progress.note(note)
-        run.create_actors()
-        demo = run.inp.eval_data is not None and not cfg.eval_data  # the demo's held-out corpus
-        before = run.evaluate() if demo else None
-        # after ray.init, which sets its own SIGTERM handler. Ctrl-C/SIGTERM: checkpoint at the
-        # next step boundary; once the last step is done, the run just finishes
-        with GracefulStop() as stop:
-            run.interrupt = stop
-            run.train()
-            after = run.final_eval_loss()
-            run.finish()
-        if started_here:
-            _let_metrics_report(cfg)
+        with OutputLock(cfg.output) if local else contextlib.nullcontext():  # type: ignore[arg-type]
+            run = connect(cfg, progress)
+            cfg = run.cfg
+            if cfg.overwrite:
+                remove_previous_run(cfg.output)  # before the new run writes anything
+            write_run_file(cfg, "running")
+            recorded = True
+            for note in run.inp.notes:
+                progress.note(note)
+            run.create_actors()
+            demo = run.inp.eval_data is not None and not cfg.eval_data  # the demo's held-out set
+            before = run.evaluate() if demo else None
+            # after ray.init, which sets its own SIGTERM handler. Ctrl-C/SIGTERM: checkpoint at
+            # the next step boundary; once the last step is done, the run just finishes
+            with GracefulStop() as stop:
+                run.interrupt = stop
+                run.train()
+                after = run.final_eval_loss()
+                run.finish()
+            if started_here:
+                _let_metrics_report(cfg)
     except Exception as e:
+        if recorded and not isinstance(e, RunInterrupted):  # interrupted: run.py recorded it
+            _record_failure(cfg, e)
         # a failed demo leaves nothing worth keeping (a stopped one can be resumed)
         if demo and cfg.model is not None and not isinstance(e, RunInterrupted):
             shutil.rmtree(Path(cfg.model).parent, ignore_errors=True)

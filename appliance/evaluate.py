@@ -17,7 +17,7 @@ loss, fewer engine calls.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +26,16 @@ from tokenizers import Tokenizer
 
 from . import data, hf_checkpoint
 from .chat import ChatError, ChatTemplate, load_chat_template
-from .data import Batch, DataError, Holdout, ShardReader, parse_document
+from .data import (
+    SKIP_EXAMPLES,
+    Batch,
+    DataError,
+    Holdout,
+    ShardReader,
+    parse_document,
+    skipped_message,
+    with_skip_hint,
+)
 from .engine import MicroBatch, StreamedEngine
 from .errors import ConfigError
 from .lora import load_adapter
@@ -46,30 +55,47 @@ def read_documents(
     chat: ChatTemplate | None = None,
     holdout: Holdout | None = None,
     on_bad_record: str = "fail",
+    warn: Callable[[str], None] | None = None,
 ) -> list[Document]:
     """Every document of `data_path`, encoded as training encodes it and truncated to `seq_len`
     tokens; documents left without a target are dropped. DataError naming `file:line` (or
     `file:row N`) for a bad record, unless `on_bad_record="skip"` (then it is left out).
-    `holdout`: only the documents --eval-split holds out."""
+    `holdout`: only the documents --eval-split holds out. `warn` is told of skipped records and
+    of truncated documents (how many, the tokens not scored)."""
     files = data.find_data_files(data_path)
-    records = []
+    records, skipped = [], []
     for raw in ShardReader(files, 0, 1, holdout=holdout):
         try:
             records.append(parse_document(raw, chat))
-        except DataError:
+        except DataError as e:
             if on_bad_record != "skip":
-                raise
+                raise with_skip_hint(e) from None
+            skipped.append(str(e))
+    if skipped and warn is not None:
+        warn(skipped_message(len(skipped), skipped[:SKIP_EXAMPLES], str(data_path)))
     out = []
+    lengths = []  # of the documents longer than seq_len
     for ids, mask in data.encode_records(tokenizer, records, eos_id):
+        if len(ids) > seq_len:
+            lengths.append(len(ids))
         ids, mask = ids[:seq_len], mask[:seq_len]
         if mask[1:].any():  # the first token is never a target
             out.append((ids, mask))
+    if lengths and warn is not None:
+        warn(
+            f"--seq-len {seq_len} cut {len(lengths)} of {len(records)} document(s) of "
+            f"{data_path}, so {sum(lengths) - seq_len * len(lengths):,} of their "
+            f"{sum(lengths):,} tokens are not scored (the longest has {max(lengths):,}): pass a "
+            "larger --seq-len, or split long documents into several records (a .txt file is "
+            "one document)"
+        )
     return out
 
 
-def load_tokenizer(model_dir: str | Path) -> Tokenizer:
-    """The model's tokenizer.json, loaded as the training pipeline loads it."""
-    return data.load_tokenizer(hf_checkpoint.tokenizer_path(model_dir))
+def check_device(device: str | torch.device) -> None:
+    """ConfigError for --device cuda where no GPU is visible (as `train` says it)."""
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA GPU is visible (use --device cpu or auto)")
 
 
 def micro_batch(ids: np.ndarray, mask: np.ndarray) -> MicroBatch:
@@ -160,13 +186,18 @@ def evaluate(
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
     base_quant: str = "none",
     chat_template: str | Path | None = None,
+    on_bad_record: str = "fail",
+    warn: Callable[[str], None] | None = None,
 ) -> dict:
     """{"loss": summed next-token NLL / target tokens, "tokens": target tokens}.
 
     ConfigError for bad arguments, ModelError for an unusable model or adapter, DataError naming
-    `file:line` for a malformed record. An empty result (no target token) is an error.
-    `chat_template`: a jinja file that overrides the model's (--chat-template).
+    `file:line` for a malformed record (unless `on_bad_record="skip"`) or a tokenizer that is not
+    the model's. An empty result (no target token) is an error. `chat_template`: a jinja file
+    that overrides the model's (--chat-template). `warn` is told, before the model runs, of
+    skipped records and of documents cut to `seq_len`.
     """
+    check_device(device)
     if seq_len < 2:
         raise ConfigError(f"--seq-len must be ≥ 2 (one token predicts nothing), got {seq_len}")
     if batch_tokens < 1:
@@ -180,12 +211,20 @@ def evaluate(
     if not Path(data_path).exists():
         raise ConfigError(f"--data {data_path}: no such file or directory")
     hf_checkpoint.SafetensorsCheckpoint(model_dir).check(args)
+    tokenizer = hf_checkpoint.tokenizer_path(model_dir)
+    data.check_tokenizer_fits(tokenizer, args.vocab_size, model_dir)
     try:
         chat = load_chat_template(model_dir, chat_template)
     except ChatError as e:
         raise ConfigError(str(e)) from None
     seqs = read_documents(
-        data_path, load_tokenizer(model_dir), int(args.eos_token_id), seq_len, chat
+        data_path,
+        data.load_tokenizer(tokenizer),
+        int(args.eos_token_id),
+        seq_len,
+        chat,
+        on_bad_record=on_bad_record,
+        warn=warn,
     )
     if not seqs:
         raise DataError(

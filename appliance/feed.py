@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import storage
-from .data import Holdout
+from .data import SKIP_EXAMPLES, Holdout, skipped_message
 from .tokenize_worker import ShardWorker
 
 if TYPE_CHECKING:
@@ -59,3 +59,18 @@ def schedule(counts: list[int] | None, num_workers: int, total: int) -> list[int
             left[w] -= 1
         w = (w + 1) % num_workers
     return order
+
+
+def skipped_warning(total: int, workers: list, cursors: dict[int, dict]) -> str:
+    """`--on-bad-record skip`: the run skipped `total` bad records; the first few, each with its
+    `file:line` and problem, as the tokenizer workers (Ray actors) that read them remember them,
+    up to the run's position `cursors` (worker -> cursor) in their shards."""
+    import ray
+
+    try:
+        found = ray.get([workers[w].skip_examples.remote(c) for w, c in cursors.items()])
+    except ray.exceptions.RayError:  # a worker that died just now: the count alone
+        found = []
+    examples = sorted(e for per_worker in found for e in per_worker)[:SKIP_EXAMPLES]
+    why = [problem for _, problem in examples]
+    return "warning: " + skipped_message(total, why, "the training data")

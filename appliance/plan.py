@@ -3,7 +3,10 @@
     appliance plan --preset 7b --gpu a10 --tokens 50000000
     appliance plan --model ./Llama-2-70b --gpu a10 --micro-batches-per-step auto --json
 
-What it computes, per trainer (one per GPU; `--gpus N` trainers share one node's weight store):
+The run's shape (--seq-len, --micro-batch-size, --micro-batches-per-step, --lora-rank,
+--base-quant) defaults to `train`'s (config.TrainConfig), so `plan --model X` describes
+`train --model X`. What it computes, per trainer (one per GPU; `--gpus N` trainers share one
+node's weight store):
 
 - GPU memory by part, and which blocks stay resident: the engine's own planner
   (`planner.plan_memory`, what `StreamedEngine.plan` calls), fed with the bytes config.json
@@ -15,6 +18,8 @@ What it computes, per trainer (one per GPU; `--gpus N` trainers share one node's
   scores and the LM head are reported beside it, not in the floor), the floor max(bytes/B, F/P)
   with B and P from hardware.GPUS, tokens/s at the floor, and the crossover T*.
 - Cost: hours at the floor × $ per GPU-hour (the class's on-demand instance, or --price-per-hour).
+- Fits: GPU and host both, or what each needs against what there is and the flags that fix it
+  (plan_fixes.py); the command exits 1 when it does not fit.
 
 The floor is a lower bound: a real step takes longer (see docs/benchmarks.md for measured
 ratios). Nothing here reads weights or needs a GPU.
@@ -29,14 +34,24 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import hardware, storage
+from .config import TrainConfig
 from .errors import ConfigError
 from .hf_checkpoint import block_shapes, read_model_args
 from .model import TARGET_MODULES, ModelArgs
-from .planner import MemoryPlan, blocks_uploaded_per_step, effective_budget, plan_memory, step_flops
+from .planner import (
+    MemoryPlan,
+    blocks_uploaded_per_step,
+    device_saved_bytes,
+    effective_budget,
+    plan_memory,
+    step_flops,
+)
 from .quant import is_linear_weight, quantized_nbytes
 
 GiB = 2**30
-BASE_QUANTS = ("none", "int8", "nf4")
+BASE_QUANTS = ("none", "int8", "nf4")  # largest to smallest
+DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}  # --dtype: bytes per value
+TRAIN = TrainConfig()  # train's defaults: the shape plan assumes unless told otherwise
 AUTO_MAX_M = 256  # `auto` looks at M = 1 .. this
 AUTO_SLACK = 1.10  # `auto`: within 10 % of compute-bound
 # Host-side process sizes the plan assumes (not measured per run): a trainer process (torch, the
@@ -44,6 +59,11 @@ AUTO_SLACK = 1.10  # `auto`: within 10 % of compute-bound
 TRAINER_PROCESS_BYTES = 3 * GiB
 TOKENIZER_WORKER_BYTES = GiB // 2
 TOKENIZER_WORKERS = 4  # the default's upper bound (tokenize_worker.default_num_workers)
+
+
+def smaller_quants(base_quant: str) -> tuple[str, ...]:
+    """The --base-quant values that store the weights smaller than `base_quant` (none for nf4)."""
+    return BASE_QUANTS[BASE_QUANTS.index(base_quant) + 1 :]
 
 
 def _pad64(n: int) -> int:
@@ -89,12 +109,12 @@ class PlanInput:
     model: str  # the --model or --preset it came from, for the printout
     gpu: str  # a key of hardware.GPUS
     gpus: int = 1
-    seq_len: int = 2048
-    micro_batch_size: int = 1
-    micro_batches_per_step: int | None = 8  # None: auto
-    base_quant: str = "none"
-    lora_rank: int = 16
-    lora_targets: tuple[str, ...] = tuple(TARGET_MODULES)
+    seq_len: int = TRAIN.seq_len
+    micro_batch_size: int = TRAIN.micro_batch_size
+    micro_batches_per_step: int | None = TRAIN.micro_batches_per_step  # None: auto
+    base_quant: str = TRAIN.base_quant
+    lora_rank: int = TRAIN.lora_rank
+    lora_targets: tuple[str, ...] = tuple(TRAIN.lora_targets)
     gpu_memory_budget: int | None = None  # default: 90 % of the card, as the engine
     tokens: int | None = None
     steps: int | None = None
@@ -103,6 +123,7 @@ class PlanInput:
     h2d_bytes_per_second: float | None = None  # overrides the table's B (e.g. doctor's figure)
     flops_per_second: float | None = None  # overrides the table's P
     measured: hardware.Gpu | None = None  # this box's GPU, measured (train's auto M): not `gpu`
+    train_defaults: tuple[str, ...] = ()  # the shape flags left at train's defaults (printout)
 
     @property
     def card(self) -> hardware.Gpu:
@@ -146,18 +167,20 @@ def plan_input(
     gpu_memory_budget: str | None,
     *,
     gpus: int = 1,
-    seq_len: int = 2048,
-    micro_batch_size: int = 1,
-    base_quant: str = "none",
-    lora_rank: int = 16,
+    seq_len: int = TRAIN.seq_len,
+    micro_batch_size: int = TRAIN.micro_batch_size,
+    base_quant: str = TRAIN.base_quant,
+    lora_rank: int = TRAIN.lora_rank,
     tokens: int | None = None,
     steps: int | None = None,
     price_per_hour: float | None = None,
     dtype: str = "bfloat16",
     h2d_gbps: float | None = None,
     tflops: float | None = None,
+    train_defaults: tuple[str, ...] = (),
 ) -> PlanInput:
-    """Check the CLI's flags (every problem at once, each naming its flag) and resolve them."""
+    """Check the CLI's flags (every problem at once, each naming its flag) and resolve them.
+    `train_defaults`: the shape flags the user left at train's defaults, for the printout."""
     from .config import parse_bytes
 
     errors = []
@@ -190,9 +213,8 @@ def plan_input(
     for flag, v in (("--h2d-gbps", h2d_gbps), ("--tflops", tflops)):
         if v is not None and v <= 0:
             errors.append(f"{flag} must be > 0 (got {v})")
-    dtypes = {"bfloat16": 2, "float16": 2, "float32": 4}
-    if dtype not in dtypes:
-        errors.append(f"--dtype {dtype!r} must be one of {' | '.join(dtypes)}")
+    if dtype not in DTYPES:
+        errors.append(f"--dtype {dtype!r} must be one of {' | '.join(DTYPES)}")
     if price_per_hour is not None and price_per_hour < 0:
         errors.append(f"--price-per-hour must be ≥ 0 (got {price_per_hour})")
     budget = None
@@ -218,9 +240,10 @@ def plan_input(
         tokens=tokens,
         steps=steps,
         price_per_hour=price_per_hour,
-        dtype_bytes=dtypes[dtype],
+        dtype_bytes=DTYPES[dtype],
         h2d_bytes_per_second=h2d_gbps * 1e9 if h2d_gbps else None,
         flops_per_second=tflops * 1e12 if tflops else None,
+        train_defaults=train_defaults,
     )
 
 
@@ -264,6 +287,13 @@ def host_bytes(p: PlanInput, mem: MemoryPlan) -> dict[str, int]:
     return parts
 
 
+def host_ram_bytes(p: PlanInput) -> int:
+    """The host RAM the class's instance gives `p.gpus` trainers (its share when they are fewer
+    than its GPUs)."""
+    instance = p.card.instance
+    return int(instance.host_ram_bytes * min(1.0, p.gpus / instance.gpus))
+
+
 def evaluate(p: PlanInput, micro_batches: int) -> dict:
     """Every number of the plan at `micro_batches` micro-batches per trainer per step."""
     card, args, L = p.card, p.args, p.args.num_layers
@@ -276,8 +306,7 @@ def evaluate(p: PlanInput, micro_batches: int) -> dict:
     floor = max(h2d_s, compute_s)
     tokens_per_step = p.gpus * tokens_per_trainer
     host = host_bytes(p, mem)
-    instance = card.instance
-    host_fits = host["ram_needed"] <= instance.host_ram_bytes * min(1.0, p.gpus / instance.gpus)
+    host_fits = host["ram_needed"] <= host_ram_bytes(p)
     T, C = p.seq_len, args.num_heads * args.head_dim
     seqs = micro_batches * p.micro_batch_size
     # attention scores (QKᵀ and AV, 4·T²·C a sequence a block forward) × 4 for forward,
@@ -297,9 +326,11 @@ def evaluate(p: PlanInput, micro_batches: int) -> dict:
         "offload_activations": mem.offload_activations,
         "block_bytes": mem.block_bytes,
         "gpu_budget_bytes": mem.budget,
-        "gpu_min_bytes": mem.min_bytes,
+        # the least budget that runs: mem.min_bytes, and the saved inputs' device slots
+        "gpu_min_bytes": mem.min_bytes + device_saved_bytes(mem.activation_bytes, L, True),
         "gpu_bytes": mem.gpu_bytes(),
         "host_bytes": host,
+        "host_ram_bytes": host_ram_bytes(p),
         "weight_store_bytes": host["weight_store"],
         "blocks_uploaded_per_step": uploads,
         "streamed_bytes_per_step": streamed,
@@ -334,63 +365,16 @@ def choose_micro_batches(p: PlanInput) -> tuple[int, str]:
     return -best[1], f"no M ≤ {AUTO_MAX_M} is within 10% of compute-bound; the fastest that fits"
 
 
-def fixes(p: PlanInput, m: int, r: dict) -> list[str]:
-    """What to change, flag by flag, when the plan does not fit (each suggestion is re-planned)."""
-    out: list[str] = []
-
-    def fits(q: PlanInput, gpu_only: bool) -> bool:
-        e = evaluate(q, m)
-        return e["gpu_fits"] if gpu_only else e["fits"]
-
-    if not r["gpu_fits"]:
-        need = r["gpu_min_bytes"] / GiB
-        out.append(f"needs at least {need:.1f} GiB of GPU memory; budget {p.budget / GiB:.1f} GiB")
-        for flag, field, lowest in (
-            ("--micro-batch-size", "micro_batch_size", 1),
-            ("--seq-len", "seq_len", 128),
-        ):
-            v = getattr(p, field) // 2
-            while v >= lowest:
-                if fits(replace(p, **{field: v}), True):
-                    out.append(f"lower {flag} to {v}")
-                    break
-                v //= 2
-        for q in ("int8", "nf4"):
-            if p.base_quant == "none" and fits(replace(p, base_quant=q), True):
-                out.append(f"quantize the base weights: --base-quant {q}")
-                break
-        bigger = [
-            k
-            for k, g in sorted(hardware.GPUS.items(), key=lambda kv: kv[1].memory_bytes)
-            if g.memory_bytes > p.card.memory_bytes
-            and fits(replace(p, gpu=k, gpu_memory_budget=None), True)
-        ]
-        if p.gpu_memory_budget and p.gpu_memory_budget < p.card.memory_bytes:
-            out.append("raise --gpu-memory-budget (or drop it)")
-        if bigger:
-            out.append(f"or a bigger card: --gpu {bigger[0]}")
-    if r["gpu_fits"] and not r["host_fits"]:
-        inst = p.card.instance
-        out.append(
-            f"host RAM: needs {r['host_bytes']['ram_needed'] / GiB:.0f} GiB, the {inst.name} "
-            f"has {inst.host_ram_bytes / GiB:.0f} GiB"
-        )
-        if p.base_quant == "none":
-            for q in ("int8", "nf4"):
-                if fits(replace(p, base_quant=q), False):
-                    out.append(f"quantize the base weights: --base-quant {q}")
-                    break
-        if r["offload_activations"] and m > 1:
-            out.append("fewer --micro-batches-per-step (their activations are offloaded to host)")
-    return out
-
-
 def make_plan(p: PlanInput) -> dict:
     """The whole plan as one JSON-able object (what `--json` prints)."""
+    from .plan_fixes import fixes, problems
+
     if p.micro_batches_per_step is None:
         m, why = choose_micro_batches(p)
+    elif "micro_batches_per_step" in p.train_defaults:
+        m, why = p.micro_batches_per_step, "train's default"
     else:
-        m, why = p.micro_batches_per_step, "as given"
+        m, why = p.micro_batches_per_step, "given"
     r = evaluate(p, m)
     card = p.card
     result = {
@@ -407,7 +391,9 @@ def make_plan(p: PlanInput) -> dict:
         "micro_batch_size": p.micro_batch_size,
         "lora_rank": p.lora_rank,
         "micro_batches_per_step_why": why,
+        "train_defaults": list(p.train_defaults),
         **r,
+        "problems": problems(p, r),
         "fixes": [] if r["fits"] else fixes(p, m, r),
     }
     steps = p.steps
@@ -455,9 +441,10 @@ def format_plan(r: dict) -> str:
     lines = [
         f"{r['model']}: {r['params'] / 1e9:.3g}B params, {L} blocks of {_b(r['block_bytes'])} "
         f"(base weights {r['base_quant']}) on {r['gpus']}× {r['gpu_name']}",
-        f"step: {r['micro_batches_per_step']} micro-batches ({r['micro_batches_per_step_why']}) "
-        f"× {r['micro_batch_size']} × {r['seq_len']} tokens per GPU = {r['tokens_per_step']} "
-        "tokens per step",
+        "shape: " + ", ".join(_shape(r)),
+        f"step: {r['micro_batches_per_step']} × {r['micro_batch_size']} × {r['seq_len']} = "
+        f"{r['micro_batches_per_step'] * r['micro_batch_size'] * r['seq_len']} tokens per GPU, "
+        f"{r['tokens_per_step']} per step",
         "",
         "Host memory (one node)",
         f"  weight store (/dev/shm)        {_b(h['weight_store'])}",
@@ -509,8 +496,20 @@ def format_plan(r: dict) -> str:
     if r["fits"]:
         lines.append("fits: yes")
     else:
-        lines.append("fits: NO — " + "; ".join(r["fixes"]))
+        lines.append("fits: NO — " + "; ".join(r["problems"]))
+        lines += [f"  fix: {f}" for f in r["fixes"]]
     return "\n".join(lines)
+
+
+def _shape(r: dict) -> list[str]:
+    """The shape flags and where each came from (given, or train's default)."""
+    out = []
+    for flag, key in (("--seq-len", "seq_len"), ("--micro-batch-size", "micro_batch_size")):
+        source = "train's default" if key in r["train_defaults"] else "given"
+        out.append(f"{flag} {r[key]} ({source})")
+    m = r["micro_batches_per_step"]
+    out.append(f"--micro-batches-per-step {m} ({r['micro_batches_per_step_why']})")
+    return out
 
 
 def run_plan(p: PlanInput, as_json: bool) -> dict:

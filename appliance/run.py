@@ -35,7 +35,7 @@ from .config import CHECKPOINT_MINUTES, TrainConfig, flag
 from .engine import lr_at
 from .errors import ConfigError, cause_chain
 from .failures import RestartsExhausted, gather, unrecoverable
-from .feed import count_batches, schedule, worker_kwargs
+from .feed import count_batches, schedule, skipped_warning, worker_kwargs
 from .interrupt import GracefulStop, RunInterrupted
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .metrics import DriverMetrics
@@ -258,6 +258,13 @@ class Run:
                 self.metrics.restart("driver")  # this process continues a killed one's run
         except Exception as e:  # noqa: BLE001 - an actor that cannot start is not retried here
             raise unrecoverable(e) or e from None
+        if ckpt is not None and self.state.step >= self.total_steps:
+            length = f"--steps {cfg.steps}" if cfg.steps else f"--epochs {self.epochs}"
+            self.progress.note(
+                f"--resume: the run is at step {self.state.step}, which {length} "
+                f"({self.total_steps} steps in all) already reaches: nothing is left to train. "
+                "--steps counts the run's steps from its start: give more to train further"
+            )
         self.workers = [self._make_worker(w) for w in range(self.num_workers)]
         self.progress.note(
             f"started {R} trainer{'s' if R > 1 else ''} and {self.num_workers} tokenizer "
@@ -474,6 +481,9 @@ class Run:
                 self.recover(e)
                 pending.clear()
                 requested = self.state.consumed
+        skipped = sum(self.state.skipped.values())
+        if skipped and not self.trained:  # once: which records were left out, and why
+            self.progress.note(skipped_warning(skipped, self.workers, self.state.cursors))
         self.trained = True
         return self.state
 

@@ -1,14 +1,22 @@
 """What defines a run and the record of it in its output directory (run.json): the identity keys
-a resumed run must keep, and the file `appliance train` writes as the run starts, stops and ends."""
+a resumed run must keep, the file `appliance train` writes as the run starts, stops and ends, and
+the lock that keeps two `appliance train` processes from writing one local output at once."""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
+import os
+from pathlib import Path
 
 from . import storage
 from .config import TrainConfig
+from .errors import ConfigError
 
 RUN_FILE = "run.json"
+#: in a local --output while a run writes it (flock: the kernel lets go when the process dies)
+LOCK_FILE = ".appliance.lock"
 
 # the keys that define a run: changing one makes an existing output a different run
 IDENTITY_KEYS = (
@@ -35,11 +43,124 @@ def run_identity(cfg: TrainConfig) -> dict:
     return {k: d[k] for k in IDENTITY_KEYS}
 
 
+def model_fingerprint(model: str | None) -> str | None:
+    """What a local model directory holds, cheaply: config.json, tokenizer.json, and each
+    safetensors file's name, size, header (names, dtypes, shapes, offsets) and 4 KiB of its
+    weights at 16 places, hashed. It lets a resumed run follow its model to a new path (a moved
+    directory, another mount point in a container) while another model is refused, one of the
+    same shapes too (a base model and its chat fine-tune differ in every weight sampled). None
+    for s3:// or a path that is not there."""
+    if not model or storage.is_s3(model) or not Path(model).is_dir():
+        return None
+    root, h = Path(model), hashlib.sha256()
+    for name in ("config.json", "tokenizer.json"):
+        if (root / name).is_file():
+            h.update(name.encode() + b"\0" + (root / name).read_bytes())
+    for f in sorted(root.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            header = int.from_bytes(head, "little") if len(head) == 8 else 0
+            h.update(fh.read(min(header, 2**26)))
+            start = 8 + header
+            for i in range(16):
+                fh.seek(start + (size - start) * i // 16)
+                h.update(fh.read(4096))
+    return h.hexdigest()
+
+
 def write_run_file(cfg: TrainConfig, status: str, extra: dict | None = None) -> None:
     record = {
         "identity": run_identity(cfg),
         "config": cfg.to_dict(),
         "status": status,
+        "model_fingerprint": model_fingerprint(cfg.model),
         **(extra or {}),
     }
     storage.write_bytes(storage.join(cfg.output, RUN_FILE), json.dumps(record, indent=2).encode())
+
+
+def read_run_file(output: str) -> dict | None:
+    """The record in `output`/run.json, or None when there is none. A record that is not a JSON
+    object (a torn or hand-edited file) is a ConfigError saying what to do: it is never guessed
+    at, since resuming decides from it."""
+    run_file = storage.join(output, RUN_FILE)
+    if not storage.exists(run_file):
+        return None
+    data = storage.read_bytes(run_file)
+    try:
+        record = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        record, why = None, f"it is not JSON ({e})"
+    else:
+        why = f"it holds a JSON {type(record).__name__}, not the run's record"
+    if not isinstance(record, dict):
+        raise ConfigError(
+            f"{run_file} is unreadable: {why}. It records the run in --output {output}: restore "
+            "it, or pass --overwrite to replace that run (its checkpoints and adapter go; other "
+            "files stay)"
+        )
+    return record
+
+
+class OutputLock:
+    """Held by the driver for a whole `appliance train` into a local --output, so a second one
+    (a rerun typed while the first still trains, a --resume from another shell) is refused
+    instead of writing the same checkpoints. An exclusive flock on `LOCK_FILE` in the output:
+    the kernel releases it when the process ends, however it ends, so a crashed or killed run
+    never leaves the output locked. s3:// outputs are not locked (S3 has no lock to take).
+
+    Taking it creates the output directory, so an --output whose path runs through a file is
+    refused here, before Ray starts. Releasing it deletes the lock file, and the directory too
+    when the lock created it and nothing else was written there."""
+
+    def __init__(self, output: str):
+        self.dir = Path(output).expanduser().resolve()
+        self.path = self.dir / LOCK_FILE
+        self.fd: int | None = None
+        self.created = False
+
+    def __enter__(self) -> OutputLock:
+        self.created = not self.dir.exists()
+        while self.fd is None:
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise ConfigError(
+                    f"--output {self.dir}: cannot create the run's directory there "
+                    f"({e.strerror}: {e.filename}); choose a directory path you can write to"
+                ) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise ConfigError(
+                    f"--output {self.dir} is in use by another appliance train (pid {holder}): "
+                    "wait for it to end, stop it (Ctrl-C checkpoints it, then --resume "
+                    "continues it), or choose another --output"
+                ) from None
+            if self._still_the_lock_file(fd):
+                self.fd = fd
+            else:  # its holder deleted it as we opened it: take the file now at that path
+                os.close(fd)
+        os.ftruncate(self.fd, 0)
+        os.write(self.fd, str(os.getpid()).encode())
+        return self
+
+    def _still_the_lock_file(self, fd: int) -> bool:
+        try:
+            return os.stat(self.path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            return False
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is None:
+            return
+        self.path.unlink(missing_ok=True)  # while still held: see _still_the_lock_file
+        if self.created and not any(self.dir.iterdir()):
+            self.dir.rmdir()
+        os.close(self.fd)  # releases the flock
+        self.fd = None

@@ -40,6 +40,7 @@ from appliance.chat import ChatTemplate
 from appliance.data import (
     IGNORE_INDEX,
     ON_BAD_RECORD,
+    SKIP_EXAMPLES,
     Batch,
     DataError,
     Holdout,
@@ -50,6 +51,7 @@ from appliance.data import (
     find_data_files,
     load_tokenizer,
     parse_document,
+    with_skip_hint,
 )
 from appliance.metrics import TokenizerMetrics
 from appliance.packing import fill_rows, split_document
@@ -145,6 +147,7 @@ class TokenizeWorker:
         self.batches_total = 0
         self.tokenize_seconds = 0.0
         self.last_skip_reason: str | None = None
+        self._skip_examples: dict[int, tuple[int, str]] = {}  # shard doc -> (epoch, why)
         self.metrics = TokenizerMetrics(worker_index)  # a no-op without Ray
 
         self.seek(cursor if cursor is not None else self._cursor_at(0, 0, 0, 0))
@@ -239,6 +242,18 @@ class TokenizeWorker:
                 self.tokens_total / self.tokenize_seconds if self.tokenize_seconds > 0 else 0.0
             ),
         }
+
+    def skip_examples(self, cursor: dict[str, Any] | None = None) -> list[tuple[int, str]]:
+        """The first bad records this process skipped (at most SKIP_EXAMPLES), as (global
+        document index, "file:line: problem"): those before `cursor` (default: this worker's),
+        i.e. the ones a run at `cursor` has counted."""
+        cursor = cursor or self.cursor()
+        at = (cursor["epoch"], cursor["doc"])
+        return [
+            (doc * self.num_workers + self.worker_index, why)
+            for doc, (epoch, why) in sorted(self._skip_examples.items())
+            if (epoch, doc) < at
+        ]
 
     # -- internals -------------------------------------------------------------------------
 
@@ -442,9 +457,11 @@ class TokenizeWorker:
                 good.append((raw.doc, parse_document(raw, self.chat_template)))
             except DataError as e:
                 if self.on_bad_record == "fail":
-                    raise
+                    raise with_skip_hint(e) from None
                 if self._epoch == 0:  # later epochs meet the same records: count each once
                     self._bad_docs.append(raw.doc)
+                if len(self._skip_examples) < SKIP_EXAMPLES:  # for the warning that names them
+                    self._skip_examples.setdefault(raw.doc, (self._epoch, str(e)))
                 self._shard_bad_seen += 1
                 self.skipped_total += 1
                 self.last_skip_reason = str(e)

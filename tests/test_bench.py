@@ -44,7 +44,7 @@ def tiny_run(tmp_path_factory):
     """`python -m appliance.bench --preset tiny ... --json F`, run in-process."""
     path = tmp_path_factory.mktemp("bench") / "bench.json"
     argv = ["--preset", "tiny", "--device", "cpu", "--micro-batch-size", "1", "--seq-len", "32",
-            "--micro-batches", "2", "--steps", "2", "--json", str(path)]  # fmt: skip
+            "--micro-batches-per-step", "2", "--steps", "2", "--json", str(path)]  # fmt: skip
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = B.main(argv)
@@ -145,6 +145,9 @@ def test_big_presets_are_refused_on_cpu_with_what_to_do():
         B.run_bench("tiny", "cpu", gpu_memory_budget=2**30)
     with pytest.raises(ConfigError, match="--seq-len must be ≥ 1"):
         B.run_bench("tiny", "cpu", seq_len=-1)
+    for flag, kw in (("--micro-batches-per-step", "micro_batches"), ("--steps", "steps")):
+        with pytest.raises(ConfigError, match=f"{flag} must be ≥ 1, got 0"):  # 0 is no default
+            B.run_bench("tiny", "cpu", **{kw: 0})
 
 
 def test_cli_prints_user_errors_as_one_line(capsys):
@@ -157,6 +160,15 @@ def test_a_bad_gpu_memory_budget_is_one_line_naming_the_flag(capsys):
     assert B.main(["--preset", "tiny", "--device", "cpu", "--gpu-memory-budget", "lots"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: --gpu-memory-budget 'lots': 'lots' is not a size like 24GiB"]
+
+
+def test_micro_batches_per_step_is_trains_spelling_and_the_old_one_still_works(capsys):
+    for flag in ("--micro-batches-per-step", "--micro-batches"):
+        assert B.parser().parse_args([flag, "3"]).micro_batches == 3
+    help_text = B.parser().format_help()
+    assert "--micro-batches-per-step N, --micro-batches N" in help_text
+    assert B.main(["--preset", "tiny", "--device", "cpu", "--micro-batches-per-step", "-1"]) == 1
+    assert capsys.readouterr().err.strip() == "error: --micro-batches-per-step must be ≥ 1, got -1"
 
 
 def test_synthetic_weights_are_the_same_in_every_process():

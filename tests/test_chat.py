@@ -184,6 +184,25 @@ def test_template_sources_named_list_jinja_file_and_override(model_dir, tmp_path
         load_chat_template(d, "nope.jinja")
 
 
+def test_a_template_that_does_not_compile_names_its_source_and_line(tmp_path):
+    bad = "{% for m in messages %}\n{{ m['content'] }\n{% endfor %}"  # line 2 lacks a brace
+    (tmp_path / "bad.jinja").write_text(bad)
+    with pytest.raises(ChatError) as e:
+        load_chat_template(tmp_path, tmp_path / "bad.jinja")
+    assert str(e.value) == (
+        f"chat template {tmp_path / 'bad.jinja'} does not compile, at its line 2: unexpected '}}'"
+    )
+    d = tmp_path / "m"  # the model's own: tokenizer_config.json's chat_template
+    d.mkdir()
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": "hi\n" + bad}))
+    with pytest.raises(ChatError) as e:
+        load_chat_template(d)
+    assert str(e.value) == (
+        f"chat template {d / 'tokenizer_config.json'} chat_template does not compile, at its "
+        "line 3: unexpected '}'"
+    )
+
+
 @pytest.mark.parametrize(
     "record, message",
     [
@@ -214,7 +233,10 @@ def test_bad_chat_records_name_file_and_line(model_dir, tmp_path, record, messag
     data = write_jsonl(tmp_path / "bad.jsonl", [{"messages": CONVERSATIONS[1]}, record])
     with pytest.raises(DataError) as e:
         worker_batches(data, model_dir)
-    assert str(e.value) == f"{data}:2: {message}"
+    assert (
+        str(e.value)
+        == f"{data}:2: {message} (fix the record, or pass --on-bad-record skip to skip bad records)"
+    )
     skipped = worker_batches(data, model_dir, on_bad_record="skip")  # or skipped and counted
     assert skipped[-1].skipped_records == 1
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from appliance.evaluate import evaluate
 from appliance.hf_checkpoint import read_model_args
 from appliance.lora import LoraSpec
 from tests.helpers_model import load_hf, lora_with_random_b, make_model
+from tests.helpers_net import free_port
 from tests.helpers_ray import session_processes, wait_gone
 from tests.helpers_tokenizer import sentences
 from tests.test_faults import Proc, args, build_inputs
@@ -52,11 +55,39 @@ def test_eval_prints_one_json_line_with_loss_and_tokens(model_and_adapter):
         ],
     )
     assert result.exit_code == 0, result.output
-    lines = result.output.strip().splitlines()
+    lines = result.stdout.strip().splitlines()
     assert len(lines) == 1
     printed = json.loads(lines[0])
     assert set(printed) == {"loss", "tokens"}
     assert printed == evaluate(model, data, 10, adapter_dir=adapter)
+    # records longer than --seq-len 10 are cut, and stderr says so
+    assert result.stderr.startswith("warning: --seq-len 10 cut "), result.stderr
+    assert "pass a larger --seq-len" in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_eval_on_cuda_without_a_gpu_is_one_error_line(model_and_adapter):
+    model, _, data = model_and_adapter
+    argv = ["eval", "--model", model, "--data", data, "--seq-len", "10", "--device", "cuda"]
+    result = CliRunner().invoke(main, list(map(str, argv)))
+    assert result.exit_code == 1, result.output
+    assert result.output == (
+        "error: --device cuda: no CUDA GPU is visible (use --device cpu or auto)\n"
+    )
+
+
+def test_train_and_eval_refuse_a_tokenizer_with_ids_past_the_model_vocabulary(tmp_path):
+    model = make_model(tmp_path / "model", "llama-mha", vocab_size=20)  # the tokenizer has ~38
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(8)))
+    common = ["--model", model, "--data", data, "--seq-len", "16"]
+    train = ["train", *common, "--output", tmp_path / "o", "--device", "cpu"]
+    for argv in (train, ["eval", *common]):
+        result = CliRunner().invoke(main, list(map(str, argv)))
+        assert result.exit_code == 1, result.output
+        assert "Traceback" not in result.output and "starting Ray" not in result.output
+        assert result.output.startswith(f"error: {model / 'tokenizer.json'} gives token ids up")
+        assert f"{model / 'config.json'} has vocab_size 20" in result.output
 
 
 def test_eval_refuses_a_seq_len_above_the_models_sliding_window(tmp_path):
@@ -117,6 +148,34 @@ def test_bench_with_a_bad_gpu_memory_budget_is_one_error_line():
     assert result.exit_code == 1
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --gpu-memory-budget '24QB'")
+
+
+@pytest.mark.integration
+def test_train_names_the_records_that_on_bad_record_skip_left_out(model_and_adapter, tmp_path):
+    model, _, _ = model_and_adapter
+    data = tmp_path / "six.jsonl"  # 6 lines, 4 of them bad
+    lines = [{"text": "the cat sat on the mat"}, '{"text": "a\tb"}', "[1]", {"body": "x"}]
+    lines += [{"text": 5}, {"text": "a dog ran far away"}]
+    data.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    flags = ["--model", model, "--data", data, "--output", tmp_path / "o", "--seq-len", "8",
+             "--micro-batch-size", "1", "--tokenize-workers", "1", "--epochs", "1",
+             "--on-bad-record", "skip", "--log-format", "plain", "--metrics-port", free_port()]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "appliance.cli", "train", *map(str, flags)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    output = done.stdout + done.stderr
+    assert (
+        "warning: --on-bad-record skip left out 4 bad record(s) of the training data; all 4:\n"
+        f"  {data}:2: malformed JSON: Invalid control character at column 12"
+    ) in output, output
+    assert f"  {data}:3: expected a JSON object, found an array\n" in output
+    assert f'  {data}:4: record has no "text"' in output
+    assert f'  {data}:5: "text" must be a string, found a number\n' in output
+    assert "skipped_records 4" in done.stdout
 
 
 @pytest.mark.integration

@@ -17,7 +17,8 @@ from click.testing import CliRunner
 from appliance import config as C
 from appliance.checkpoint import list_checkpoints, load_latest_checkpoint
 from appliance.cli import main
-from appliance.driver import remove_previous_run
+from appliance.driver import check_output, remove_previous_run
+from appliance.run_record import LOCK_FILE, OutputLock, write_run_file
 from tests.helpers_model import make_model
 from tests.helpers_net import free_port
 from tests.helpers_tokenizer import sentences
@@ -216,6 +217,61 @@ def test_output_holding_a_different_run_is_refused_unless_overwrite(tmp_path, mo
     assert (other / "notes.txt").read_text() == "mine"
 
 
+def test_an_output_another_train_is_writing_is_refused_naming_its_process(tmp_path, model, data):
+    """The lock is an flock: a second descriptor of the lock file, here the CLI's in this same
+    process, is refused as another process would be. Released, it leaves no file, and no
+    directory where it made one that nothing else wrote to."""
+    out = tmp_path / "o"
+    with OutputLock(str(out)):
+        code, text = train("--model", model, "--data", data, "--output", out, "--resume")
+        assert_one_user_error(
+            code, text, out, f"in use by another appliance train (pid {os.getpid()})"
+        )
+        code, text = train("--model", model, "--data", data, "--output", out, "--overwrite")
+        assert_one_user_error(code, text, out, "in use by another appliance train")
+    assert not out.exists()
+    out.mkdir()
+    with OutputLock(str(out)):  # taken again: it names its holder
+        assert (out / LOCK_FILE).read_text() == str(os.getpid())
+    assert out.is_dir() and not any(out.iterdir())  # the user's directory stays, the lock goes
+
+
+def test_an_output_under_a_file_is_refused_before_ray_starts(tmp_path, model, data):
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    for out in (afile / "sub", afile):
+        code, text = train("--model", model, "--data", data, "--output", out)
+        assert_one_user_error(code, text, None, f"--output {out}", "cannot create")
+        assert "starting Ray" not in text
+    assert afile.read_text() == "mine"
+
+
+@pytest.mark.parametrize("damage", [b'{"identity": {"mod', b"[]", b"\xff\xfe"])
+def test_an_unreadable_run_json_is_named_and_overwrite_replaces_it(tmp_path, model, data, damage):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "run.json").write_bytes(damage)
+    (out / "notes.txt").write_text("mine")
+    for extra in ((), ("--resume",)):
+        code, text = train("--model", model, "--data", data, "--output", out, *extra)
+        assert_one_user_error(code, text, out, f"{out / 'run.json'} is unreadable", "--overwrite")
+    code, text = train("--output", out, "--resume")  # the resume that reads the run's config
+    assert_one_user_error(code, text, out, "run.json is unreadable")
+    cfg = C.build_config({}, {"model": "m", "data": "d", "output": str(out), "overwrite": True})
+    check_output(cfg)  # --overwrite does not need to read it: the run is replaced
+    remove_previous_run(str(out))
+    assert sorted(f.name for f in out.iterdir()) == ["notes.txt"]
+
+
+def test_a_run_left_running_is_shown_as_stopped_before_it_finished(tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    cfg = C.build_config({}, {"model": "m", "data": "d", "output": str(out)})
+    write_run_file(cfg, "running")
+    with pytest.raises(C.ConfigError, match=r"holds the same run \(stopped before it finished\)"):
+        check_output(cfg)
+
+
 def run_cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [
@@ -264,6 +320,40 @@ def write_lines(path: Path, bad: dict[int, str | bytes]) -> Path:
 def assert_cli_user_error(done: subprocess.CompletedProcess, out: Path, *needles: str) -> None:
     assert done.returncode == 1, done.stderr[-2000:]
     assert_one_user_error(done.returncode, done.stderr, out, *needles)
+
+
+@pytest.mark.integration
+def test_a_run_that_fails_after_it_started_records_why_in_run_json(tmp_path, model, data):
+    out = tmp_path / "o"
+    failed = run_cli(*data_args(model, data)[:-2], "--tokenize-workers", "64", "--output", out)
+    assert_cli_user_error(failed, out, "--tokenize-workers 64 needs 65 CPUs")
+    record = json.loads((out / "run.json").read_text())
+    assert record["status"] == "failed" and "--tokenize-workers 64" in record["error"]
+    code, text = train(*data_args(model, data), "--output", out)
+    assert_one_user_error(code, text, out, "already holds the same run (failed)", "--resume")
+
+
+@pytest.mark.integration
+def test_a_run_follows_its_model_to_a_new_path_and_no_other_model(tmp_path, model, data):
+    """A moved model directory (another mount point in a container): `--resume` alone names the
+    way on; `--resume --model NEW` continues when the files are the run's model's, and another
+    model at that path is refused."""
+    here = shutil.copytree(model, tmp_path / "here")
+    out = tmp_path / "o"
+    first = run_cli(*data_args(here, data, "--steps", "2"), "--output", out)
+    assert first.returncode == 0, first.stderr[-2000:]
+    moved = here.rename(tmp_path / "moved")
+    code, text = train("--output", out, "--resume")
+    assert_one_user_error(code, text, None, f"the run's model {here} is not there", "--model")
+    done = run_cli("--output", out, "--resume", "--model", moved, "--steps", "3")
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads((out / "run.json").read_text())
+    assert (record["status"], record["steps"], record["identity"]["model"]) == (
+        "complete", 3, str(moved),
+    )  # fmt: skip
+    other = make_model(tmp_path / "other", "llama-mha", seed=1)  # same shapes, other weights
+    code, text = train("--output", out, "--resume", "--model", other, "--steps", "4")
+    assert_one_user_error(code, text, None, f"--model {other} (the run: {moved})")
 
 
 @pytest.mark.integration

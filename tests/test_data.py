@@ -10,10 +10,13 @@ import numpy as np
 import pytest
 
 from appliance.data import (
+    SKIP_HINT,
     DataError,
     RawDocument,
     Record,
     ShardReader,
+    check_has_targets,
+    check_tokenizer_fits,
     encode_records,
     find_data_files,
     has_documents,
@@ -176,6 +179,28 @@ def test_bad_records_name_file_line_and_problem(data, message):
     assert str(e.value) == message
 
 
+def test_malformed_json_says_at_once_and_how_to_write_a_control_character():
+    with pytest.raises(DataError) as e:
+        parse_document(raw(b'{"id": 1, "text": "a\tb"}'))  # a raw tab inside a string
+    assert str(e.value) == (
+        "d.jsonl:7: malformed JSON: Invalid control character at column 21 (a tab or other "
+        "control character inside a string must be escaped: \\t)"
+    )
+
+
+def test_a_bad_record_that_fails_the_run_says_how_to_skip_it(tmp_path, tok):
+    path, _, eos, _ = tok
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": "the cat sat"}, "{oops"])
+    with pytest.raises(DataError) as e:
+        check_has_targets(data, path, eos)
+    assert str(e.value) == (
+        f"{data}:2: malformed JSON: Expecting property name enclosed in double quotes at "
+        f"column 2 ({SKIP_HINT})"
+    )
+    assert SKIP_HINT == "fix the record, or pass --on-bad-record skip to skip bad records"
+    check_has_targets(data, path, eos, on_bad_record="skip")  # skipped: the good one teaches
+
+
 def test_non_utf8_txt_names_the_file():
     with pytest.raises(DataError) as e:
         parse_document(raw(b"ok \xc3\x28", "txt", "/data/x.txt"))
@@ -233,3 +258,17 @@ def test_encode_records_appends_eos_and_masks_prompts(tok):
     assert m1.tolist() == [False] * len(p) + [True] * (len(c) + 1)
     assert ids2.tolist() == [bos, eos] and m2.all()
     assert encode_records(t, [], eos) == []
+
+
+def test_a_tokenizer_with_ids_past_the_model_vocabulary_is_refused(tmp_path, tok):
+    path = tok[0]
+    largest = max(load_tokenizer(path).get_vocab(with_added_tokens=True).values())
+    model = tmp_path / "model"  # its config.json says vocab_size `largest`: one id short
+    with pytest.raises(DataError) as e:
+        check_tokenizer_fits(path, largest, model)
+    message = str(e.value)
+    assert message.startswith(f"{path} gives token ids up to {largest} (")
+    assert f"{model / 'config.json'} has vocab_size {largest}" in message
+    assert "use the tokenizer.json that came with the model" in message
+    check_tokenizer_fits(path, largest + 1, model)  # every id has an embedding
+    check_tokenizer_fits(path, 4 * largest, model)  # a padded vocabulary is fine

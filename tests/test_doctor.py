@@ -8,11 +8,13 @@ import json
 import math
 import os
 import platform
+import re
 import resource
 import socket
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -154,6 +156,58 @@ def test_a_small_shm_fails_the_shm_check(monkeypatch):
     c = checks["shm"]
     assert c["detail"].startswith(f"{d}: 16.0 MiB, 16.0 MiB free; the weight store needs 4.6 GiB")
     assert "--shm-size=" in c["fix"]
+
+
+@pytest.mark.parametrize(
+    "base_quant, smaller",
+    [("none", "--base-quant int8|nf4"), ("int8", "--base-quant nf4"), ("nf4", None)],
+)
+def test_fixes_give_one_shm_size_and_only_smaller_quantizations(base_quant, smaller):
+    """The shm, ram and ray fixes of one model name the same sizes (one /dev/shm in `g`, one RAM
+    in GiB, from one function) and suggest only a --base-quant smaller than the one given."""
+    from appliance.doctor import (
+        check_ram,
+        check_ray,
+        check_shm,
+        needs_for,
+        suggested_sizes,
+    )
+
+    needs = needs_for(PRESETS["70b"].args, True, base_quant)
+    huge = replace(needs, weight_store=2**50, ram=2**50 + needs.ram)  # more than any box here
+    for n in (needs, huge):
+        shm, ram = suggested_sizes(n)
+        assert shm * 2**30 >= 1.1 * n.weight_store and ram * 2**30 >= 1.1 * n.ram
+    shm, ram = suggested_sizes(huge)
+    checks = {c.name: c for c in (check_shm(huge), check_ram(huge), check_ray(huge))}
+    if any(c.status != "fail" for c in checks.values()):
+        pytest.skip(f"no /dev/shm here: {checks}")
+    assert f"--shm-size={shm}g " in checks["shm"].fix
+    assert f"a box with {ram} GiB of RAM available" in checks["ram"].fix
+    assert f"docker run --shm-size={shm}g on a box with {ram} GiB of RAM available" in (
+        checks["ray"].fix
+    )
+    for c in checks.values():  # no other size in any fix
+        assert set(re.findall(r"\d+(?:\.\d+)? ?(?:GiB|g)\b", c.fix)) <= {f"{shm}g", f"{ram} GiB"}
+    for name in ("shm", "ram"):
+        fix = checks[name].fix
+        if smaller:
+            assert f", or {smaller}" in fix
+        else:
+            assert "--base-quant" not in fix
+
+
+def test_the_suggested_sizes_give_embedded_ray_a_store_that_holds_the_weights(monkeypatch):
+    from appliance import cluster
+    from appliance.config import TrainConfig
+    from appliance.doctor import needs_for, suggested_sizes
+
+    needs = needs_for(PRESETS["70b"].args, True, "nf4")
+    shm, ram = suggested_sizes(needs)
+    monkeypatch.setattr(cluster, "shm_available_bytes", lambda _dir: shm * 2**30)
+    monkeypatch.setattr(cluster, "ram_available_bytes", lambda: ram * 2**30)
+    store, _ = cluster.object_store_bytes(TrainConfig())
+    assert store >= needs.weight_store and ram * 2**30 >= needs.ram
 
 
 def test_train_refuses_a_too_big_model_before_reading_weights(tmp_path):

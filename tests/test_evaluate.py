@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from peft import PeftModel
 from tokenizers import Tokenizer
 
-from appliance.data import DataError
+from appliance.data import SKIP_HINT, DataError
 from appliance.errors import ConfigError, ModelError
 from appliance.evaluate import evaluate
 from appliance.hf_checkpoint import read_model_args
@@ -122,6 +122,48 @@ def test_bad_record_names_file_and_line(model_dir, tmp_path, line, message):
         evaluate(model_dir, path, seq_len=8)
     assert f"{path}:3" in str(e.value)
     assert message in str(e.value)
+    assert str(e.value).endswith(f" ({SKIP_HINT})")
+
+
+def test_bad_records_are_skipped_with_a_warning_that_names_them(model_dir, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "the cat sat"}\n{"text": "a\tb"}\n[1]\n{"text": "a dog"}\n')
+    warnings: list[str] = []
+    skipped = evaluate(model_dir, path, seq_len=8, on_bad_record="skip", warn=warnings.append)
+    good = write_jsonl(tmp_path / "good.jsonl", [{"text": "the cat sat"}, {"text": "a dog"}])
+    assert skipped == evaluate(model_dir, good, seq_len=8)
+    assert warnings == [
+        f"--on-bad-record skip left out 2 bad record(s) of {path}; all 2:\n"
+        f"  {path}:2: malformed JSON: Invalid control character at column 12 (a tab or other "
+        "control character inside a string must be escaped: \\t)\n"
+        f"  {path}:3: expected a JSON object, found an array"
+    ]
+
+
+def test_documents_cut_to_seq_len_are_warned_about(model_dir, tmp_path):
+    """A .txt file is one document: scored on its first --seq-len tokens only, and said so."""
+    path = tmp_path / "plain.txt"
+    path.write_text(" ".join(sentences(10, seed=2, min_words=5, max_words=10)))
+    n = len(Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(path.read_text()).ids)
+    warnings: list[str] = []
+    result = evaluate(model_dir, path, seq_len=16, warn=warnings.append)
+    assert result["tokens"] == 15
+    assert warnings == [
+        f"--seq-len 16 cut 1 of 1 document(s) of {path}, so {n + 1 - 16:,} of their {n + 1:,} "
+        f"tokens are not scored (the longest has {n + 1:,}): pass a larger --seq-len, or split "
+        "long documents into several records (a .txt file is one document)"
+    ]  # n + 1: the EOS
+    evaluate(model_dir, path, seq_len=n + 1, warn=warnings.append)  # nothing cut: no warning
+    assert len(warnings) == 1
+
+
+def test_a_tokenizer_with_ids_past_the_model_vocabulary_is_refused(tmp_path, texts):
+    model = make_model(tmp_path / "model", "llama-mha", vocab_size=20)  # the tokenizer has ~38
+    data = write_jsonl(tmp_path / "eval.jsonl", [{"text": t} for t in texts])
+    with pytest.raises(DataError) as e:
+        evaluate(model, data, seq_len=16)
+    assert f"{model / 'tokenizer.json'} gives token ids up to " in str(e.value)
+    assert f"{model / 'config.json'} has vocab_size 20" in str(e.value)
 
 
 def test_bad_arguments_and_empty_data(model_dir, tmp_path):

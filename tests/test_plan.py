@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -16,6 +17,7 @@ from click.testing import CliRunner
 
 from appliance import hardware
 from appliance.cli import main
+from appliance.config import TrainConfig
 from appliance.plan import (
     PlanInput,
     block_bytes,
@@ -30,6 +32,7 @@ from appliance.presets import PRESETS
 from appliance.streaming import DeviceWeights
 from appliance.synthetic import SyntheticBlockSource
 
+OLD_SHAPE = ("--seq-len", "2048", "--micro-batch-size", "1", "--micro-batches-per-step", "8")
 A10_BUDGET = int(0.9 * 23028 * 2**20)  # the engine's default budget: 90 % of what the card has
 A10_B, A10_P = 25e9, 70e12
 
@@ -184,7 +187,17 @@ def test_cli_json_reads_config_json_only(tmp_path):
         "rms_norm_eps": 1e-5,
     }
     (tmp_path / "config.json").write_text(json.dumps(config))  # no weights at all
-    argv = ["plan", "--model", str(tmp_path), "--gpu", "a10", "--steps", "100", "--json"]
+    argv = [
+        "plan",
+        "--model",
+        str(tmp_path),
+        "--gpu",
+        "a10",
+        "--steps",
+        "100",
+        "--json",
+        *OLD_SHAPE,
+    ]
     out = CliRunner().invoke(main, argv)
     assert out.exit_code == 0, out.output
     r = json.loads(out.output)
@@ -211,22 +224,104 @@ def test_cli_json_reads_config_json_only(tmp_path):
 
 
 def test_cli_reports_every_bad_flag_at_once():
-    argv = ["plan", "--preset", "7b", "--gpu", "v100", "--micro-batches-per-step", "0"]
-    out = CliRunner().invoke(main, [*argv, "--tokens", "5", "--steps", "5"])
+    argv = ["plan", "--preset", "7b", "--gpu", "a10", "--micro-batches-per-step", "0"]
+    out = CliRunner().invoke(main, [*argv, "--tokens", "5", "--steps", "5", "--gpus", "0"])
     assert out.exit_code == 1
-    assert "error: --gpu 'v100' is unknown" in out.output
+    assert "error: --gpus must be ≥ 1 (got 0)" in out.output
     assert "error: --micro-batches-per-step must be ≥ 1 or auto" in out.output
     assert "error: --tokens and --steps are exclusive" in out.output
     assert "Traceback" not in out.output
 
 
-def test_cli_text_names_the_fix_when_it_does_not_fit():
-    argv = ["plan", "--preset", "70b", "--gpu", "a10", "--micro-batches-per-step", "auto"]
+def test_gpu_base_quant_and_dtype_are_choices_that_click_checks():
+    for flag, typo, choices in (
+        ("--gpu", "a1O", "'a10', 'a10g', '4090', 'l4', 'l40s', 'a100', 'h100', 'h200'"),
+        ("--base-quant", "nf5", "'none', 'int8', 'nf4'"),
+        ("--dtype", "bf16", "'float32', 'bfloat16', 'float16'"),
+    ):
+        argv = ["plan", "--preset", "7b", "--gpu", "a10", flag, typo]
+        out = CliRunner().invoke(main, argv)
+        assert out.exit_code == 2 and "Traceback" not in out.output
+        assert f"Invalid value for '{flag}': '{typo}' is not one of {choices}." in out.output
+
+
+def test_cli_text_names_the_fix_when_it_does_not_fit_and_exits_1():
+    argv = ["plan", "--preset", "70b", "--gpu", "a10", *OLD_SHAPE[:4]]
+    argv += ["--micro-batches-per-step", "auto"]
     out = CliRunner().invoke(main, argv)
-    assert out.exit_code == 0, out.output
+    assert out.exit_code == 1, out.output
     assert "fits: NO" in out.output and "--base-quant int8" in out.output
     out = CliRunner().invoke(main, [*argv, "--base-quant", "int8", "--tokens", "1000000"])
+    assert out.exit_code == 0, out.output
     assert "fits: yes" in out.output and "cost ≥ $" in out.output
+    out = CliRunner().invoke(main, [*argv, "--json"])  # --json too: the status says it
+    assert out.exit_code == 1 and json.loads(out.output)["fits"] is False
+
+
+def fix_flags(fix: str) -> list[str]:
+    """The flags a suggested fix names, as argv: `lower --seq-len to 2048 with --base-quant nf4`
+    → ["--seq-len", "2048", "--base-quant", "nf4"]."""
+    return [
+        x for flag, value in re.findall(r"(--[a-z-]+) (?:to )?(\w+)", fix) for x in (flag, value)
+    ]
+
+
+def test_host_ram_that_does_not_fit_is_said_and_every_fix_fits_gpu_and_host():
+    """70B on an A10 at 32768 × 4 × 8: the GPU needs far more than the card and the host 1413 GiB
+    of the g5.8xlarge's 128. Lowering --seq-len alone fixes the GPU, not the host: the fix says
+    what else (and following it fits)."""
+    argv = ["plan", "--preset", "70b", "--gpu", "a10", "--seq-len", "32768"]
+    argv += ["--micro-batch-size", "4", "--micro-batches-per-step", "8"]
+    out = CliRunner().invoke(main, argv)
+    assert out.exit_code == 1, out.output
+    verdict = next(line for line in out.output.splitlines() if line.startswith("fits: NO"))
+    assert "GPU memory: needs at least 151.4 GiB, the budget is 19.5 GiB" in verdict
+    assert "host RAM: needs 1413 GiB of the g5.8xlarge's 128 GiB" in verdict
+    assert "weight store 128 GiB (--base-quant shrinks it)" in verdict
+    assert "activations offloaded to host 1280 GiB" in verdict
+    r = json.loads(CliRunner().invoke(main, [*argv, "--json"]).output)
+    assert r["fixes"] == ["lower --seq-len to 2048 with --base-quant nf4"]
+    assert r["host_ram_bytes"] == 128 * 2**30 and not r["host_fits"]
+
+    # following the advice on the GPU alone still fails on host RAM: the plan says so, and
+    # every change it offers fits both
+    argv[argv.index("--seq-len") + 1] = "2048"
+    r = json.loads(CliRunner().invoke(main, [*argv, "--json"]).output)
+    assert r["gpu_fits"] and not r["host_fits"]
+    assert r["problems"] == [
+        "host RAM: needs 213 GiB of the g5.8xlarge's 128 GiB: weight store 128 GiB (--base-quant "
+        "shrinks it), activations offloaded to host 80 GiB (fewer, smaller or shorter "
+        "micro-batches shrink them), processes 5 GiB"
+    ]
+    assert "--base-quant nf4" in r["fixes"] and not any("int8" in f for f in r["fixes"])
+    assert r["fixes"][-1] == "a host with 213 GiB of RAM or more"
+    for fix in r["fixes"][:-1]:
+        out = CliRunner().invoke(main, [*argv, *fix_flags(fix)])
+        assert out.exit_code == 0 and "fits: yes" in out.output, (fix, out.output)
+
+
+def test_plan_assumes_trains_shape_and_prints_it(tmp_path):
+    train = TrainConfig()
+    p = PlanInput(PRESETS["7b"].args, "7b", "a10")
+    shape = (p.seq_len, p.micro_batch_size, p.micro_batches_per_step, p.lora_rank, p.base_quant)
+    assert shape == (
+        train.seq_len,
+        train.micro_batch_size,
+        train.micro_batches_per_step,
+        train.lora_rank,
+        train.base_quant,
+    )
+    assert p.lora_targets == tuple(train.lora_targets)
+    out = CliRunner().invoke(main, ["plan", "--preset", "7b", "--gpu", "a10", "--json"])
+    assert out.exit_code == 0, out.output
+    r = json.loads(out.output)
+    assert (r["seq_len"], r["micro_batch_size"], r["micro_batches_per_step"]) == shape[:3]
+    assert r["train_defaults"] == ["seq_len", "micro_batch_size", "micro_batches_per_step"]
+    text = CliRunner().invoke(main, ["plan", "--preset", "7b", "--gpu", "a10", "--seq-len", "512"])
+    assert (
+        f"shape: --seq-len 512 (given), --micro-batch-size {train.micro_batch_size} (train's "
+        f"default), --micro-batches-per-step {train.micro_batches_per_step} (train's default)\n"
+    ) in text.output
 
 
 @pytest.mark.gpu

@@ -121,6 +121,7 @@ def test_ctrl_c_and_sigterm_checkpoint_and_resume_by_output_alone(inputs, tmp_pa
         assert r.status == 200  # the server closes first: its side of the port is in TIME_WAIT
     rc, out, err = finish(ref)
     assert rc == 0, err[-3000:]
+    assert "Token authentication is enabled" not in err  # Ray's every-run notice (cluster.py)
     assert re.search(rf"^step {STEPS}/{STEPS} .* eta 0:00:00", out, re.MULTILINE)
     assert [line for line in out.splitlines() if line.startswith("done: ")] == [
         out.splitlines()[-1]
@@ -185,6 +186,13 @@ def test_ctrl_c_and_sigterm_checkpoint_and_resume_by_output_alone(inputs, tmp_pa
         np.testing.assert_allclose(done["losses"], reference, rtol=1e-6, atol=0)
         ports.add(metrics_port(err))
     assert len(ports) == 2 and min(ports) >= 8080
+
+    # a finished run resumed with no more --steps: said so, and nothing of it changes
+    rc, out, err = finish(start(["train", "--output", str(ref_out), "--resume"]))
+    assert rc == 0, err[-3000:]
+    assert f"--resume: the run is at step {STEPS}, which --steps {STEPS}" in out
+    assert "nothing is left to train" in out
+    assert record(ref_out)["status"] == "complete" and record(ref_out)["losses"] == reference
 
 
 def hub_cache(hf_home: Path) -> Path:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from appliance.data import IGNORE_INDEX, Batch, DataError, check_dataset
+from appliance.data import IGNORE_INDEX, SKIP_HINT, Batch, DataError, check_dataset
 from appliance.tokenize_worker import ACTOR_OPTIONS, TokenizeWorker, default_num_workers
 from tests.helpers_ray import ray_session
 from tests.helpers_tokenizer import make_tokenizer, sentences
@@ -335,7 +335,9 @@ def test_malformed_jsonl_line_fails_with_file_and_line(tmp_path, tok):
     w = new_worker(f, tok)
     with pytest.raises(DataError) as e:
         w.next_batch()
-    assert str(e.value) == f"{f}:3: malformed JSON: Expecting ',' delimiter at column 16"
+    assert str(e.value) == (
+        f"{f}:3: malformed JSON: Expecting ',' delimiter at column 16 ({SKIP_HINT})"
+    )
 
 
 def test_bad_record_in_another_shard_is_not_this_workers_concern(tmp_path, tok):
@@ -350,7 +352,7 @@ def test_record_without_text_names_the_keys_found(tmp_path, tok):
     with pytest.raises(DataError) as e:
         all_batches(new_worker(f, tok))
     assert str(e.value) == (
-        f'{f}:2: record has no "text" (nor "prompt" + "completion", "messages", "conversations"); keys found: "input", "output"'
+        f'{f}:2: record has no "text" (nor "prompt" + "completion", "messages", "conversations"); keys found: "input", "output" ({SKIP_HINT})'
     )
 
 
@@ -360,13 +362,15 @@ def test_non_utf8_jsonl_line_and_txt_file(tmp_path, tok):
     f.write_bytes(b'{"text": "the cat"}\n{"text": "caf\xe9"}\n')
     with pytest.raises(DataError) as e:
         all_batches(new_worker(f, tok))
-    assert str(e.value) == f"{f}:2: not valid UTF-8 (invalid continuation byte at byte 13)"
+    assert str(e.value) == (
+        f"{f}:2: not valid UTF-8 (invalid continuation byte at byte 13) ({SKIP_HINT})"
+    )
     t = tmp_path / "t" / "doc.txt"
     t.parent.mkdir()
     t.write_bytes(b"the cat \xff sat")
     with pytest.raises(DataError) as e:
         all_batches(new_worker(t.parent, tok))
-    assert str(e.value) == f"{t}: not valid UTF-8 (invalid start byte at byte 8)"
+    assert str(e.value) == f"{t}: not valid UTF-8 (invalid start byte at byte 8) ({SKIP_HINT})"
 
 
 def test_skip_counts_bad_records_in_batches_and_stats(tmp_path, tok):
@@ -395,6 +399,31 @@ def test_skip_counts_bad_records_in_batches_and_stats(tmp_path, tok):
     )
     assert s["tokens"] == len(stream) and s["pid"] == os.getpid() and s["batches"] == 4
     assert s["tokens_per_second"] > 0
+
+
+def test_skipped_records_are_named_with_file_line_and_problem(tmp_path, tok):
+    """6 lines, 4 of them bad: the worker remembers which and why, for the run's warning, and
+    names only those before a cursor (the ones a run at that cursor has counted)."""
+    f = write_jsonl(
+        tmp_path / "d.jsonl",
+        ['{"text": "a\tb"}', {"text": "the cat sat"}, "[1]", {"body": "x"}, {"text": 5}]
+        + [{"text": "a dog ran"}],
+    )
+    w = new_worker(f, tok, seq_len=4, mbs=1, on_bad_record="skip")
+    first = w.next_batch()
+    batches = [first, *all_batches(w)]
+    assert batches[-1].skipped_records == 4
+    assert w.skip_examples() == [
+        (0, f"{f}:1: malformed JSON: Invalid control character at column 12 (a tab or other "
+         "control character inside a string must be escaped: \\t)"),
+        (2, f"{f}:3: expected a JSON object, found an array"),
+        (3, f'{f}:4: record has no "text" (nor "prompt" + "completion", "messages", '
+         '"conversations"); keys found: "body"'),
+        (4, f'{f}:5: "text" must be a string, found a number'),
+    ]  # fmt: skip
+    # the first batch ends inside document 1: only the bad record before it was passed
+    assert [g for g, _ in w.skip_examples(first.cursor)] == [0]
+    assert w.skip_examples(w._cursor_at(0, 0, 0, 0)) == []
 
 
 @pytest.mark.parametrize("epochs", [2, None])
@@ -501,7 +530,7 @@ def test_data_error_crosses_the_actor_boundary(ray_local, tmp_path, tok):
     path, _, eos, pad = tok
     f = write_jsonl(tmp_path / "d.jsonl", [{"text": "a"}, {"prompt": "q"}])
     actor = ray.remote(TokenizeWorker).remote(str(f), path, 0, 1, 8, 2, eos, pad)
-    message = f'{f}:2: record has no "text" (nor "prompt" + "completion", "messages", "conversations"); keys found: "prompt"'
+    message = f'{f}:2: record has no "text" (nor "prompt" + "completion", "messages", "conversations"); keys found: "prompt" ({SKIP_HINT})'
     with pytest.raises(DataError) as e:
         ray.get(actor.next_batch.remote())
     assert message in str(e.value)
