@@ -41,7 +41,13 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _check_output(output: Path) -> None:
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+    blocker = next((p for p in (output, *output.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        where = "is a file" if blocker == output else f"is under {blocker}, a file"
+        raise ModelError(
+            f"--output {output} {where}; choose a new directory (export never overwrites)"
+        )
+    if output.exists() and any(output.iterdir()):
         raise ModelError(
             f"--output {output} already exists and is not empty; choose a new directory "
             "(export never overwrites)"

@@ -130,6 +130,13 @@ def test_refuses_a_non_empty_output_and_names_it(tmp_path):
     (out / "keep.txt").unlink()
     E.export_merged(model_dir, adapter, out)  # an empty directory is fine
     assert (out / "model.safetensors").is_file()
+    afile = tmp_path / "afile"
+    afile.write_text("")  # an empty file is no empty directory: named as what it is
+    with pytest.raises(ModelError, match=f"--output {afile} is a file"):
+        E.export_merged(model_dir, adapter, afile)
+    with pytest.raises(ModelError, match=f"--output {afile / 'sub'} is under {afile}, a file"):
+        E.export_merged(model_dir, adapter, afile / "sub")
+    assert afile.read_text() == ""
 
 
 def test_a_crash_mid_export_leaves_nothing_behind(tmp_path, monkeypatch):
