@@ -74,7 +74,7 @@ def _apply(p: PlanInput, m: int, change: Change) -> tuple[PlanInput, int]:
 
 
 def _says(change: Change) -> str:
-    """The change in flags: `lower --seq-len to 2048 with --base-quant nf4`."""
+    """The change in flags: `lower --seq-len to 2048 and --base-quant nf4`."""
     parts = []
     for key, v in change.items():
         flag = "--" + key.replace("_", "-")
@@ -90,7 +90,9 @@ def _says(change: Change) -> str:
             parts.append(f"lower {flag} to {v}")
         else:
             parts.append(f"{flag} {v}")
-    return " with ".join(parts)
+    return parts[0] + "".join(f", {p}" for p in parts[1:-1]) + (
+        f" and {parts[-1]}" if len(parts) > 1 else ""
+    )
 
 
 def _halvings(v: int, lowest: int) -> list[int]:

@@ -259,7 +259,7 @@ def test_cli_text_names_the_fix_when_it_does_not_fit_and_exits_1():
 
 
 def fix_flags(fix: str) -> list[str]:
-    """The flags a suggested fix names, as argv: `lower --seq-len to 2048 with --base-quant nf4`
+    """The flags a suggested fix names, as argv: `lower --seq-len to 2048 and --base-quant nf4`
     → ["--seq-len", "2048", "--base-quant", "nf4"]."""
     return [
         x for flag, value in re.findall(r"(--[a-z-]+) (?:to )?(\w+)", fix) for x in (flag, value)
@@ -280,7 +280,7 @@ def test_host_ram_that_does_not_fit_is_said_and_every_fix_fits_gpu_and_host():
     assert "weight store 128 GiB (--base-quant shrinks it)" in verdict
     assert "activations offloaded to host 1280 GiB" in verdict
     r = json.loads(CliRunner().invoke(main, [*argv, "--json"]).output)
-    assert r["fixes"] == ["lower --seq-len to 2048 with --base-quant nf4"]
+    assert r["fixes"] == ["lower --seq-len to 2048 and --base-quant nf4"]
     assert r["host_ram_bytes"] == 128 * 2**30 and not r["host_fits"]
 
     # following the advice on the GPU alone still fails on host RAM: the plan says so, and
