@@ -90,8 +90,10 @@ def _says(change: Change) -> str:
             parts.append(f"lower {flag} to {v}")
         else:
             parts.append(f"{flag} {v}")
-    return parts[0] + "".join(f", {p}" for p in parts[1:-1]) + (
-        f" and {parts[-1]}" if len(parts) > 1 else ""
+    return (
+        parts[0]
+        + "".join(f", {p}" for p in parts[1:-1])
+        + (f" and {parts[-1]}" if len(parts) > 1 else "")
     )
 
 
