@@ -133,11 +133,12 @@ def eval_batches(
     return out
 
 
-def validation_batches(cfg, inp) -> list[Batch]:
+def validation_batches(cfg, inp, warn: Callable[[str], None] | None = None) -> list[Batch]:
     """The run's validation set (`run.Inputs` `inp` of config `cfg`): --eval-data, the documents
     --eval-split holds out of --data, or the demo's held-out corpus, as `eval_batches`. Each
     document is encoded as training encodes it, truncated to --seq-len and scored alone (the
-    semantics of `appliance eval`); DataError if none has a target token."""
+    semantics of `appliance eval`); DataError if none has a target token. `warn`: as in
+    `read_documents` (skipped records, documents cut to --seq-len)."""
     from . import storage
 
     holdout = None
@@ -150,7 +151,14 @@ def validation_batches(cfg, inp) -> list[Batch]:
         path = inp.eval_data  # the demo's held-out corpus
     tokenizer = data.load_tokenizer(inp.tokenizer)
     docs = read_documents(
-        path, tokenizer, inp.eos_id, cfg.seq_len, inp.chat_template, holdout, cfg.on_bad_record
+        path,
+        tokenizer,
+        inp.eos_id,
+        cfg.seq_len,
+        inp.chat_template,
+        holdout,
+        cfg.on_bad_record,
+        warn=warn,
     )
     if not docs:
         what = f"--eval-split {cfg.eval_split}" if holdout else f"eval data {path}"

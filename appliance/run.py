@@ -525,7 +525,9 @@ class Run:
         from .evaluate import validation_batches
 
         if self._eval_refs is None:
-            batches = validation_batches(self.cfg, self.inp)
+            batches = validation_batches(
+                self.cfg, self.inp, warn=lambda m: self.progress.note(f"validation: {m}")
+            )
             self._eval_refs = [ray.put(b) for b in batches]
         return self._eval_refs
 

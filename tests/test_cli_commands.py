@@ -151,13 +151,18 @@ def test_bench_with_a_bad_gpu_memory_budget_is_one_error_line():
 
 
 @pytest.mark.integration
-def test_train_names_the_records_that_on_bad_record_skip_left_out(model_and_adapter, tmp_path):
+def test_train_names_the_records_skipped_and_the_held_out_documents_cut(
+    model_and_adapter, tmp_path
+):
     model, _, _ = model_and_adapter
     data = tmp_path / "six.jsonl"  # 6 lines, 4 of them bad
     lines = [{"text": "the cat sat on the mat"}, '{"text": "a\tb"}', "[1]", {"body": "x"}]
     lines += [{"text": 5}, {"text": "a dog ran far away"}]
     data.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
-    flags = ["--model", model, "--data", data, "--output", tmp_path / "o", "--seq-len", "8",
+    held_out = tmp_path / "held_out.jsonl"  # one document longer than --seq-len 8
+    held_out.write_text(json.dumps({"text": "the cat sat on the mat and a dog ran far away"}))
+    flags = ["--model", model, "--data", data, "--eval-data", held_out,
+             "--output", tmp_path / "o", "--seq-len", "8",
              "--micro-batch-size", "1", "--tokenize-workers", "1", "--epochs", "1",
              "--on-bad-record", "skip", "--log-format", "plain", "--metrics-port", free_port()]  # fmt: skip
     done = subprocess.run(
@@ -176,6 +181,8 @@ def test_train_names_the_records_that_on_bad_record_skip_left_out(model_and_adap
     assert f'  {data}:4: record has no "text"' in output
     assert f'  {data}:5: "text" must be a string, found a number\n' in output
     assert "skipped_records 4" in done.stdout
+    # validation cuts documents to --seq-len as `appliance eval` does, and says so once
+    assert output.count(f"validation: --seq-len 8 cut 1 of 1 document(s) of {held_out}") == 1
 
 
 @pytest.mark.integration
