@@ -18,9 +18,10 @@ resident is refused, since it would time ordinary training.
 The floor of one step (docs/architecture.md, "The speed floor") is max(W / B, F / P): W = the
 bytes the engine copies host→device in one step (each streamed block once per pass, less block 0,
 which stays from one step's backward into the next forward, and less the last block when none is
-resident: planner.blocks_uploaded_per_step; the engine's own count is reported beside it), B = bandwidth measured from the memory the engine copies from (one of
-its own page-locked blocks into the device, median of 10, on CUDA; a host memcpy of 256 MiB on
-CPU, where nothing is really copied: weights are read in place, so the row is nominal), F = the
+resident: planner.blocks_uploaded_per_step; the engine's own count is reported beside it),
+B = bandwidth measured from the memory the engine copies from (one of its own page-locked blocks
+into the device, median of 10, on CUDA; a host memcpy of 256 MiB on CPU, where nothing is
+really copied: weights are read in place, so the row is nominal), F = the
 step's FLOPs (≈ 6·N·T), P = the measured dense matmul rate in the compute dtype (`--dtype
 auto`: bf16 on GPU, fp16 on one without bf16, fp32 on CPU). Every row reports its time against
 that floor. W is the weights alone: where the plan offloads saved block inputs to the host, the

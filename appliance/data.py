@@ -134,7 +134,8 @@ class RawDocument:
 def find_data_files(path: str | Path) -> list[Path]:
     """The dataset's files in document order.
 
-    DataError if the path is missing, holds no .jsonl, .parquet or .txt file, or no document at all.
+    DataError if the path is missing, holds no .jsonl, .parquet or .txt file, or no document at
+    all.
     """
     root = Path(path)
     if not root.exists():
@@ -359,12 +360,13 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 def check_tokenizer_fits(
     tokenizer_path: str | Path, vocab_size: int, model_dir: str | Path
-) -> None:
-    """DataError if the tokenizer makes ids the model in `model_dir` (config.json's
+) -> Tokenizer:
+    """The tokenizer, loaded; DataError if it makes ids the model in `model_dir` (config.json's
     `vocab_size`) has no embedding for: a tokenizer of another model. One smaller than the
     model's vocabulary is fine (models often pad theirs)."""
     config_path = Path(model_dir) / "config.json"
-    vocab = load_tokenizer(tokenizer_path).get_vocab(with_added_tokens=True)
+    tokenizer = load_tokenizer(tokenizer_path)
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
     token, largest = max(vocab.items(), key=lambda item: item[1], default=("", -1))
     if largest >= vocab_size:
         raise DataError(
@@ -372,6 +374,7 @@ def check_tokenizer_fits(
             f"has vocab_size {vocab_size} (ids 0 to {vocab_size - 1}): the tokenizer is not this "
             "model's; use the tokenizer.json that came with the model"
         )
+    return tokenizer
 
 
 def check_dataset(data_path: str | Path, tokenizer_path: str | Path) -> list[Path]:

@@ -44,7 +44,6 @@ from .run_record import (
     model_fingerprint,
     read_run_file,
     run_identity,
-    write_run_file,
 )
 from .trainer import resolve_device, resolve_dtype
 
@@ -158,6 +157,7 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
         eval_data=eval_data,
         chat_template=chat,
         notes=notes,
+        model_fingerprint=model_fingerprint(cfg.model),
     )
 
 
@@ -224,8 +224,8 @@ def check_output(cfg: TrainConfig) -> None:
 
 def _the_runs_model_moved_to(model: str | None, previous: dict) -> bool:
     """Whether `model` is the run's own model at a new path: the same files (config, tokenizer,
-    safetensors headers) as run.json's fingerprint of it. A run.json written before fingerprints
-    has none: its model is known by its path alone."""
+    safetensors headers, samples of the weights) as run.json's fingerprint of it. A run.json
+    written before fingerprints has none: its model is known by its path alone."""
     recorded = previous.get("model_fingerprint")
     return recorded is not None and model_fingerprint(model) == recorded
 
@@ -322,11 +322,11 @@ def resolve_micro_batches(inp: Inputs, progress: Progress) -> None:
     )
 
 
-def _record_failure(cfg: TrainConfig, error: BaseException) -> None:
+def _record_failure(run: Run, error: BaseException) -> None:
     """run.json says a run that raised failed, and why, so the next `appliance train` into its
     output does not show it as running. Its checkpoints stay: `--resume` continues it."""
     try:
-        write_run_file(cfg, "failed", {"error": f"{type(error).__name__}: {error}"[:2000]})
+        run.record("failed", {"error": f"{type(error).__name__}: {error}"[:2000]})
     except Exception:  # noqa: BLE001 - the output itself may be what failed; the error is raised
         pass
 
@@ -354,13 +354,14 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
     # a local --output is locked for the whole run (the demo's own temp output needs no lock)
     local = cfg.output is not None and not storage.is_s3(cfg.output)
     recorded = False  # whether this run wrote its run.json: a failure is recorded there then
+    lock = OutputLock(cfg.output) if local else contextlib.nullcontext()  # type: ignore[arg-type]
     try:
-        with OutputLock(cfg.output) if local else contextlib.nullcontext():  # type: ignore[arg-type]
+        with lock:
             run = connect(cfg, progress)
             cfg = run.cfg
             if cfg.overwrite:
                 remove_previous_run(cfg.output)  # before the new run writes anything
-            write_run_file(cfg, "running")
+            run.record("running")
             recorded = True
             for note in run.inp.notes:
                 progress.note(note)
@@ -378,7 +379,7 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
                 _let_metrics_report(cfg)
     except Exception as e:
         if recorded and not isinstance(e, RunInterrupted):  # interrupted: run.py recorded it
-            _record_failure(cfg, e)
+            _record_failure(run, e)
         # a failed demo leaves nothing worth keeping (a stopped one can be resumed)
         if demo and cfg.model is not None and not isinstance(e, RunInterrupted):
             shutil.rmtree(Path(cfg.model).parent, ignore_errors=True)

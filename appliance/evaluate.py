@@ -219,15 +219,15 @@ def evaluate(
     if not Path(data_path).exists():
         raise ConfigError(f"--data {data_path}: no such file or directory")
     hf_checkpoint.SafetensorsCheckpoint(model_dir).check(args)
-    tokenizer = hf_checkpoint.tokenizer_path(model_dir)
-    data.check_tokenizer_fits(tokenizer, args.vocab_size, model_dir)
+    tokenizer_path = hf_checkpoint.tokenizer_path(model_dir)
+    tokenizer = data.check_tokenizer_fits(tokenizer_path, args.vocab_size, model_dir)
     try:
         chat = load_chat_template(model_dir, chat_template)
     except ChatError as e:
         raise ConfigError(str(e)) from None
     seqs = read_documents(
         data_path,
-        data.load_tokenizer(tokenizer),
+        tokenizer,
         int(args.eos_token_id),
         seq_len,
         chat,

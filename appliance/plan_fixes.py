@@ -90,11 +90,9 @@ def _says(change: Change) -> str:
             parts.append(f"lower {flag} to {v}")
         else:
             parts.append(f"{flag} {v}")
-    return (
-        parts[0]
-        + "".join(f", {p}" for p in parts[1:-1])
-        + (f" and {parts[-1]}" if len(parts) > 1 else "")
-    )
+    if len(parts) == 1:
+        return parts[0]
+    return ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
 def _halvings(v: int, lowest: int) -> list[int]:

@@ -87,6 +87,7 @@ class Inputs:
     eval_data: Path | None = None
     chat_template: ChatTemplate | None = None  # the model's, or --chat-template's
     notes: list[str] = field(default_factory=list)  # for the user, e.g. files the data skipped
+    model_fingerprint: str | None = None  # of cfg.model (run_record), for run.json
 
 
 @dataclass
@@ -270,7 +271,7 @@ class Run:
             f"started {R} trainer{'s' if R > 1 else ''} and {self.num_workers} tokenizer "
             f"worker{'s' if self.num_workers > 1 else ''}"
         )
-        write_run_file(cfg, "running")  # now with the resolved config
+        self.record("running")  # now with the resolved config
 
     def _make_trainers(self) -> list:
         """R trainer actors, each beside its node's weight store; with R > 1 one process group
@@ -342,7 +343,7 @@ class Run:
         if not checkpointed:
             self.save_checkpoint()
         out, step = self.cfg.output, self.state.step
-        write_run_file(self.cfg, "interrupted", {"steps": step, "losses": self.state.losses})
+        self.record("interrupted", {"steps": step, "losses": self.state.losses})
         cluster = {None: "", "auto": " --cluster"}.get(
             self.cfg.cluster, f" --cluster {self.cfg.cluster}"
         )
@@ -557,8 +558,7 @@ class Run:
         loads = sum(
             s["load_count"] for s in ray.get([s.stats.remote() for s in self.stores.values()])
         )
-        write_run_file(
-            self.cfg,
+        self.record(
             "complete",
             {
                 "steps": self.state.step,
@@ -569,6 +569,10 @@ class Run:
                 "weight_store_loads": loads,  # one per trainer node, however many restarts
             },
         )
+
+    def record(self, status: str, extra: dict | None = None) -> None:
+        """run.json: the run's identity, resolved config and `status` (with `extra`)."""
+        write_run_file(self.cfg, status, extra, self.inp.model_fingerprint)
 
     def stop(self) -> None:
         """End this run's actors (the driver's ray.shutdown does it too; tests share one Ray)."""

@@ -70,12 +70,16 @@ def model_fingerprint(model: str | None) -> str | None:
     return h.hexdigest()
 
 
-def write_run_file(cfg: TrainConfig, status: str, extra: dict | None = None) -> None:
+def write_run_file(
+    cfg: TrainConfig, status: str, extra: dict | None = None, fingerprint: str | None = None
+) -> None:
+    """Write `output`/run.json. `fingerprint`: the model's (model_fingerprint), computed once
+    per run by its caller (`Run.record`); None for a record that cannot follow a moved model."""
     record = {
         "identity": run_identity(cfg),
         "config": cfg.to_dict(),
         "status": status,
-        "model_fingerprint": model_fingerprint(cfg.model),
+        "model_fingerprint": fingerprint,
         **(extra or {}),
     }
     storage.write_bytes(storage.join(cfg.output, RUN_FILE), json.dumps(record, indent=2).encode())
