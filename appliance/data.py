@@ -377,15 +377,12 @@ def check_tokenizer_fits(
     return tokenizer
 
 
-def check_dataset(data_path: str | Path, tokenizer_path: str | Path) -> list[Path]:
-    """Fail fast, in the driver, on a missing or empty dataset or a missing tokenizer.
-
-    Returns the data files. Call it before creating workers: a DataError raised in an actor's
-    constructor reaches the caller as Ray's ActorDiedError, not as DataError.
-    """
-    files = find_data_files(data_path)
-    load_tokenizer(tokenizer_path)
-    return files
+def check_dataset(data_path: str | Path) -> list[Path]:
+    """Fail fast, in the driver, on a missing or empty dataset (the tokenizer is checked by
+    `check_tokenizer_fits`). Returns the data files. Call it before creating workers: a
+    DataError raised in an actor's constructor reaches the caller as Ray's ActorDiedError, not
+    as DataError."""
+    return find_data_files(data_path)
 
 
 def encode_records(
@@ -425,7 +422,7 @@ def encode_records(
 
 def check_has_targets(
     data_path: str | Path,
-    tokenizer_path: str | Path,
+    tokenizer: Tokenizer,
     eos_id: int,
     chat: ChatTemplate | None = None,
     holdout: Holdout | None = None,
@@ -435,8 +432,8 @@ def check_has_targets(
     """DataError unless some document of the training data has a target token (a token after
     its first that is trained on). Reads until it finds one: the first chunk, for any normal
     dataset; only a dataset with nothing to learn is read to the end, and refused before training
-    starts. A bad record fails here as it would in a worker, unless `on_bad_record="skip"`."""
-    tokenizer = load_tokenizer(tokenizer_path)
+    starts. A bad record fails here as it would in a worker, unless `on_bad_record="skip"`.
+    `tokenizer`: the one `load_tokenizer` (or `check_tokenizer_fits`) returned."""
     records: list[Record] = []
     reader = iter(ShardReader(find_data_files(data_path), 0, 1, holdout=holdout))
     while True:

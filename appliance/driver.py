@@ -111,8 +111,8 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
     check_box(cfg, args)  # /dev/shm, RAM, memlock: fail in seconds, not with an OOM kill later
     SafetensorsCheckpoint(model_dir).check(args)  # every tensor there, readable, right shape
     tok = tokenizer_path(model_dir)
-    check_tokenizer_fits(tok, args.vocab_size, model_dir)  # ids past the embedding: refused
-    check_dataset(data_path, tok)  # errors here are clear; inside an actor they'd be wrapped
+    tokenizer = check_tokenizer_fits(tok, args.vocab_size, model_dir)  # ids past the embedding
+    check_dataset(data_path)  # errors here are clear; inside an actor they'd be wrapped
     notes = [
         f"--data {cfg.data}: skipped {len(skipped)} file(s) that are not .jsonl, .parquet or "
         f".txt: {', '.join(skipped[:5])}{', ...' if len(skipped) > 5 else ''}"
@@ -122,13 +122,13 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
     eval_data = None
     if cfg.eval_data:
         eval_data = storage.localize(cfg.eval_data)
-        check_dataset(eval_data, tok)
+        check_dataset(eval_data)
     chat = load_chat_template(
         model_dir, storage.localize(cfg.chat_template) if cfg.chat_template else None
     )
     if args.eos_token_id is not None:  # (its absence is reported below)
         holdout = Holdout(cfg.eval_split, cfg.seed) if cfg.eval_split else None
-        check_has_targets(data_path, tok, args.eos_token_id, chat, holdout, cfg.on_bad_record)
+        check_has_targets(data_path, tokenizer, args.eos_token_id, chat, holdout, cfg.on_bad_record)
     problems = seq_len_problems(args, cfg.seq_len)
     try:  # --lora-targets against the model's family (Phi-3's fused modules)
         resolve_targets(args, tuple(cfg.lora_targets))
@@ -144,7 +144,8 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
 
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda: no CUDA GPU is visible (use --device cpu or auto)")
-    check_output(cfg)
+    fingerprint = model_fingerprint(cfg.model)  # read once: check_output and run.json use it
+    check_output(cfg, fingerprint)
     return Inputs(
         cfg,
         model_dir,
@@ -157,7 +158,7 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
         eval_data=eval_data,
         chat_template=chat,
         notes=notes,
-        model_fingerprint=model_fingerprint(cfg.model),
+        model_fingerprint=fingerprint,
     )
 
 
@@ -174,8 +175,9 @@ def check_box(cfg: TrainConfig, args: ModelArgs) -> None:
         raise ConfigError("\n".join(problems))
 
 
-def check_output(cfg: TrainConfig) -> None:
-    """Refuse an --output that holds something else, unless --overwrite (or --resume of it)."""
+def check_output(cfg: TrainConfig, fingerprint: str | None = None) -> None:
+    """Refuse an --output that holds something else, unless --overwrite (or --resume of it).
+    `fingerprint`: `model_fingerprint(cfg.model)`, when the caller has it (else read here)."""
     out = cfg.output
     if cfg.overwrite:  # remove_previous_run replaces whatever run is there, readable or not
         return
@@ -186,7 +188,9 @@ def check_output(cfg: TrainConfig) -> None:
         if cfg.resume and cfg.micro_batches_per_step == "auto" and recorded is not None:
             cfg.micro_batches_per_step = recorded  # auto was resolved when the run started
         was, now = previous["identity"], run_identity(cfg)
-        if was.get("model") != now["model"] and _the_runs_model_moved_to(cfg.model, previous):
+        if was.get("model") != now["model"] and _the_runs_model_moved_to(
+            fingerprint or model_fingerprint(cfg.model), previous
+        ):
             was = {**was, "model": now["model"]}  # run.json records the new path from now on
         same = was == now
         resume = f"appliance train --output {out} --resume"
@@ -222,12 +226,13 @@ def check_output(cfg: TrainConfig) -> None:
         )
 
 
-def _the_runs_model_moved_to(model: str | None, previous: dict) -> bool:
-    """Whether `model` is the run's own model at a new path: the same files (config, tokenizer,
-    safetensors headers, samples of the weights) as run.json's fingerprint of it. A run.json
-    written before fingerprints has none: its model is known by its path alone."""
+def _the_runs_model_moved_to(fingerprint: str | None, previous: dict) -> bool:
+    """Whether the model given now (its `fingerprint`) is the run's own model at a new path: the
+    same files (config, tokenizer, safetensors headers, samples of the weights) as run.json's
+    fingerprint of it. A run.json written before fingerprints has none: its model is known by
+    its path alone."""
     recorded = previous.get("model_fingerprint")
-    return recorded is not None and model_fingerprint(model) == recorded
+    return recorded is not None and fingerprint == recorded
 
 
 def _shown(value: object) -> str:

@@ -228,7 +228,7 @@ class StreamedEngine:
             **batch_sizes(micro_batches),
             block_bytes=w.block_bytes(),
             # the globals, a quantized block's dequantized weights while it computes, and the
-            # packed documents' masks, kept for a whole pass
+            # packed documents' masks, kept for a whole step
             globals_bytes=sum(t.numel() * t.element_size() for t in w.globals.values())
             + w.dequant_bytes()
             + self._mask_bytes(micro_batches),
@@ -287,12 +287,19 @@ class StreamedEngine:
     # ------------------------------------------------------------ the step
 
     def _forward(
-        self, micro_batches: list[MicroBatch], step: int, dropout: bool, save: bool, first: int = 0
+        self,
+        micro_batches: list[MicroBatch],
+        step: int,
+        dropout: bool,
+        save: bool,
+        first: int = 0,
+        attn: list | None = None,
     ) -> list[torch.Tensor]:
         """Layer-major forward under no_grad. Returns the last hidden states.
         `save` (training): keep each block's inputs in `self.saved`, and the last block on the
         device for the backward; otherwise (eval, logits) every streamed block is released.
-        `first`: the global-batch index of micro_batches[0] (this rank's offset)."""
+        `first`: the global-batch index of micro_batches[0] (this rank's offset). `attn`: the
+        micro-batches' `_attention_inputs`, when the caller keeps them for its backward."""
         L = self.args.num_layers
         g = self.weights.globals
         self.weights.drop_streamed(keep=0)  # what a pass that raised left in the slots
@@ -301,7 +308,8 @@ class StreamedEngine:
                 hs = [
                     M.embed(mb[0].to(self.device), g, self.args.embed_scale) for mb in micro_batches
                 ]
-                attn = [self._attention_inputs(mb) for mb in micro_batches]
+                if attn is None:
+                    attn = [self._attention_inputs(mb) for mb in micro_batches]
             if save:
                 self.saved.start_step([h.shape for h in hs])
             for i in range(L):
@@ -349,8 +357,11 @@ class StreamedEngine:
         denom = max(n_target, 1)
         t0 = time.perf_counter()
         loss = torch.zeros((), device=self.device)
+        # positions, document masks and RoPE tables: made once, for the forward and the backward
+        with self._busy():
+            attn = [self._attention_inputs(mb) for mb in micro_batches]
         if micro_batches:
-            hs = self._forward(micro_batches, step, dropout=True, save=True, first=first)
+            hs = self._forward(micro_batches, step, dropout=True, save=True, first=first, attn=attn)
             # head: this share's part of the global batch's loss, and d(loss)/d(last hidden states)
             grads = []
             with self._busy():
@@ -367,7 +378,6 @@ class StreamedEngine:
         forward_stall = self.weights.stall_seconds()
         forward_host = self.weights.host_seconds
         if micro_batches:
-            attn = [self._attention_inputs(mb) for mb in micro_batches]
             for i in reversed(range(L)):
                 w = self.weights.get(i)
                 self.weights.prefetch(i - 1)

@@ -192,13 +192,14 @@ def test_a_bad_record_that_fails_the_run_says_how_to_skip_it(tmp_path, tok):
     path, _, eos, _ = tok
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": "the cat sat"}, "{oops"])
     with pytest.raises(DataError) as e:
-        check_has_targets(data, path, eos)
+        check_has_targets(data, load_tokenizer(path), eos)
     assert str(e.value) == (
         f"{data}:2: malformed JSON: Expecting property name enclosed in double quotes at "
         f"column 2 ({SKIP_HINT})"
     )
     assert SKIP_HINT == "fix the record, or pass --on-bad-record skip to skip bad records"
-    check_has_targets(data, path, eos, on_bad_record="skip")  # skipped: the good one teaches
+    # skipped: the good record teaches
+    check_has_targets(data, load_tokenizer(path), eos, on_bad_record="skip")
 
 
 def test_non_utf8_txt_names_the_file():

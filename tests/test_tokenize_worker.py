@@ -323,11 +323,9 @@ def test_missing_tokenizer(data, tmp_path):
 
 
 def test_check_dataset_validates_up_front(data, tok, tmp_path):
-    assert len(check_dataset(data[0], tok[0])) == 3
-    with pytest.raises(DataError, match="^tokenizer not found"):
-        check_dataset(data[0], tmp_path)
+    assert len(check_dataset(data[0])) == 3
     with pytest.raises(DataError, match="^dataset not found"):
-        check_dataset(tmp_path / "x", tok[0])
+        check_dataset(tmp_path / "x")
 
 
 def test_malformed_jsonl_line_fails_with_file_and_line(tmp_path, tok):

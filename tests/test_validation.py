@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from appliance.config import build_config
-from appliance.data import DataError, Holdout, check_has_targets
+from appliance.data import DataError, Holdout, check_has_targets, load_tokenizer
 from appliance.errors import ConfigError
 from appliance.evaluate import read_documents
 from appliance.progress import Progress
@@ -79,7 +79,7 @@ def test_a_dataset_without_any_target_token_is_refused(tmp_path):
     with pytest.raises(DataError, match="has a target token \\(nothing to learn\\)"):
         worker.next_batch()
     # ... and the driver's check refuses it before any actor starts
-    tok = str(tmp_path / "tokenizer.json")
+    tok = load_tokenizer(tmp_path / "tokenizer.json")
     with pytest.raises(DataError, match="c.jsonl: no record has a target token"):
         check_has_targets(data, tok, 2, silent)
     data.write_text(
