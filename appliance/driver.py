@@ -144,7 +144,8 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
 
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda: no CUDA GPU is visible (use --device cpu or auto)")
-    fingerprint = model_fingerprint(cfg.model)  # read once: check_output and run.json use it
+    # read once (check_output and run.json use it); an s3:// model's from its local copy
+    fingerprint = model_fingerprint(str(model_dir))
     check_output(cfg, fingerprint)
     return Inputs(
         cfg,

@@ -49,7 +49,7 @@ def model_fingerprint(model: str | None) -> str | None:
     weights at 16 places, hashed. It lets a resumed run follow its model to a new path (a moved
     directory, another mount point in a container) while another model is refused, one of the
     same shapes too (a base model and its chat fine-tune differ in every weight sampled). None
-    for s3:// or a path that is not there."""
+    for s3:// (the driver fingerprints an s3:// model's local copy) or a path that is not there."""
     if not model or storage.is_s3(model) or not Path(model).is_dir():
         return None
     root, h = Path(model), hashlib.sha256()

@@ -17,6 +17,7 @@ from safetensors.torch import load
 from appliance import storage
 from appliance.checkpoint import list_checkpoints, load_latest_checkpoint
 from appliance.run import FAULT_ENV
+from appliance.run_record import model_fingerprint
 from tests.helpers_model import load_hf, make_model
 from tests.helpers_net import free_port
 from tests.helpers_tokenizer import sentences
@@ -104,6 +105,9 @@ def test_model_data_and_output_on_s3_survive_a_torn_checkpoint_write_and_resume_
     assert "resumed from step-000002" in err
     resumed = json.loads(storage.read_bytes(storage.join(out, "run.json")))
     assert resumed["status"] == "complete" and resumed["steps"] == 6
+    # the model on S3 is fingerprinted from its local copy, as the same files on disk would be:
+    # a resume may follow it to another prefix or to a local path
+    assert resumed["model_fingerprint"] == model_fingerprint(str(model))
 
     # 3. an uninterrupted run: the resumed one has its losses and its adapter
     ref = f"s3://{s3_bucket}/runs/ref"
