@@ -108,7 +108,7 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
             "--cluster give s3:// URIs or paths shared by every node"
         ) from None
     args = read_model_args(model_dir)  # refuses unsupported architectures before any weight
-    check_box(cfg, args)  # /dev/shm, RAM, memlock: fail in seconds, not with an OOM kill later
+    check_box(cfg, args)  # /dev/shm, RAM: fail in seconds, not with an OOM kill later
     SafetensorsCheckpoint(model_dir).check(args)  # every tensor there, readable, right shape
     tok = tokenizer_path(model_dir)
     tokenizer = check_tokenizer_fits(tok, args.vocab_size, model_dir)  # ids past the embedding

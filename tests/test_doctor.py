@@ -21,6 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from appliance.cli import main
+from appliance.doctor import blocking_problems
 from appliance.measure import host_memory_available
 from appliance.plan import block_bytes
 from appliance.presets import PRESETS
@@ -84,31 +85,26 @@ def huge_model(tmp: Path) -> Path:
 
 
 @pytest.mark.integration  # a subprocess: the limit is the process's own
-def test_lowered_memlock_fails_the_memlock_check():
-    need = 4 * block_bytes(PRESETS["tiny"].args, 2)  # the tiny preset's 4 bf16 blocks
+def test_a_low_memlock_is_reported_but_blocks_nothing():
+    """The NVIDIA driver page-locks without charging RLIMIT_MEMLOCK (tests/test_engine_gpu.py
+    checks that on a GPU): Docker's default limit must not refuse a run."""
     limit = 64 * 1024
 
     def lower():
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (limit, limit))
 
-    # --device cuda: page-locking is what a GPU run needs (on this CPU box the gpus check fails too)
-    rc, checks = doctor("--preset", "tiny", "--device", "cuda", preexec_fn=lower)
-    assert rc == 1
+    # --device cuda: page-locking is what a GPU run needs (on this CPU box the gpus check fails)
+    _, checks = doctor("--preset", "tiny", "--device", "cuda", preexec_fn=lower)
     c = checks["memlock"]
-    assert c["status"] == "fail"
-    assert c["detail"].startswith("ulimit -l (memlock): 0.1 MiB; page-locking the blocks needs")
-    assert "--ulimit memlock=-1" in c["fix"]
-
-    hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
-    enough = need + 2**20
-    if hard != resource.RLIM_INFINITY and hard < enough:
-        pytest.skip(f"RLIMIT_MEMLOCK's hard limit is below {enough} bytes: no contrast run")
-
-    def raise_it():
-        resource.setrlimit(resource.RLIMIT_MEMLOCK, (enough, hard))
-
-    rc, checks = doctor("--preset", "tiny", "--device", "cuda", preexec_fn=raise_it)
-    assert checks["memlock"]["status"] == "ok"
+    assert c["status"] == "ok"
+    assert c["detail"].startswith("ulimit -l (memlock): 0.1 MiB; the GPU driver page-locks")
+    assert "no --ulimit memlock needed" in c["detail"]
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (limit, hard))  # this process's soft limit
+    try:
+        assert blocking_problems(PRESETS["tiny"].args, cuda=True) == []
+    finally:
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (soft, hard))
 
 
 def test_a_model_bigger_than_ram_fails_the_ram_check(tmp_path):

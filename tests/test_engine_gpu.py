@@ -310,3 +310,24 @@ def test_an_eval_before_the_first_step_does_not_size_the_plan_for_training():
     (loss_a, g_a), (loss_b, g_b) = results
     assert loss_b == loss_a
     assert all(torch.equal(a, b) for a, b in zip(g_b, g_a, strict=True))
+
+
+def test_page_locking_is_not_bounded_by_memlock():
+    """Why `appliance doctor` only reports `ulimit -l`: the NVIDIA driver page-locks without
+    charging RLIMIT_MEMLOCK, so a limit far below the bytes (Docker's default 8 MiB, 64 KiB
+    here) still registers 256 MiB in place, and torch pins 256 MiB too."""
+    import resource
+
+    from appliance.streaming import host_register, host_unregister
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.zeros(1, device=device)  # the runtime is loaded: host_register finds it
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 * 1024, hard))
+    try:
+        t = torch.empty(256 * 2**20, dtype=torch.uint8)
+        assert host_register(t, device)
+        host_unregister(t.data_ptr())
+        assert torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True).is_pinned()
+    finally:
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (soft, hard))
