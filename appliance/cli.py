@@ -150,7 +150,8 @@ def train(config_file: str | None, **flags) -> None:
 
     file_values = C.read_config_file(config_file) if config_file else {}
     run_values, output = None, flags.get("output") or file_values.get("output")
-    if (flags.get("resume") or file_values.get("resume")) and output:
+    resuming = any(v.get(k) for v in (flags, file_values) for k in ("resume", "auto_resume"))
+    if resuming and output:  # (auto_resume: None when there is no run.json)
         run_values = recorded_config(str(output))
     notes: list[str] = []
     cfg = C.build_config(

@@ -138,6 +138,11 @@ class TrainConfig:
     )
     keep_checkpoints: int = _f(3, "Checkpoints to keep.")
     resume: bool = _f(False, "Continue the run in --output from its latest checkpoint.")
+    auto_resume: bool = _f(
+        False,
+        "Continue the run in --output if it holds one (as --resume), else start it there: one "
+        "command for the first run and every rerun (Kubernetes, docker --restart).",
+    )
     overwrite: bool = _f(False, "Replace an --output that holds a different run.")
     max_restarts: int = _f(3, "Trainer/worker restarts allowed before the run fails.")
     # ---- running
@@ -225,6 +230,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         "checkpoint_every",
         "keep_checkpoints",
         "resume",
+        "auto_resume",
         "overwrite",
         "max_restarts",
     ),
@@ -323,7 +329,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 
 # what a resumed run does not take from its run.json: how this invocation runs, not the run
-PER_INVOCATION = ("resume", "overwrite", "cluster", "log_format", "metrics_port")
+PER_INVOCATION = ("resume", "auto_resume", "overwrite", "cluster", "log_format", "metrics_port")
 
 
 def build_config(
@@ -467,6 +473,9 @@ def validate(cfg: TrainConfig, label: Callable[[str], str] = flag) -> list[str]:
             errs.append(f"{label('eval_every')} needs --eval-data PATH or --eval-split FRACTION")
     if cfg.resume and cfg.overwrite:
         errs.append(f"{label('resume')} and {label('overwrite')} are exclusive: give one")
+    for other in ("resume", "overwrite"):
+        if cfg.auto_resume and getattr(cfg, other):
+            errs.append(f"{label('auto_resume')} and {label(other)} are exclusive: give one")
     if cfg.gpu_memory_budget is not None:
         try:
             parse_bytes(cfg.gpu_memory_budget)

@@ -91,6 +91,8 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
     """Fetch (s3://) and check model, tokenizer, data and output, where this runs: in the driver
     for embedded Ray, on the trainer's node with --cluster (`where` names that node)."""
     assert cfg.model is not None and cfg.data is not None and cfg.output is not None
+    if cfg.auto_resume:  # the run --output holds is continued; with none there, one starts
+        cfg.resume = read_run_file(cfg.output) is not None
     try:
         model_dir = storage.localize(cfg.model)
         data_path = storage.localize(cfg.data)
@@ -202,9 +204,15 @@ def check_output(cfg: TrainConfig, fingerprint: str | None = None) -> None:
                     for k in IDENTITY_KEYS
                     if was.get(k) != now[k]
                 ]
+                given = "--auto-resume" if cfg.auto_resume else "--resume"
+                also = (
+                    "; to start another run, give another --output (or --overwrite this one)"
+                    if cfg.auto_resume
+                    else ""
+                )
                 raise ConfigError(
-                    f"--resume: {out} holds a run with different {'; '.join(changed)}: resuming "
-                    f"would break it. To continue that run as it was: {resume}"
+                    f"{given}: {out} holds a run with different {'; '.join(changed)}: resuming "
+                    f"would break it. To continue that run as it was: {resume}{also}"
                 )
             return
         what = "the same run" if same else "a different run"

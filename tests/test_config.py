@@ -69,6 +69,9 @@ def test_steps_and_epochs_are_exclusive_and_model_needs_data_and_output():
         C.build_config({}, {"model": "/m", "output": "/o"})
     with pytest.raises(ConfigError, match="--resume and --overwrite are exclusive"):
         C.build_config({}, {"resume": True, "overwrite": True})
+    for other in ("resume", "overwrite"):
+        with pytest.raises(ConfigError, match=f"--auto-resume and --{other} are exclusive"):
+            C.build_config({}, {"auto_resume": True, other: True})
 
 
 def test_without_a_model_the_demo_settings_sit_below_the_file_and_the_flags():
@@ -153,3 +156,11 @@ def test_a_run_recorded_before_packing_and_quantization_resumes_as_it_was(tmp_pa
     asked = C.build_config({}, {"model": "m", "data": "d", "output": str(out), "resume": True})
     with pytest.raises(ConfigError, match="--packing documents \\(the run: stream\\)"):
         check_output(asked)
+    # --auto-resume (a Kubernetes job's rerun) with another run's flags is refused the same way,
+    # naming the flag it was given and how to start another run instead
+    auto = C.build_config({}, {"model": "m", "data": "d", "output": str(out), "auto_resume": True})
+    auto.resume = True  # what resolve_inputs makes of --auto-resume when run.json is there
+    with pytest.raises(ConfigError) as e:
+        check_output(auto)
+    assert str(e.value).startswith(f"--auto-resume: {out} holds a run with different --packing")
+    assert str(e.value).endswith("give another --output (or --overwrite this one)")

@@ -130,9 +130,11 @@ def test_ctrl_c_and_sigterm_checkpoint_and_resume_by_output_alone(inputs, tmp_pa
     assert len(reference) == STEPS
 
     # right after the scraped run, on the same port (SIGINT); beside it a run on the default
-    # port (SIGTERM): both stop at a step boundary with a checkpoint
+    # port (SIGTERM) started as Kubernetes starts its job, with --auto-resume (an empty
+    # --output: it starts): both stop at a step boundary with a checkpoint
     stopped = {}
-    for sig, extra in ((signal.SIGINT, ("--metrics-port", str(port))), (signal.SIGTERM, ())):
+    auto = ("--auto-resume",)
+    for sig, extra in ((signal.SIGINT, ("--metrics-port", str(port))), (signal.SIGTERM, auto)):
         out_dir = tmp_path / sig.name
         p = start(train_argv(inputs, out_dir, "--log-format", "json", *extra))
         stopped[sig] = (p, out_dir)
@@ -164,16 +166,22 @@ def test_ctrl_c_and_sigterm_checkpoint_and_resume_by_output_alone(inputs, tmp_pa
     assert "--seed 7 (the run: 0)" in err
     assert f"To continue that run as it was: appliance train --output {sigint_out} --resume" in err
 
-    # resume both at once with --output alone (default metrics ports: they must not collide)
+    # resume both at once (default metrics ports: they must not collide): SIGINT's with --output
+    # alone, SIGTERM's with the very command that started it (--auto-resume: a rerun continues)
     resumed = {
-        sig: start(["train", "--output", str(out_dir), "--resume", "--log-format", "json"])
-        for sig, (_, out_dir) in stopped.items()
+        signal.SIGINT: start(
+            ["train", "--output", str(sigint_out), "--resume", "--log-format", "json"]
+        ),
+        signal.SIGTERM: start(
+            train_argv(inputs, stopped[signal.SIGTERM][1], "--log-format", "json", *auto)
+        ),
     }
     ports = set()
     for sig, p in resumed.items():
         rc, out, err = finish(p)
         assert rc == 0, err[-3000:]
         out_dir = stopped[sig][1]
+        assert "resumed from step-" in err
         records = [json.loads(line) for line in out.splitlines()]  # stdout holds JSON only
         steps = [r for r in records if "step" in r]
         first = steps[0]["step"]

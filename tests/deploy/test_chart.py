@@ -336,6 +336,7 @@ def test_the_rayjob_runs_appliance_train_on_the_charts_cluster_with_the_job_args
         "--output", job_values["output"],
         "--config", "/etc/appliance/train.yaml",
         "--steps", "100",
+        "--auto-resume",
     ]  # fmt: skip
     # The inline config reaches the head (where the driver runs) at that path.
     (config,) = train_config_maps(docs)
@@ -363,6 +364,7 @@ def test_appliance_train_accepts_the_ci_jobs_command_line_and_config(renders, cl
     assert (cfg.cluster, cfg.model, cfg.data, cfg.output) == (
         "auto", job["model"], job["data"], job["output"]
     )  # fmt: skip
+    assert cfg.auto_resume  # a rerun of the job continues its run, the first one starts it
     if "config" in job:  # inline: the ConfigMap on the head
         assert cfg.lora_rank == yaml.safe_load(job["config"])["lora_rank"]
         assert cfg.steps == job["steps"]
@@ -384,6 +386,12 @@ def test_a_nested_config_that_appliance_train_would_reject_is_caught() -> None:
     docs = render(CI_VALUES["a10"], sets={"job.config": "lora:\n  rank: 16\n"})
     with pytest.raises(ConfigError, match="unknown key 'lora'"):
         entrypoint_config(docs)
+
+
+def test_without_auto_resume_the_job_has_no_resume_flag() -> None:
+    docs = render(CI_VALUES["a10"], sets={"job.autoResume": "false"})
+    assert "--auto-resume" not in shlex.split(one(docs, "RayJob")["spec"]["entrypoint"])
+    assert not entrypoint_config(docs).auto_resume
 
 
 def test_arguments_with_spaces_are_quoted_for_the_shell() -> None:
