@@ -416,8 +416,10 @@ def entry() -> None:
     """The `appliance` executable: `main`, then an exit that is safe with Ray's threads still
     running (appliance/exit.py says why)."""
     from . import exit as E
+    from .interrupt import stop_at_once_on_sigterm
 
     E.install()  # before Ray is imported, so that it runs after Ray's own exit hook
+    stop_at_once_on_sigterm()  # `docker stop` ends a container's PID 1 before the step loop too
     try:
         main()
     except SystemExit as e:

@@ -354,7 +354,10 @@ def _let_metrics_report(cfg: TrainConfig) -> None:
     ms = METRICS_REPORT_INTERVAL_MS  # what the embedded Ray is started with
     if cfg.cluster:  # the cluster's own setting, as Ray reads it (its default is 10 s)
         ms = int(os.environ.get("RAY_metrics_report_interval_ms", "10000"))
-    time.sleep(ms / 1e3)
+    try:
+        time.sleep(ms / 1e3)
+    except KeyboardInterrupt:  # the run is complete, its adapter written: a stop skips the wait
+        pass
 
 
 def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:

@@ -3,8 +3,9 @@
 The first SIGINT (Ctrl-C) or SIGTERM (what `docker stop` and Kubernetes send) only asks: the step
 loop sees `requested` after the step in flight, writes a checkpoint and raises `RunInterrupted`;
 the CLI prints where the run is and how to resume it, and exits 130 for either signal (the
-status a Ctrl-C gives; a stop asked for and honoured, whoever asked). A second signal stops at once (KeyboardInterrupt), losing the steps
-since the last checkpoint.
+status a Ctrl-C gives; a stop asked for and honoured, whoever asked). A second signal stops at
+once (KeyboardInterrupt), losing the steps since the last checkpoint. Before the step loop
+(downloads, the weight store's load) either signal stops at once: `stop_at_once_on_sigterm`.
 
     with GracefulStop() as stop:
         run.interrupt = stop
@@ -17,6 +18,26 @@ import os
 import signal
 import sys
 import threading
+
+
+def _stop_now(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def stop_at_once_on_sigterm() -> None:
+    """Outside the step loop (downloading the model, loading the weight store, starting
+    actors) SIGTERM stops at once, as Ctrl-C does: KeyboardInterrupt, which the CLI reports as
+    `interrupted` and exit 130. Without a handler a container's PID 1 (the image runs
+    `appliance` as PID 1) ignores SIGTERM, so `docker stop` would wait out its timeout and then
+    SIGKILL. The `appliance` executable installs it first thing; main thread only."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _stop_now)
+
+
+def sigterm_stops_at_once() -> bool:
+    """Whether `stop_at_once_on_sigterm` is in force (ray.init replaces it with its own
+    handler, a silent sys.exit(15): cluster.start_ray puts it back)."""
+    return signal.getsignal(signal.SIGTERM) is _stop_now
 
 
 class RunInterrupted(Exception):

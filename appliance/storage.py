@@ -505,6 +505,7 @@ def localize(uri: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
     if is_dir and not objects:
         raise StorageError(f"nothing under {uri}: the prefix is empty", uri, NOT_FOUND)
 
+    _check_cache_writable(root, uri)
     dest = root / bucket / key if key else root / bucket
     index_path = root / _INDEX_DIR / bucket / f"{key or '_'}.json"
     index = _read_index(index_path)
@@ -548,6 +549,22 @@ def localize(uri: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
         index[o.name] = {"size": o.size, "etag": o.etag}
         _write_index(index_path, index, uri)  # after each file: an interrupted run resumes
     return dest
+
+
+def _check_cache_writable(root: Path, uri: str) -> None:
+    """StorageError naming the cache and APPLIANCE_S3_CACHE unless `root` can hold downloads. A
+    container run as another uid (`docker run --user`) has HOME=/ and no ~/.cache of its own."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root):
+            pass
+    except OSError as e:
+        raise StorageError(
+            f"cannot download {uri}: the S3 cache {root} is not writable ({e.strerror}); set "
+            "APPLIANCE_S3_CACHE to a writable directory (in a container, a mounted volume: the "
+            "downloads are then kept between runs)",
+            uri,
+        ) from None
 
 
 def _read_index(path: Path) -> dict[str, dict[str, Any]]:

@@ -203,6 +203,21 @@ def test_ctrl_c_and_sigterm_checkpoint_and_resume_by_output_alone(inputs, tmp_pa
     assert record(ref_out)["status"] == "complete" and record(ref_out)["losses"] == reference
 
 
+def test_sigterm_before_the_step_loop_stops_at_once_as_ctrl_c_does(inputs, tmp_path):
+    """`docker stop` while the weights load and the actors start, after Ray started (ray.init
+    sets a SIGTERM handler of its own, a silent exit 15, which start_ray replaces with ours
+    again): `interrupted`, exit 130, no traceback. Before Ray starts the same handler is in
+    force from the executable's first line: in a container the executable is PID 1, which
+    ignores a signal it has no handler for (`docker stop` would wait out its timeout)."""
+    p = start(train_argv(inputs, tmp_path / "out"))
+    read_until(p, "^base weights loaded:")
+    p.send_signal(signal.SIGTERM)
+    rc, _, err = finish(p, timeout=120)
+    assert rc == 130, err[-3000:]
+    assert "Traceback" not in err
+    assert "interrupted" in err
+
+
 def hub_cache(hf_home: Path) -> Path:
     """`HUB_ID` in the layout `hf download` leaves under HF_HOME: the files in blobs/, the
     snapshot directory of a commit linking to them, and refs/main naming that commit."""

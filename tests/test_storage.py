@@ -335,6 +335,27 @@ def test_localize_single_file_and_default_cache(
     assert f"s3://{s3_bucket}/data/missing.jsonl" in str(info.value)
 
 
+def test_a_cache_that_cannot_be_written_is_named_with_the_variable_to_set(
+    s3_bucket: str, s3_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`docker run --user` with another uid: HOME is `/`, where ~/.cache cannot be made. (A
+    HOME under a file fails the same way for root, which ignores permissions.)"""
+    s3_client.put_object(Bucket=s3_bucket, Key="data/train.jsonl", Body=b'{"text": "hi"}\n')
+    monkeypatch.delenv("APPLIANCE_S3_CACHE", raising=False)
+    (tmp_path / "home").write_text("a file, not a directory")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    uri = f"s3://{s3_bucket}/data/train.jsonl"
+    with pytest.raises(StorageError) as info:
+        storage.localize(uri)
+    assert str(info.value) == (
+        f"cannot download {uri}: the S3 cache {tmp_path}/home/.cache/appliance/s3 is not "
+        "writable (Not a directory); set APPLIANCE_S3_CACHE to a writable directory (in a "
+        "container, a mounted volume: the downloads are then kept between runs)"
+    )
+    monkeypatch.setenv("APPLIANCE_S3_CACHE", str(tmp_path / "cache"))
+    assert storage.localize(uri).read_bytes() == b'{"text": "hi"}\n'
+
+
 def test_localize_checks_free_space(
     model_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
