@@ -34,7 +34,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
 # The base image tag pins the distribution; pinning apt package versions on top only breaks
 # the build whenever Ubuntu publishes a security update.
 # gcc, libc6-dev and python3-dev build the appliance's one C extension (the fused CPU quantizers,
-# appliance/_quantize.c); only this stage has them, the runtime stage copies the built library.
+# appliance/_quantize.c); the runtime stage needs them again, for Triton (below).
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev \
@@ -60,10 +60,15 @@ FROM ubuntu:${UBUNTU_VERSION}
 ENV DEBIAN_FRONTEND=noninteractive
 # python3: the venv's interpreter (same Ubuntu release as the build stage).
 # bash: KubeRay runs `ray start` under `bash -lc`. wget: KubeRay's default health probes.
+# gcc, libc6-dev, python3-dev: Triton compiles its CUDA launcher (a small C module against
+# Python.h) with the system compiler the first time it launches a kernel; without them every
+# Triton kernel fails ("Failed to find C compiler"): the fused NF4/int8 dequant falls back to
+# PyTorch, and torch.compile and flex_attention do not run.
 # Versions are pinned by the base image tag, as above.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 bash wget ca-certificates \
+       gcc libc6-dev python3-dev \
     && rm -rf /var/lib/apt/lists/* \
     && (userdel --remove ubuntu 2>/dev/null || true) \
     && useradd --create-home --uid 1000 --user-group --shell /bin/bash appliance

@@ -404,7 +404,7 @@ def plan_cmd(model, preset, gpu, micro_batches_per_step, gpu_memory_budget, as_j
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @friendly_errors
 def doctor_cmd(model, preset, base_quant, device, metrics_port, as_json) -> None:
-    """Check this box: versions, GPUs, /dev/shm, RAM, memlock, disk, bandwidth, port, Ray, S3."""
+    """Check this box: versions, GPUs, /dev/shm, RAM, memlock, Triton, disk, bandwidth, port, Ray, S3."""
     from .doctor import run_doctor
     from .hub import resolve_model
 

@@ -299,6 +299,37 @@ def check_quantizers(base_quant: str) -> Check:
     )
 
 
+def check_triton(cuda: bool) -> Check:
+    """On a GPU: whether Triton's kernels launch here. Triton builds each kernel's launcher with
+    the system C compiler (`CC`, else cc/gcc/clang) at its first launch; without one the fused
+    dequant of --base-quant falls back to PyTorch (slower, said only in the trainer's log), and
+    torch.compile and the packed rows' flex_attention fail."""
+    if not cuda:
+        return Check("triton", "ok", "no CUDA GPU: Triton's kernels are not used")
+    compiler = os.environ.get("CC") or next(
+        (c for c in ("cc", "gcc", "clang") if shutil.which(c)), None
+    )
+    if compiler is None:
+        return Check(
+            "triton",
+            "warn",
+            "no C compiler (CC, cc, gcc, clang): Triton cannot build its kernels' launchers, so "
+            "the fused dequant runs as PyTorch and torch.compile / flex_attention fail",
+            "install one (apt-get install gcc libc6-dev python3-dev; the appliance image has it)",
+        )
+    import warnings
+
+    from . import quant
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ok = quant._gpu_kernels() is not None
+    if not ok:
+        why = str(caught[-1].message) if caught else "Triton's kernels did not launch"
+        return Check("triton", "warn", why, "check the Triton install against this torch")
+    return Check("triton", "ok", f"fused dequant kernels launch (C compiler: {compiler})")
+
+
 def memory_available() -> int | None:
     from .measure import host_memory_available
 
@@ -522,6 +553,7 @@ def run_checks(
         check_shm(needs),
         check_shm_pages(),
         check_quantizers(base_quant),
+        check_triton(cuda),
         check_ram(needs),
         check_memlock(needs),
         check_disk(model, needs),

@@ -10,6 +10,7 @@ import os
 import platform
 import re
 import resource
+import shutil
 import socket
 import subprocess
 import sys
@@ -324,3 +325,22 @@ def test_quantizers_says_whether_the_c_kernels_are_built(monkeypatch, base_quant
     assert c["status"] == status and "the fused C kernels are not built" in c["detail"]
     assert ("C compiler" in c["fix"]) == (status == "warn")
     assert "quantizers" not in failed(checks)
+
+
+def test_triton_says_whether_a_gpu_box_can_build_its_kernels(monkeypatch):
+    """No GPU: Triton is not used. A GPU box without a C compiler (a slim image): warned that
+    the fused dequant falls back and torch.compile / flex_attention fail, and told what to
+    install; never a failure. (On a GPU with a compiler the kernels launch:
+    tests/test_quant_gpu.py.)"""
+    from appliance.doctor import check_triton
+
+    c = check_triton(cuda=False)
+    assert (c.status, c.detail) == ("ok", "no CUDA GPU: Triton's kernels are not used")
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    c = check_triton(cuda=True)
+    assert c.status == "warn"
+    assert c.detail.startswith("no C compiler (CC, cc, gcc, clang): Triton cannot build")
+    assert "apt-get install gcc libc6-dev python3-dev" in c.fix
+    _, checks = doctor_here("--device", "cpu")
+    assert checks["triton"]["status"] == "ok" and "triton" not in failed(checks)

@@ -149,6 +149,17 @@ def test_kernels_equal_the_pytorch_path_under_the_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_doctor_finds_the_triton_kernels_launch_on_this_gpu():
+    pytest.importorskip("triton", reason="this CUDA torch comes without triton")
+    from appliance.doctor import check_triton
+
+    c = check_triton(cuda=True)
+    assert c.status == "ok", c.detail
+    assert c.detail.startswith("fused dequant kernels launch (C compiler: ")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_kernels_equal_the_pytorch_path_on_cuda():
     pytest.importorskip("triton", reason="this CUDA torch comes without triton")
     from appliance import quant_gpu
