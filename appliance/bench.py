@@ -34,17 +34,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import math
 import os
 import statistics
 import sys
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 
 from . import quant
+from .bench_table import print_table, write_json
 from .blocks import dtype_from_name
 from .engine import StreamedEngine
 from .errors import ConfigError
@@ -69,6 +68,7 @@ from .synthetic import SyntheticBlockSource
 from .trainer import resolve_device, resolve_dtype
 
 LR = 1e-4
+MODES = ("streamed", "resident")  # the rows, in order
 
 # ---------------------------------------------------------------- the runs
 
@@ -166,6 +166,8 @@ def _run_mode(
             resident = L if mode == "resident" else 0
         block_bytes = engine.weights.block_bytes()
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        # what the budget caps (reserved), and whether the allocator had to free and retry
+        allocator = _allocator_facts(device)
     except torch.cuda.OutOfMemoryError as e:
         return {**row, "fits": False, "reason": f"CUDA out of memory: {str(e).splitlines()[0]}"}
     finally:
@@ -196,6 +198,7 @@ def _run_mode(
         "streamed_bytes": W,
         "bandwidth_bytes_per_second": B,
         "peak_gpu_bytes": peak,  # torch.cuda.max_memory_allocated over the mode; None on a CPU
+        **allocator,
         "step_seconds": step,
         "step_seconds_min": min(s.step_seconds for s in timed),
         "step_seconds_median": statistics.median(s.step_seconds for s in timed),
@@ -222,6 +225,20 @@ def _run_mode(
             k: statistics.mean(s.phase_seconds[k] for s in timed) for k in timed[0].phase_seconds
         },
         "losses": losses,
+    }
+
+
+def _allocator_facts(device: torch.device) -> dict:
+    """The caching allocator over a mode (CUDA; empty on a CPU): its peak reserved bytes (what
+    --gpu-memory-budget caps), and how often it freed its cache to retry (`num_alloc_retries`)
+    or gave up (`num_ooms`): a row that runs out of memory is read with these."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {
+        "peak_reserved_gpu_bytes": torch.cuda.max_memory_reserved(device),
+        "alloc_retries": stats.get("num_alloc_retries", 0),
+        "ooms": stats.get("num_ooms", 0),
     }
 
 
@@ -266,10 +283,13 @@ def run_bench(
     warmup: int | None = None,
     base_quant: str = "none",
     profile: bool = False,
+    modes: tuple[str, ...] = MODES,
 ) -> dict:
     """Run `preset` streamed and resident; returns every measured number (see module doc).
     `base_quant` (int8 | nf4): the blocks' linear weights are quantized (as --base-quant).
     `profile`: each row also profiles one step more (torch.profiler; the row's "profile").
+    `modes`: the rows to run (both by default; `("streamed",)` saves a big model's resident
+    row where only the streamed one is wanted).
 
     `None` picks the preset's default for the device; dtype defaults to the trainer's (`--dtype
     auto`: trainer.resolve_dtype). ConfigError for a preset that cannot run here, with what to
@@ -277,6 +297,8 @@ def run_bench(
     """
     if preset not in PRESETS:
         raise ConfigError(f"--preset {preset!r} is unknown; one of {', '.join(PRESETS)}")
+    if not modes or any(m not in MODES for m in modes):
+        raise ConfigError(f"--modes {','.join(modes)}: give one or both of {','.join(MODES)}")
     p, device = PRESETS[preset], torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu")
@@ -348,11 +370,11 @@ def run_bench(
                 "give --gpu-memory-budget"
             )
         budget_kind = "the largest under which half the blocks stream (planner.streaming_budget)"
-    modes = [
+    rows = [
         _run_mode(
             m, source, batches, shape, device, dtype, gpu_memory_budget, bandwidth, matmul, profile
         )
-        for m in ("streamed", "resident")
+        for m in modes
     ]
     spec = LoraSpec()
     return {
@@ -375,7 +397,7 @@ def run_bench(
             "alpha": spec.alpha,
             "targets": list(resolve_targets(args, spec.targets)),
         },
-        "shape": {**asdict(shape), "tokens_per_step": modes[0]["tokens_per_step"]},
+        "shape": {**asdict(shape), "tokens_per_step": rows[0]["tokens_per_step"]},
         "gpu_memory_budget": gpu_memory_budget,
         "gpu_memory_budget_kind": budget_kind,
         "bandwidth": {
@@ -386,7 +408,7 @@ def run_bench(
             "place, so the streamed row's W/B is nominal",
         },
         "matmul": {"flops_per_second": matmul, "kind": f"{dname} ({n}, {n}) @ ({n}, {n})"},
-        "modes": modes,
+        "modes": rows,
     }
 
 
@@ -399,73 +421,6 @@ def _dequant_kernels(base_quant: str, device: torch.device, dtype: torch.dtype) 
 
 
 # ---------------------------------------------------------------- output
-
-
-def _count(n: int) -> str:
-    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
-
-
-def _g(x: float, digits: int = 4) -> str:
-    return f"{x:.{digits}g}"
-
-
-def format_table(result: dict) -> str:
-    """The result as a header and a Markdown table (what `print_table` prints)."""
-    m, s = result["model"], result["shape"]
-    budget = result["gpu_memory_budget"]
-    lines = [
-        f"preset {result['preset']}: {m['num_layers']} layers, hidden {m['hidden_size']}, "
-        f"{_count(m['params'])} params, {result['dtype']} on {result['device_name']}",
-        f"B = {result['bandwidth']['bytes_per_second'] / 1e9:.3g} GB/s "
-        f"({result['bandwidth']['kind']})",
-        f"P = {result['matmul']['flops_per_second'] / 1e12:.3g} TFLOP/s "
-        f"({result['matmul']['kind']})",
-        f"tokens/step = {s['micro_batches']} micro-batches × {s['micro_batch_size']} × "
-        f"{s['seq_len']} = {s['tokens_per_step']}; {s['warmup']} warm-up + {s['steps']} timed "
-        f"steps; GPU memory budget: {f'{budget / GiB:.3g} GiB' if budget else 'none'}"
-        + (
-            f" ({result['gpu_memory_budget_kind']})" if result.get("gpu_memory_budget_kind") else ""
-        ),
-        "",
-        "| mode | tokens/step | step s | tokens/s | W GB | B GB/s | W/B s | F TFLOP | F/P s "
-        "| floor s | time/floor | h2d stall | dequant | GPU busy | NVML util |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in result["modes"]:
-        if not r["fits"]:
-            lines.append(f"| {r['mode']} | {r['tokens_per_step']} | {r['reason']} |" + " — |" * 12)
-            continue
-        stall = r["h2d_stall_seconds_per_step"] / r["step_seconds"]
-        busy = "—" if r["gpu_busy_ratio"] is None else f"{r['gpu_busy_ratio']:.0%}"
-        nvml = "—" if r.get("nvml_util_mean") is None else f"{r['nvml_util_mean']:.0%}"
-        lines.append(
-            f"| {r['mode']} | {r['tokens_per_step']} | {_g(r['step_seconds'])} "
-            f"| {_g(r['tokens_per_second'])} | {_g(r['streamed_bytes'] / 1e9)} "
-            f"| {_g(r['bandwidth_bytes_per_second'] / 1e9, 3)} "
-            f"| {_g(r['floor_h2d_seconds'])} | {_g(r['flops_per_step'] / 1e12)} "
-            f"| {_g(r['floor_compute_seconds'])} | {_g(r['floor_seconds'])} | {r['ratio']:.2f} "
-            f"| {stall:.1%} | {r['dequant_share']:.1%} | {busy} | {nvml} |"
-        )
-    streamed = [r for r in result["modes"] if r["fits"] and r["streamed_bytes"]]
-    for r in streamed:
-        lines.append(
-            f"\n{r['mode']}: T* = {r['crossover_tokens_per_step']:.0f} tokens per step (W/B = F/P; "
-            f"this run: {r['tokens_per_step']}, "
-            + (
-                "compute-bound)"
-                if r["tokens_per_step"] >= r["crossover_tokens_per_step"]
-                else "copy-bound)"
-            )
-        )
-    return "\n".join(lines)
-
-
-def print_table(result: dict) -> None:
-    print(format_table(result))
-
-
-def write_json(result: dict, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(result, indent=2) + "\n")
 
 
 def presets_help() -> str:
@@ -544,6 +499,12 @@ def parser(prog: str = "python -m appliance.bench") -> argparse.ArgumentParser:
         help="Quantize the blocks' linear weights, as train --base-quant. [none]",
     )
     ap.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        metavar="LIST",
+        help="Rows to run: streamed, resident or both. [streamed,resident]",
+    )
+    ap.add_argument(
         "--profile",
         action="store_true",
         help="Profile one more step per row (torch.profiler): its top operators by self time, "
@@ -566,8 +527,16 @@ def run_from_args(a: argparse.Namespace) -> dict:
     names = ("micro_batch_size", "seq_len", "micro_batches", "steps", "warmup")
     shape = {k: getattr(a, k) for k in names if getattr(a, k) is not None}
     dtype = dtype_from_name(a.dtype) if a.dtype != "auto" else None
+    modes = tuple(m.strip() for m in a.modes.split(",") if m.strip())
     result = run_bench(
-        a.preset, device, dtype, budget, **shape, base_quant=a.base_quant, profile=a.profile
+        a.preset,
+        device,
+        dtype,
+        budget,
+        **shape,
+        base_quant=a.base_quant,
+        profile=a.profile,
+        modes=modes,
     )
     print_table(result)
     for row in result["modes"]:

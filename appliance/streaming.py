@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import functools
 import math
+import mmap
 import re
 import statistics
 import time
@@ -149,12 +150,18 @@ class DeviceWeights:
         self.globals = {k: v.to(device=device, dtype=dtype) for k, v in g.items()}
         self._copier = SideStream(device)
         if self.copies:
-            self._host: list[tuple[torch.Tensor, dict, bool]] = []
-            for i in range(source.num_blocks):
-                flat, index, torch_pinned = _flat_block(source, i, dtype)
-                # on a CPU nothing needs page-locking: every buffer is copied from directly
-                pinned = not self.cuda or torch_pinned or self._register(flat)
-                self._host.append((flat, index, pinned))
+            blocks = [_flat_block(source, i, dtype) for i in range(source.num_blocks)]
+            # on a CPU nothing needs page-locking: every buffer is copied from directly
+            pinned = [not self.cuda or torch_pinned for _, _, torch_pinned in blocks]
+            todo = [i for i, p in enumerate(pinned) if not p]
+            spans = [(blocks[i][0].data_ptr(), blocks[i][0].numel()) for i in todo]
+            for start, nbytes, members in shared_page_spans(spans, mmap.PAGESIZE):
+                if self._register(start, nbytes):
+                    for j in members:
+                        pinned[todo[j]] = True
+            self._host: list[tuple[torch.Tensor, dict, bool]] = [
+                (flat, index, p) for (flat, index, _), p in zip(blocks, pinned, strict=True)
+            ]
             self._biggest = max(f.numel() for f, _, _ in self._host)
             if not all(p for _, _, p in self._host):
                 self._staging = [self._page_locked(self._biggest) for _ in range(2)]
@@ -214,11 +221,12 @@ class DeviceWeights:
             self._registered.append(t.data_ptr())
         return t
 
-    def _register(self, flat: torch.Tensor) -> bool:
-        """Page-lock `flat` in place (host_register); close() undoes it."""
-        if not host_register(flat, self.device):
+    def _register(self, ptr: int, nbytes: int) -> bool:
+        """Page-lock `nbytes` of host memory at `ptr` in place (host_register); close() undoes
+        it."""
+        if not host_register_range(ptr, nbytes, self.device):
             return False
-        self._registered.append(flat.data_ptr())
+        self._registered.append(ptr)
         return True
 
     def close(self) -> None:
@@ -436,6 +444,23 @@ def _flat_block(source: BlockSource, i: int, dtype: torch.dtype) -> tuple[torch.
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
 
+def shared_page_spans(spans: list[tuple[int, int]], page: int) -> list[tuple[int, int, list[int]]]:
+    """The byte ranges `spans` ((address, bytes) each) as the ranges to page-lock: those that
+    share a page merged into one, each as (address, bytes, indices of the spans it covers), in
+    address order. cudaHostRegister locks whole pages and refuses a range touching a page that
+    is already registered, so buffers packed back to back (the object store's blocks, small
+    malloc'd ones) registered one by one would leave every other one unpinned, copied through
+    staging. A merged range holds less than a page of memory that is not a span's."""
+    merged: list[tuple[int, int, list[int]]] = []
+    for start, end, i in sorted((s, s + n, i) for i, (s, n) in enumerate(spans) if n > 0):
+        if merged and start // page <= (merged[-1][1] - 1) // page:  # shares the last's page
+            first, last, members = merged[-1]
+            merged[-1] = (first, max(last, end), [*members, i])
+        else:
+            merged.append((start, end, [i]))
+    return [(start, end - start, members) for start, end, members in merged]
+
+
 def host_register(t: torch.Tensor, device: torch.device) -> bool:
     """Page-lock `t`'s memory in place for copies to and from `device` (cudaHostRegister,
     portable); False if refused or CUDA's runtime is not loaded. The caller unregisters it
@@ -445,12 +470,16 @@ def host_register(t: torch.Tensor, device: torch.device) -> bool:
     Portable: pinned for every CUDA context, not only the current one (should the runtime found
     by _cudart have another current device than torch's). Not read-only: the object store maps
     its pages writable (numpy marks them read-only, CUDA does not care)."""
+    return host_register_range(t.data_ptr(), t.numel() * t.element_size(), device)
+
+
+def host_register_range(ptr: int, nbytes: int, device: torch.device) -> bool:
+    """host_register of `nbytes` at address `ptr`."""
     lib = _cudart()
-    nbytes = t.numel() * t.element_size()
     if lib is None or nbytes == 0:
         return False
     with torch.cuda.device(device):
-        if lib.cudaHostRegister(t.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE) != 0:
+        if lib.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE) != 0:
             lib.cudaGetLastError()  # clear it: a refused registration must not fail a kernel
             return False
     return True

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from appliance import bench as B
+from appliance.bench_table import format_table
 from appliance.engine import StreamedEngine
 from appliance.errors import ConfigError
 from appliance.hf_checkpoint import block_names, read_model_args
@@ -110,7 +111,7 @@ def test_tiny_on_cpu_measures_every_field(tiny_run):
 
 def test_table_is_printed_with_one_row_per_mode(tiny_run):
     _, out, result = tiny_run
-    assert out.strip() == B.format_table(result)
+    assert out.strip() == format_table(result)
     assert "| mode | tokens/step | step s | tokens/s |" in out
     assert "time/floor" in out and "memcpy" in out
     for row in result["modes"]:
@@ -132,7 +133,7 @@ def test_a_resident_mode_that_does_not_fit_is_a_table_row():
         "modes": [{"mode": "resident", "tokens_per_step": 16384, "fits": False,
                    "reason": "does not fit: 30 of 80 blocks fit in 24 GiB"}],
     }  # fmt: skip
-    table = B.format_table(result)
+    table = format_table(result)
     assert "| resident | 16384 | does not fit: 30 of 80 blocks fit in 24 GiB |" in table
     assert "budget: 16 GiB" in table
 
@@ -169,6 +170,19 @@ def test_micro_batches_per_step_is_trains_spelling_and_the_old_one_still_works(c
     assert "--micro-batches-per-step N, --micro-batches N" in help_text
     assert B.main(["--preset", "tiny", "--device", "cpu", "--micro-batches-per-step", "-1"]) == 1
     assert capsys.readouterr().err.strip() == "error: --micro-batches-per-step must be ≥ 1, got -1"
+
+
+def test_modes_runs_only_the_rows_asked_for(tmp_path, capsys):
+    """--modes streamed: a big model's resident row (several full steps) is left out where only
+    the streamed one is wanted (gpu_proof.sh's 70b-nf4); an unknown row is one error line."""
+    path = tmp_path / "bench.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0"]
+    assert B.main([*argv, "--modes", "streamed", "--json", str(path)]) == 0
+    assert [r["mode"] for r in json.loads(path.read_text())["modes"]] == ["streamed"]
+    assert "| resident |" not in capsys.readouterr().out
+    assert B.main([*argv, "--modes", "streamed,idle"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --modes streamed,idle: give one or both of streamed,resident"
 
 
 def test_synthetic_weights_are_the_same_in_every_process():

@@ -8,6 +8,9 @@ attention, whose backward accumulates dQ with atomics; fp32 CUDA vs CPU is 1e-5 
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -194,6 +197,45 @@ def test_blocks_are_page_locked_in_place_and_close_unlocks_them():
     engine.close()
     assert not any(flat.is_pinned() for flat in host)
     engine.close()  # a second close is harmless
+
+
+class BackToBack(SyntheticBlockSource):
+    """Its blocks packed back to back in one buffer, 64-byte aligned, as the object store packs
+    objects: neighbours share a page."""
+
+    def flat_block(self, i):
+        if not hasattr(self, "_packed"):
+            flats = [super(BackToBack, self).flat_block(j) for j in range(self.num_blocks)]
+            offsets = np.cumsum([0] + [-(-f.size // 64) * 64 for f, _ in flats])
+            whole = np.empty(offsets[-1] + 2 * 4096, dtype=np.uint8)
+            start = 4096 - whole.ctypes.data % 4096 + 192  # not on a page boundary
+            self._packed = []
+            for (f, index), o in zip(flats, offsets[:-1], strict=True):
+                view = whole[start + o : start + o + f.size]
+                view[:] = f
+                self._packed.append((view, index))
+        return self._packed[i]
+
+
+def test_blocks_sharing_pages_are_page_locked_together():
+    """cudaHostRegister refuses a range touching a page already registered: blocks packed back
+    to back are registered as one range (streaming.shared_page_spans), so every one is pinned
+    and none goes through staging; their bytes reach the device intact."""
+    source = BackToBack(_llama(512, 256, 688, 3, 4, 2), torch.bfloat16)
+    engine = StreamedEngine(source, lora_with_random_b(source.args, "cuda"), device="cuda")
+    host = [flat for flat, _, _ in engine.weights._host]
+    starts = [flat.data_ptr() for flat in host]
+    ends = [flat.data_ptr() + flat.numel() - 1 for flat in host]
+    # neighbours share a page
+    assert any(e // 4096 == s // 4096 for e, s in zip(ends[:-1], starts[1:], strict=True))
+    assert all(pinned for _, _, pinned in engine.weights._host)
+    assert not hasattr(engine.weights, "_staging")
+    assert len(engine.weights._registered) == 1  # one range for the three blocks
+    stats = engine.train_step(batches(512, n=1, rows=1, T=16), lr=1e-3)
+    assert stats.h2d_bytes > 0 or len(engine.weights.resident) == source.num_blocks
+    assert math.isfinite(stats.loss)
+    engine.close()
+    assert not any(flat.is_pinned() for flat in host)
 
 
 def test_streamed_blocks_go_through_fixed_slots_without_allocator_retries():

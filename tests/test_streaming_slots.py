@@ -274,3 +274,26 @@ def test_closing_the_saved_inputs_drops_the_views_of_their_host_buffer():
     assert eng.saved._saved[0]
     eng.saved.close()
     assert all(saved == [] for saved in eng.saved._saved)
+
+
+def test_host_ranges_that_share_a_page_are_registered_as_one():
+    """cudaHostRegister locks whole pages and refuses a range touching a page already locked:
+    blocks packed back to back (the object store) are merged into one range; blocks on pages
+    of their own stay apart; empty ones are left out."""
+    from appliance.streaming import shared_page_spans
+
+    page = 4096
+    spans = [
+        (10 * page + 100, 3 * page),  # 0: ends inside page 13 ...
+        (13 * page + 200, page),  # 1: ... where this one starts: merged
+        (20 * page, 2 * page),  # 2: pages 20-21 alone
+        (22 * page, page),  # 3: starts on the next page: apart
+        (30 * page, 0),  # 4: nothing to lock
+        (5 * page, 64),  # 5: first in address order
+    ]
+    assert shared_page_spans(spans, page) == [
+        (5 * page, 64, [5]),
+        (10 * page + 100, 4 * page + 100, [0, 1]),
+        (20 * page, 2 * page, [2]),
+        (22 * page, page, [3]),
+    ]

@@ -1,0 +1,76 @@
+"""The bench's report: a result (bench.run_bench) as a header and a Markdown table, and as
+JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .measure import GiB
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
+def _g(x: float, digits: int = 4) -> str:
+    return f"{x:.{digits}g}"
+
+
+def format_table(result: dict) -> str:
+    """The result as a header and a Markdown table (what `print_table` prints)."""
+    m, s = result["model"], result["shape"]
+    budget = result["gpu_memory_budget"]
+    lines = [
+        f"preset {result['preset']}: {m['num_layers']} layers, hidden {m['hidden_size']}, "
+        f"{_count(m['params'])} params, {result['dtype']} on {result['device_name']}",
+        f"B = {result['bandwidth']['bytes_per_second'] / 1e9:.3g} GB/s "
+        f"({result['bandwidth']['kind']})",
+        f"P = {result['matmul']['flops_per_second'] / 1e12:.3g} TFLOP/s "
+        f"({result['matmul']['kind']})",
+        f"tokens/step = {s['micro_batches']} micro-batches × {s['micro_batch_size']} × "
+        f"{s['seq_len']} = {s['tokens_per_step']}; {s['warmup']} warm-up + {s['steps']} timed "
+        f"steps; GPU memory budget: {f'{budget / GiB:.3g} GiB' if budget else 'none'}"
+        + (
+            f" ({result['gpu_memory_budget_kind']})" if result.get("gpu_memory_budget_kind") else ""
+        ),
+        "",
+        "| mode | tokens/step | step s | tokens/s | W GB | B GB/s | W/B s | F TFLOP | F/P s "
+        "| floor s | time/floor | h2d stall | dequant | GPU busy | NVML util |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["modes"]:
+        if not r["fits"]:
+            lines.append(f"| {r['mode']} | {r['tokens_per_step']} | {r['reason']} |" + " — |" * 12)
+            continue
+        stall = r["h2d_stall_seconds_per_step"] / r["step_seconds"]
+        busy = "—" if r["gpu_busy_ratio"] is None else f"{r['gpu_busy_ratio']:.0%}"
+        nvml = "—" if r.get("nvml_util_mean") is None else f"{r['nvml_util_mean']:.0%}"
+        lines.append(
+            f"| {r['mode']} | {r['tokens_per_step']} | {_g(r['step_seconds'])} "
+            f"| {_g(r['tokens_per_second'])} | {_g(r['streamed_bytes'] / 1e9)} "
+            f"| {_g(r['bandwidth_bytes_per_second'] / 1e9, 3)} "
+            f"| {_g(r['floor_h2d_seconds'])} | {_g(r['flops_per_step'] / 1e12)} "
+            f"| {_g(r['floor_compute_seconds'])} | {_g(r['floor_seconds'])} | {r['ratio']:.2f} "
+            f"| {stall:.1%} | {r['dequant_share']:.1%} | {busy} | {nvml} |"
+        )
+    streamed = [r for r in result["modes"] if r["fits"] and r["streamed_bytes"]]
+    for r in streamed:
+        lines.append(
+            f"\n{r['mode']}: T* = {r['crossover_tokens_per_step']:.0f} tokens per step (W/B = F/P; "
+            f"this run: {r['tokens_per_step']}, "
+            + (
+                "compute-bound)"
+                if r["tokens_per_step"] >= r["crossover_tokens_per_step"]
+                else "copy-bound)"
+            )
+        )
+    return "\n".join(lines)
+
+
+def print_table(result: dict) -> None:
+    print(format_table(result))
+
+
+def write_json(result: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(result, indent=2) + "\n")
