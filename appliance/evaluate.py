@@ -149,7 +149,9 @@ def validation_batches(cfg, inp, warn: Callable[[str], None] | None = None) -> l
         holdout = Holdout(cfg.eval_split, cfg.seed, held_out=True)
     else:
         path = inp.eval_data  # the demo's held-out corpus
-    tokenizer = data.load_tokenizer(inp.tokenizer)
+    # from the model's URI, as the tokenizer workers do: with --cluster this runs in the
+    # driver, on the head, and inp.tokenizer is a path in the trainer node's S3 cache
+    tokenizer = data.load_tokenizer(storage.localize(storage.join(cfg.model, "tokenizer.json")))
     docs = read_documents(
         path,
         tokenizer,
