@@ -8,6 +8,7 @@ import fcntl
 import hashlib
 import json
 import os
+import socket
 from pathlib import Path
 
 from . import storage
@@ -139,7 +140,7 @@ class OutputLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+                holder = os.read(fd, 256).decode(errors="replace").strip() or "unknown"
                 os.close(fd)
                 raise ConfigError(
                     f"--output {self.dir} is in use by another appliance train (pid {holder}): "
@@ -151,7 +152,8 @@ class OutputLock:
             else:  # its holder deleted it as we opened it: take the file now at that path
                 os.close(fd)
         os.ftruncate(self.fd, 0)
-        os.write(self.fd, str(os.getpid()).encode())
+        # the host too: in a container the pid alone (often 1) says little
+        os.write(self.fd, f"{os.getpid()} on {socket.gethostname()}".encode())
         return self
 
     def _still_the_lock_file(self, fd: int) -> bool:

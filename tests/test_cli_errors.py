@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -225,14 +226,17 @@ def test_an_output_another_train_is_writing_is_refused_naming_its_process(tmp_pa
     with OutputLock(str(out)):
         code, text = train("--model", model, "--data", data, "--output", out, "--resume")
         assert_one_user_error(
-            code, text, out, f"in use by another appliance train (pid {os.getpid()})"
+            code,
+            text,
+            out,
+            f"another appliance train (pid {os.getpid()} on {socket.gethostname()})",
         )
         code, text = train("--model", model, "--data", data, "--output", out, "--overwrite")
         assert_one_user_error(code, text, out, "in use by another appliance train")
     assert not out.exists()
     out.mkdir()
     with OutputLock(str(out)):  # taken again: it names its holder
-        assert (out / LOCK_FILE).read_text() == str(os.getpid())
+        assert (out / LOCK_FILE).read_text() == f"{os.getpid()} on {socket.gethostname()}"
     assert out.is_dir() and not any(out.iterdir())  # the user's directory stays, the lock goes
 
 
