@@ -154,3 +154,44 @@ def test_a_missing_bucket_is_named_in_one_line(s3_endpoint, tmp_path):
     assert done.returncode == 1
     assert "bucket 'no-such-bucket' does not exist" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_validation_on_a_cluster_fetches_the_tokenizer_where_the_driver_runs(
+    s3_bucket, s3_client, tmp_path, monkeypatch
+):
+    """With --cluster the driver (on the Ray head) builds the validation set, but the inputs
+    were resolved on a trainer node: their tokenizer path is in that node's S3 cache. The
+    driver fetches the tokenizer from the model's URI into its own cache, as the tokenizer
+    workers do."""
+    from appliance.config import build_config
+    from appliance.evaluate import validation_batches
+    from appliance.run import Inputs
+    from tests.helpers_tokenizer import make_tokenizer
+
+    _, _, eos, pad = make_tokenizer(tmp_path / "model")
+    s3_client.put_object(
+        Bucket=s3_bucket,
+        Key="m/tokenizer.json",
+        Body=(tmp_path / "model" / "tokenizer.json").read_bytes(),
+    )
+    lines = "".join(json.dumps({"text": t}) + "\n" for t in sentences(40))
+    s3_client.put_object(Bucket=s3_bucket, Key="d/train.jsonl", Body=lines.encode())
+    cfg = build_config(
+        {},
+        {
+            "model": f"s3://{s3_bucket}/m",
+            "data": f"s3://{s3_bucket}/d/train.jsonl",
+            "output": str(tmp_path / "out"),
+            "eval_split": "0.25",
+            "seq_len": "16",
+            "micro_batch_size": "2",
+        },
+    )
+    monkeypatch.setenv("APPLIANCE_S3_CACHE", str(tmp_path / "head-cache"))
+    trainer_node = tmp_path / "trainer-cache" / s3_bucket / "m"  # not on this machine
+    inp = Inputs(
+        cfg, trainer_node, tmp_path / "x", trainer_node / "tokenizer.json", eos, pad, "cpu", "f32"
+    )
+    batches = validation_batches(cfg, inp)
+    assert batches and sum(int((b.labels != -100).sum()) for b in batches) > 0
+    assert (tmp_path / "head-cache" / s3_bucket / "m" / "tokenizer.json").is_file()

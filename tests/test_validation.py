@@ -12,12 +12,10 @@ from rich.console import Console
 from appliance.config import build_config
 from appliance.data import DataError, Holdout, check_has_targets, load_tokenizer
 from appliance.errors import ConfigError
-from appliance.evaluate import read_documents, validation_batches
+from appliance.evaluate import read_documents
 from appliance.progress import Progress
 from appliance.tokenize_worker import TokenizeWorker
 from tests.helpers_tokenizer import make_tokenizer, sentences
-
-pytest_plugins = ["tests.s3_server"]
 
 
 @pytest.mark.parametrize(
@@ -131,39 +129,3 @@ def test_eval_loss_in_the_json_log_the_plain_line_and_the_live_table():
     table = p._table(1, stats(3.0))
     assert [c.header for c in table.columns][-1] == "eval loss"
     p.stop()
-
-
-def test_validation_on_a_cluster_fetches_the_tokenizer_where_the_driver_runs(
-    s3_bucket, s3_client, tmp_path, monkeypatch
-):
-    """With --cluster the driver (on the Ray head) builds the validation set, but the inputs
-    were resolved on a trainer node: their tokenizer path is in that node's S3 cache. The
-    driver fetches the tokenizer from the model's URI into its own cache, as the tokenizer
-    workers do."""
-    from pathlib import Path
-
-    from appliance.run import Inputs
-
-    tok_path, _, eos, pad = make_tokenizer(tmp_path / "model")
-    s3_client.put_object(Bucket=s3_bucket, Key="m/tokenizer.json", Body=Path(tok_path).read_bytes())
-    lines = "".join(json.dumps({"text": t}) + "\n" for t in sentences(40))
-    s3_client.put_object(Bucket=s3_bucket, Key="d/train.jsonl", Body=lines.encode())
-    cfg = build_config(
-        {},
-        {
-            "model": f"s3://{s3_bucket}/m",
-            "data": f"s3://{s3_bucket}/d/train.jsonl",
-            "output": str(tmp_path / "out"),
-            "eval_split": "0.25",
-            "seq_len": "16",
-            "micro_batch_size": "2",
-        },
-    )
-    monkeypatch.setenv("APPLIANCE_S3_CACHE", str(tmp_path / "head-cache"))
-    trainer_node = tmp_path / "trainer-cache" / s3_bucket / "m"  # not on this machine
-    inp = Inputs(
-        cfg, trainer_node, tmp_path / "x", trainer_node / "tokenizer.json", eos, pad, "cpu", "f32"
-    )
-    batches = validation_batches(cfg, inp)
-    assert batches and sum(int((b.labels != -100).sum()) for b in batches) > 0
-    assert (tmp_path / "head-cache" / s3_bucket / "m" / "tokenizer.json").is_file()
