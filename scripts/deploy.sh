@@ -231,7 +231,9 @@ write_monitoring_values() {
   # namespace into the folder their grafana_folder annotation names, allow the Ray dashboard to
   # embed Grafana panels.
   # Prometheus keeps its data on a volume (retention by age, and by size at 80% of the volume so
-  # that a full disk never stops it).
+  # that a full disk never stops it). Its claim goes with the Prometheus that made it
+  # (whenDeleted: Delete): `helm uninstall` would otherwise leave the EBS volume behind, outside
+  # any state, billed after `make destroy`.
   cat >"$OUT_DIR/kube-prometheus-stack.values.yaml" <<EOF
 prometheus:
   prometheusSpec:
@@ -239,6 +241,8 @@ prometheus:
     serviceMonitorSelectorNilUsesHelmValues: false
     retention: 30d
     retentionSize: $((PROMETHEUS_STORAGE_GI * 8 / 10))GB
+    persistentVolumeClaimRetentionPolicy:
+      whenDeleted: Delete
     storageSpec:
       volumeClaimTemplate:
         spec:
@@ -499,6 +503,10 @@ destroy() {
       --kube-context "$KUBE_CONTEXT"
     best_effort helm uninstall prometheus --namespace "$MONITORING_NAMESPACE" --ignore-not-found --wait \
       --kube-context "$KUBE_CONTEXT"
+    # a Prometheus installed before its claim had whenDeleted: Delete leaves it: its EBS volume
+    # would outlive the cluster, billed
+    best_effort kubectl delete pvc --all --namespace "$MONITORING_NAMESPACE" --ignore-not-found \
+      --wait --context "$KUBE_CONTEXT"
     best_effort helm uninstall kuberay-operator --namespace kuberay-system --ignore-not-found --wait \
       --kube-context "$KUBE_CONTEXT"
   fi

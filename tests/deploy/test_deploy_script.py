@@ -209,6 +209,8 @@ def test_the_dry_runs_manifests_wire_terraforms_outputs_into_the_chart(sandbox, 
     claim = spec["storageSpec"]["volumeClaimTemplate"]["spec"]
     assert claim["storageClassName"] == "gp2" and claim["resources"]["requests"]["storage"]
     assert spec["retention"] and spec["retentionSize"]
+    # its volume goes with it: `helm uninstall` would leave a billed EBS volume behind
+    assert spec["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Delete"}
 
 
 def test_job_arguments_and_extra_values_reach_the_rendered_chart(sandbox, tmp_path) -> None:
@@ -259,6 +261,9 @@ def test_destroy_dry_run_uninstalls_the_releases_before_terraform_destroy(
     assert len(uninstall) == 3 and max(uninstall) < destroy
     assert commands[uninstall[0]].startswith("helm uninstall appliance --namespace appliance")
     assert all(commands[i].endswith(f"--kube-context appliance-{gpu_class}") for i in uninstall)
+    (pvcs,) = [i for i, c in enumerate(commands) if c.startswith("kubectl delete pvc --all")]
+    assert uninstall[1] < pvcs < destroy  # after Prometheus, before the cluster goes
+    assert "--namespace prometheus-system" in commands[pvcs]
     # FORCE: only the bucket needs force_destroy first; the image repository always goes.
     assert commands[destroy - 1].endswith("-var force_destroy=true -target=aws_s3_bucket.this")
     assert commands[destroy].endswith(f"-var gpu_class={gpu_class}")
