@@ -153,7 +153,6 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
         cfg,
         model_dir,
         data_path,
-        tok,
         int(args.eos_token_id),
         args.pad_token_id,
         device,
@@ -180,7 +179,8 @@ def check_box(cfg: TrainConfig, args: ModelArgs) -> None:
 
 def check_output(cfg: TrainConfig, fingerprint: str | None = None) -> None:
     """Refuse an --output that holds something else, unless --overwrite (or --resume of it).
-    `fingerprint`: `model_fingerprint(cfg.model)`, when the caller has it (else read here)."""
+    `fingerprint`: the model's `model_fingerprint` (of its local copy), when the caller has it
+    (else read here from cfg.model)."""
     out = cfg.output
     if cfg.overwrite:  # remove_previous_run replaces whatever run is there, readable or not
         return

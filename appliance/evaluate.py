@@ -150,7 +150,7 @@ def validation_batches(cfg, inp, warn: Callable[[str], None] | None = None) -> l
     else:
         path = inp.eval_data  # the demo's held-out corpus
     # from the model's URI, as the tokenizer workers do: with --cluster this runs in the
-    # driver, on the head, and inp.tokenizer is a path in the trainer node's S3 cache
+    # driver, on the head, and inp's paths are the trainer node's (its S3 cache)
     tokenizer = data.load_tokenizer(storage.localize(storage.join(cfg.model, "tokenizer.json")))
     docs = read_documents(
         path,

@@ -79,7 +79,6 @@ class Inputs:
     cfg: TrainConfig
     model_dir: Path
     data_path: Path
-    tokenizer: Path
     eos_id: int
     pad_id: int | None
     device: str
@@ -87,7 +86,7 @@ class Inputs:
     eval_data: Path | None = None
     chat_template: ChatTemplate | None = None  # the model's, or --chat-template's
     notes: list[str] = field(default_factory=list)  # for the user, e.g. files the data skipped
-    model_fingerprint: str | None = None  # of cfg.model (run_record), for run.json
+    model_fingerprint: str | None = None  # of model_dir (run_record), for run.json
 
 
 @dataclass

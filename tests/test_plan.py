@@ -373,7 +373,7 @@ def test_auto_on_a_cpu_means_4_and_run_json_records_it(tmp_path):
     from appliance.run_record import write_run_file
 
     cfg = _cfg(tmp_path, micro_batches_per_step="auto")
-    inp = Inputs(cfg, tmp_path, tmp_path, tmp_path, 2, None, "cpu", "float32")
+    inp = Inputs(cfg, tmp_path, tmp_path, 2, None, "cpu", "float32")
     resolve_micro_batches(inp, Progress("plain"))
     assert cfg.micro_batches_per_step == 4
     write_run_file(cfg, "running")

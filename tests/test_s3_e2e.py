@@ -189,9 +189,7 @@ def test_validation_on_a_cluster_fetches_the_tokenizer_where_the_driver_runs(
     )
     monkeypatch.setenv("APPLIANCE_S3_CACHE", str(tmp_path / "head-cache"))
     trainer_node = tmp_path / "trainer-cache" / s3_bucket / "m"  # not on this machine
-    inp = Inputs(
-        cfg, trainer_node, tmp_path / "x", trainer_node / "tokenizer.json", eos, pad, "cpu", "f32"
-    )
+    inp = Inputs(cfg, trainer_node, tmp_path / "x", eos, pad, "cpu", "f32")
     batches = validation_batches(cfg, inp)
     assert batches and sum(int((b.labels != -100).sum()) for b in batches) > 0
     assert (tmp_path / "head-cache" / s3_bucket / "m" / "tokenizer.json").is_file()
