@@ -505,7 +505,6 @@ def localize(uri: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
     if is_dir and not objects:
         raise StorageError(f"nothing under {uri}: the prefix is empty", uri, NOT_FOUND)
 
-    _check_cache_writable(root, uri)
     dest = root / bucket / key if key else root / bucket
     index_path = root / _INDEX_DIR / bucket / f"{key or '_'}.json"
     index = _read_index(index_path)
@@ -523,6 +522,9 @@ def localize(uri: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
         if not fresh:
             todo.append(o)
     needed = sum(o.size for o in todo)
+    gone = sorted(set(index) - {o.name for o in objects})  # deleted from S3 since last time
+    if todo or gone:  # (a cache that holds it all already is only read: it may be read-only)
+        _check_cache_writable(root, uri)
     if todo:
         free = shutil.disk_usage(_existing_ancestor(dest)).free
         if needed > free:
@@ -533,7 +535,6 @@ def localize(uri: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
                 uri,
                 NO_SPACE,
             )
-    gone = sorted(set(index) - {o.name for o in objects})  # deleted from S3 since last time
     for name in gone:
         stale = dest / name if name else dest
         if stale.is_file():
