@@ -356,6 +356,29 @@ def test_a_cache_that_cannot_be_written_is_named_with_the_variable_to_set(
     assert storage.localize(uri).read_bytes() == b'{"text": "hi"}\n'
 
 
+def test_a_read_only_cache_that_holds_everything_is_only_read(
+    s3_bucket: str, s3_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache filled once and mounted read-only (the S3 cache of an image or a shared volume)
+    serves what it holds; only a download into it is refused, naming the cache. (Root ignores
+    file modes, so a read-only mount is stood in for by file creation failing with EROFS.)"""
+    import errno
+
+    s3_client.put_object(Bucket=s3_bucket, Key="data/train.jsonl", Body=b'{"text": "hi"}\n')
+    uri, cache = f"s3://{s3_bucket}/data/train.jsonl", tmp_path / "cache"
+    path = storage.localize(uri, cache_dir=cache)
+
+    def read_only(*args: Any, **kw: Any) -> Any:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(storage.tempfile, "TemporaryFile", read_only)
+    assert storage.localize(uri, cache_dir=cache) == path  # all there: nothing to write
+    s3_client.put_object(Bucket=s3_bucket, Key="data/train.jsonl", Body=b'{"text": "new"}\n')
+    with pytest.raises(StorageError, match="is not writable \\(Read-only file system\\)"):
+        storage.localize(uri, cache_dir=cache)
+    assert path.read_bytes() == b'{"text": "hi"}\n'  # what was there is kept
+
+
 def test_localize_checks_free_space(
     model_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
