@@ -85,10 +85,16 @@ def object_store_bytes(cfg: TrainConfig, shm_dir: str = SHM_DIR) -> tuple[int | 
 
 
 def ram_available_bytes() -> int:
-    """RAM available to new allocations now (cgroup-aware where psutil is: `free`'s available)."""
-    import psutil
+    """RAM available to new allocations now: MemAvailable bounded by this container's memory
+    limit (measure.host_memory_available); psutil's figure where there is no /proc (macOS)."""
+    from .measure import host_memory_available
 
-    return psutil.virtual_memory().available
+    available = host_memory_available()
+    if available is None:
+        import psutil
+
+        available = psutil.virtual_memory().available
+    return available
 
 
 def weight_store_bytes(model_dir: str | Path, dtype: str, base_quant: str = "none") -> int:

@@ -330,17 +330,18 @@ def check_triton(cuda: bool) -> Check:
     return Check("triton", "ok", f"fused dequant kernels launch (C compiler: {compiler})")
 
 
-def memory_available() -> int | None:
-    from .measure import host_memory_available
-
-    return host_memory_available()
-
-
 def check_ram(needs: Needs | None) -> Check:
-    avail = memory_available()
-    if avail is None:
+    from .measure import cgroup_memory_headroom, meminfo_available
+
+    host = meminfo_available()
+    if host is None:
         return Check("ram", "warn", "cannot read /proc/meminfo", "")
+    limit = cgroup_memory_headroom()
+    limited = limit is not None and limit < host
+    avail = limit if limited else host
     detail = f"{_gib(avail)} available"
+    if limited:
+        detail += f" under this container's memory limit (the host has {_gib(host)})"
     if needs is None:
         return Check("ram", "ok", detail)
     detail += (
@@ -349,12 +350,16 @@ def check_ram(needs: Needs | None) -> Check:
     )
     if avail < needs.weight_store:
         _, ram = suggested_sizes(needs)
+        fix = (
+            f"a memory limit of {ram} GiB (docker run --memory, the pod's limits.memory)"
+            if limited
+            else f"a box with {ram} GiB of RAM available"
+        )
         return Check(
             "ram",
             "fail",
             detail,
-            f"a box with {ram} GiB of RAM available{quant_hint(needs)} (the host OOM killer "
-            "would end the run while it loads)",
+            f"{fix}{quant_hint(needs)} (the OOM killer would end the run while it loads)",
         )
     if avail < needs.ram:
         return Check("ram", "warn", detail, "little room left: close other processes")

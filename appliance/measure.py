@@ -100,11 +100,93 @@ def measure_matmul(device: torch.device, dtype: torch.dtype, n: int, reps: int) 
     return 2 * n**3 / seconds
 
 
-def host_memory_available() -> int | None:
+def meminfo_available(proc: Path = Path("/proc")) -> int | None:
+    """/proc/meminfo's MemAvailable in bytes: the whole host's, even inside a container."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in (proc / "meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+NO_CGROUP_LIMIT = 2**62  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
+
+
+def _cgroup_dirs(proc: Path, cgroup_root: Path) -> list[Path]:
+    """The memory cgroup directories of this process and of its parents, deepest first.
+
+    /proc/self/cgroup names the cgroup as the host sees it ("0::/path" on v2, "N:memory:/path" on
+    v1). A container's cgroup namespace (v2) shows "/", and a v1 container mounts its own cgroup as
+    the root: where the named path does not exist, its parents and the root still do."""
+    try:
+        lines = (proc / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    dirs = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            base = cgroup_root  # v2: one unified hierarchy
+        elif "memory" in controllers.split(","):
+            base = cgroup_root / controllers  # v1: memory's own hierarchy
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        dirs += [base.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
+    return [d for d in dirs if d.is_dir()]
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # v2 writes "max" for no limit
+
+
+def _inactive_file(stat: Path) -> int:
+    """Page cache the kernel reclaims before the cgroup's OOM killer runs: not taken."""
+    try:
+        for line in stat.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key in ("inactive_file", "total_inactive_file"):
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def cgroup_memory_headroom(
+    proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")
+) -> int | None:
+    """Bytes this process's cgroup and its parents let it allocate before their memory limit
+    (`docker run --memory`, a Kubernetes pod's limit) calls the OOM killer: the smallest of
+    limit − (usage − reclaimable page cache) over those that set a limit. None where none does.
+    /dev/shm pages (Ray's object store) are charged to the cgroup that touched them."""
+    headrooms = []
+    for d in _cgroup_dirs(proc, cgroup_root):
+        limit = _read_int(d / "memory.max")
+        usage = _read_int(d / "memory.current")
+        if limit is None:  # cgroup v1
+            limit = _read_int(d / "memory.limit_in_bytes")
+            usage = _read_int(d / "memory.usage_in_bytes")
+        if limit is None or limit >= NO_CGROUP_LIMIT or usage is None:
+            continue
+        used = max(usage - _inactive_file(d / "memory.stat"), 0)
+        headrooms.append(max(limit - used, 0))
+    return min(headrooms) if headrooms else None
+
+
+def host_memory_available(
+    proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")
+) -> int | None:
+    """RAM a new allocation can take now: MemAvailable, bounded by the memory limit of this
+    process's cgroup (a container's limit, which MemAvailable does not see). None where
+    /proc/meminfo cannot be read (not Linux)."""
+    available = meminfo_available(proc)
+    if available is None:
+        return None
+    headroom = cgroup_memory_headroom(proc, cgroup_root)
+    return available if headroom is None else min(available, headroom)
