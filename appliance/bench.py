@@ -38,6 +38,7 @@ import math
 import os
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
@@ -284,8 +285,11 @@ def run_bench(
     base_quant: str = "none",
     profile: bool = False,
     modes: tuple[str, ...] = MODES,
+    on_row: Callable[[dict], None] | None = None,
 ) -> dict:
     """Run `preset` streamed and resident; returns every measured number (see module doc).
+    `on_row`: called with the result so far after each row (the bench's --json writes it then,
+    so a run killed in its second row keeps the first).
     `base_quant` (int8 | nf4): the blocks' linear weights are quantized (as --base-quant).
     `profile`: each row also profiles one step more (torch.profiler; the row's "profile").
     `modes`: the rows to run (both by default; `("streamed",)` saves a big model's resident
@@ -370,14 +374,8 @@ def run_bench(
                 "give --gpu-memory-budget"
             )
         budget_kind = "the largest under which half the blocks stream (planner.streaming_budget)"
-    rows = [
-        _run_mode(
-            m, source, batches, shape, device, dtype, gpu_memory_budget, bandwidth, matmul, profile
-        )
-        for m in modes
-    ]
     spec = LoraSpec()
-    return {
+    head = {
         "preset": preset,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device.type,
@@ -397,7 +395,6 @@ def run_bench(
             "alpha": spec.alpha,
             "targets": list(resolve_targets(args, spec.targets)),
         },
-        "shape": {**asdict(shape), "tokens_per_step": rows[0]["tokens_per_step"]},
         "gpu_memory_budget": gpu_memory_budget,
         "gpu_memory_budget_kind": budget_kind,
         "bandwidth": {
@@ -408,8 +405,31 @@ def run_bench(
             "place, so the streamed row's W/B is nominal",
         },
         "matmul": {"flops_per_second": matmul, "kind": f"{dname} ({n}, {n}) @ ({n}, {n})"},
-        "modes": rows,
     }
+    rows: list[dict] = []
+    for m in modes:
+        rows.append(
+            _run_mode(
+                m,
+                source,
+                batches,
+                shape,
+                device,
+                dtype,
+                gpu_memory_budget,
+                bandwidth,
+                matmul,
+                profile,
+            )
+        )
+        result = {
+            **head,
+            "shape": {**asdict(shape), "tokens_per_step": rows[0]["tokens_per_step"]},
+            "modes": rows,
+        }
+        if on_row is not None:
+            on_row(result)
+    return result
 
 
 def _dequant_kernels(base_quant: str, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -537,13 +557,12 @@ def run_from_args(a: argparse.Namespace) -> dict:
         base_quant=a.base_quant,
         profile=a.profile,
         modes=modes,
+        on_row=(lambda partial: write_json(partial, a.json_path)) if a.json_path else None,
     )
     print_table(result)
     for row in result["modes"]:
         if row.get("profile"):
             print(f"\n{row['mode']}: one step under torch.profiler\n{row['profile']}")
-    if a.json_path:
-        write_json(result, a.json_path)
     return result
 
 

@@ -73,4 +73,9 @@ def print_table(result: dict) -> None:
 
 
 def write_json(result: dict, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(result, indent=2) + "\n")
+    """Write `result` whole or not at all (a temp file renamed): a bench killed while writing
+    keeps the previous rows' file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(path)

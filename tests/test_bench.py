@@ -172,6 +172,28 @@ def test_micro_batches_per_step_is_trains_spelling_and_the_old_one_still_works(c
     assert capsys.readouterr().err.strip() == "error: --micro-batches-per-step must be ≥ 1, got -1"
 
 
+def test_the_json_holds_each_row_as_soon_as_it_is_measured(tmp_path, monkeypatch):
+    """A bench killed in its second row (a device call's time limit, an OOM) keeps the first row
+    in its --json file, written whole."""
+    path = tmp_path / "bench.json"
+    real = B._run_mode
+
+    def dies_in_resident(mode, *args):
+        if mode == "resident":
+            assert [r["mode"] for r in json.loads(path.read_text())["modes"]] == ["streamed"]
+            raise MemoryError("the resident row ran out of memory")
+        return real(mode, *args)
+
+    monkeypatch.setattr(B, "_run_mode", dies_in_resident)
+    argv = ["--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0"]
+    with pytest.raises(MemoryError):
+        B.main([*argv, "--json", str(path)])
+    kept = json.loads(path.read_text())
+    assert [r["mode"] for r in kept["modes"]] == ["streamed"]
+    assert kept["shape"]["tokens_per_step"] == kept["modes"][0]["tokens_per_step"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]  # no temp file left
+
+
 def test_modes_runs_only_the_rows_asked_for(tmp_path, capsys):
     """--modes streamed: a big model's resident row (several full steps) is left out where only
     the streamed one is wanted (gpu_proof.sh's 70b-nf4); an unknown row is one error line."""
