@@ -320,7 +320,14 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError:
-        raise ConfigError(f"--config {path}: file not found") from None
+        example = Path(__file__).parent / "configs" / path.name
+        hint = (
+            f" (the example of that name ships with the package: --config {example})"
+            if example.is_file()
+            else ""
+        )
+        where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+        raise ConfigError(f"--config {path}: file not found{where}{hint}") from None
     except (OSError, yaml.YAMLError) as e:
         raise ConfigError(f"--config {path}: cannot read YAML: {e}") from None
     if not isinstance(data, dict):

@@ -130,6 +130,24 @@ def test_a_config_file_that_is_not_a_mapping_is_refused(tmp_path):
         C.read_config_file(tmp_path / "missing.yaml")
 
 
+def test_a_missing_example_config_names_the_packaged_one(tmp_path, monkeypatch):
+    """The configs' headers say `--config appliance/configs/X.yaml`, a path of the repository: in
+    the image (working directory /home/appliance) or an installed package it is not there, and
+    the error gives the path that is."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        C.read_config_file("appliance/configs/llama2-7b-a10.yaml")
+    msg = str(e.value)
+    assert msg.startswith(
+        f"--config appliance/configs/llama2-7b-a10.yaml: file not found (relative to {tmp_path})"
+    )
+    packaged = msg.split("ships with the package: --config ")[1].removesuffix(")")
+    assert C.read_config_file(packaged)["seq_len"] == 2048
+    with pytest.raises(ConfigError) as e:
+        C.read_config_file(tmp_path / "mine.yaml")
+    assert str(e.value) == f"--config {tmp_path / 'mine.yaml'}: file not found"
+
+
 def test_a_run_recorded_before_packing_and_quantization_resumes_as_it_was(tmp_path):
     """A run.json written before `packing`, `base_quant` and `eval_split` were part of a run:
     `--output O --resume` alone continues it as it ran (documents packed as one stream), and a
