@@ -187,6 +187,7 @@ def _run_mode(
     floor = max(floor_h2d, floor_compute)
     busy = [s.gpu_busy_ratio for s in timed if s.gpu_busy_ratio is not None]
     busy_seconds = [s.gpu_busy_seconds for s in timed if s.gpu_busy_seconds is not None]
+    issue = [s.host_issue_seconds / s.step_seconds for s in timed if s.host_issue_seconds]
     dequant = statistics.mean(s.dequant_seconds for s in timed)
     return {
         **row,
@@ -222,6 +223,9 @@ def _run_mode(
         "h2d_stall_seconds_per_step": statistics.mean(s.phase_seconds["h2d_stall"] for s in timed),
         "gpu_busy_seconds_per_step": statistics.mean(busy_seconds) if busy_seconds else None,
         "gpu_busy_ratio": statistics.mean(busy) if busy else None,
+        # the host's share of the step spent issuing work (CUDA): near 1, the step is
+        # launch-bound, and GPU busy (brackets that include launch gaps) overstates the GPU's work
+        "host_issue_ratio": statistics.mean(issue) if issue else None,
         "phase_seconds": {
             k: statistics.mean(s.phase_seconds[k] for s in timed) for k in timed[0].phase_seconds
         },

@@ -65,6 +65,16 @@ def format_table(result: dict) -> str:
                 else "copy-bound)"
             )
         )
+    for r in result["modes"]:
+        if r["fits"] and r.get("host_issue_ratio") is not None:
+            lines.append(
+                f"{r['mode']}: the host issued work for {r['host_issue_ratio']:.0%} of the step"
+                + (
+                    " (launch-bound: the GPU waited for the host; GPU busy overstates its work)"
+                    if r["host_issue_ratio"] > 0.9
+                    else ""
+                )
+            )
     return "\n".join(lines)
 
 

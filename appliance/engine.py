@@ -79,6 +79,9 @@ class StepStats:
     dequant_seconds: float = 0.0  # dequantizing a quantized base, inside forward and backward
     gpu_busy_seconds: float | None = None  # see StreamedEngine.train_step (CUDA only)
     gpu_busy_ratio: float | None = None  # gpu_busy_seconds / step_seconds (CUDA only)
+    # host wall time spent issuing the step's work, up to each wait for the GPU (CUDA only): near
+    # step_seconds, the host is the bottleneck (launch-bound) and GPU busy says little
+    host_issue_seconds: float | None = None
     step_seconds: float = 0.0
     flops: float = 0.0
     loss_scale: float | None = None  # float16: the scale this step's backward was seeded with
@@ -159,6 +162,7 @@ class StreamedEngine:
         self.scaler = (loss_scaler or LossScaler()) if fp16 else None
         self.step_count = 0
         self._busy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._issue_seconds = 0.0  # host time issuing work in forward_backward
         self._sized_for: dict[str, int] = {}  # the batch sizes the plan holds (none yet)
         self._rope: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
         self.saved = SavedInputs(self.device, self.args.num_layers)
@@ -373,6 +377,7 @@ class StreamedEngine:
             del hs
             self.weights.prefetch(L - 1)
             self.saved.prefetch(L - 1)
+        self._issue_seconds = time.perf_counter() - t0
         self._sync()
         t1 = time.perf_counter()
         forward_stall = self.weights.stall_seconds()
@@ -400,6 +405,7 @@ class StreamedEngine:
                 del w  # as in the forward: one block's dequantized weights at a time
         if self.group is not None:
             loss = self._all_reduce_grads_and(loss)
+        self._issue_seconds += time.perf_counter() - t1
         self._sync()
         t2 = time.perf_counter()
         # compute's waits for host→device copies: the weights' and the offloaded block inputs'
@@ -460,11 +466,13 @@ class StreamedEngine:
         GPU busy time (CUDA only; None on CPU): `gpu_busy_seconds` sums, over the step, the
         compute-stream time between CUDA events bracketing real work: the embedding; each block's
         micro-batches in the forward and in the backward, from after the stream has waited for
-        that block's weights (so h2d stalls are excluded) to after its last micro-batch; the head;
-        and clipping + AdamW. Not counted: waits for weights, the data-parallel all-reduce, and any
+        that block's weights (so h2d stalls are excluded) to after its last micro-batch; a
+        quantized block's dequantization; the head; and clipping + AdamW. Not counted: waits for weights, the data-parallel all-reduce, and any
         time outside the engine (data wait, logging). Limits: a bracket counts its whole span, so
         gaps inside it where the GPU idled because the host was slow to launch kernels count as
         busy; and "busy" means the stream was working, not that the SMs were full.
+        `host_issue_seconds` (CUDA only) reads that limit: the host's wall time up to each point
+        where it waits for the GPU; near step_seconds, the step is launch-bound.
         `gpu_busy_ratio` = gpu_busy_seconds / step_seconds (this method's own wall time); a
         trainer that also waits for data should divide by its longer step time instead.
         """
@@ -474,6 +482,7 @@ class StreamedEngine:
         t1 = time.perf_counter()
         with self._busy():
             norm, skipped = self.optimizer_step(lr)
+        issue = self._issue_seconds + time.perf_counter() - t1
         self._sync()
         t2 = time.perf_counter()
         self.step_count += 1
@@ -482,7 +491,8 @@ class StreamedEngine:
         phases["h2d_host"] = w["h2d_host"]
         busy = ratio = None
         if self.device.type == "cuda":
-            busy = event_seconds(self._busy_events)
+            # dequantizing runs on the compute stream between the brackets (weights.get)
+            busy = event_seconds(self._busy_events) + w["dequant"]
             ratio = busy / (t2 - t0)
         self._busy_events.clear()
         tokens = sum(mb[0].numel() for mb in micro_batches)
@@ -498,6 +508,7 @@ class StreamedEngine:
             dequant_seconds=w["dequant"],
             gpu_busy_seconds=busy,
             gpu_busy_ratio=ratio,
+            host_issue_seconds=issue if self.device.type == "cuda" else None,
             step_seconds=t2 - t0,
             flops=self.flops_per_step(tokens),
             loss_scale=scale,

@@ -49,6 +49,11 @@ resource "aws_s3_bucket_server_side_encryption_configuration" "this" {
   }
 }
 
+locals {
+  # Where make deploy's runs go by default (scripts/deploy.sh: OUTPUT=s3://<bucket>/runs/...).
+  runs_prefix = "runs/"
+}
+
 resource "aws_s3_bucket_lifecycle_configuration" "this" {
   bucket = aws_s3_bucket.this.id
 
@@ -75,6 +80,29 @@ resource "aws_s3_bucket_lifecycle_configuration" "this" {
 
     noncurrent_version_expiration {
       noncurrent_days = 30
+    }
+  }
+
+  # The runs (make deploy's OUTPUT, s3://<bucket>/runs/<release>-<class>) prune their checkpoints
+  # every few minutes (<output>/checkpoints/step-NNNNNN/, keep_checkpoints newest): kept 30 days
+  # as noncurrent versions, the pruned ones would add up to terabytes for a 70B model. S3 filters
+  # take no wildcard (runs/*/checkpoints/), so the rule covers the whole runs/ prefix; where two
+  # rules overlap, S3 honours the shorter expiration. The delete markers the pruning leaves go
+  # too, once the versions under them have.
+  rule {
+    id     = "expire-pruned-run-checkpoints"
+    status = "Enabled"
+
+    filter {
+      prefix = local.runs_prefix
+    }
+
+    noncurrent_version_expiration {
+      noncurrent_days = 1
+    }
+
+    expiration {
+      expired_object_delete_marker = true
     }
   }
 

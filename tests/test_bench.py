@@ -33,7 +33,8 @@ ROW_FIELDS = {
     "floor_h2d_seconds", "floor_compute_seconds", "floor_seconds", "ratio",
     "h2d_bytes_per_step", "h2d_seconds_per_step", "h2d_stall_seconds_per_step",
     "offload_h2d_bytes_per_step",
-    "gpu_busy_seconds_per_step", "gpu_busy_ratio", "phase_seconds", "losses", "peak_gpu_bytes",
+    "gpu_busy_seconds_per_step", "gpu_busy_ratio", "host_issue_ratio", "phase_seconds", "losses",
+    "peak_gpu_bytes",
     "streamed_blocks", "bandwidth_bytes_per_second", "step_seconds_median",
     "dequant_seconds_per_step", "dequant_share", "nvml_util_mean", "profile",
     "crossover_tokens_per_step",
@@ -103,6 +104,7 @@ def test_tiny_on_cpu_measures_every_field(tiny_run):
         )
         assert len(row["losses"]) == 1 + 2  # warm-up + timed
         assert row["gpu_busy_seconds_per_step"] is None  # CUDA events only
+        assert row["host_issue_ratio"] is None  # on a CPU the host does all the work
         # random N(0, 0.02) weights give near-uniform predictions: loss ≈ ln(vocab)
         assert abs(row["losses"][0] - math.log(args.vocab_size)) < 0.5
     # on a CPU both modes run the same arithmetic on the same weights and batches
@@ -120,6 +122,21 @@ def test_table_is_printed_with_one_row_per_mode(tiny_run):
         assert len(cells) == 15
         assert cells[1] == "64" and cells[10] == f"{row['ratio']:.2f}"
         assert cells[12] == "0.0%" and cells[13:] == ["—", "—"]  # no dequant; no GPU on a CPU
+
+
+def test_the_table_says_when_the_host_is_the_bottleneck(tiny_run):
+    """On CUDA each row has the host's issuing share of the step: near 1, the GPU waited for
+    kernel launches, and the busy ratio (brackets around launch gaps) does not show it."""
+    _, out, result = tiny_run
+    assert "the host issued work" not in out  # None on a CPU: the host does everything there
+    launch_bound = {**result, "modes": [{**r, "host_issue_ratio": 0.97} for r in result["modes"]]}
+    gpu_bound = {**result, "modes": [{**r, "host_issue_ratio": 0.4} for r in result["modes"]]}
+    table = format_table(launch_bound).splitlines()
+    assert (
+        "streamed: the host issued work for 97% of the step (launch-bound: the GPU waited for "
+        "the host; GPU busy overstates its work)"
+    ) in table
+    assert "resident: the host issued work for 40% of the step" in format_table(gpu_bound)
 
 
 def test_a_resident_mode_that_does_not_fit_is_a_table_row():

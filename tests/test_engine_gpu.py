@@ -194,6 +194,7 @@ def test_blocks_are_page_locked_in_place_and_close_unlocks_them():
     # busy spans are disjoint intervals of one stream inside the step: positive, at most the step
     assert 0 < stats.gpu_busy_seconds <= stats.step_seconds
     assert stats.gpu_busy_ratio == stats.gpu_busy_seconds / stats.step_seconds
+    assert 0 < stats.host_issue_seconds <= stats.step_seconds
     engine.close()
     assert not any(flat.is_pinned() for flat in host)
     engine.close()  # a second close is harmless
