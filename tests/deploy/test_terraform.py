@@ -328,3 +328,39 @@ def test_destroy_deletes_the_image_repository_but_keeps_a_bucket_with_checkpoint
     assert ref(resources["aws_ecr_repository"]["this"]["image_tag_mutability"]) == "IMMUTABLE"
     assert ref(resources["aws_s3_bucket"]["this"]["force_destroy"]) == "var.force_destroy"
     assert module()["variable"]["force_destroy"]["default"] is False
+
+
+def test_pruned_checkpoints_of_the_runs_are_kept_one_day_and_other_versions_thirty() -> None:
+    """The appliance prunes <output>/checkpoints/step-*/ every few minutes; in the versioned
+    bucket each pruned checkpoint stays as noncurrent versions for as long as the lifecycle keeps
+    them: one day under the runs' prefix (make deploy's default OUTPUT), 30 days elsewhere."""
+    from appliance.checkpoint import checkpoints_uri
+
+    lifecycle = module()["resource"]["aws_s3_bucket_lifecycle_configuration"]["this"]
+    rules = {ref(rule["id"]): rule for rule in lifecycle["rule"]}
+
+    def prefix(rule: dict[str, Any]) -> str:
+        (only,) = rule["filter"]
+        value = ref(only["prefix"])
+        if value.startswith("local."):
+            value = ref(module()["locals"][value.removeprefix("local.")])
+        return value
+
+    def noncurrent_days(rule: dict[str, Any]) -> int:
+        (expiration,) = rule["noncurrent_version_expiration"]
+        return expiration["noncurrent_days"]
+
+    runs = rules["expire-pruned-run-checkpoints"]
+    assert ref(runs["status"]) == "Enabled" and noncurrent_days(runs) == 1
+    assert runs["expiration"][0]["expired_object_delete_marker"] is True
+    everything = rules["expire-overwritten-versions"]
+    assert prefix(everything) == "" and noncurrent_days(everything) == 30
+    runs_prefix = prefix(runs)
+    assert runs_prefix.endswith("/") and runs_prefix != "/"
+
+    # make deploy's default OUTPUT is under that prefix, and so are its checkpoints.
+    script = (ROOT / "scripts" / "deploy.sh").read_text()
+    (default_output,) = re.findall(r'JOB_OUTPUT="\$\{OUTPUT:-([^}]*)\}"', script)
+    assert default_output.startswith(f"s3://$BUCKET/{runs_prefix}"), default_output
+    key = checkpoints_uri(default_output.replace("$BUCKET", "b")).removeprefix("s3://b/")
+    assert key.startswith(runs_prefix) and key.endswith("/checkpoints"), key
