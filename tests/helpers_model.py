@@ -225,3 +225,27 @@ def tiny_train_config(model_dir, data, output, **overrides) -> TrainConfig:
         log_format="json",
     )
     return build_config({}, {**base, **overrides})
+
+
+def config_only_7b(tmp: Path, weight_bytes: int) -> Path:
+    """A Llama-2-7B-shaped config.json (no weights) with enough blocks that its fp32 weight store
+    takes about `weight_bytes`: what doctor and train's RAM checks read, nothing to load."""
+    import json
+    import math
+
+    from appliance.plan import block_bytes
+    from appliance.presets import PRESETS
+
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": math.ceil(weight_bytes / block_bytes(PRESETS["7b"].args, 4)),
+        "num_attention_heads": 32,
+        "max_position_embeddings": 4096,
+        "eos_token_id": 2,
+    }
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "config.json").write_text(json.dumps(config))
+    return tmp

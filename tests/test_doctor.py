@@ -5,7 +5,6 @@ refusing a too-big model before it reads any weight."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import re
@@ -24,8 +23,8 @@ from click.testing import CliRunner
 from appliance.cli import main
 from appliance.doctor import blocking_problems
 from appliance.measure import host_memory_available
-from appliance.plan import block_bytes
 from appliance.presets import PRESETS
+from tests.helpers_model import config_only_7b
 from tests.helpers_net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,20 +68,7 @@ def huge_model(tmp: Path) -> Path:
     """A config.json (no weights) whose fp32 weight store is twice this box's available RAM."""
     avail = host_memory_available()
     assert avail is not None
-    per_layer = block_bytes(PRESETS["7b"].args, 4)
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 32000,
-        "hidden_size": 4096,
-        "intermediate_size": 11008,
-        "num_hidden_layers": math.ceil(2 * avail / per_layer),
-        "num_attention_heads": 32,
-        "max_position_embeddings": 4096,
-        "eos_token_id": 2,
-    }
-    tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "config.json").write_text(json.dumps(config))
-    return tmp
+    return config_only_7b(tmp, 2 * avail)
 
 
 @pytest.mark.integration  # a subprocess: the limit is the process's own

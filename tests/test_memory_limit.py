@@ -5,7 +5,6 @@ weight store before it loads, not OOM-killed halfway through."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -21,8 +20,7 @@ from appliance.measure import (
     host_memory_available,
     meminfo_available,
 )
-from appliance.plan import block_bytes
-from appliance.presets import PRESETS
+from tests.helpers_model import config_only_7b
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
@@ -115,24 +113,6 @@ def own_v1_memory_cgroup() -> Path | None:
     return dirs[0] if os.access(dirs[0], os.W_OK) else None
 
 
-def model_of(tmp: Path, weight_bytes: int) -> Path:
-    """A config.json (no weights) whose fp32 weight store is about `weight_bytes`."""
-    per_layer = block_bytes(PRESETS["7b"].args, 4)
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 32000,
-        "hidden_size": 4096,
-        "intermediate_size": 11008,
-        "num_hidden_layers": math.ceil(weight_bytes / per_layer),
-        "num_attention_heads": 32,
-        "max_position_embeddings": 4096,
-        "eos_token_id": 2,
-    }
-    tmp.mkdir()
-    (tmp / "config.json").write_text(json.dumps(config))
-    return tmp
-
-
 @pytest.mark.integration
 def test_a_real_memory_cgroup_limit_refuses_a_model_the_host_could_hold(tmp_path):
     """The real kernel interface: a child memory cgroup with a 3 GiB limit, a model of about 5 GiB
@@ -148,7 +128,7 @@ def test_a_real_memory_cgroup_limit_refuses_a_model_the_host_could_hold(tmp_path
     assert host is not None
     if host < 8 * GiB:
         pytest.skip(f"only {host / GiB:.1f} GiB available: the host could not hold the model")
-    model = model_of(tmp_path / "model", 5 * GiB)
+    model = config_only_7b(tmp_path / "model", 5 * GiB)
     child = parent / f"appliance-test-{uuid.uuid4().hex[:8]}"
     try:
         child.mkdir()
