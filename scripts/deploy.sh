@@ -16,7 +16,10 @@
 #          -> aws eks update-kubeconfig (context alias = the cluster name; every kubectl/helm call
 #             names that context, never whatever context is current)
 #          -> docker build --platform linux/amd64 + push to ECR, unless IMAGE is given or the tag
-#             is already in ECR (the repository is IMMUTABLE: a second push of a tag is refused)
+#             is already in ECR (the repository is IMMUTABLE: a second push of a tag is refused).
+#             The tag is the commit; when the build context differs from it (an edit, a new file
+#             not yet added), plus a hash of the context's files: `scripts/deploy.sh image-tag`
+#             prints it.
 #          -> KubeRay's CRDs (deploy/kuberay/crds, server-side apply) and operator $KUBERAY_VERSION
 #          -> kube-prometheus-stack (pinned; Prometheus on a volume; MONITORING=0 skips)
 #          -> the appliance chart, with values written from the terraform outputs; a RayJob whose
@@ -215,13 +218,44 @@ read_outputs() {
   SERVICE_ACCOUNT="$(tf_output service_account_name appliance)"
 }
 
+# What the image is built from: the Dockerfile, its .dockerignore and the sources of the
+# Dockerfile's COPY instructions (not COPY --from=<stage>), one a line.
+build_inputs() {
+  echo Dockerfile
+  echo .dockerignore
+  sed -e ':join' -e '/\\$/{N; s/\\\n/ /; b join' -e '}' Dockerfile \
+    | awk 'toupper($1) == "COPY" {
+        for (i = 2; i < NF; i++) { if ($i ~ /^--from/) next; if ($i !~ /^--/) print $i }
+      }'
+}
+
+# The files of the build inputs in the working tree, tracked or not, less what .gitignore
+# ignores, NUL-separated and sorted: what `docker build .` sends (.dockerignore allow-lists the
+# same paths).
+build_files() {
+  local inputs=()
+  mapfile -t inputs < <(build_inputs)
+  git -C "$ROOT" ls-files -z --cached --others --exclude-standard -- "${inputs[@]}" \
+    | LC_ALL=C sort -zu \
+    | while IFS= read -r -d '' file; do
+      # a tracked file deleted from the working tree is not in the build context
+      if [[ -f "$ROOT/$file" ]]; then printf '%s\0' "$file"; fi
+    done
+}
+
 image_tag() {
-  local tag
-  tag="$(git -C "$ROOT" rev-parse --short=12 HEAD 2>/dev/null || echo dev)"
-  # ECR tags are immutable: a dirty tree gets a tag of its own, named by a hash of its changes,
-  # so that redeploying the same edits finds the image in ECR and any other edit builds anew.
-  if [[ -n "$(git -C "$ROOT" status --porcelain --untracked-files=no 2>/dev/null)" ]]; then
-    tag="$tag-dirty-$(git -C "$ROOT" diff HEAD --binary | sha256sum | cut -c1-12)"
+  local tag inputs=()
+  tag="$(git -C "$ROOT" rev-parse --short=12 HEAD 2>/dev/null)" || {
+    echo dev
+    return
+  }
+  mapfile -t inputs < <(build_inputs)
+  # ECR tags are immutable: a build context that differs from the commit (an edit, or a new file
+  # not yet added: `docker build` sends it all the same) gets a tag of its own, named by a hash of
+  # the context's file names and contents, so that redeploying the same tree finds the image in
+  # ECR and any other edit builds anew.
+  if [[ -n "$(git -C "$ROOT" status --porcelain --untracked-files=all -- "${inputs[@]}")" ]]; then
+    tag="$tag-dirty-$(cd "$ROOT" && build_files | xargs -0 -r sha256sum -- | sha256sum | cut -c1-12)"
   fi
   echo "$tag"
 }
@@ -536,5 +570,6 @@ destroy() {
 case "$ACTION" in
   deploy) deploy ;;
   destroy) destroy ;;
-  *) die "usage: scripts/deploy.sh deploy|destroy (see the header)" ;;
+  image-tag) image_tag ;;
+  *) die "usage: scripts/deploy.sh deploy|destroy|image-tag (see the header)" ;;
 esac
