@@ -13,8 +13,9 @@
 #
 # deploy:  terraform apply in the workspace named after the GPU class (one state per class: the
 #          a10 and 4090 stacks never replace or destroy each other)
-#          -> aws eks update-kubeconfig (context alias = the cluster name; every kubectl/helm call
-#             names that context, never whatever context is current)
+#          -> aws eks update-kubeconfig into a kubeconfig of its own, $OUT_DIR/kubeconfig (context
+#             alias = the cluster name): every kubectl/helm call names that file and context, so
+#             the user's ~/.kube/config and its current context are never touched or used
 #          -> docker build --platform linux/amd64 + push to ECR, unless IMAGE is given or the tag
 #             is already in ECR (the repository is IMMUTABLE: a second push of a tag is refused).
 #             The tag is the commit; when the build context differs from it (an edit, a new file
@@ -51,6 +52,8 @@ FORCE="${FORCE:-}"
 RERUN="${RERUN:-}"
 RELEASE="${RELEASE:-appliance}"
 OUT_DIR="${DEPLOY_OUT_DIR:-build/deploy/$GPU_CLASS}"
+# This class's cluster only, written by `aws eks update-kubeconfig --kubeconfig`.
+KUBECONFIG_FILE="$OUT_DIR/kubeconfig"
 TF_DIR=terraform
 CHART_DIR=helm/appliance
 # KubeRay >= 1.6 for RayCluster upgradeStrategy; the CRDs in deploy/kuberay/crds are this release's.
@@ -166,12 +169,17 @@ tf_workspace() {
   run terraform -chdir="$TF_DIR" workspace select -or-create=true "$GPU_CLASS"
 }
 
-# The kubeconfig context of this class's cluster (update-kubeconfig --alias); every kubectl and
-# helm call names it, so a deploy or destroy never acts on another cluster that happens to be
-# the current context.
+# A kubeconfig of this class's cluster alone ($OUT_DIR/kubeconfig, context alias = the cluster
+# name). Every kubectl and helm call names that file and context ("${KUBECTL[@]}",
+# "${HELM_KUBE[@]}"): a deploy or destroy never acts on another cluster that happens to be the
+# current context, and leaves the user's ~/.kube/config (and its current context) as it was.
 kube_context() {
   KUBE_CONTEXT="$CLUSTER"
-  run aws eks update-kubeconfig --name "$CLUSTER" --region "$REGION" --alias "$KUBE_CONTEXT"
+  KUBECTL=(kubectl --kubeconfig "$KUBECONFIG_FILE" --context "$KUBE_CONTEXT")
+  HELM_KUBE=(--kubeconfig "$KUBECONFIG_FILE" --kube-context "$KUBE_CONTEXT")
+  mkdir -p "$OUT_DIR"
+  run aws eks update-kubeconfig --name "$CLUSTER" --region "$REGION" --alias "$KUBE_CONTEXT" \
+    --kubeconfig "$KUBECONFIG_FILE"
 }
 
 # `helm`: $HELM if set, else .tools/bin/helm (make deploy-tools) if present, else the one on PATH.
@@ -376,17 +384,17 @@ replace_changed_job() {
   job="$(rendered_name rayjob.yaml)"
   [[ -n "$job" ]] || return 0
   want="$(rendered_annotation rayjob.yaml checksum/job)"
-  have="$(query kubectl --context "$KUBE_CONTEXT" get rayjob "$job" --namespace "$NAMESPACE" \
+  have="$(query "${KUBECTL[@]}" get rayjob "$job" --namespace "$NAMESPACE" \
     --ignore-not-found -o 'go-template={{with .metadata.annotations}}{{index . "checksum/job"}}{{end}}')" \
     || have=""
   if [[ -z "$have" ]]; then
     echo "(RayJob $job: none yet; helm creates it)"
   elif [[ -n "$RERUN" ]]; then
     echo "RayJob $job: RERUN=1, deleting it so that it runs again"
-    run kubectl --context "$KUBE_CONTEXT" delete rayjob "$job" --namespace "$NAMESPACE" --wait
+    run "${KUBECTL[@]}" delete rayjob "$job" --namespace "$NAMESPACE" --wait
   elif [[ "$have" != "$want" ]]; then
     echo "RayJob $job: its spec changed (checksum/job $have -> $want); deleting it so that the new one runs"
-    run kubectl --context "$KUBE_CONTEXT" delete rayjob "$job" --namespace "$NAMESPACE" --wait
+    run "${KUBECTL[@]}" delete rayjob "$job" --namespace "$NAMESPACE" --wait
   else
     echo "RayJob $job: unchanged, left as it is (RERUN=1 runs it again)"
   fi
@@ -413,22 +421,26 @@ print_next_steps() {
   cluster_name="$(rendered_name raycluster.yaml)"
   JOB_NAME="$(rendered_name rayjob.yaml)"
   [[ -n "$cluster_name" ]] || die "no RayCluster in $OUT_DIR/manifests: the chart rendered nothing?"
+  # deploy.sh's own kubeconfig (the user's current context is left alone), by its absolute path
+  # so that the commands work from any directory.
+  local kubectl
+  kubectl="KUBECONFIG=$(printf '%q' "$(cd "$(dirname "$KUBECONFIG_FILE")" && pwd)/$(basename "$KUBECONFIG_FILE")") kubectl"
   echo
   if [[ -n "$DRY_RUN" ]]; then
     echo "Dry run: nothing was changed. Rendered chart: $OUT_DIR/manifests. After a real deploy:"
   else
     echo "Deployed GPU class $GPU_CLASS to cluster $CLUSTER. Watch the run:"
   fi
-  echo "  kubectl get raycluster,rayjob,pods -n $NAMESPACE"
+  echo "  $kubectl get raycluster,rayjob,pods -n $NAMESPACE"
   if [[ -n "$JOB_NAME" ]]; then
-    echo "  kubectl logs -n $NAMESPACE -f job/$JOB_NAME"
+    echo "  $kubectl logs -n $NAMESPACE -f job/$JOB_NAME"
   fi
   cat <<EOF
-Ray dashboard:
-  kubectl port-forward -n $NAMESPACE svc/$cluster_name-head-svc 8265:8265      # http://127.0.0.1:8265
-Grafana (dashboards in folders "Appliance" and "Ray"):
-  kubectl port-forward -n $MONITORING_NAMESPACE svc/prometheus-grafana 3000:80   # http://127.0.0.1:3000
-  kubectl get secret -n $MONITORING_NAMESPACE prometheus-grafana -o jsonpath='{.data.admin-password}' | base64 -d
+Ray dashboard (http://127.0.0.1:8265):
+  $kubectl port-forward -n $NAMESPACE svc/$cluster_name-head-svc 8265:8265
+Grafana (http://127.0.0.1:3000; dashboards in folders "Appliance" and "Ray"):
+  $kubectl port-forward -n $MONITORING_NAMESPACE svc/prometheus-grafana 3000:80
+  $kubectl get secret -n $MONITORING_NAMESPACE prometheus-grafana -o jsonpath='{.data.admin-password}' | base64 -d
 EOF
   if [[ -n "$JOB_NAME" ]]; then print_uploads; fi
 }
@@ -467,10 +479,10 @@ deploy() {
   fi
 
   echo "== KubeRay $KUBERAY_VERSION: its CRDs (Helm never upgrades a chart's CRDs), then the operator"
-  run kubectl --context "$KUBE_CONTEXT" apply --server-side --force-conflicts -f "$KUBERAY_CRDS"
+  run "${KUBECTL[@]}" apply --server-side --force-conflicts -f "$KUBERAY_CRDS"
   run helm repo add kuberay https://ray-project.github.io/kuberay-helm/ --force-update
   run helm upgrade --install kuberay-operator kuberay/kuberay-operator --version "$KUBERAY_VERSION" \
-    --namespace kuberay-system --create-namespace --wait --kube-context "$KUBE_CONTEXT"
+    --namespace kuberay-system --create-namespace --wait "${HELM_KUBE[@]}"
 
   if [[ "$MONITORING" != "0" ]]; then
     echo "== monitoring: kube-prometheus-stack $KUBE_PROMETHEUS_STACK_VERSION (Prometheus operator, Prometheus, Grafana)"
@@ -479,7 +491,7 @@ deploy() {
     run helm upgrade --install prometheus prometheus-community/kube-prometheus-stack \
       --version "$KUBE_PROMETHEUS_STACK_VERSION" \
       --namespace "$MONITORING_NAMESPACE" --create-namespace --wait \
-      -f "$OUT_DIR/kube-prometheus-stack.values.yaml" --kube-context "$KUBE_CONTEXT"
+      -f "$OUT_DIR/kube-prometheus-stack.values.yaml" "${HELM_KUBE[@]}"
   fi
 
   echo "== appliance chart"
@@ -499,14 +511,14 @@ deploy() {
   DRY_RUN="" run helm template "$RELEASE" "$CHART_DIR" "${chart_args[@]}" --output-dir "$OUT_DIR/manifests"
   replace_changed_job
   run helm upgrade --install "$RELEASE" "$CHART_DIR" --create-namespace "${chart_args[@]}" \
-    --kube-context "$KUBE_CONTEXT"
+    "${HELM_KUBE[@]}"
 
   print_next_steps
 }
 
 # A step before terraform destroy that may fail because what it acts on is already gone.
 best_effort() {
-  run "$@" || echo "(skipped: '$1 $2' failed; what it acts on is probably gone already)"
+  run "$@" || echo "(skipped: the command above failed; what it acts on is probably gone already)"
 }
 
 destroy() {
@@ -528,21 +540,20 @@ destroy() {
 
   if [[ -z "$CLUSTER" || -z "$REGION" ]]; then
     echo "== helm releases: skipped (no cluster_name/region output: the cluster is gone)"
-  elif ! run aws eks update-kubeconfig --name "$CLUSTER" --region "$REGION" --alias "$CLUSTER"; then
+  elif ! kube_context; then
     echo "== helm releases: skipped (cluster $CLUSTER does not answer: it is gone)"
   else
-    KUBE_CONTEXT="$CLUSTER"
     echo "== helm releases (the RayCluster first, so its pods and volumes go before the nodes)"
     best_effort helm uninstall "$RELEASE" --namespace "${NAMESPACE:-appliance}" --ignore-not-found --wait \
-      --kube-context "$KUBE_CONTEXT"
+      "${HELM_KUBE[@]}"
     best_effort helm uninstall prometheus --namespace "$MONITORING_NAMESPACE" --ignore-not-found --wait \
-      --kube-context "$KUBE_CONTEXT"
+      "${HELM_KUBE[@]}"
     # a Prometheus installed before its claim had whenDeleted: Delete leaves it: its EBS volume
     # would outlive the cluster, billed
-    best_effort kubectl delete pvc --all --namespace "$MONITORING_NAMESPACE" --ignore-not-found \
-      --wait --context "$KUBE_CONTEXT"
+    best_effort "${KUBECTL[@]}" delete pvc --all --namespace "$MONITORING_NAMESPACE" \
+      --ignore-not-found --wait
     best_effort helm uninstall kuberay-operator --namespace kuberay-system --ignore-not-found --wait \
-      --kube-context "$KUBE_CONTEXT"
+      "${HELM_KUBE[@]}"
   fi
 
   echo "== terraform destroy"
@@ -563,6 +574,7 @@ destroy() {
   if [[ -n "$DRY_RUN" ]]; then
     echo "Dry run: nothing was destroyed."
   else
+    rm -f "$KUBECONFIG_FILE" # its cluster is gone
     echo "Destroyed GPU class $GPU_CLASS."
   fi
 }

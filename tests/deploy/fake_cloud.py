@@ -9,8 +9,13 @@ and answered the way the real tool answers, from a small state kept in files und
     bucket-objects               the bucket holds objects: destroy fails without force_destroy
     ecr-tags                     image tags in the (IMMUTABLE) ECR repository, one a line
     clusters-gone                cluster names that no longer exist, one a line
+    user-kubeconfig              contexts written into the user's own kubeconfig (~/.kube/config):
+                                 update-kubeconfig without --kubeconfig
     rayjob-checksum              the live RayJob's checksum/job annotation (absent: no RayJob)
 
+`aws eks update-kubeconfig --kubeconfig FILE` writes FILE (naming the context); kubectl and helm
+fail, as a trap, when a call that reaches the cluster does not name both a kubeconfig file that
+update-kubeconfig wrote and its context: it would act on whatever the user's kubeconfig says.
 `terraform apply` creates the stack of its -var gpu_class in the selected workspace, and fails as
 a plan that would replace another class's stack if that workspace already holds one; `docker push`
 of a tag already in ECR fails as ECR's immutability does; `terraform destroy` without force_destroy
@@ -55,6 +60,19 @@ def option(args: list[str], name: str) -> str | None:
         if arg.startswith(name + "="):
             return arg.split("=", 1)[1]
     return None
+
+
+def without_globals(args: list[str]) -> list[str]:
+    """args less kubectl's/helm's --kubeconfig, --context and --kube-context (and their values)."""
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in ("--kubeconfig", "--context", "--kube-context"):
+            skip = True
+        elif not arg.startswith(("--kubeconfig=", "--context=", "--kube-context=")):
+            out.append(arg)
+    return out
 
 
 def tf_vars(args: list[str]) -> dict[str, str]:
@@ -169,7 +187,14 @@ def aws(args: list[str]) -> None:
                 f"operation: No cluster found for name: {name}.",
                 254,
             )
-        print(f"Added new context {option(args, '--alias')} to /root/.kube/config")
+        alias = option(args, "--alias")
+        kubeconfig = option(args, "--kubeconfig")
+        if kubeconfig is None:
+            add_line("user-kubeconfig", alias)
+            kubeconfig = "/root/.kube/config"
+        else:
+            Path(kubeconfig).write_text(f"current-context: {alias}\n")
+        print(f"Added new context {alias} to {kubeconfig}")
         return
     if (service, command) == ("ecr", "describe-images"):
         tag = option(args, "--image-ids").split("=", 1)[1]
@@ -210,23 +235,29 @@ def cluster_reachable(args: list[str]) -> None:
     context = option(args, "--context") or option(args, "--kube-context")
     if context is None:
         fail("fake: no kube context given: the call would act on whatever context is current", 3)
+    kubeconfig = option(args, "--kubeconfig")
+    if kubeconfig is None or not Path(kubeconfig).exists():
+        fail(f"fake: no kubeconfig of deploy.sh's own ({kubeconfig}): the user's would be used", 3)
+    if Path(kubeconfig).read_text() != f"current-context: {context}\n":
+        fail(f"fake: context {context} is not in {kubeconfig}", 3)
     if context in lines("clusters-gone"):
         fail("Error: Kubernetes cluster unreachable: dial tcp: lookup on 127.0.0.53: no such host")
 
 
 def kubectl(args: list[str]) -> None:
     cluster_reachable(args)
+    args = without_globals(args)
     checksum = STATE / "rayjob-checksum"
-    if args[2:4] == ["get", "rayjob"]:
+    if args[:2] == ["get", "rayjob"]:
         if checksum.exists():
             print(checksum.read_text(), end="")
         return
-    if args[2:4] == ["delete", "rayjob"]:
+    if args[:2] == ["delete", "rayjob"]:
         if not checksum.exists():
-            fail(f'Error from server (NotFound): rayjobs.ray.io "{args[4]}" not found')
+            fail(f'Error from server (NotFound): rayjobs.ray.io "{args[2]}" not found')
         checksum.unlink()
         return
-    if args[2] == "apply":
+    if args[0] == "apply" or args[:2] == ["delete", "pvc"]:
         return
     fail(f"fake kubectl: unexpected command {args}", 2)
 

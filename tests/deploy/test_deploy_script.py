@@ -124,23 +124,25 @@ def test_deploy_dry_run_prints_every_step_and_renders_the_chart(sandbox, gpu_cla
     out = Path(sandbox["DEPLOY_OUT_DIR"])
     cluster = f"appliance-{gpu_class}"
     repo = f"000000000000.dkr.ecr.us-east-1.amazonaws.com/{cluster}"
+    kubectl = f"kubectl --kubeconfig {out}/kubeconfig --context {cluster}"
     expected_in_order = [
         "terraform -chdir=terraform init",
         f"terraform -chdir=terraform workspace select -or-create=true {gpu_class}",
         f"terraform -chdir=terraform apply -input=false -var gpu_class={gpu_class}",
         "terraform -chdir=terraform output -raw cluster_name",
         "terraform -chdir=terraform output -raw irsa_role_arn",
-        f"aws eks update-kubeconfig --name {cluster} --region us-east-1 --alias {cluster}",
+        f"aws eks update-kubeconfig --name {cluster} --region us-east-1 --alias {cluster} "
+        f"--kubeconfig {out}/kubeconfig",
         f"aws ecr describe-images --region us-east-1 --repository-name {cluster} --image-ids imageTag=",
         "aws ecr get-login-password --region us-east-1 | docker login --username AWS",
         f"docker build --platform linux/amd64 -t {repo}:",
         f"docker push {repo}:",
-        f"kubectl --context {cluster} apply --server-side --force-conflicts -f deploy/kuberay/crds",
+        f"{kubectl} apply --server-side --force-conflicts -f deploy/kuberay/crds",
         "helm repo add kuberay https://ray-project.github.io/kuberay-helm/",
         f"helm upgrade --install kuberay-operator kuberay/kuberay-operator --version {KUBERAY_CRD_VERSION}",
         "helm upgrade --install prometheus prometheus-community/kube-prometheus-stack --version ",
         f"helm template appliance helm/appliance --namespace appliance -f {out}/values.generated.yaml",
-        f"kubectl --context {cluster} get rayjob appliance-train --namespace appliance",
+        f"{kubectl} get rayjob appliance-train --namespace appliance",
         f"helm upgrade --install appliance helm/appliance --create-namespace --namespace appliance -f {out}/values.generated.yaml",
     ]
     position = 0
@@ -148,17 +150,22 @@ def test_deploy_dry_run_prints_every_step_and_renders_the_chart(sandbox, gpu_cla
         matches = [i for i, c in enumerate(commands) if c.startswith(expected) and i >= position]
         assert matches, f"not printed (in order): {expected}\n" + "\n".join(commands)
         position = matches[0]
+    # The printed commands use deploy.sh's own kubeconfig, by its absolute path.
+    hints = [line.strip() for line in result.stdout.splitlines() if "kubectl " in line]
+    with_kubeconfig = f"KUBECONFIG={out}/kubeconfig kubectl "
     assert (
-        "kubectl port-forward -n prometheus-system svc/prometheus-grafana 3000:80" in result.stdout
+        f"{with_kubeconfig}port-forward -n prometheus-system svc/prometheus-grafana 3000:80"
+        in hints
     )
-    assert "kubectl port-forward -n appliance svc/appliance-head-svc 8265:8265" in result.stdout
+    assert f"{with_kubeconfig}port-forward -n appliance svc/appliance-head-svc 8265:8265" in hints
+    assert [h for h in hints if not h.startswith(("+ ", with_kubeconfig))] == []
 
-    # Every helm and kubectl call that reaches a cluster names this class's context.
+    # Every helm and kubectl call that reaches a cluster names this class's kubeconfig and context.
     for command in commands:
         if command.startswith(("helm upgrade", "helm uninstall")):
-            assert command.endswith(f"--kube-context {cluster}"), command
+            assert command.endswith(f"--kubeconfig {out}/kubeconfig --kube-context {cluster}")
         if command.startswith("kubectl"):
-            assert command.startswith(f"kubectl --context {cluster} "), command
+            assert command.startswith(f"{kubectl} "), command
     # No cloud was touched: the traps never ran, and helm only rendered.
     assert tool_calls(sandbox) == [c for c in tool_calls(sandbox) if c.startswith("helm ")]
     assert {c.split()[1] for c in tool_calls(sandbox)} == {"version", "template"}
@@ -260,8 +267,11 @@ def test_destroy_dry_run_uninstalls_the_releases_before_terraform_destroy(
     ]
     assert len(uninstall) == 3 and max(uninstall) < destroy
     assert commands[uninstall[0]].startswith("helm uninstall appliance --namespace appliance")
-    assert all(commands[i].endswith(f"--kube-context appliance-{gpu_class}") for i in uninstall)
-    (pvcs,) = [i for i, c in enumerate(commands) if c.startswith("kubectl delete pvc --all")]
+    kubeconfig = f"--kubeconfig {sandbox['DEPLOY_OUT_DIR']}/kubeconfig"
+    context = f"{kubeconfig} --kube-context appliance-{gpu_class}"
+    assert all(commands[i].endswith(context) for i in uninstall)
+    kubectl = f"kubectl {kubeconfig} --context appliance-{gpu_class}"
+    (pvcs,) = [i for i, c in enumerate(commands) if c.startswith(f"{kubectl} delete pvc --all")]
     assert uninstall[1] < pvcs < destroy  # after Prometheus, before the cluster goes
     assert "--namespace prometheus-system" in commands[pvcs]
     # FORCE: only the bucket needs force_destroy first; the image repository always goes.

@@ -96,6 +96,7 @@ def test_a_second_deploy_reuses_the_image_and_reruns_the_job_only_when_it_change
     cloud, gpu_class
 ) -> None:
     cluster = f"appliance-{gpu_class}"
+    kubectl = f"kubectl --kubeconfig {cloud.out / gpu_class / 'kubeconfig'} --context {cluster}"
     first = cloud.make("deploy", f"GPU_CLASS={gpu_class}")
     assert first.returncode == 0, first.stdout
     calls = cloud.calls()
@@ -109,14 +110,14 @@ def test_a_second_deploy_reuses_the_image_and_reruns_the_job_only_when_it_change
         "aws ecr get-login-password",
         f"docker build --platform linux/amd64 -t {ECR}/{cluster}:",
         f"docker push {ECR}/{cluster}:",
-        f"kubectl --context {cluster} apply --server-side --force-conflicts -f deploy/kuberay/crds",
+        f"{kubectl} apply --server-side --force-conflicts -f deploy/kuberay/crds",
         "helm upgrade --install kuberay-operator kuberay/kuberay-operator --version 1.7.0",
         "helm upgrade --install prometheus prometheus-community/kube-prometheus-stack",
         "helm template appliance helm/appliance",
-        f"kubectl --context {cluster} get rayjob appliance-train",
+        f"{kubectl} get rayjob appliance-train",
         "helm upgrade --install appliance helm/appliance",
     )
-    assert starting(calls, "kubectl --context") == [c for c in calls if c.startswith("kubectl")]
+    assert starting(calls, kubectl) == [c for c in calls if c.startswith("kubectl")]
     # Helm created the RayJob with the rendered checksum.
     checksum = cloud.rendered_job_checksum(gpu_class)
     (cloud.state / "rayjob-checksum").write_text(checksum)
@@ -128,9 +129,9 @@ def test_a_second_deploy_reuses_the_image_and_reruns_the_job_only_when_it_change
     calls = cloud.calls()
     assert starting(calls, "docker") == [] and starting(calls, "aws ecr get-login") == []
     assert "already in ECR (not rebuilt)" in second.stdout
-    assert starting(calls, "kubectl --context") == [
-        f"kubectl --context {cluster} apply --server-side --force-conflicts -f deploy/kuberay/crds",
-        f"kubectl --context {cluster} get rayjob appliance-train --namespace appliance "
+    assert starting(calls, "kubectl") == [
+        f"{kubectl} apply --server-side --force-conflicts -f deploy/kuberay/crds",
+        f"{kubectl} get rayjob appliance-train --namespace appliance "
         "--ignore-not-found -o go-template={{with .metadata.annotations}}"
         '{{index . "checksum/job"}}{{end}}',
     ]
@@ -145,8 +146,8 @@ def test_a_second_deploy_reuses_the_image_and_reruns_the_job_only_when_it_change
     in_order(
         calls,
         "helm template appliance helm/appliance",
-        f"kubectl --context {cluster} get rayjob appliance-train",
-        f"kubectl --context {cluster} delete rayjob appliance-train --namespace appliance --wait",
+        f"{kubectl} get rayjob appliance-train",
+        f"{kubectl} delete rayjob appliance-train --namespace appliance --wait",
         "helm upgrade --install appliance helm/appliance",
     )
     assert not (cloud.state / "rayjob-checksum").exists()
@@ -161,8 +162,8 @@ def test_rerun_deletes_an_unchanged_job_so_that_it_trains_again(cloud) -> None:
     assert again.returncode == 0, again.stdout
     in_order(
         cloud.calls(),
-        "kubectl --context appliance-a10 get rayjob appliance-train",
-        "kubectl --context appliance-a10 delete rayjob appliance-train",
+        f"kubectl --kubeconfig {cloud.out / 'a10/kubeconfig'} --context appliance-a10 get rayjob",
+        f"kubectl --kubeconfig {cloud.out / 'a10/kubeconfig'} --context appliance-a10 delete rayjob",
         "helm upgrade --install appliance helm/appliance",
     )
 
@@ -185,7 +186,7 @@ def test_the_two_gpu_classes_keep_separate_states(cloud) -> None:
         "terraform -chdir=terraform state list",
         "aws eks update-kubeconfig --name appliance-4090 --region us-east-1 --alias appliance-4090",
         "helm uninstall appliance --namespace appliance --ignore-not-found --wait "
-        "--kube-context appliance-4090",
+        f"--kubeconfig {cloud.out / '4090/kubeconfig'} --kube-context appliance-4090",
         "helm uninstall prometheus",
         "helm uninstall kuberay-operator",
         "terraform -chdir=terraform destroy -input=false -auto-approve -var gpu_class=4090",
@@ -252,3 +253,27 @@ def test_destroying_a_class_that_was_never_deployed_does_nothing(cloud) -> None:
         "terraform -chdir=terraform workspace select -or-create=true 4090",
         "terraform -chdir=terraform state list",
     ]
+
+
+@pytest.mark.integration
+def test_deploy_and_destroy_leave_the_users_kubeconfig_alone(cloud) -> None:
+    """`aws eks update-kubeconfig` writes deploy.sh's own kubeconfig, never ~/.kube/config (whose
+    current context would otherwise point at the new cluster, and after a destroy at a deleted
+    one); every kubectl and helm call names that file (the fakes refuse any that does not)."""
+    kubeconfig = cloud.out / "a10" / "kubeconfig"
+    deploy = cloud.make("deploy", "GPU_CLASS=a10")
+    assert deploy.returncode == 0, deploy.stdout
+    calls = cloud.calls()
+    (update,) = starting(calls, "aws eks update-kubeconfig")
+    assert update.endswith(f"--alias appliance-a10 --kubeconfig {kubeconfig}")
+    assert kubeconfig.read_text() == "current-context: appliance-a10\n"
+    cluster_calls = [c for c in calls if c.startswith(("kubectl", "helm upgrade"))]
+    assert cluster_calls and all(f"--kubeconfig {kubeconfig} " in c for c in cluster_calls)
+    assert f"KUBECONFIG={kubeconfig} kubectl port-forward -n appliance" in deploy.stdout
+
+    destroy = cloud.make("destroy", "GPU_CLASS=a10")
+    assert destroy.returncode == 0, destroy.stdout
+    uninstalls = starting(cloud.calls(), "helm uninstall")
+    assert len(uninstalls) == 3 and all(f"--kubeconfig {kubeconfig} " in c for c in uninstalls)
+    assert not kubeconfig.exists()  # its cluster is gone
+    assert not (cloud.state / "user-kubeconfig").exists()
