@@ -23,6 +23,9 @@
 #             prints it.
 #          -> KubeRay's CRDs (deploy/kuberay/crds, server-side apply) and operator $KUBERAY_VERSION
 #          -> kube-prometheus-stack (pinned; Prometheus on a volume; MONITORING=0 skips)
+#             (before each `helm upgrade --install`, a release left pending-* by an interrupted
+#             deploy is rolled back to its last deployed revision, or uninstalled if it never
+#             deployed: helm refuses to upgrade it otherwise)
 #          -> the appliance chart, with values written from the terraform outputs; a RayJob whose
 #             spec changed (its checksum/job annotation) is deleted first so that the new one
 #             runs (KubeRay never resubmits a finished job); RERUN=1 deletes it anyway
@@ -147,19 +150,26 @@ tf_output() {
 # RayJob carry?): printed, then run; a dry run prints it and answers with a failure and no output.
 # The command line goes to stderr: its stdout is the answer (callers use "$(query ...)").
 # `query --status CMD...`: only the exit status matters; the command's output is dropped.
+# `query --quiet CMD...`: its stderr is dropped (a failure is an answer, not an error).
 query() {
-  local status_only=""
-  if [[ "$1" == "--status" ]]; then
-    status_only=1
+  local status_only="" quiet=""
+  while [[ "$1" == --status || "$1" == --quiet ]]; do
+    if [[ "$1" == --status ]]; then status_only=1; else quiet=1; fi
     shift
-  fi
+  done
   {
     printf '+'
     printf ' %q' "$@"
     if [[ -n "$DRY_RUN" ]]; then printf '   # dry run: not asked\n'; else printf '\n'; fi
   } >&2
   [[ -z "$DRY_RUN" ]] || return 1
-  if [[ -n "$status_only" ]]; then "$@" >/dev/null 2>&1; else "$@"; fi
+  if [[ -n "$status_only" ]]; then
+    "$@" >/dev/null 2>&1
+  elif [[ -n "$quiet" ]]; then
+    "$@" 2>/dev/null
+  else
+    "$@"
+  fi
 }
 
 # One state per GPU class: the terraform workspace named after it (state in
@@ -481,6 +491,7 @@ deploy() {
   echo "== KubeRay $KUBERAY_VERSION: its CRDs (Helm never upgrades a chart's CRDs), then the operator"
   run "${KUBECTL[@]}" apply --server-side --force-conflicts -f "$KUBERAY_CRDS"
   run helm repo add kuberay https://ray-project.github.io/kuberay-helm/ --force-update
+  recover_pending_release kuberay-operator kuberay-system
   run helm upgrade --install kuberay-operator kuberay/kuberay-operator --version "$KUBERAY_VERSION" \
     --namespace kuberay-system --create-namespace --wait "${HELM_KUBE[@]}"
 
@@ -488,6 +499,7 @@ deploy() {
     echo "== monitoring: kube-prometheus-stack $KUBE_PROMETHEUS_STACK_VERSION (Prometheus operator, Prometheus, Grafana)"
     write_monitoring_values
     run helm repo add prometheus-community https://prometheus-community.github.io/helm-charts --force-update
+    recover_pending_release prometheus "$MONITORING_NAMESPACE"
     run helm upgrade --install prometheus prometheus-community/kube-prometheus-stack \
       --version "$KUBE_PROMETHEUS_STACK_VERSION" \
       --namespace "$MONITORING_NAMESPACE" --create-namespace --wait \
@@ -509,11 +521,41 @@ deploy() {
   mkdir -p "$OUT_DIR/manifests"
   # Rendered for review in every run (and the only chart step of a dry run).
   DRY_RUN="" run helm template "$RELEASE" "$CHART_DIR" "${chart_args[@]}" --output-dir "$OUT_DIR/manifests"
+  # before the RayJob is compared: a rollback puts back the last deployed revision's objects
+  recover_pending_release "$RELEASE" "$NAMESPACE"
   replace_changed_job
   run helm upgrade --install "$RELEASE" "$CHART_DIR" --create-namespace "${chart_args[@]}" \
     "${HELM_KUBE[@]}"
 
   print_next_steps
+}
+
+# An interrupted deploy (Ctrl-C, a lost connection, a --wait that timed out and was killed)
+# leaves its Helm release pending-install, pending-upgrade or pending-rollback, and every later
+# `helm upgrade` of it fails with "another operation (install/upgrade/rollback) is in progress".
+# Called before each `helm upgrade --install`: such a release is rolled back to its last deployed
+# revision, or uninstalled when it never deployed (pending-install, nothing deployed before).
+recover_pending_release() {
+  local name="$1" namespace="$2" history latest status target
+  history="$(query --quiet helm history "$name" --namespace "$namespace" --output json \
+    "${HELM_KUBE[@]}")" || return 0 # no such release (or a dry run)
+  # "REVISION STATUS" a line, oldest first. Only "revision" and "status" keys are read: a quote
+  # inside a description is escaped (\"), so no description can pass for one.
+  history="$(grep -oE '"(revision|status)": *("[^"]*"|[0-9]+)' <<<"$history" | tr -d '" ' \
+    | awk -F: '$1 == "revision" {revision = $2} $1 == "status" {print revision, $2}' \
+    | sort -n)" || true
+  read -r latest status <<<"$(tail -n 1 <<<"$history")"
+  [[ "$status" == pending-* ]] || return 0
+  target="$(awk -v latest="$latest" '$1 < latest && $2 == "deployed" {t = $1} END {print t}' <<<"$history")"
+  if [[ -n "$target" ]]; then
+    echo "Helm release $name is $status at revision $latest (an earlier deploy was interrupted): rolling it back to revision $target, its last deployed one, before upgrading it"
+    run helm rollback "$name" "$target" --namespace "$namespace" "${HELM_KUBE[@]}"
+  elif [[ "$status" == pending-install ]] && ! grep -qvE "^$latest " <<<"$history"; then
+    echo "Helm release $name is $status at revision $latest (an earlier deploy was interrupted) and never deployed: uninstalling it before installing it again"
+    run helm uninstall "$name" --namespace "$namespace" --wait "${HELM_KUBE[@]}"
+  else
+    die "Helm release $name (namespace $namespace) is $status at revision $latest and has no deployed revision to roll back to; see: KUBECONFIG=$KUBECONFIG_FILE helm history $name -n $namespace, then helm rollback $name <revision> or helm uninstall $name"
+  fi
 }
 
 # A step before terraform destroy that may fail because what it acts on is already gone.

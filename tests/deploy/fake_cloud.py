@@ -12,6 +12,8 @@ and answered the way the real tool answers, from a small state kept in files und
     user-kubeconfig              contexts written into the user's own kubeconfig (~/.kube/config):
                                  update-kubeconfig without --kubeconfig
     rayjob-checksum              the live RayJob's checksum/job annotation (absent: no RayJob)
+    helm/<namespace>/<release>.json  the release's history: [{revision, status, description}];
+                                 `upgrade --install` fails while the last one is pending-*
 
 `aws eks update-kubeconfig --kubeconfig FILE` writes FILE (naming the context); kubectl and helm
 fail, as a trap, when a call that reaches the cluster does not name both a kubeconfig file that
@@ -21,7 +23,10 @@ a plan that would replace another class's stack if that workspace already holds 
 of a tag already in ECR fails as ECR's immutability does; `terraform destroy` without force_destroy
 stops at a non-empty bucket after deleting the cluster, as the real destroy does.
 
-helm `template`, `version` and `lint` run the real helm ($REAL_HELM). Written by the tests of
+helm `template`, `version` and `lint` run the real helm ($REAL_HELM); `upgrade --install`,
+`history -o json`, `rollback` and `uninstall` keep each release's revisions, and an upgrade of a
+release left pending-install/-upgrade/-rollback fails as helm's does ("another operation ... is
+in progress"). Written by the tests of
 tests/deploy/test_deploy_script.py into a tmp dir as `<tool>` wrappers that exec this file.
 """
 
@@ -262,13 +267,58 @@ def kubectl(args: list[str]) -> None:
     fail(f"fake kubectl: unexpected command {args}", 2)
 
 
+def release_file(args: list[str], name: str) -> Path:
+    namespace = option(args, "--namespace") or option(args, "-n") or "default"
+    return STATE / "helm" / namespace / f"{name}.json"
+
+
+def release_history(path: Path) -> list[dict[str, object]]:
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def add_revision(path: Path, history: list[dict[str, object]], description: str) -> None:
+    """A new deployed revision; the ones before it are superseded, as helm leaves them."""
+    for revision in history:
+        if revision["status"] in ("deployed", "pending-upgrade", "pending-rollback"):
+            revision["status"] = "superseded"
+    revision = len(history) + 1
+    history.append({"revision": revision, "status": "deployed", "description": description})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(history))
+
+
 def helm(args: list[str]) -> None:
     if args[0] in ("template", "version", "lint"):
         os.execv(os.environ["REAL_HELM"], ["helm", *args])
     if args[0] == "repo":
         return
     cluster_reachable(args)
-    if args[0] in ("upgrade", "uninstall"):
+    command = without_globals(args)
+    path = release_file(args, command[1] if command[0] != "upgrade" else command[2])
+    history = release_history(path)
+    if command[0] == "upgrade":  # upgrade --install NAME CHART ...
+        if history and str(history[-1]["status"]).startswith("pending-"):
+            fail(
+                "Error: UPGRADE FAILED: another operation (install/upgrade/rollback) is in progress"
+            )
+        add_revision(path, history, "Upgrade complete" if history else "Install complete")
+        return
+    if command[0] == "history":
+        if not history:
+            fail("Error: release: not found")
+        rows = [{**r, "chart": "chart-1.0.0", "app_version": "1.0"} for r in history]
+        print(json.dumps(rows, separators=(",", ":")))  # as Go's encoding/json writes it
+        return
+    if command[0] == "rollback":  # rollback NAME REVISION
+        target = int(command[2])
+        if target not in [r["revision"] for r in history]:
+            fail(f"Error: release has no {target} version")
+        add_revision(path, history, f"Rollback to {target}")
+        return
+    if command[0] == "uninstall":
+        if not history and "--ignore-not-found" not in command:
+            fail(f"Error: uninstall: Release not loaded: {command[1]}: release: not found")
+        path.unlink(missing_ok=True)
         return
     fail(f"fake helm: unexpected command {args}", 2)
 

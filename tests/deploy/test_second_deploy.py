@@ -277,3 +277,61 @@ def test_deploy_and_destroy_leave_the_users_kubeconfig_alone(cloud) -> None:
     assert len(uninstalls) == 3 and all(f"--kubeconfig {kubeconfig} " in c for c in uninstalls)
     assert not kubeconfig.exists()  # its cluster is gone
     assert not (cloud.state / "user-kubeconfig").exists()
+
+
+def set_release_history(cloud: Cloud, namespace: str, release: str, *statuses: str) -> None:
+    path = cloud.state / "helm" / namespace / f"{release}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    history = [{"revision": i, "status": s} for i, s in enumerate(statuses, 1)]
+    path.write_text(json.dumps(history))
+
+
+@pytest.mark.integration
+def test_releases_left_pending_by_an_interrupted_deploy_are_recovered_first(cloud) -> None:
+    """A deploy killed mid-upgrade leaves its release pending-*; helm then refuses every upgrade
+    ("another operation is in progress"). The next deploy rolls each such release back to its
+    last deployed revision, or uninstalls one that never deployed, then upgrades it."""
+    assert cloud.make("deploy", "GPU_CLASS=a10").returncode == 0
+    set_release_history(
+        cloud, "kuberay-system", "kuberay-operator", "superseded", "deployed", "pending-upgrade"
+    )
+    set_release_history(cloud, "prometheus-system", "prometheus", "deployed", "pending-rollback")
+    set_release_history(cloud, "appliance", "appliance", "pending-install")
+
+    again = cloud.make("deploy", "GPU_CLASS=a10")
+    assert again.returncode == 0, again.stdout
+    calls = cloud.calls()
+    in_order(
+        calls,
+        "helm history kuberay-operator --namespace kuberay-system --output json --kubeconfig ",
+        "helm rollback kuberay-operator 2 --namespace kuberay-system --kubeconfig ",
+        "helm upgrade --install kuberay-operator",
+        "helm history prometheus --namespace prometheus-system --output json",
+        "helm rollback prometheus 1 --namespace prometheus-system",
+        "helm upgrade --install prometheus",
+        "helm history appliance --namespace appliance --output json",
+        "helm uninstall appliance --namespace appliance --wait --kubeconfig ",
+        "kubectl --kubeconfig",  # the RayJob is compared after the release is recovered
+        "helm upgrade --install appliance",
+    )
+    assert "kuberay-operator is pending-upgrade at revision 3" in again.stdout
+    assert "rolling it back to revision 2, its last deployed one" in again.stdout
+    assert "appliance is pending-install at revision 1" in again.stdout
+    assert "never deployed: uninstalling it" in again.stdout
+
+    # Nothing pending: nothing is rolled back or uninstalled.
+    third = cloud.make("deploy", "GPU_CLASS=a10")
+    assert third.returncode == 0, third.stdout
+    assert starting(cloud.calls(), "helm rollback") == []
+    assert starting(cloud.calls(), "helm uninstall") == []
+
+
+@pytest.mark.integration
+def test_a_pending_release_with_nothing_to_roll_back_to_stops_the_deploy(cloud) -> None:
+    assert cloud.make("deploy", "GPU_CLASS=a10").returncode == 0
+    set_release_history(cloud, "appliance", "appliance", "failed", "pending-upgrade")
+    result = cloud.make("deploy", "GPU_CLASS=a10")
+    assert result.returncode != 0
+    assert "appliance (namespace appliance) is pending-upgrade at revision 2" in result.stdout
+    assert "helm history appliance -n appliance" in result.stdout
+    assert starting(cloud.calls(), "helm upgrade --install appliance") == []
