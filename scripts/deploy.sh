@@ -26,7 +26,9 @@
 #             (before each `helm upgrade --install`, a release left pending-* by an interrupted
 #             deploy is rolled back to its last deployed revision, or uninstalled if it never
 #             deployed: helm refuses to upgrade it otherwise)
-#          -> the appliance chart, with values written from the terraform outputs; a RayJob whose
+#          -> the appliance chart, with values written from the terraform outputs (the first
+#             release in the stack creates the IRSA ServiceAccount and the Grafana dashboards;
+#             another, RELEASE=foo, reuses them: see shared_objects); a RayJob whose
 #             spec changed (its checksum/job annotation) is deleted first so that the new one
 #             runs (KubeRay never resubmits a finished job); RERUN=1 deletes it anyway
 #          -> prints the port-forward commands for Grafana and the Ray dashboard.
@@ -348,6 +350,7 @@ write_chart_values() {
     echo "  repository: $image_repo"
     echo "  tag: \"$image_tag\""
     echo "serviceAccount:"
+    echo "  create: $SA_CREATE"
     echo "  name: $SERVICE_ACCOUNT"
     echo "  roleArn: $ROLE_ARN"
     echo "worker:"
@@ -358,9 +361,37 @@ write_chart_values() {
     echo "  output: $JOB_OUTPUT"
     if [[ -n "${STEPS:-}" ]]; then echo "  steps: $STEPS"; fi
     echo "monitoring:"
+    echo "  dashboards:"
+    echo "    enabled: $DASHBOARDS"
     echo "  podMonitor:"
     if [[ "$MONITORING" == "0" ]]; then echo "    enabled: auto"; else echo "    enabled: true"; fi
   } >"$OUT_DIR/values.generated.yaml"
+}
+
+# The IRSA ServiceAccount (terraform's service_account_name: the one name its role trusts) is
+# shared by every release in the namespace, and so are the Grafana dashboards (they filter by
+# cluster and run, and their uids are fixed: two copies would clash in Grafana). The first
+# release deployed creates both and owns them; another release (RELEASE=foo) reuses the
+# ServiceAccount and installs no dashboards: Helm refuses to install an object that another
+# release owns ("exists and cannot be imported into the current release").
+shared_objects() {
+  local owner
+  SA_CREATE=true DASHBOARDS=true
+  # "" (no such ServiceAccount, or a dry run), "owner:" (made outside Helm) or "owner:<release>"
+  owner="$(query "${KUBECTL[@]}" get serviceaccount "$SERVICE_ACCOUNT" --namespace "$NAMESPACE" \
+    --ignore-not-found -o 'go-template=owner:{{with .metadata.annotations}}{{with index . "meta.helm.sh/release-name"}}{{.}}{{end}}{{end}}')" \
+    || owner=""
+  case "$owner" in
+    "" | "owner:$RELEASE") ;;
+    owner:)
+      SA_CREATE=false
+      echo "ServiceAccount $SERVICE_ACCOUNT exists and no Helm release owns it: release $RELEASE uses it as it is"
+      ;;
+    *)
+      SA_CREATE=false DASHBOARDS=false
+      echo "ServiceAccount $SERVICE_ACCOUNT and the Grafana dashboards belong to release ${owner#owner:}: release $RELEASE uses them and installs neither"
+      ;;
+  esac
 }
 
 # metadata.name of the first object in a rendered manifest ("" when the file is absent).
@@ -507,6 +538,7 @@ deploy() {
   fi
 
   echo "== appliance chart"
+  shared_objects
   write_chart_values "$image_repo" "$image_tag"
   local chart_args=(--namespace "$NAMESPACE" -f "$OUT_DIR/values.generated.yaml")
   if [[ -n "${CHART_VALUES:-}" ]]; then

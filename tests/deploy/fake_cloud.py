@@ -14,6 +14,8 @@ and answered the way the real tool answers, from a small state kept in files und
     rayjob-checksum              the live RayJob's checksum/job annotation (absent: no RayJob)
     helm/<namespace>/<release>.json  the release's history: [{revision, status, description}];
                                  `upgrade --install` fails while the last one is pending-*
+    owners/<namespace>.json      {"Kind/name": release} of the objects the releases of a local
+                                 chart (helm/appliance) installed
 
 `aws eks update-kubeconfig --kubeconfig FILE` writes FILE (naming the context); kubectl and helm
 fail, as a trap, when a call that reaches the cluster does not name both a kubeconfig file that
@@ -26,7 +28,10 @@ stops at a non-empty bucket after deleting the cluster, as the real destroy does
 helm `template`, `version` and `lint` run the real helm ($REAL_HELM); `upgrade --install`,
 `history -o json`, `rollback` and `uninstall` keep each release's revisions, and an upgrade of a
 release left pending-install/-upgrade/-rollback fails as helm's does ("another operation ... is
-in progress"). Written by the tests of
+in progress"). An upgrade of a local chart renders it with the real helm and, as helm does,
+refuses to take over an object that another release owns ("exists and cannot be imported into
+the current release"); `kubectl get serviceaccount` answers "owner:<release>" (deploy.sh's
+go-template) from that record. Written by the tests of
 tests/deploy/test_deploy_script.py into a tmp dir as `<tool>` wrappers that exec this file.
 """
 
@@ -34,6 +39,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -252,6 +259,11 @@ def cluster_reachable(args: list[str]) -> None:
 def kubectl(args: list[str]) -> None:
     cluster_reachable(args)
     args = without_globals(args)
+    if args[:2] == ["get", "serviceaccount"]:
+        owner = owners(option(args, "--namespace") or "default").get(f"ServiceAccount/{args[2]}")
+        if owner is not None:
+            print(f"owner:{owner}", end="")
+        return
     checksum = STATE / "rayjob-checksum"
     if args[:2] == ["get", "rayjob"]:
         if checksum.exists():
@@ -287,6 +299,58 @@ def add_revision(path: Path, history: list[dict[str, object]], description: str)
     path.write_text(json.dumps(history))
 
 
+def owners(namespace: str) -> dict[str, str]:
+    path = STATE / "owners" / f"{namespace}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def set_owners(namespace: str, owned: dict[str, str]) -> None:
+    path = STATE / "owners" / f"{namespace}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(owned))
+
+
+def rendered_objects(command: list[str]) -> list[str]:
+    """ "Kind/name" of each object `helm upgrade --install NAME CHART ARGS...` would install, from
+    the real `helm template` of a chart directory (a repository chart: none recorded)."""
+    name, chart, rest = command[2], command[3], command[4:]
+    if not Path(chart).is_dir():
+        return []
+    rest = [a for a in rest if a not in ("--create-namespace", "--wait")]
+    result = subprocess.run(
+        [os.environ["REAL_HELM"], "template", name, chart, *rest], capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        fail(result.stderr)
+    objects = []
+    for doc in result.stdout.split("\n---"):
+        kind = re.search(r"^kind: (\S+)", doc, re.M)
+        object_name = re.search(r"^  name: (\S+)", doc, re.M)
+        if kind and object_name:
+            objects.append(f"{kind.group(1)}/{object_name.group(1).strip(chr(34))}")
+    return objects
+
+
+def install_objects(command: list[str], namespace: str) -> None:
+    """Record the release's objects, refusing any that another release owns, as helm does."""
+    release = command[2]
+    owned = owners(namespace)
+    objects = rendered_objects(command)
+    for obj in objects:
+        owner = owned.get(obj)
+        if owner is not None and owner != release:
+            kind, name = obj.split("/", 1)
+            fail(
+                f'Error: UPGRADE FAILED: Unable to continue with install: {kind} "{name}" in '
+                f'namespace "{namespace}" exists and cannot be imported into the current release: '
+                "invalid ownership metadata; annotation validation error: key "
+                f'"meta.helm.sh/release-name" must equal "{release}": current value is "{owner}"'
+            )
+    owned = {obj: owner for obj, owner in owned.items() if owner != release}  # helm prunes
+    owned.update({obj: release for obj in objects})
+    set_owners(namespace, owned)
+
+
 def helm(args: list[str]) -> None:
     if args[0] in ("template", "version", "lint"):
         os.execv(os.environ["REAL_HELM"], ["helm", *args])
@@ -301,6 +365,7 @@ def helm(args: list[str]) -> None:
             fail(
                 "Error: UPGRADE FAILED: another operation (install/upgrade/rollback) is in progress"
             )
+        install_objects(command, option(args, "--namespace") or "default")
         add_revision(path, history, "Upgrade complete" if history else "Install complete")
         return
     if command[0] == "history":
@@ -319,6 +384,9 @@ def helm(args: list[str]) -> None:
         if not history and "--ignore-not-found" not in command:
             fail(f"Error: uninstall: Release not loaded: {command[1]}: release: not found")
         path.unlink(missing_ok=True)
+        namespace = option(args, "--namespace") or "default"
+        owned = owners(namespace)
+        set_owners(namespace, {o: r for o, r in owned.items() if r != command[1]})
         return
     fail(f"fake helm: unexpected command {args}", 2)
 

@@ -321,6 +321,36 @@ def test_without_a_role_arn_the_service_account_has_no_irsa_annotation() -> None
     assert "eks.amazonaws.com/role-arn" not in json.dumps(one(docs, "ServiceAccount"))
 
 
+def test_a_release_that_reuses_the_service_account_creates_none_and_runs_as_it() -> None:
+    """serviceAccount.create=false: what `make deploy RELEASE=foo` sets when another release of
+    the stack owns the ServiceAccount the IRSA role trusts (Helm refuses to adopt it)."""
+    docs = render(
+        CI_VALUES["a10"],
+        release="foo",
+        sets={"serviceAccount.create": "false", "serviceAccount.name": "appliance"},
+    )
+    assert by_kind(docs, "ServiceAccount") == []
+    for pod in all_pods(docs):
+        assert pod["spec"]["serviceAccountName"] == "appliance"
+
+
+def test_dashboards_have_fixed_uids_so_only_one_release_may_install_them() -> None:
+    """Every release would ship the same dashboard uids (Grafana keeps one dashboard per uid);
+    they filter by cluster, so one set serves every release: `make deploy` installs them with
+    the first release only, and monitoring.dashboards.enabled=false leaves them out."""
+
+    def uids(docs: list[dict[str, Any]]) -> set[str]:
+        maps = [
+            d for d in by_kind(docs, "ConfigMap") if "grafana_dashboard" in d["metadata"]["labels"]
+        ]
+        return {json.loads(text)["uid"] for m in maps for text in m["data"].values()}
+
+    first = uids(render(CI_VALUES["a10"], release="appliance"))
+    assert first and first == uids(render(CI_VALUES["a10"], release="foo"))
+    off = render(CI_VALUES["a10"], release="foo", sets={"monitoring.dashboards.enabled": "false"})
+    assert uids(off) == set()
+
+
 # -- the training job ----------------------------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.deploy.conftest import HELM, ROOT, require
 from tests.deploy.test_deploy_script import CLOUD_TOOLS, make_command
@@ -129,11 +130,11 @@ def test_a_second_deploy_reuses_the_image_and_reruns_the_job_only_when_it_change
     calls = cloud.calls()
     assert starting(calls, "docker") == [] and starting(calls, "aws ecr get-login") == []
     assert "already in ECR (not rebuilt)" in second.stdout
-    assert starting(calls, "kubectl") == [
-        f"{kubectl} apply --server-side --force-conflicts -f deploy/kuberay/crds",
-        f"{kubectl} get rayjob appliance-train --namespace appliance "
-        "--ignore-not-found -o go-template={{with .metadata.annotations}}"
-        '{{index . "checksum/job"}}{{end}}',
+    # only reads: nothing is deleted
+    assert [c.removeprefix(kubectl).split()[:3] for c in starting(calls, "kubectl")] == [
+        ["apply", "--server-side", "--force-conflicts"],
+        ["get", "serviceaccount", "appliance"],
+        ["get", "rayjob", "appliance-train"],
     ]
     assert "RayJob appliance-train: unchanged" in second.stdout
     assert (cloud.state / "rayjob-checksum").exists()
@@ -335,3 +336,71 @@ def test_a_pending_release_with_nothing_to_roll_back_to_stops_the_deploy(cloud) 
     assert "appliance (namespace appliance) is pending-upgrade at revision 2" in result.stdout
     assert "helm history appliance -n appliance" in result.stdout
     assert starting(cloud.calls(), "helm upgrade --install appliance") == []
+
+
+def owners(cloud: Cloud, namespace: str = "appliance") -> dict[str, str]:
+    path = cloud.state / "owners" / f"{namespace}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def dashboard_config_maps(owned: dict[str, str]) -> dict[str, str]:
+    return {o: r for o, r in owned.items() if o.startswith("ConfigMap/") and "dashboards" in o}
+
+
+@pytest.mark.integration
+def test_a_second_release_reuses_the_service_account_and_the_dashboards_of_the_first(
+    cloud,
+) -> None:
+    """Every release must run as the ServiceAccount the IRSA role trusts; the first creates it
+    (and the Grafana dashboards, whose uids are fixed); a second one (RELEASE=foo) reuses both,
+    instead of failing on helm's "exists and cannot be imported into the current release"."""
+    first = cloud.make("deploy", "GPU_CLASS=a10")
+    assert first.returncode == 0, first.stdout
+    dashboards = dashboard_config_maps(owners(cloud))
+    assert set(dashboards) == {
+        "ConfigMap/appliance-dashboards",
+        "ConfigMap/appliance-ray-dashboards",
+    }
+
+    second = cloud.make("deploy", "GPU_CLASS=a10", "RELEASE=foo")
+    assert second.returncode == 0, second.stdout
+    assert (
+        "ServiceAccount appliance and the Grafana dashboards belong to release appliance: "
+        "release foo uses them and installs neither" in second.stdout
+    )
+    owned = owners(cloud)
+    assert owned["ServiceAccount/appliance"] == "appliance"
+    assert (
+        owned["RayCluster/foo-appliance"] == "foo" and owned["RayJob/foo-appliance-train"] == "foo"
+    )
+    assert dashboard_config_maps(owned) == dashboards  # one set: no two dashboards share a uid
+    values = yaml.safe_load((cloud.out / "a10" / "values.generated.yaml").read_text())
+    assert values["serviceAccount"] == {
+        "create": False,
+        "name": "appliance",
+        "roleArn": "arn:aws:iam::000000000000:role/appliance-a10-irsa",
+    }
+    assert values["monitoring"]["dashboards"] == {"enabled": False}
+    cluster = yaml.safe_load(
+        (cloud.out / "a10/manifests/appliance/templates/raycluster.yaml").read_text()
+    )
+    assert cluster["spec"]["headGroupSpec"]["template"]["spec"]["serviceAccountName"] == "appliance"
+
+    # The first release, deployed again, keeps what it owns.
+    again = cloud.make("deploy", "GPU_CLASS=a10")
+    assert again.returncode == 0, again.stdout
+    assert "belong to release" not in again.stdout
+    assert owners(cloud)["ServiceAccount/appliance"] == "appliance"
+    assert dashboard_config_maps(owners(cloud)) == dashboards
+
+
+@pytest.mark.integration
+def test_whichever_release_comes_first_creates_the_service_account(cloud) -> None:
+    foo = cloud.make("deploy", "GPU_CLASS=a10", "RELEASE=foo")
+    assert foo.returncode == 0, foo.stdout
+    assert owners(cloud)["ServiceAccount/appliance"] == "foo"
+    assert set(dashboard_config_maps(owners(cloud)).values()) == {"foo"}
+    default = cloud.make("deploy", "GPU_CLASS=a10")
+    assert default.returncode == 0, default.stdout
+    assert "belong to release foo: release appliance uses them" in default.stdout
+    assert owners(cloud)["ServiceAccount/appliance"] == "foo"
