@@ -12,6 +12,8 @@
 # STEPS=N TRAIN_CONFIG=file.yaml CHART_VALUES=extra-values.yaml IMAGE=repo:tag (skip build+push)
 # AUTO_APPROVE=1 MONITORING=0 RELEASE=name (helm release; default appliance) RERUN=1 (train again:
 # delete the RayJob even when unchanged)
+# The settings of the last successful deploy of a GPU class (build/deploy/<class>/deploy.env and
+# releases/<release>.env) are reused for each one not given; STEPS= (given empty) drops one.
 # GPU_INSTANCE_TYPE=type: terraform's gpu_instance_type plus the matching chart sizes (GPUs, CPUs,
 # memory, /dev/shm); only types scripts/deploy.sh knows, of the class's family (g5.* or g6e.*).
 # DEPLOY_OUT_DIR=dir (rendered values and manifests; default build/deploy/$(GPU_CLASS)).
@@ -20,10 +22,13 @@
 IMAGE_NAME ?= appliance
 IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 GPU_CLASS ?= a10
-GPU_INSTANCE_TYPE ?=
 DRY_RUN ?=
-export GPU_CLASS GPU_INSTANCE_TYPE DRY_RUN HELM MODEL DATA OUTPUT STEPS TRAIN_CONFIG CHART_VALUES \
-  IMAGE AUTO_APPROVE MONITORING FORCE DEPLOY_OUT_DIR RELEASE RERUN
+# Only these two are defined here. The deploy options (MODEL DATA ... RELEASE RERUN,
+# GPU_INSTANCE_TYPE) reach scripts/deploy.sh only when given (on make's command line or in the
+# environment: make passes both on by itself): one not given is reused from the last deploy, one
+# given empty (STEPS=) is dropped. Exporting them here would hand the script every one of them,
+# empty when not given, and it could not tell the two apart.
+export GPU_CLASS DRY_RUN
 
 .PHONY: image deploy destroy deploy-tools
 

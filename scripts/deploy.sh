@@ -5,6 +5,8 @@
 #                [DATA=s3://...] [OUTPUT=s3://...] [STEPS=N] [TRAIN_CONFIG=path.yaml]
 #                [CHART_VALUES=extra-values.yaml] [IMAGE=repo:tag] [AUTO_APPROVE=1] [MONITORING=0]
 #                [RELEASE=appliance] [RERUN=1]
+#   (the options of the last successful deploy of the GPU class are reused for each one not
+#   given: see "the settings of the last deploy" below; STEPS= given empty drops one)
 #   make destroy GPU_CLASS=a10|4090 [DRY_RUN=1] [FORCE=1] [AUTO_APPROVE=1]
 #
 # GPU_INSTANCE_TYPE (or TF_VAR_gpu_instance_type): another instance type of the class's family
@@ -52,10 +54,8 @@ GPU_CLASS="${GPU_CLASS:-a10}"
 DRY_RUN="${DRY_RUN:-}"
 [[ "$DRY_RUN" == "0" ]] && DRY_RUN=""
 AUTO_APPROVE="${AUTO_APPROVE:-}"
-MONITORING="${MONITORING:-1}"
 FORCE="${FORCE:-}"
 RERUN="${RERUN:-}"
-RELEASE="${RELEASE:-appliance}"
 OUT_DIR="${DEPLOY_OUT_DIR:-build/deploy/$GPU_CLASS}"
 # This class's cluster only, written by `aws eks update-kubeconfig --kubeconfig`.
 KUBECONFIG_FILE="$OUT_DIR/kubeconfig"
@@ -70,12 +70,105 @@ KUBE_PROMETHEUS_STACK_VERSION="${KUBE_PROMETHEUS_STACK_VERSION:-81.6.2}"
 # EBS CSI driver add-on from terraform provisions it), so a pod restart loses no history.
 PROMETHEUS_STORAGE_GI="${PROMETHEUS_STORAGE_GI:-50}"
 MONITORING_NAMESPACE=prometheus-system
-GPU_INSTANCE_TYPE="${GPU_INSTANCE_TYPE:-${TF_VAR_gpu_instance_type:-}}"
 
 die() {
   echo "deploy.sh: $*" >&2
   exit 1
 }
+
+# -- the settings of the last deploy --------------------------------------------------------------
+# `make deploy` options persist per GPU class. After a successful deploy, the user-facing ones
+# are saved: the stack's in $OUT_DIR/deploy.env (GPU_INSTANCE_TYPE, MONITORING, and RELEASE: the
+# release a plain `make deploy` acts on), each release's job and chart settings in
+# $OUT_DIR/releases/<release>.env. The next deploy reuses each one it is not given, and says so;
+# one given again replaces it, one given empty (STEPS=) drops it: its default applies. "Given"
+# means present in the environment, empty or not (deploy.mk passes on only what make was given).
+STACK_SETTINGS=(GPU_INSTANCE_TYPE MONITORING RELEASE)
+RELEASE_SETTINGS=(MODEL DATA OUTPUT STEPS TRAIN_CONFIG CHART_VALUES IMAGE)
+SETTINGS_FILE="$OUT_DIR/deploy.env"
+REUSED=()          # "KEY=value" of each setting taken from a settings file
+REUSED_FROM=()     # the files they came from
+declare -A GIVEN=() # the user-level value of each setting (given or reused), before defaults
+
+release_settings_file() {
+  echo "$OUT_DIR/releases/$1.env"
+}
+
+# Set each variable among KEYS that is not set now from FILE's KEY='value' lines (save_settings
+# writes them). Strict: only those keys, one a line, the value single-quoted with a ' inside as
+# '\''; anything else stops the script. The file is parsed, never sourced or eval'd.
+load_settings() {
+  local file="$1" line key value number=0
+  local pattern="^([A-Z_]+)='(([^']|'\\\\'')*)'\$"
+  shift
+  [[ -f "$file" ]] || return 0
+  while IFS= read -r line || [[ -n "$line" ]]; do
+    number=$((number + 1))
+    [[ -z "$line" || "$line" == "#"* ]] && continue
+    [[ "$line" =~ $pattern ]] \
+      || die "$file:$number is not KEY='value': fix it, or delete the file (it holds only the last deploy's settings)"
+    key="${BASH_REMATCH[1]}"
+    value="${BASH_REMATCH[2]//\'\\\'\'/\'}"
+    [[ " $* " == *" $key "* ]] || die "$file:$number: $key is not one of the settings kept there ($*)"
+    if [[ -z "${!key+set}" ]]; then
+      printf -v "$key" '%s' "$value"
+      REUSED+=("$key=$value")
+      [[ " ${REUSED_FROM[*]} " == *" $file "* ]] || REUSED_FROM+=("$file")
+    fi
+  done <"$file"
+}
+
+# Write FILE with the non-empty user-level values of KEYS (atomically: a temp file renamed).
+write_settings() {
+  local file="$1" key
+  shift
+  mkdir -p "$(dirname "$file")"
+  {
+    echo "# The settings of the last successful \`make deploy GPU_CLASS=$GPU_CLASS\` (scripts/deploy.sh"
+    echo "# writes this file): the next deploy reuses each one it is not given. Give one again to"
+    echo "# change it, or empty (STEPS=) to drop it; deleting the file forgets them all."
+    for key in "$@"; do
+      if [[ -n "${GIVEN[$key]}" ]]; then
+        printf "%s='%s'\n" "$key" "${GIVEN[$key]//\'/\'\\\'\'}"
+      fi
+    done
+  } >"$file.tmp"
+  mv "$file.tmp" "$file"
+}
+
+save_settings() {
+  write_settings "$SETTINGS_FILE" "${STACK_SETTINGS[@]}"
+  write_settings "$(release_settings_file "$RELEASE")" "${RELEASE_SETTINGS[@]}"
+}
+
+# One line: which settings came from the last deploy, and how to change or drop one.
+print_reused_settings() {
+  ((${#REUSED[@]} > 0)) || return 0
+  local shown=() setting
+  for setting in "${REUSED[@]}"; do shown+=("${setting%%=*}=$(printf '%q' "${setting#*=}")"); done
+  echo "Settings from the last deploy (${REUSED_FROM[*]}): ${shown[*]} (give one again to change it, or empty, e.g. ${REUSED[0]%%=*}=, to drop it)"
+}
+
+if [[ -z "${GPU_INSTANCE_TYPE+set}" && -n "${TF_VAR_gpu_instance_type+set}" ]]; then
+  GPU_INSTANCE_TYPE="$TF_VAR_gpu_instance_type"
+fi
+if [[ "$ACTION" == deploy ]]; then
+  load_settings "$SETTINGS_FILE" "${STACK_SETTINGS[@]}"
+fi
+RELEASE="${RELEASE:-}"
+GIVEN[RELEASE]="$RELEASE"
+RELEASE="${RELEASE:-appliance}"
+[[ "$RELEASE" =~ ^[a-z0-9]([-a-z0-9]*[a-z0-9])?$ && ${#RELEASE} -le 53 ]] \
+  || die "RELEASE=$RELEASE is not a Helm release name (lower-case letters, digits and '-', at most 53)"
+if [[ "$ACTION" == deploy ]]; then
+  load_settings "$(release_settings_file "$RELEASE")" "${RELEASE_SETTINGS[@]}"
+fi
+for setting in GPU_INSTANCE_TYPE MONITORING "${RELEASE_SETTINGS[@]}"; do
+  printf -v "$setting" '%s' "${!setting-}"
+  [[ "${!setting}" != *$'\n'* ]] || die "$setting must be one line"
+  GIVEN[$setting]="${!setting}"
+done
+MONITORING="${MONITORING:-1}"
 
 case "$GPU_CLASS" in
   a10) INSTANCE_FAMILY=g5 DEFAULT_INSTANCE_TYPE=g5.8xlarge ;;
@@ -491,6 +584,7 @@ deploy() {
   [[ -n "${IMAGE:-}" ]] || require_tools docker
   helm version >/dev/null # fail early when there is no helm
   mkdir -p "$OUT_DIR"
+  print_reused_settings
   echo "== terraform (workspace $GPU_CLASS): VPC, EKS with the $GPU_CLASS GPU node group (${GPU_INSTANCE_TYPE:-$DEFAULT_INSTANCE_TYPE}), S3, IRSA, ECR"
   tf_vars
   tf_workspace
@@ -558,6 +652,7 @@ deploy() {
   replace_changed_job
   run helm upgrade --install "$RELEASE" "$CHART_DIR" --create-namespace "${chart_args[@]}" \
     "${HELM_KUBE[@]}"
+  if [[ -z "$DRY_RUN" ]]; then save_settings; fi
 
   print_next_steps
 }

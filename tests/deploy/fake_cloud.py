@@ -111,10 +111,10 @@ def resources() -> list[str]:
     return path.read_text().split() if path.exists() else []
 
 
-def stack(gpu_class: str) -> tuple[dict[str, str], list[str]]:
+def stack(gpu_class: str, instance: str | None) -> tuple[dict[str, str], list[str]]:
     """The outputs and state of a deployed stack of one GPU class."""
     cluster = f"appliance-{gpu_class}"
-    instance = {"a10": "g5.8xlarge", "4090": "g6e.8xlarge"}[gpu_class]
+    instance = instance or {"a10": "g5.8xlarge", "4090": "g6e.8xlarge"}[gpu_class]
     out = {
         "cluster_name": cluster,
         "region": REGION,
@@ -164,7 +164,7 @@ def terraform(args: list[str]) -> None:
         deployed = outputs().get("gpu_class")
         if deployed and deployed != gpu_class:
             fail(f"Plan: the {deployed} stack would be replaced by a {gpu_class} one")
-        out, state = stack(gpu_class)
+        out, state = stack(gpu_class, variables.get("gpu_instance_type"))
         (ws / "outputs.json").write_text(json.dumps(out))
         (ws / "resources").write_text("\n".join(state))
         return

@@ -420,3 +420,24 @@ def test_the_pinned_kuberay_is_the_one_whose_crds_the_repository_holds() -> None
         r'^KUBE_PROMETHEUS_STACK_VERSION="\$\{KUBE_PROMETHEUS_STACK_VERSION:-(.*)\}"', script, re.M
     )
     assert re.fullmatch(r"\d+\.\d+\.\d+", stack)
+
+
+def test_a_dry_run_shows_the_last_deploys_settings_and_saves_none(sandbox) -> None:
+    out = Path(sandbox["DEPLOY_OUT_DIR"])
+    out.mkdir()
+    settings = out / "deploy.env"
+    settings.write_text("GPU_INSTANCE_TYPE='g5.12xlarge'\n")
+    result = dry_run("deploy", sandbox, "GPU_CLASS=a10", "STEPS=9")
+    assert result.returncode == 0, result.stdout
+    (apply,) = [
+        c
+        for c in printed_commands(result.stdout)
+        if c.startswith("terraform -chdir=terraform apply")
+    ]
+    assert apply.endswith("-var gpu_class=a10 -var gpu_instance_type=g5.12xlarge")
+    assert f"Settings from the last deploy ({settings}): GPU_INSTANCE_TYPE=g5.12xlarge" in (
+        result.stdout
+    )
+    # a dry run deploys nothing, so it is no "last deploy": nothing is written
+    assert settings.read_text() == "GPU_INSTANCE_TYPE='g5.12xlarge'\n"
+    assert not (out / "releases").exists()

@@ -386,8 +386,9 @@ def test_a_second_release_reuses_the_service_account_and_the_dashboards_of_the_f
     )
     assert cluster["spec"]["headGroupSpec"]["template"]["spec"]["serviceAccountName"] == "appliance"
 
-    # The first release, deployed again, keeps what it owns.
-    again = cloud.make("deploy", "GPU_CLASS=a10")
+    # The first release, deployed again, keeps what it owns. (RELEASE is named: a plain
+    # `make deploy` now means foo, the release deployed last.)
+    again = cloud.make("deploy", "GPU_CLASS=a10", "RELEASE=appliance")
     assert again.returncode == 0, again.stdout
     assert "belong to release" not in again.stdout
     assert owners(cloud)["ServiceAccount/appliance"] == "appliance"
@@ -400,7 +401,97 @@ def test_whichever_release_comes_first_creates_the_service_account(cloud) -> Non
     assert foo.returncode == 0, foo.stdout
     assert owners(cloud)["ServiceAccount/appliance"] == "foo"
     assert set(dashboard_config_maps(owners(cloud)).values()) == {"foo"}
-    default = cloud.make("deploy", "GPU_CLASS=a10")
+    default = cloud.make("deploy", "GPU_CLASS=a10", "RELEASE=appliance")
     assert default.returncode == 0, default.stdout
     assert "belong to release foo: release appliance uses them" in default.stdout
     assert owners(cloud)["ServiceAccount/appliance"] == "foo"
+
+
+def rendered_entrypoint(cloud: Cloud, gpu_class: str = "a10") -> str:
+    manifest = cloud.out / gpu_class / "manifests/appliance/templates/rayjob.yaml"
+    return yaml.safe_load(manifest.read_text())["spec"]["entrypoint"]
+
+
+@pytest.mark.integration
+def test_the_options_of_the_last_deploy_persist_until_given_again(cloud) -> None:
+    """`make deploy GPU_CLASS=a10` after a deploy with DATA, STEPS and GPU_INSTANCE_TYPE keeps
+    them: the job is unchanged (not deleted, not refused for another --data) and terraform keeps
+    the node group's instance type (instead of planning to replace it with the default)."""
+    first = cloud.make(
+        "deploy",
+        "GPU_CLASS=a10",
+        "DATA=s3://b/data/train.jsonl",
+        "STEPS=1000",
+        "GPU_INSTANCE_TYPE=g5.12xlarge",
+    )
+    assert first.returncode == 0, first.stdout
+    checksum = cloud.rendered_job_checksum("a10")
+    (cloud.state / "rayjob-checksum").write_text(checksum)
+
+    for again, deletes in ((["GPU_CLASS=a10"], 0), (["GPU_CLASS=a10", "RERUN=1"], 1)):
+        result = cloud.make("deploy", *again)
+        assert result.returncode == 0, result.stdout
+        # a plain deploy leaves the job alone, RERUN=1 runs the same job again
+        assert len([c for c in cloud.calls() if " delete rayjob " in c]) == deletes
+        (apply,) = starting(cloud.calls(), "terraform -chdir=terraform apply")
+        assert apply.endswith("-var gpu_class=a10 -var gpu_instance_type=g5.12xlarge")
+        assert cloud.rendered_job_checksum("a10") == checksum
+        (line,) = [x for x in result.stdout.splitlines() if x.startswith("Settings from the last")]
+        assert "GPU_INSTANCE_TYPE=g5.12xlarge" in line and "STEPS=1000" in line
+        assert "DATA=s3://b/data/train.jsonl" in line and "to drop it" in line
+    (cloud.state / "rayjob-checksum").write_text(checksum)
+    entrypoint = rendered_entrypoint(cloud)
+    assert "--data s3://b/data/train.jsonl" in entrypoint and "--steps 1000" in entrypoint
+
+    # Given empty: dropped (the chart's default, the config's steps); the others stay.
+    dropped = cloud.make("deploy", "GPU_CLASS=a10", "STEPS=")
+    assert dropped.returncode == 0, dropped.stdout
+    entrypoint = rendered_entrypoint(cloud)
+    assert "--steps" not in entrypoint and "--data s3://b/data/train.jsonl" in entrypoint
+    saved = (cloud.out / "a10" / "releases" / "appliance.env").read_text()
+    assert "STEPS='" not in saved and "DATA='s3://b/data/train.jsonl'" in saved
+    assert "GPU_INSTANCE_TYPE='g5.12xlarge'" in (cloud.out / "a10" / "deploy.env").read_text()
+
+    # Given again: replaced.
+    replaced = cloud.make("deploy", "GPU_CLASS=a10", "STEPS=5")
+    assert replaced.returncode == 0, replaced.stdout
+    assert "--steps 5" in rendered_entrypoint(cloud)
+
+
+@pytest.mark.integration
+def test_each_release_keeps_its_own_job_settings(cloud) -> None:
+    assert cloud.make("deploy", "GPU_CLASS=a10", "DATA=s3://b/first").returncode == 0
+    assert cloud.make("deploy", "GPU_CLASS=a10", "RELEASE=foo", "DATA=s3://b/foo").returncode == 0
+    # A plain deploy acts on the release deployed last, with its own settings...
+    plain = cloud.make("deploy", "GPU_CLASS=a10")
+    assert plain.returncode == 0, plain.stdout
+    assert "helm upgrade --install foo helm/appliance" in plain.stdout
+    assert "--data s3://b/foo" in rendered_entrypoint(cloud)
+    # ...and the first release, named, gets back its own.
+    first = cloud.make("deploy", "GPU_CLASS=a10", "RELEASE=appliance")
+    assert first.returncode == 0, first.stdout
+    assert "--data s3://b/first" in rendered_entrypoint(cloud)
+
+
+@pytest.mark.integration
+def test_the_settings_file_is_parsed_never_run(cloud, tmp_path) -> None:
+    config = tmp_path / "it's.yaml"
+    config.write_text("lora_rank: 4\n")
+    settings = cloud.out / "a10" / "releases" / "appliance.env"
+    settings.parent.mkdir(parents=True)
+    quoted = str(config).replace("'", "'\\''")
+    settings.write_text(f"# a comment\nTRAIN_CONFIG='{quoted}'\nSTEPS='3'\n")
+    result = cloud.make("deploy", "GPU_CLASS=a10")
+    assert result.returncode == 0, result.stdout
+    manifests = cloud.out / "a10" / "manifests/appliance/templates"
+    config_map = yaml.safe_load((manifests / "train-config.yaml").read_text())
+    assert config_map["data"]["train.yaml"] == "lora_rank: 4\n"
+    assert settings.read_text().splitlines()[-2:] == ["STEPS='3'", f"TRAIN_CONFIG='{quoted}'"]
+
+    marker = tmp_path / "ran"
+    for line in (f"DATA=$(touch {marker})", f"DATA='x'; touch {marker}", "PATH='/tmp'"):
+        settings.write_text(line + "\n")
+        refused = cloud.make("deploy", "GPU_CLASS=a10")
+        assert refused.returncode != 0
+        assert f"{settings}:1" in refused.stdout
+        assert cloud.calls() == [] and not marker.exists()
