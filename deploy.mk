@@ -11,7 +11,8 @@
 # Deploy options (environment or make variables): MODEL=s3://... DATA=s3://... OUTPUT=s3://...
 # STEPS=N TRAIN_CONFIG=file.yaml CHART_VALUES=extra-values.yaml IMAGE=repo:tag (skip build+push)
 # AUTO_APPROVE=1 MONITORING=0 RELEASE=name (helm release; default appliance) RERUN=1 (train again:
-# delete the RayJob even when unchanged)
+# delete a finished RayJob even when unchanged) REPLACE_RUNNING=1 (a deploy that would change or
+# rerun a RayJob still running stops, unless this is given: then it stops the run)
 # The settings of the last successful deploy of a GPU class (build/deploy/<class>/deploy.env and
 # releases/<release>.env) are reused for each one not given; STEPS= (given empty) drops one.
 # GPU_INSTANCE_TYPE=type: terraform's gpu_instance_type plus the matching chart sizes (GPUs, CPUs,

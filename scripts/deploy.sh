@@ -4,7 +4,7 @@
 #   make deploy  GPU_CLASS=a10|4090 [GPU_INSTANCE_TYPE=g5.12xlarge] [DRY_RUN=1] [MODEL=s3://...]
 #                [DATA=s3://...] [OUTPUT=s3://...] [STEPS=N] [TRAIN_CONFIG=path.yaml]
 #                [CHART_VALUES=extra-values.yaml] [IMAGE=repo:tag] [AUTO_APPROVE=1] [MONITORING=0]
-#                [RELEASE=appliance] [RERUN=1]
+#                [RELEASE=appliance] [RERUN=1] [REPLACE_RUNNING=1]
 #   (the options of the last successful deploy of the GPU class are reused for each one not
 #   given: see "the settings of the last deploy" below; STEPS= given empty drops one)
 #   make destroy GPU_CLASS=a10|4090 [DRY_RUN=1] [FORCE=1] [AUTO_APPROVE=1]
@@ -30,9 +30,11 @@
 #             deployed: helm refuses to upgrade it otherwise)
 #          -> the appliance chart, with values written from the terraform outputs (the first
 #             release in the stack creates the IRSA ServiceAccount and the Grafana dashboards;
-#             another, RELEASE=foo, reuses them: see shared_objects); a RayJob whose
+#             another, RELEASE=foo, reuses them: see shared_objects); a finished RayJob whose
 #             spec changed (its checksum/job annotation) is deleted first so that the new one
-#             runs (KubeRay never resubmits a finished job); RERUN=1 deletes it anyway
+#             runs (KubeRay never resubmits a finished job); RERUN=1 deletes a finished one
+#             anyway, to train again. A RayJob still running is never deleted (the deploy stops,
+#             saying what changed) unless REPLACE_RUNNING=1
 #          -> prints the port-forward commands for Grafana and the Ray dashboard.
 # destroy: every step before terraform destroy is best-effort: a missing output, a cluster that is
 #          already gone or a release that was never installed is reported and skipped.
@@ -56,6 +58,7 @@ DRY_RUN="${DRY_RUN:-}"
 AUTO_APPROVE="${AUTO_APPROVE:-}"
 FORCE="${FORCE:-}"
 RERUN="${RERUN:-}"
+REPLACE_RUNNING="${REPLACE_RUNNING:-}"
 OUT_DIR="${DEPLOY_OUT_DIR:-build/deploy/$GPU_CLASS}"
 # This class's cluster only, written by `aws eks update-kubeconfig --kubeconfig`.
 KUBECONFIG_FILE="$OUT_DIR/kubeconfig"
@@ -509,29 +512,45 @@ image_in_ecr() {
     --image-ids "imageTag=$tag"
 }
 
-# KubeRay never resubmits a RayJob whose spec changed, nor one that finished: delete the live job
-# when its checksum/job annotation differs from the one just rendered (new arguments, config or
-# image), or when RERUN=1 asks to train again; `helm upgrade` then creates it afresh. An
-# unchanged job, running or finished, is left alone.
+# KubeRay never resubmits a RayJob whose spec changed, nor one that finished: the live job is
+# deleted when its checksum/job annotation differs from the one just rendered (its arguments,
+# config, image, or the pods it runs on), or when RERUN=1 asks to train again; `helm upgrade` then
+# creates it afresh. An unchanged job, running or finished, is left alone. A job still running
+# (not Complete, Failed, ValidationFailed or Suspended) is deleted only with REPLACE_RUNNING=1:
+# deleting it stops the run, and upgrading it in place instead would leave KubeRay running the
+# old spec under the new checksum; so without it the deploy stops here, before the chart changes.
 replace_changed_job() {
-  local job want have
+  local job want answer have state reason
   job="$(rendered_name rayjob.yaml)"
   [[ -n "$job" ]] || return 0
   want="$(rendered_annotation rayjob.yaml checksum/job)"
-  have="$(query "${KUBECTL[@]}" get rayjob "$job" --namespace "$NAMESPACE" \
-    --ignore-not-found -o 'go-template={{with .metadata.annotations}}{{index . "checksum/job"}}{{end}}')" \
-    || have=""
-  if [[ -z "$have" ]]; then
+  # "found:<checksum/job>:<jobDeploymentStatus>", or "" when there is no such RayJob
+  answer="$(query "${KUBECTL[@]}" get rayjob "$job" --namespace "$NAMESPACE" --ignore-not-found \
+    -o 'go-template=found:{{with .metadata.annotations}}{{with index . "checksum/job"}}{{.}}{{end}}{{end}}:{{with .status}}{{with .jobDeploymentStatus}}{{.}}{{end}}{{end}}')" \
+    || answer=""
+  if [[ -z "$answer" ]]; then
     echo "(RayJob $job: none yet; helm creates it)"
-  elif [[ -n "$RERUN" ]]; then
-    echo "RayJob $job: RERUN=1, deleting it so that it runs again"
-    run "${KUBECTL[@]}" delete rayjob "$job" --namespace "$NAMESPACE" --wait
-  elif [[ "$have" != "$want" ]]; then
-    echo "RayJob $job: its spec changed (checksum/job $have -> $want); deleting it so that the new one runs"
-    run "${KUBECTL[@]}" delete rayjob "$job" --namespace "$NAMESPACE" --wait
-  else
-    echo "RayJob $job: unchanged, left as it is (RERUN=1 runs it again)"
+    return 0
   fi
+  IFS=: read -r _ have state <<<"$answer"
+  if [[ "$have" != "$want" ]]; then
+    reason="its spec changed (checksum/job ${have:-none} -> $want: its arguments, config, image or the pods it runs on)"
+  elif [[ -n "$RERUN" ]]; then
+    reason="RERUN=1 runs it again"
+  else
+    echo "RayJob $job: unchanged, left as it is (${state:-starting}; RERUN=1 runs it again once it has finished)"
+    return 0
+  fi
+  case "$state" in
+    Complete | Failed | ValidationFailed | Suspended)
+      echo "RayJob $job: $reason; it has finished ($state): deleting it so that the new one runs"
+      ;;
+    *)
+      [[ -n "$REPLACE_RUNNING" ]] || die "RayJob $job is still running (${state:-starting}) and this deploy would replace it: $reason. Replacing it stops the run, so the deploy stops here, before upgrading release $RELEASE. Compare the new job ($OUT_DIR/manifests/appliance/templates/rayjob.yaml) with the live one (KUBECONFIG=$KUBECONFIG_FILE kubectl get rayjob $job -n $NAMESPACE -o yaml); then wait for the run to finish and deploy again, or deploy again with REPLACE_RUNNING=1 to stop it now and start the new job (with the chart's --auto-resume, a job with the same OUTPUT continues that run from its last checkpoint)."
+      echo "RayJob $job: $reason; it is still running (${state:-starting}), REPLACE_RUNNING=1: deleting it (this stops the run) so that the new one runs"
+      ;;
+  esac
+  run "${KUBECTL[@]}" delete rayjob "$job" --namespace "$NAMESPACE" --wait
 }
 
 # The job reads MODEL and DATA as soon as it starts: say what must be in the bucket by then.

@@ -12,6 +12,7 @@ and answered the way the real tool answers, from a small state kept in files und
     user-kubeconfig              contexts written into the user's own kubeconfig (~/.kube/config):
                                  update-kubeconfig without --kubeconfig
     rayjob-checksum              the live RayJob's checksum/job annotation (absent: no RayJob)
+    rayjob-status                its status.jobDeploymentStatus (absent: Running)
     helm/<namespace>/<release>.json  the release's history: [{revision, status, description}];
                                  `upgrade --install` fails while the last one is pending-*
     owners/<namespace>.json      {"Kind/name": release} of the objects the releases of a local
@@ -265,14 +266,17 @@ def kubectl(args: list[str]) -> None:
             print(f"owner:{owner}", end="")
         return
     checksum = STATE / "rayjob-checksum"
-    if args[:2] == ["get", "rayjob"]:
+    if args[:2] == ["get", "rayjob"]:  # deploy.sh's go-template: found:<checksum>:<status>
+        status = STATE / "rayjob-status"
         if checksum.exists():
-            print(checksum.read_text(), end="")
+            state = status.read_text() if status.exists() else "Running"
+            print(f"found:{checksum.read_text()}:{state}", end="")
         return
     if args[:2] == ["delete", "rayjob"]:
         if not checksum.exists():
             fail(f'Error from server (NotFound): rayjobs.ray.io "{args[2]}" not found')
         checksum.unlink()
+        (STATE / "rayjob-status").unlink(missing_ok=True)
         return
     if args[0] == "apply" or args[:2] == ["delete", "pvc"]:
         return

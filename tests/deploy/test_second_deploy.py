@@ -139,8 +139,9 @@ def test_a_second_deploy_reuses_the_image_and_reruns_the_job_only_when_it_change
     assert "RayJob appliance-train: unchanged" in second.stdout
     assert (cloud.state / "rayjob-checksum").exists()
 
-    # New job arguments: the live RayJob is deleted before helm upgrades the release (KubeRay
-    # would never resubmit it), and helm creates the new one.
+    # New job arguments, the job finished: the live RayJob is deleted before helm upgrades the
+    # release (KubeRay would never resubmit it), and helm creates the new one.
+    (cloud.state / "rayjob-status").write_text("Complete")
     third = cloud.make("deploy", f"GPU_CLASS={gpu_class}", "STEPS=7")
     assert third.returncode == 0, third.stdout
     calls = cloud.calls()
@@ -159,6 +160,7 @@ def test_a_second_deploy_reuses_the_image_and_reruns_the_job_only_when_it_change
 def test_rerun_deletes_an_unchanged_job_so_that_it_trains_again(cloud) -> None:
     assert cloud.make("deploy", "GPU_CLASS=a10").returncode == 0
     (cloud.state / "rayjob-checksum").write_text(cloud.rendered_job_checksum("a10"))
+    (cloud.state / "rayjob-status").write_text("Failed")  # e.g. the data was not uploaded yet
     again = cloud.make("deploy", "GPU_CLASS=a10", "RERUN=1")
     assert again.returncode == 0, again.stdout
     in_order(
@@ -427,8 +429,10 @@ def test_the_options_of_the_last_deploy_persist_until_given_again(cloud) -> None
     assert first.returncode == 0, first.stdout
     checksum = cloud.rendered_job_checksum("a10")
     (cloud.state / "rayjob-checksum").write_text(checksum)
+    (cloud.state / "rayjob-status").write_text("Complete")
 
     for again, deletes in ((["GPU_CLASS=a10"], 0), (["GPU_CLASS=a10", "RERUN=1"], 1)):
+        (cloud.state / "rayjob-status").write_text("Complete")
         result = cloud.make("deploy", *again)
         assert result.returncode == 0, result.stdout
         # a plain deploy leaves the job alone, RERUN=1 runs the same job again
@@ -440,6 +444,7 @@ def test_the_options_of_the_last_deploy_persist_until_given_again(cloud) -> None
         assert "GPU_INSTANCE_TYPE=g5.12xlarge" in line and "STEPS=1000" in line
         assert "DATA=s3://b/data/train.jsonl" in line and "to drop it" in line
     (cloud.state / "rayjob-checksum").write_text(checksum)
+    (cloud.state / "rayjob-status").write_text("Complete")  # finished: replaced without asking
     entrypoint = rendered_entrypoint(cloud)
     assert "--data s3://b/data/train.jsonl" in entrypoint and "--steps 1000" in entrypoint
 
@@ -495,3 +500,44 @@ def test_the_settings_file_is_parsed_never_run(cloud, tmp_path) -> None:
         assert refused.returncode != 0
         assert f"{settings}:1" in refused.stdout
         assert cloud.calls() == [] and not marker.exists()
+
+
+@pytest.mark.integration
+def test_a_running_job_is_replaced_only_with_replace_running(cloud) -> None:
+    """A deploy that would change the RayJob (or RERUN=1) while it still runs would stop the run:
+    it stops before the chart is upgraded, saying so, unless REPLACE_RUNNING=1."""
+    assert cloud.make("deploy", "GPU_CLASS=a10", "DATA=s3://b/d", "STEPS=10").returncode == 0
+    checksum = cloud.rendered_job_checksum("a10")
+    (cloud.state / "rayjob-checksum").write_text(checksum)  # running: no rayjob-status yet
+    settings = (cloud.out / "a10" / "releases" / "appliance.env").read_text()
+
+    for args, reason in (
+        (["STEPS=20"], f"its spec changed (checksum/job {checksum} -> "),
+        (["RERUN=1"], "RERUN=1 runs it again"),
+    ):
+        refused = cloud.make("deploy", "GPU_CLASS=a10", *args)
+        assert refused.returncode != 0
+        assert "RayJob appliance-train is still running (Running) and this deploy would " in (
+            refused.stdout
+        )
+        assert reason in refused.stdout and "REPLACE_RUNNING=1" in refused.stdout
+        assert [c for c in cloud.calls() if " delete rayjob " in c] == []
+        assert starting(cloud.calls(), "helm upgrade --install appliance") == []
+        assert (cloud.state / "rayjob-checksum").read_text() == checksum
+        # not a successful deploy: its settings are not the last deploy's
+        assert (cloud.out / "a10" / "releases" / "appliance.env").read_text() == settings
+
+    unchanged = cloud.make("deploy", "GPU_CLASS=a10")
+    assert unchanged.returncode == 0, unchanged.stdout
+    assert "RayJob appliance-train: unchanged, left as it is (Running" in unchanged.stdout
+
+    replaced = cloud.make("deploy", "GPU_CLASS=a10", "STEPS=20", "REPLACE_RUNNING=1")
+    assert replaced.returncode == 0, replaced.stdout
+    assert "REPLACE_RUNNING=1: deleting it (this stops the run)" in replaced.stdout
+    in_order(
+        cloud.calls(),
+        "kubectl --kubeconfig",
+        f"kubectl --kubeconfig {cloud.out / 'a10/kubeconfig'} --context appliance-a10 "
+        "delete rayjob appliance-train",
+        "helm upgrade --install appliance helm/appliance",
+    )
