@@ -71,7 +71,8 @@ RUN apt-get update \
        gcc libc6-dev python3-dev \
     && rm -rf /var/lib/apt/lists/* \
     && (userdel --remove ubuntu 2>/dev/null || true) \
-    && useradd --create-home --uid 1000 --user-group --shell /bin/bash appliance
+    && useradd --create-home --uid 1000 --user-group --shell /bin/bash appliance \
+    && install -d -m 1777 /var/cache/appliance
 COPY --from=build /opt/venv /opt/venv
 # The example configs at a path that does not depend on the Python version (they also ship inside
 # the package): `--config /opt/appliance/configs/llama3-8b-4090.yaml` (chart value job.configFile).
@@ -81,8 +82,14 @@ COPY appliance/configs/ /opt/appliance/configs/
 # its CUDA version (this base sets no NVIDIA_REQUIRE_CUDA; this keeps it so on a base that does).
 # NVIDIA_VISIBLE_DEVICES is left unset on purpose: on Kubernetes the device plugin sets it per
 # pod, and `all` here would hand every GPU to pods that asked for none (the Ray head).
+# Caches at paths any uid can write: `docker run --user <uid>` has HOME=/, so ~/.cache (the S3
+# downloads) and ~/.triton/cache (the fused dequant kernels, flex_attention's compiled kernels)
+# would be under an unwritable /. (torch.compile's own cache is /tmp/torchinductor_<user or uid>.)
+# -v /srv/cache:/var/cache/appliance keeps the S3 downloads between `--rm` runs.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
+    APPLIANCE_S3_CACHE=/var/cache/appliance/s3 \
+    TRITON_CACHE_DIR=/tmp/triton-cache \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     NVIDIA_DISABLE_REQUIRE=1
 # Numeric, so that Kubernetes can verify runAsNonRoot without a runAsUser.

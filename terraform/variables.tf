@@ -44,7 +44,7 @@ variable "gpu_node_count" {
 }
 
 variable "gpu_node_disk_size" {
-  description = "Root volume size of the GPU nodes in GiB (the image is ~10 GiB; base weights live in /dev/shm, not on disk)."
+  description = "Root volume size of the GPU nodes in GiB: the image (~10 GiB) and an s3:// model's download (its S3 cache, e.g. ~130 GiB for 70B bf16; the weight store itself lives in /dev/shm)."
   type        = number
   default     = 200
 }

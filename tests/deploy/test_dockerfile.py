@@ -6,6 +6,7 @@ its CUDA runtime) that starts on older drivers, built for linux/amd64, the pinne
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import tomllib
 import yaml
@@ -173,3 +174,22 @@ def test_the_example_configs_land_at_a_fixed_path_in_the_image() -> None:
     for config in configs:
         assert image_file(f"/opt/appliance/configs/{config.name}") == config
     assert image_file("/opt/appliance/configs/70b.yaml") is None
+
+
+def final_env() -> dict[str, str]:
+    """The final stage's ENV, KEY=VALUE pairs (no spaces in the values)."""
+    env = {}
+    for kw, rest in final_stage():
+        if kw == "ENV":
+            env.update(pair.split("=", 1) for pair in rest.replace("\\", " ").split())
+    return env
+
+
+def test_the_caches_are_where_any_uid_can_write() -> None:
+    """`docker run --user <uid>` (as docs/deploy.md suggests for a host-owned /runs) has HOME=/:
+    the S3 cache and Triton's kernel cache must not default to ~ there."""
+    env = final_env()
+    runs = " ".join(rest for kw, rest in final_stage() if kw == "RUN")
+    cache_dir = str(Path(env["APPLIANCE_S3_CACHE"]).parent)
+    assert f"install -d -m 1777 {cache_dir}" in runs  # sticky and world-writable, as /tmp
+    assert env["TRITON_CACHE_DIR"].startswith("/tmp/")
