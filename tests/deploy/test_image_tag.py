@@ -2,7 +2,7 @@
 IMMUTABLE and a tag already there is not rebuilt, so the tag must change whenever what
 `docker build .` sends changes (the Dockerfile's COPY sources, tracked or not, less what
 .gitignore ignores) and stay the same for the same tree. Run in a scratch git repository holding
-the real Dockerfile, .dockerignore, .gitignore and scripts/deploy.sh."""
+the real Dockerfile, .dockerignore, .gitignore and scripts/deploy*.sh."""
 
 from __future__ import annotations
 
@@ -29,7 +29,10 @@ def git(repo: Path, *args: str) -> str:
 def repo(tmp_path: Path) -> Path:
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
-    for name in ("Dockerfile", ".dockerignore", ".gitignore", "scripts/deploy.sh"):
+    for name in (
+        "Dockerfile", ".dockerignore", ".gitignore",
+        "scripts/deploy.sh", "scripts/deploy-settings.sh", "scripts/deploy-image-tag.sh",
+    ):  # fmt: skip
         shutil.copy(ROOT / name, repo / name)
     for name, text in {
         "pyproject.toml": "[project]\nname = 'x'\n",
