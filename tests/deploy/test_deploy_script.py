@@ -90,6 +90,14 @@ def printed_commands(output: str) -> list[str]:
     return [line[2:] for line in output.splitlines() if line.startswith("+ ")]
 
 
+def terraform_apply(output: str) -> str:
+    """The one `terraform apply` command a dry run printed."""
+    (apply,) = [
+        c for c in printed_commands(output) if c.startswith("terraform -chdir=terraform apply")
+    ]
+    return apply
+
+
 def tool_calls(env: dict[str, str]) -> list[str]:
     calls = Path(env["CALLS"])
     return calls.read_text().splitlines() if calls.exists() else []
@@ -331,11 +339,7 @@ def test_with_model_and_data_given_no_upload_is_asked_for(sandbox) -> None:
 def test_a_gpu_instance_type_reaches_terraform_and_sizes_the_chart(sandbox) -> None:
     result = dry_run("deploy", sandbox, "GPU_CLASS=a10", "GPU_INSTANCE_TYPE=g5.12xlarge")
     assert result.returncode == 0, result.stdout
-    (apply,) = [
-        c
-        for c in printed_commands(result.stdout)
-        if c.startswith("terraform -chdir=terraform apply")
-    ]
+    apply = terraform_apply(result.stdout)
     assert apply.endswith("-var gpu_class=a10 -var gpu_instance_type=g5.12xlarge")
     (group,) = rendered(sandbox)["RayCluster"]["spec"]["workerGroupSpecs"]
     spec = group["template"]["spec"]
@@ -429,11 +433,7 @@ def test_a_dry_run_shows_the_last_deploys_settings_and_saves_none(sandbox) -> No
     settings.write_text("GPU_INSTANCE_TYPE='g5.12xlarge'\n")
     result = dry_run("deploy", sandbox, "GPU_CLASS=a10", "STEPS=9")
     assert result.returncode == 0, result.stdout
-    (apply,) = [
-        c
-        for c in printed_commands(result.stdout)
-        if c.startswith("terraform -chdir=terraform apply")
-    ]
+    apply = terraform_apply(result.stdout)
     assert apply.endswith("-var gpu_class=a10 -var gpu_instance_type=g5.12xlarge")
     assert f"Settings from the last deploy ({settings}): GPU_INSTANCE_TYPE=g5.12xlarge" in (
         result.stdout
