@@ -467,10 +467,11 @@ class StreamedEngine:
         compute-stream time between CUDA events bracketing real work: the embedding; each block's
         micro-batches in the forward and in the backward, from after the stream has waited for
         that block's weights (so h2d stalls are excluded) to after its last micro-batch; a
-        quantized block's dequantization; the head; and clipping + AdamW. Not counted: waits for weights, the data-parallel all-reduce, and any
-        time outside the engine (data wait, logging). Limits: a bracket counts its whole span, so
-        gaps inside it where the GPU idled because the host was slow to launch kernels count as
-        busy; and "busy" means the stream was working, not that the SMs were full.
+        quantized block's dequantization; the head; and clipping + AdamW. Not counted: waits for
+        weights, the data-parallel all-reduce, and any time outside the engine (data wait,
+        logging). Limits: a bracket counts its whole span, so gaps inside it where the GPU idled
+        because the host was slow to launch kernels count as busy; and "busy" means the stream
+        was working, not that the SMs were full.
         `host_issue_seconds` (CUDA only) reads that limit: the host's wall time up to each point
         where it waits for the GPU; near step_seconds, the step is launch-bound.
         `gpu_busy_ratio` = gpu_busy_seconds / step_seconds (this method's own wall time); a
