@@ -12,7 +12,9 @@ and answered the way the real tool answers, from a small state kept in files und
     user-kubeconfig              contexts written into the user's own kubeconfig (~/.kube/config):
                                  update-kubeconfig without --kubeconfig
     rayjob-checksum              the live RayJob's checksum/job annotation (absent: no RayJob)
-    rayjob-status                its status.jobDeploymentStatus (absent: Running)
+    rayjob-status                its status.jobDeploymentStatus (absent: Running); `kubectl exec
+                                 ... python -m appliance.jobstop` in the head pod (which `get pods`
+                                 names while the release is installed) makes it Complete
     helm/<namespace>/<release>.json  the release's history: [{revision, status, description}];
                                  `upgrade --install` fails while the last one is pending-*
     owners/<namespace>.json      {"Kind/name": release} of the objects the releases of a local
@@ -277,6 +279,18 @@ def kubectl(args: list[str]) -> None:
             fail(f'Error from server (NotFound): rayjobs.ray.io "{args[2]}" not found')
         checksum.unlink()
         (STATE / "rayjob-status").unlink(missing_ok=True)
+        return
+    if args[:2] == ["get", "pods"]:  # deploy.sh looks for a release's Ray head pod by labels
+        labels = dict(pair.split("=", 1) for pair in (option(args, "-l") or "").split(","))
+        release = labels.get("app.kubernetes.io/instance", "")
+        history = release_history(release_file(args, release))
+        if labels.get("ray.io/node-type") == "head" and history:
+            print(f"pod/{release}-head-7xk2p")
+        return
+    if args[0] == "exec" and args[args.index("--") + 1 :] == ["python", "-m", "appliance.jobstop"]:
+        # the running job stops (SIGTERM, a checkpoint) and KubeRay marks its RayJob finished
+        if checksum.exists():
+            (STATE / "rayjob-status").write_text("Complete")
         return
     if args[0] == "apply" or args[:2] == ["delete", "pvc"]:
         return

@@ -8,6 +8,7 @@ import json
 import re
 import shlex
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -519,6 +520,58 @@ def test_the_podmonitor_scrapes_port_8080_on_the_head_and_every_worker(renders) 
     assert not selector.items() <= submitter.items()
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["appliance"]}
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
+
+
+def env_of(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+@pytest.mark.parametrize("cls", GPU_CLASSES)
+def test_a_deleted_pod_stops_the_runs_jobs_within_its_grace_period(renders, cls) -> None:
+    """Ray's job supervisor SIGKILLs a stopped driver after RAY_JOB_STOP_WAIT_TIME_S (3 s by
+    default): the head raises it to gracefulStopSeconds; each Ray pod's preStop hook stops the
+    cluster's jobs through the head and waits for them, inside the pod's grace period."""
+    docs = renders[(cls, "monitoring-off")]
+    cluster = one(docs, "RayCluster")["metadata"]["name"]
+    head, workers = head_pod(docs), worker_pods(docs)
+    for pod in (head, *workers):
+        assert pod["spec"]["terminationGracePeriodSeconds"] == 900 + 60
+        (container,) = pod["spec"]["containers"]
+        assert env_of(container)["RAY_JOB_STOP_WAIT_TIME_S"] == "900"
+    (head_container,) = head["spec"]["containers"]
+    assert head_container["lifecycle"]["preStop"]["exec"]["command"] == [
+        *("python", "-m", "appliance.jobstop")
+    ]
+    for pod in workers:
+        (container,) = pod["spec"]["containers"]
+        assert container["lifecycle"]["preStop"]["exec"]["command"] == [
+            *("python", "-m", "appliance.jobstop", "--address"),
+            f"http://{cluster}-head-svc:8265",  # KubeRay's name for the head's service
+        ]
+
+
+def test_the_pods_stop_hook_is_a_command_the_image_runs(renders) -> None:
+    """The workers' preStop command line, run here (the image's `python` is the venv's, which
+    has appliance): with no head to answer it says so and succeeds, so a pod whose cluster is
+    already gone is not held for its grace period."""
+    (pod, *_) = worker_pods(renders[("a10", "monitoring-off")])
+    (container,) = pod["spec"]["containers"]
+    python, *args = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert python == "python"
+    args[args.index("--address") + 1] = "http://127.0.0.1:9"  # nothing listens on discard
+    done = run([sys.executable, *args])
+    assert done.returncode == 0, done.stderr
+    assert "no Ray dashboard answers at http://127.0.0.1:9" in done.stdout
+
+
+def test_graceful_stop_seconds_sets_the_wait_and_the_grace_period_and_zero_is_refused() -> None:
+    docs = render(CI_VALUES["a10"], sets={"gracefulStopSeconds": "1800"})
+    for pod in (head_pod(docs), *worker_pods(docs)):
+        assert pod["spec"]["terminationGracePeriodSeconds"] == 1860
+        assert env_of(pod["spec"]["containers"][0])["RAY_JOB_STOP_WAIT_TIME_S"] == "1800"
+    refused = helm_template(CI_VALUES["a10"], sets={"gracefulStopSeconds": "0"}, check=False)
+    assert refused.returncode != 0
+    assert "gracefulStopSeconds must be a whole number of seconds >= 1 (got 0)" in refused.stderr
 
 
 def test_the_ray_dashboard_listens_on_all_interfaces(renders) -> None:

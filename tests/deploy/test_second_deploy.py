@@ -521,7 +521,7 @@ def test_a_running_job_is_replaced_only_with_replace_running(cloud) -> None:
             refused.stdout
         )
         assert reason in refused.stdout and "REPLACE_RUNNING=1" in refused.stdout
-        assert [c for c in cloud.calls() if " delete rayjob " in c] == []
+        assert [c for c in cloud.calls() if " delete rayjob " in c or " exec " in c] == []
         assert starting(cloud.calls(), "helm upgrade --install appliance") == []
         assert (cloud.state / "rayjob-checksum").read_text() == checksum
         # not a successful deploy: its settings are not the last deploy's
@@ -534,10 +534,16 @@ def test_a_running_job_is_replaced_only_with_replace_running(cloud) -> None:
     replaced = cloud.make("deploy", "GPU_CLASS=a10", "STEPS=20", "REPLACE_RUNNING=1")
     assert replaced.returncode == 0, replaced.stdout
     assert "REPLACE_RUNNING=1: deleting it (this stops the run)" in replaced.stdout
+    kubectl = f"kubectl --kubeconfig {cloud.out / 'a10/kubeconfig'} --context appliance-a10"
+    # the run is stopped the graceful way (its step finishes, a checkpoint is written) and waited
+    # for, in the head pod, before its RayJob is deleted
+    assert "Stopping release appliance's running job gracefully" in replaced.stdout
     in_order(
         cloud.calls(),
-        "kubectl --kubeconfig",
-        f"kubectl --kubeconfig {cloud.out / 'a10/kubeconfig'} --context appliance-a10 "
-        "delete rayjob appliance-train",
+        f"{kubectl} get pods --namespace appliance "
+        "-l app.kubernetes.io/instance=appliance,ray.io/node-type=head -o name",
+        f"{kubectl} exec --namespace appliance pod/appliance-head-7xk2p -c ray-head -- "
+        "python -m appliance.jobstop",
+        f"{kubectl} delete rayjob appliance-train",
         "helm upgrade --install appliance helm/appliance",
     )

@@ -1,0 +1,111 @@
+"""`python -m appliance.jobstop`, the Kubernetes pods' preStop hook, against a real Ray head with
+its dashboard and job API: `appliance train --cluster auto` submitted as a Ray job (as the chart's
+RayJob submits it) is stopped the way a pod deletion stops it, finishes its step, writes a
+checkpoint and ends STOPPED; a job that outlasts the timeout is named, with exit status 1."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from appliance.checkpoint import load_latest_checkpoint
+from appliance.cluster import TRAINER_NODE_RESOURCE
+from tests.helpers_model import make_model
+from tests.helpers_net import free_port
+from tests.helpers_ray import ray_session
+from tests.helpers_tokenizer import sentences
+
+pytestmark = pytest.mark.integration
+
+
+def jobstop(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "appliance.jobstop", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def wait_for(predicate, what: str, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.5)
+
+
+def test_a_dashboard_that_does_not_answer_means_nothing_to_stop() -> None:
+    done = jobstop("--address", f"http://127.0.0.1:{free_port()}", "--timeout", "5")
+    assert done.returncode == 0, done.stderr
+    assert "no Ray dashboard answers at http://127.0.0.1:" in done.stdout
+
+
+def test_a_training_job_stops_at_a_step_with_a_checkpoint_and_a_stubborn_one_is_named(
+    tmp_path: Path, monkeypatch
+) -> None:
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    model = make_model(
+        tmp_path / "model", "llama-mha", hidden_size=128, intermediate_size=256, num_hidden_layers=4
+    )
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(300, seed=2)))
+    output = tmp_path / "out"
+    # the chart sets this in the head's environment; the job supervisor (a Ray worker on the
+    # head) inherits it from the raylet that ray.init starts here
+    monkeypatch.setenv("RAY_JOB_STOP_WAIT_TIME_S", "120")
+    port = free_port()
+    address = f"http://127.0.0.1:{port}"
+    with ray_session(
+        num_cpus=4,
+        resources={TRAINER_NODE_RESOURCE: 1},
+        include_dashboard=True,
+        dashboard_port=port,
+        log_to_driver=False,
+    ):
+        client = JobSubmissionClient(address)
+        train = [
+            *(sys.executable, "-m", "appliance.cli", "train", "--cluster", "auto"),
+            *("--model", str(model), "--data", str(data), "--output", str(output)),
+            *("--steps", "100000", "--seq-len", "32", "--micro-batch-size", "2"),
+            *("--lora-rank", "4", "--tokenize-workers", "1", "--log-format", "json"),
+        ]
+        job = client.submit_job(entrypoint=subprocess.list2cmdline(train))
+        wait_for(lambda: '"step": 3,' in client.get_job_logs(job), "step 3 of the job")
+
+        done = jobstop("--address", address)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"job {job}: RUNNING; stopping it" in done.stdout
+        assert f"job {job}: ended after" in done.stdout
+        assert client.get_job_status(job) == JobStatus.STOPPED
+        logs = client.get_job_logs(job)
+        step = load_latest_checkpoint(str(output)).step
+        assert 3 <= step < 100000, logs[-3000:]
+        assert f"interrupted by SIGTERM after step {step}/100000" in logs, logs[-3000:]
+        assert json.loads((output / "run.json").read_text())["status"] == "interrupted"
+
+        # a job that takes longer to stop than the timeout: named, exit status 1
+        stubborn = tmp_path / "stubborn.py"
+        stubborn.write_text(
+            "import signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(8), sys.exit(130)))\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(600)\n"
+        )
+        slow = client.submit_job(entrypoint=f"{sys.executable} {stubborn}")
+        wait_for(lambda: "ready" in client.get_job_logs(slow), "the stubborn job to start")
+        late = jobstop("--address", address, "--timeout", "2")
+        assert late.returncode == 1, late.stdout + late.stderr
+        assert f"still running after 2 s: {slow} (" in late.stdout
+        assert "no submitted job is running" not in late.stdout
+        wait_for(lambda: client.get_job_status(slow).is_terminal(), "the stubborn job to end")
+        again = jobstop("--address", address)
+        assert (
+            again.returncode == 0 and "no submitted job is running on the cluster" in again.stdout
+        )
