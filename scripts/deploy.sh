@@ -253,6 +253,18 @@ tf_vars() {
   if [[ -n "$GPU_INSTANCE_TYPE" ]]; then TF_VARS+=(-var "gpu_instance_type=$GPU_INSTANCE_TYPE"); fi
 }
 
+# The subnets' zones, once the stack exists: the ones it has (output availability_zones), passed
+# back on every later apply. Left to terraform, they would be recomputed on each plan from where
+# AWS offers the GPU type today, and a change there would replace the subnets, the node groups
+# and the cluster. The first apply (no stack yet, or a dry run) lets terraform choose them.
+pin_zones() {
+  local zones
+  zones="$(query --quiet terraform -chdir="$TF_DIR" output -json availability_zones)" || return 0
+  [[ "$zones" == "["*"]" ]] || return 0
+  TF_VARS+=(-var "availability_zones=$zones")
+  echo "Subnet zones: $zones (the stack's own, kept)"
+}
+
 read_outputs() {
   CLUSTER="$(tf_output cluster_name "appliance-$GPU_CLASS")"
   REGION="$(tf_output region "us-east-1")"
@@ -522,6 +534,7 @@ deploy() {
   echo "== terraform (workspace $GPU_CLASS): VPC, EKS with the $GPU_CLASS GPU node group (${GPU_INSTANCE_TYPE:-$DEFAULT_INSTANCE_TYPE}), S3, IRSA, ECR"
   tf_vars
   tf_workspace
+  pin_zones
   # shellcheck disable=SC2046  # approve_flag is empty or one word
   run terraform -chdir="$TF_DIR" apply -input=false $(approve_flag) "${TF_VARS[@]}"
   read_outputs

@@ -30,6 +30,11 @@ output "gpu_class" {
   value       = var.gpu_class
 }
 
+output "availability_zones" {
+  description = "The subnets' two zones. make deploy passes them back (-var availability_zones=...) on every later apply, so a change in where AWS offers the GPU type never moves the subnets."
+  value       = local.azs
+}
+
 output "gpu_instance_type" {
   description = "EC2 instance type of the GPU nodes (the chart's worker node selector)."
   value       = local.gpu_instance_type

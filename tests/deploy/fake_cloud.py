@@ -5,6 +5,10 @@ and answered the way the real tool answers, from a small state kept in files und
     tf/<workspace>/outputs.json  terraform outputs of that workspace's stack (absent: none)
     tf/<workspace>/resources     `terraform state list` (absent or empty: nothing deployed)
     tf/<workspace>/force         force_destroy=true has been applied to the bucket
+    gpu-zones                    the zones that offer the GPU type today, one a line (absent:
+                                 us-east-1a, us-east-1b): an apply without availability_zones
+                                 that would move a stack's subnets to others fails as a plan
+                                 that replaces them
     workspace                    the selected terraform workspace
     bucket-objects               the bucket holds objects: destroy fails without force_destroy
     ecr-tags                     image tags in the (IMMUTABLE) ECR repository, one a line
@@ -114,7 +118,15 @@ def resources() -> list[str]:
     return path.read_text().split() if path.exists() else []
 
 
-def stack(gpu_class: str, instance: str | None) -> tuple[dict[str, str], list[str]]:
+def offered_zones() -> list[str]:
+    """The two zones terraform picks when availability_zones is not given: the first two where
+    AWS offers the GPU type today (state file gpu-zones; it can change between deploys)."""
+    return sorted(lines("gpu-zones") or ["us-east-1a", "us-east-1b"])[:2]
+
+
+def stack(
+    gpu_class: str, instance: str | None, zones: list[str]
+) -> tuple[dict[str, str], list[str]]:
     """The outputs and state of a deployed stack of one GPU class."""
     cluster = f"appliance-{gpu_class}"
     instance = instance or {"a10": "g5.8xlarge", "4090": "g6e.8xlarge"}[gpu_class]
@@ -125,6 +137,7 @@ def stack(gpu_class: str, instance: str | None) -> tuple[dict[str, str], list[st
         "irsa_role_arn": f"arn:aws:iam::{ACCOUNT}:role/{cluster}-irsa",
         "ecr_repository_url": f"{ACCOUNT}.dkr.ecr.{REGION}.amazonaws.com/{cluster}",
         "gpu_class": gpu_class,
+        "availability_zones": json.dumps(zones),  # as `output -json` prints it
         "gpu_instance_type": instance,
         "gpu_node_count": "1",
         "kubernetes_namespace": "appliance",
@@ -167,7 +180,15 @@ def terraform(args: list[str]) -> None:
         deployed = outputs().get("gpu_class")
         if deployed and deployed != gpu_class:
             fail(f"Plan: the {deployed} stack would be replaced by a {gpu_class} one")
-        out, state = stack(gpu_class, variables.get("gpu_instance_type"))
+        pinned = variables.get("availability_zones")
+        zones = json.loads(pinned) if pinned else offered_zones()
+        if "availability_zones" in outputs() and json.loads(outputs()["availability_zones"]) != zones:
+            fail(
+                "Plan: 9 to add, 0 to change, 9 to destroy: aws_subnet.private[0] must be "
+                f"replaced (availability_zone {outputs()['availability_zones']} -> {zones}), "
+                "and the node groups and the cluster with it"
+            )
+        out, state = stack(gpu_class, variables.get("gpu_instance_type"), zones)
         (ws / "outputs.json").write_text(json.dumps(out))
         (ws / "resources").write_text("\n".join(state))
         return

@@ -172,6 +172,30 @@ def test_rerun_deletes_an_unchanged_job_so_that_it_trains_again(cloud) -> None:
 
 
 @pytest.mark.integration
+def test_the_subnet_zones_of_the_first_apply_are_kept_when_aws_offerings_change(cloud) -> None:
+    """Left to terraform, the zones follow where AWS offers the GPU type today: a change there
+    would plan to replace the subnets, the node groups and the cluster (the fake refuses that
+    plan). A later deploy passes back the zones the stack has."""
+    first = cloud.make("deploy", "GPU_CLASS=a10")
+    assert first.returncode == 0, first.stdout
+    (first_apply,) = starting(cloud.calls(), "terraform -chdir=terraform apply")
+    assert "availability_zones" not in first_apply  # no stack yet: terraform picks them
+    assert cloud.outputs("a10")["availability_zones"] == '["us-east-1a", "us-east-1b"]'
+
+    (cloud.state / "gpu-zones").write_text("us-east-1c\nus-east-1d\n")
+    again = cloud.make("deploy", "GPU_CLASS=a10")
+    assert again.returncode == 0, again.stdout
+    assert 'Subnet zones: ["us-east-1a", "us-east-1b"] (the stack\'s own, kept)' in again.stdout
+    (apply,) = starting(cloud.calls(), "terraform -chdir=terraform apply")
+    assert apply.endswith('-var availability_zones=["us-east-1a", "us-east-1b"]')
+    assert cloud.outputs("a10")["availability_zones"] == '["us-east-1a", "us-east-1b"]'
+
+    # a new class's stack (its own workspace) takes the zones offered now
+    assert cloud.make("deploy", "GPU_CLASS=4090").returncode == 0
+    assert cloud.outputs("4090")["availability_zones"] == '["us-east-1c", "us-east-1d"]'
+
+
+@pytest.mark.integration
 def test_the_two_gpu_classes_keep_separate_states(cloud) -> None:
     assert cloud.make("deploy", "GPU_CLASS=a10").returncode == 0
     # In one shared state, this apply would plan to replace the a10 stack (the fake refuses it).
@@ -438,7 +462,7 @@ def test_the_options_of_the_last_deploy_persist_until_given_again(cloud) -> None
         # a plain deploy leaves the job alone, RERUN=1 runs the same job again
         assert len([c for c in cloud.calls() if " delete rayjob " in c]) == deletes
         (apply,) = starting(cloud.calls(), "terraform -chdir=terraform apply")
-        assert apply.endswith("-var gpu_class=a10 -var gpu_instance_type=g5.12xlarge")
+        assert "-var gpu_class=a10 -var gpu_instance_type=g5.12xlarge -var " in apply
         assert cloud.rendered_job_checksum("a10") == checksum
         (line,) = [x for x in result.stdout.splitlines() if x.startswith("Settings from the last")]
         assert "GPU_INSTANCE_TYPE=g5.12xlarge" in line and "STEPS=1000" in line
