@@ -253,6 +253,29 @@ tf_vars() {
   if [[ -n "$GPU_INSTANCE_TYPE" ]]; then TF_VARS+=(-var "gpu_instance_type=$GPU_INSTANCE_TYPE"); fi
 }
 
+# `terraform apply` of the stack. EKS can write its control-plane log group once more after
+# `terraform destroy` has deleted it, and so re-create it outside any state; the next apply then
+# fails on CreateLogGroup with ResourceAlreadyExistsException. That group is this stack's by its
+# name (/aws/eks/<cluster>/cluster): it is imported into the state, and the apply runs again.
+# terraform's stderr is kept in a file to read that error, and shown as well.
+tf_apply() {
+  local errors="$OUT_DIR/terraform-apply.stderr" group
+  # shellcheck disable=SC2046  # approve_flag is empty or one word
+  if run terraform -chdir="$TF_DIR" apply -input=false $(approve_flag) "${TF_VARS[@]}" 2>"$errors"; then
+    cat "$errors" >&2
+    return 0
+  fi
+  cat "$errors" >&2
+  group="$(grep -o '/aws/eks/[A-Za-z0-9-]*/cluster' "$errors" | head -n 1 || true)"
+  if [[ -z "$group" ]] || ! grep -q ResourceAlreadyExistsException "$errors"; then
+    die "terraform apply failed (see above); every step is safe to repeat: fix the cause and run make deploy GPU_CLASS=$GPU_CLASS again"
+  fi
+  echo "The EKS log group $group exists outside terraform's state (EKS wrote to it after the last destroy): importing it, then applying again"
+  run terraform -chdir="$TF_DIR" import -input=false "${TF_VARS[@]}" aws_cloudwatch_log_group.cluster "$group"
+  # shellcheck disable=SC2046
+  run terraform -chdir="$TF_DIR" apply -input=false $(approve_flag) "${TF_VARS[@]}"
+}
+
 # The subnets' zones, once the stack exists: the ones it has (output availability_zones), passed
 # back on every later apply. Left to terraform, they would be recomputed on each plan from where
 # AWS offers the GPU type today, and a change there would replace the subnets, the node groups
@@ -535,8 +558,7 @@ deploy() {
   tf_vars
   tf_workspace
   pin_zones
-  # shellcheck disable=SC2046  # approve_flag is empty or one word
-  run terraform -chdir="$TF_DIR" apply -input=false $(approve_flag) "${TF_VARS[@]}"
+  tf_apply
   read_outputs
 
   echo "== kubeconfig (context $CLUSTER)"

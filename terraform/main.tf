@@ -296,6 +296,8 @@ resource "aws_iam_role_policy_attachment" "cluster" {
 }
 
 # Created before the cluster so that Terraform owns (and destroys) it, with our retention and key.
+# EKS may re-create it after a destroy (its last logs): make deploy then imports it (deploy.sh's
+# tf_apply).
 resource "aws_cloudwatch_log_group" "cluster" {
   name              = "/aws/eks/${local.cluster_name}/cluster"
   retention_in_days = var.log_retention_days

@@ -5,6 +5,10 @@ and answered the way the real tool answers, from a small state kept in files und
     tf/<workspace>/outputs.json  terraform outputs of that workspace's stack (absent: none)
     tf/<workspace>/resources     `terraform state list` (absent or empty: nothing deployed)
     tf/<workspace>/force         force_destroy=true has been applied to the bucket
+    eks-log-group-left           EKS re-created the cluster's log group after a destroy: an apply
+                                 fails on it (ResourceAlreadyExistsException) until `terraform
+                                 import aws_cloudwatch_log_group.cluster` takes it into the state
+    apply-error                  an error every apply of the stack fails with
     gpu-zones                    the zones that offer the GPU type today, one a line (absent:
                                  us-east-1a, us-east-1b): an apply without availability_zones
                                  that would move a stack's subnets to others fails as a plan
@@ -144,6 +148,7 @@ def stack(
         "service_account_name": "appliance",
     }
     state = [
+        "aws_cloudwatch_log_group.cluster",
         "aws_eks_cluster.this",
         "aws_ecr_repository.this",
         "aws_s3_bucket.this",
@@ -167,6 +172,16 @@ def terraform(args: list[str]) -> None:
             fail(f'Error: Output "{name}" not found')
         print(outputs()[name], end="")
         return
+    if command == "import":
+        address, name = rest[-2], rest[-1]
+        if (
+            address != "aws_cloudwatch_log_group.cluster"
+            or not (STATE / "eks-log-group-left").exists()
+        ):
+            fail(f"Error: Cannot import non-existent remote object ({address} {name})")
+        (STATE / "eks-log-group-left").unlink()
+        (ws / "resources").write_text("\n".join([*resources(), address]))
+        return
     if command == "state" and rest[0] == "list":
         print("\n".join(resources()))
         return
@@ -182,13 +197,29 @@ def terraform(args: list[str]) -> None:
             fail(f"Plan: the {deployed} stack would be replaced by a {gpu_class} one")
         pinned = variables.get("availability_zones")
         zones = json.loads(pinned) if pinned else offered_zones()
-        if "availability_zones" in outputs() and json.loads(outputs()["availability_zones"]) != zones:
+        if (
+            "availability_zones" in outputs()
+            and json.loads(outputs()["availability_zones"]) != zones
+        ):
             fail(
                 "Plan: 9 to add, 0 to change, 9 to destroy: aws_subnet.private[0] must be "
                 f"replaced (availability_zone {outputs()['availability_zones']} -> {zones}), "
                 "and the node groups and the cluster with it"
             )
+        if (STATE / "apply-error").exists():
+            fail((STATE / "apply-error").read_text())
+        log_group = f"/aws/eks/appliance-{gpu_class}/cluster"
+        if (STATE / "eks-log-group-left").exists() and "aws_cloudwatch_log_group.cluster" not in (
+            resources()
+        ):
+            fail(
+                f"Error: creating CloudWatch Logs Log Group ({log_group}): operation error "
+                "CloudWatch Logs: CreateLogGroup, https response error StatusCode: 400, "
+                "ResourceAlreadyExistsException: The specified log group already exists"
+            )
         out, state = stack(gpu_class, variables.get("gpu_instance_type"), zones)
+        gone = [name for name in lines("clusters-gone") if name != out["cluster_name"]]
+        (STATE / "clusters-gone").write_text("".join(f"{name}\n" for name in gone))
         (ws / "outputs.json").write_text(json.dumps(out))
         (ws / "resources").write_text("\n".join(state))
         return

@@ -196,6 +196,35 @@ def test_the_subnet_zones_of_the_first_apply_are_kept_when_aws_offerings_change(
 
 
 @pytest.mark.integration
+def test_a_redeploy_takes_in_the_eks_log_group_that_eks_recreated_after_a_destroy(cloud) -> None:
+    assert cloud.make("deploy", "GPU_CLASS=a10").returncode == 0
+    assert cloud.make("destroy", "GPU_CLASS=a10").returncode == 0
+    (cloud.state / "eks-log-group-left").touch()  # EKS wrote its last logs after the destroy
+
+    again = cloud.make("deploy", "GPU_CLASS=a10")
+    assert again.returncode == 0, again.stdout
+    assert "ResourceAlreadyExistsException" in again.stdout  # terraform's error is shown
+    assert "The EKS log group /aws/eks/appliance-a10/cluster exists outside" in again.stdout
+    apply = "terraform -chdir=terraform apply -input=false -auto-approve -var gpu_class=a10"
+    in_order(
+        cloud.calls(),
+        apply,
+        "terraform -chdir=terraform import -input=false -var gpu_class=a10 "
+        "aws_cloudwatch_log_group.cluster /aws/eks/appliance-a10/cluster",
+        apply,
+        "helm upgrade --install",
+    )
+    assert cloud.outputs("a10")["cluster_name"] == "appliance-a10"
+
+    # any other failure of the apply stops the deploy, naming what to do
+    (cloud.state / "apply-error").write_text("Error: waiting for EKS Node Group: capacity")
+    failed = cloud.make("deploy", "GPU_CLASS=a10")
+    assert failed.returncode != 0
+    assert "terraform apply failed (see above)" in failed.stdout
+    assert starting(cloud.calls(), "terraform -chdir=terraform import") == []
+
+
+@pytest.mark.integration
 def test_the_two_gpu_classes_keep_separate_states(cloud) -> None:
     assert cloud.make("deploy", "GPU_CLASS=a10").returncode == 0
     # In one shared state, this apply would plan to replace the a10 stack (the fake refuses it).
