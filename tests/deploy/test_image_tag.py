@@ -32,6 +32,7 @@ def repo(tmp_path: Path) -> Path:
     for name in (
         "Dockerfile", ".dockerignore", ".gitignore",
         "scripts/deploy.sh", "scripts/deploy-settings.sh", "scripts/deploy-image-tag.sh",
+        "scripts/deploy-terraform.sh",
     ):  # fmt: skip
         shutil.copy(ROOT / name, repo / name)
     for name, text in {

@@ -247,7 +247,7 @@ def test_a_resource_alone_of_its_type_is_named_this() -> None:
 
 
 def test_deploy_reads_only_outputs_that_exist() -> None:
-    script = (ROOT / "scripts" / "deploy.sh").read_text()
+    script = (ROOT / "scripts" / "deploy-terraform.sh").read_text()
     used = set(re.findall(r"tf_output (\w+)", script))
     assert {"cluster_name", "region", "bucket_name", "irsa_role_arn"} <= used
     assert used <= set(module()["output"])
