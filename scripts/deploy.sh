@@ -402,29 +402,29 @@ replace_changed_job() {
     *)
       [[ -n "$REPLACE_RUNNING" ]] || die "RayJob $job is still running (${state:-starting}) and this deploy would replace it: $reason. Replacing it stops the run, so the deploy stops here, before upgrading release $RELEASE. Compare the new job ($OUT_DIR/manifests/appliance/templates/rayjob.yaml) with the live one (KUBECONFIG=$KUBECONFIG_FILE kubectl get rayjob $job -n $NAMESPACE -o yaml); then wait for the run to finish and deploy again, or deploy again with REPLACE_RUNNING=1 to stop it now and start the new job (with the chart's --auto-resume, a job with the same OUTPUT continues that run from its last checkpoint)."
       echo "RayJob $job: $reason; it is still running (${state:-starting}), REPLACE_RUNNING=1: deleting it (this stops the run) so that the new one runs"
-      stop_jobs_gracefully "$NAMESPACE"
+      stop_jobs_gracefully "$NAMESPACE" "$RELEASE"
       ;;
   esac
   run "${KUBECTL[@]}" delete rayjob "$job" --namespace "$NAMESPACE" --wait
 }
 
-# Stop release $RELEASE's running Ray jobs the graceful way before its RayJob or the release is
+# Stop release $2's running Ray jobs (namespace $1) the graceful way before its RayJob or the release is
 # deleted: `python -m appliance.jobstop` in the head pod asks Ray's job supervisor to stop each
 # job (SIGTERM to the driver, which finishes its step and writes a checkpoint; the chart gives it
 # gracefulStopSeconds) and waits until they have ended. Deleting a running RayJob alone would
 # stop it too, but returns before the driver has written that checkpoint. Best effort: with no
 # head pod (no cluster, or pods still starting) there is nothing to stop.
 stop_jobs_gracefully() {
-  local namespace="$1" pod
+  local namespace="$1" release="$2" pod
   pod="$(query "${KUBECTL[@]}" get pods --namespace "$namespace" \
-    -l "app.kubernetes.io/instance=$RELEASE,ray.io/node-type=head" -o name)" || pod=""
+    -l "app.kubernetes.io/instance=$release,ray.io/node-type=head" -o name)" || pod=""
   pod="${pod%%$'\n'*}"
-  [[ -n "$pod" || -z "$DRY_RUN" ]] || pod="pod/$RELEASE-head-dry-run"
+  [[ -n "$pod" || -z "$DRY_RUN" ]] || pod="pod/$release-head-dry-run"
   if [[ -z "$pod" ]]; then
-    echo "(no Ray head pod of release $RELEASE: no running job to stop)"
+    echo "(no Ray head pod of release $release: no running job to stop)"
     return 0
   fi
-  echo "Stopping release $RELEASE's running job gracefully: its step finishes and a checkpoint is written (up to the chart's gracefulStopSeconds)"
+  echo "Stopping release $release's running job gracefully: its step finishes and a checkpoint is written (up to the chart's gracefulStopSeconds)"
   best_effort "${KUBECTL[@]}" exec --namespace "$namespace" "$pod" -c ray-head -- \
     python -m appliance.jobstop
 }
@@ -607,10 +607,16 @@ destroy() {
   elif ! kube_context; then
     echo "== helm releases: skipped (cluster $CLUSTER does not answer: it is gone)"
   else
-    echo "== helm releases (the RayCluster first, so its pods and volumes go before the nodes)"
-    stop_jobs_gracefully "${NAMESPACE:-appliance}"
-    best_effort helm uninstall "$RELEASE" --namespace "${NAMESPACE:-appliance}" --ignore-not-found --wait \
-      "${HELM_KUBE[@]}"
+    echo "== helm releases (the RayClusters first, so their pods and volumes go before the nodes)"
+    # every release in the chart's namespace, not only the last deploy's (RELEASE=foo installs
+    # another beside it); a dry run, or a listing that fails, falls back to that one
+    local namespace="${NAMESPACE:-appliance}" releases release
+    releases="$(query helm list --namespace "$namespace" --short "${HELM_KUBE[@]}")" || releases=""
+    for release in ${releases:-$RELEASE}; do
+      stop_jobs_gracefully "$namespace" "$release"
+      best_effort helm uninstall "$release" --namespace "$namespace" --ignore-not-found --wait \
+        "${HELM_KUBE[@]}"
+    done
     best_effort helm uninstall prometheus --namespace "$MONITORING_NAMESPACE" --ignore-not-found --wait \
       "${HELM_KUBE[@]}"
     # a Prometheus installed before its claim had whenDeleted: Delete leaves it: its EBS volume

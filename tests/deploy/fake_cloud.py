@@ -428,6 +428,10 @@ def helm(args: list[str]) -> None:
         return
     cluster_reachable(args)
     command = without_globals(args)
+    if command[0] == "list":  # list --namespace NS --short: the releases installed there
+        releases = (STATE / "helm" / (option(args, "--namespace") or "default")).glob("*.json")
+        print("\n".join(sorted(path.stem for path in releases)))
+        return
     path = release_file(args, command[1] if command[0] != "upgrade" else command[2])
     history = release_history(path)
     if command[0] == "upgrade":  # upgrade --install NAME CHART ...

@@ -449,6 +449,20 @@ def test_a_second_release_reuses_the_service_account_and_the_dashboards_of_the_f
     assert owners(cloud)["ServiceAccount/appliance"] == "appliance"
     assert dashboard_config_maps(owners(cloud)) == dashboards
 
+    # destroy stops and uninstalls both releases, not only the one deployed last
+    destroyed = cloud.make("destroy", "GPU_CLASS=a10")
+    assert destroyed.returncode == 0, destroyed.stdout
+    kubectl = f"kubectl --kubeconfig {cloud.out / 'a10/kubeconfig'} --context appliance-a10"
+    for release in ("appliance", "foo"):
+        in_order(
+            cloud.calls(),
+            f"{kubectl} exec --namespace appliance pod/{release}-head-7xk2p -c ray-head -- "
+            "python -m appliance.jobstop",
+            f"helm uninstall {release} --namespace appliance --ignore-not-found --wait",
+            "terraform -chdir=terraform destroy",
+        )
+    assert owners(cloud) == {}
+
 
 @pytest.mark.integration
 def test_whichever_release_comes_first_creates_the_service_account(cloud) -> None:
