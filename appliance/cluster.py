@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import socket
 import time
 import uuid
@@ -154,7 +155,7 @@ def start_ray(cfg: TrainConfig, progress: Progress, weight_bytes: int | None = N
             address = os.environ.get("RAY_ADDRESS") or "auto"
         try:
             _reachable(address)
-            ray.init(address=address, log_to_driver=False, runtime_env=runtime_env)
+            _init_ray(ours, address=address, log_to_driver=False, runtime_env=runtime_env)
         except ConnectionError as e:
             raise ConfigError(
                 f"--cluster {address}: cannot connect to a Ray cluster: {e}"
@@ -171,7 +172,8 @@ def start_ray(cfg: TrainConfig, progress: Progress, weight_bytes: int | None = N
         _quiet_default_token_auth_notice()
         t0 = time.perf_counter()
         try:
-            ray.init(
+            _init_ray(
+                ours,
                 address="local",
                 include_dashboard=False,
                 log_to_driver=False,
@@ -197,6 +199,25 @@ def start_ray(cfg: TrainConfig, progress: Progress, weight_bytes: int | None = N
         if store is not None:
             progress.note(f"object store: {store / GIB:.1f} GiB ({source})")
         progress.note(f"metrics: {metrics_url(port)}")
+
+
+def _init_ray(stop_at_once: bool, **kwargs) -> None:
+    """`ray.init(**kwargs)`, where a SIGTERM stops as it does before and after it.
+
+    ray.init installs a SIGTERM handler of its own first thing, a silent `sys.exit(15)`: a
+    SIGTERM that lands while Ray starts raised SystemExit(15), and the run ended with exit 15
+    and no word. With our stop-at-once handler in force (`stop_at_once`), that SystemExit is
+    what our handler raises instead, KeyboardInterrupt (`interrupted`, exit 130), after the
+    processes Ray had started so far are stopped."""
+    import ray
+
+    try:
+        ray.init(**kwargs)
+    except SystemExit as e:
+        if not stop_at_once or e.code != signal.SIGTERM:
+            raise
+        ray.shutdown()  # the node processes started so far (a no-op when there are none)
+        raise KeyboardInterrupt from None
 
 
 def _quiet_default_token_auth_notice() -> None:

@@ -28,6 +28,7 @@ from appliance.config import build_config
 from appliance.run_record import write_run_file
 from tests.helpers_model import make_model
 from tests.helpers_net import free_port
+from tests.helpers_ray import session_processes, wait_gone
 from tests.helpers_tokenizer import sentences
 
 pytestmark = pytest.mark.integration
@@ -216,6 +217,50 @@ def test_sigterm_before_the_step_loop_stops_at_once_as_ctrl_c_does(inputs, tmp_p
     assert rc == 130, err[-3000:]
     assert "Traceback" not in err
     assert "interrupted" in err
+
+
+# SIGTERM delivered at a chosen point inside ray.init: right after Ray installs its own SIGTERM
+# handler (ray.init's first act), or once Ray's node processes (GCS, raylet) have started.
+SIGTERM_INSIDE_RAY_INIT = """
+import os, signal, sys
+import ray._private.node as node
+import ray._private.utils as utils
+def then_sigterm(original):
+    def call(*args, **kwargs):
+        result = original(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return result
+    return call
+if sys.argv[1] == "handler":
+    utils.set_sigterm_handler = then_sigterm(utils.set_sigterm_handler)
+else:
+    node.Node.start_ray_processes = then_sigterm(node.Node.start_ray_processes)
+sys.argv = ["appliance", *sys.argv[2:]]
+from appliance.cli import entry
+entry()
+"""
+
+
+@pytest.mark.parametrize("point", ["handler", "processes"])
+def test_sigterm_inside_ray_init_stops_as_it_does_around_it(inputs, tmp_path, point):
+    """ray.init's own SIGTERM handler is a silent sys.exit(15): a SIGTERM while Ray starts
+    ended the run with exit 15 and no word. It is `interrupted`, exit 130, as before and after
+    ray.init, and the Ray processes started so far are gone with the run."""
+    script = tmp_path / "sigterm_inside_ray_init.py"
+    script.write_text(SIGTERM_INSIDE_RAY_INIT)
+    p = subprocess.Popen(
+        [sys.executable, str(script), point, *train_argv(inputs, tmp_path / "out")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **FOUR_CPUS},
+    )
+    rc, _, err = finish(p, timeout=120)
+    assert rc == 130, err[-3000:]
+    assert "Traceback" not in err
+    assert err.rstrip().endswith("interrupted")
+    wait_gone(session_processes(p.pid))  # no GCS or raylet left behind
 
 
 def hub_cache(hf_home: Path) -> Path:
