@@ -21,6 +21,7 @@ The module knows nothing about torch or PEFT: callers pass bytes (adapter safete
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -28,7 +29,9 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import time
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -45,6 +48,10 @@ MANIFEST = "manifest.json"
 FORMAT = "appliance-checkpoint/1"
 _NAME_RE = re.compile(r"^step-(\d+)$")
 _TMP_PREFIX = ".tmp-"  # local temp step dirs: ".tmp-step-000123-<random>"
+# Tests: the run dies by SIGKILL in the middle of writing the checkpoint of this step.
+FAULT_ENV = "APPLIANCE_FAULT_KILL_DURING_CHECKPOINT"
+# ... with the driver's pid here, which the driver passes to its actors (the writer is rank 0)
+FAULT_PID_ENV = "APPLIANCE_FAULT_DRIVER_PID"
 
 
 class CheckpointError(ApplianceError):
@@ -140,6 +147,31 @@ def _manifest(step: int, name: str, files: dict[str, bytes]) -> dict[str, Any]:
             for n in sorted(files)
         ],
     }
+
+
+@contextlib.contextmanager
+def fault_injection(step: int) -> Iterator[None]:
+    """If $APPLIANCE_FAULT_KILL_DURING_CHECKPOINT names this step, the run dies by SIGKILL after
+    the checkpoint's first file is written: the driver ($APPLIANCE_FAULT_DRIVER_PID, when the
+    writer is another process), then the writer. How the tests prove a torn write loses
+    nothing."""
+    if os.environ.get(FAULT_ENV) != str(step):
+        yield
+        return
+    real_write = storage.write_bytes
+
+    def write_then_die(uri: str, data: bytes) -> None:
+        real_write(uri, data)
+        driver = int(os.environ.get(FAULT_PID_ENV) or os.getpid())
+        if driver != os.getpid():
+            os.kill(driver, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    storage.write_bytes = write_then_die
+    try:
+        yield
+    finally:
+        storage.write_bytes = real_write
 
 
 def save_checkpoint(output_uri: str, step: int, files: dict[str, bytes], keep: int) -> str:
@@ -239,8 +271,11 @@ def _read_marker(output_uri: str) -> str | None:
         raise
 
 
-def _load_verified(uri: str) -> tuple[dict[str, Any] | None, dict[str, bytes], list[str]]:
-    """Read a checkpoint dir and check it against its manifest: (manifest, files, problems)."""
+def _load_verified(
+    uri: str, only: Collection[str] | None = None
+) -> tuple[dict[str, Any] | None, dict[str, bytes], list[str]]:
+    """Read a checkpoint dir and check it against its manifest: (manifest, files, problems).
+    `only`: read and check just those of the manifest's files (the others are not read)."""
     manifest_uri = storage.join(uri, MANIFEST)
     try:
         raw = storage.read_bytes(manifest_uri)
@@ -261,6 +296,8 @@ def _load_verified(uri: str) -> tuple[dict[str, Any] | None, dict[str, bytes], l
     files: dict[str, bytes] = {}
     problems: list[str] = []
     for fname, (want_size, want_sha) in expected.items():
+        if only is not None and fname not in only:
+            continue
         furi = storage.join(uri, fname)
         try:
             data = storage.read_bytes(furi)
@@ -296,8 +333,12 @@ def load_checkpoint(uri: str) -> Checkpoint:
     return Checkpoint(int(manifest["step"]), name, uri, files, manifest)
 
 
-def load_latest_checkpoint(output_uri: str) -> Checkpoint | None:
+def load_latest_checkpoint(
+    output_uri: str, only: Collection[str] | None = None
+) -> Checkpoint | None:
     """The newest good checkpoint under ``<output>/checkpoints``, or None if there is none yet.
+    ``only``: read and verify just those files of it (e.g. the driver's small state, without the
+    trainer state that rank 0 reads itself); the checkpoint's ``files`` then hold only those.
 
     Starts from the one ``latest`` names (or, without a marker, the newest complete one); if it
     is corrupt, truncated or incomplete, warns naming the bad files and tries the previous
@@ -332,7 +373,7 @@ def load_latest_checkpoint(output_uri: str) -> Checkpoint | None:
 
     for name in candidates:
         uri = storage.join(root, name)
-        manifest, files, bad = _load_verified(uri)
+        manifest, files, bad = _load_verified(uri, only)
         if manifest is not None and not bad:
             ckpt = Checkpoint(int(manifest["step"]), name, uri, files, manifest, list(problems))
             if problems:

@@ -137,6 +137,7 @@ def start_ray(cfg: TrainConfig, progress: Progress, weight_bytes: int | None = N
 
     if ray.is_initialized():
         return
+    from .checkpoint import FAULT_ENV, FAULT_PID_ENV
     from .interrupt import sigterm_stops_at_once, stop_at_once_on_sigterm
     from .metrics import RUN_ENV, run_label, set_run_label
     from .metrics_endpoint import choose_metrics_port, metrics_url, ray_init_kwargs
@@ -147,7 +148,10 @@ def start_ray(cfg: TrainConfig, progress: Progress, weight_bytes: int | None = N
     # metrics with the run: the Ray session is shared by every RayJob on a cluster.
     label = run_label(cfg.output)
     set_run_label(label)
-    runtime_env = {"env_vars": {RUN_ENV: label}}
+    env_vars = {RUN_ENV: label}
+    if os.environ.get(FAULT_ENV):  # tests: rank 0 kills this driver too when it writes
+        env_vars.update({FAULT_ENV: os.environ[FAULT_ENV], FAULT_PID_ENV: str(os.getpid())})
+    runtime_env = {"env_vars": env_vars}
 
     if cfg.cluster:
         address = cfg.cluster

@@ -291,46 +291,8 @@ def connect(cfg: TrainConfig, progress: Progress) -> Run:
         inp = ray.get([resolve.options(**on_node(n)).remote(cfg, a) for n, a in nodes])[0]
     except Exception as e:
         raise cause_chain(e)[-1] from None
-    check_driver_holds_checkpoints(cfg)
     resolve_micro_batches(inp, progress)
     return Run(inp, progress, slots)
-
-
-#: Bytes a checkpoint holds per LoRA parameter: the adapter file's copy, and the trainer state's
-#: parameter and AdamW's two moments (fp32 each).
-CHECKPOINT_BYTES_PER_LORA_PARAM = 16
-#: What the driver process needs besides a checkpoint (Python, torch, Ray's client).
-DRIVER_BASE_BYTES = 1024**3
-
-
-def checkpoint_bytes(cfg: TrainConfig) -> int:
-    """The bytes of one checkpoint of this run, from the model's config.json and the LoRA shape."""
-    from .plan import load_args, lora_param_count
-
-    args, _ = load_args(cfg.model, None)  # (with --cluster: a shared path or s3://)
-    params = lora_param_count(args, cfg.lora_rank, tuple(cfg.lora_targets))
-    return params * CHECKPOINT_BYTES_PER_LORA_PARAM
-
-
-def check_driver_holds_checkpoints(cfg: TrainConfig) -> None:
-    """With --cluster, each checkpoint passes through the driver (rank 0's adapter and AdamW
-    state come here, then go to --output), which runs on the Ray head: on Kubernetes a small pod.
-    A run whose checkpoint that node cannot hold is refused now, not OOM-killed at its first
-    checkpoint, which takes the head, and so the whole Ray cluster, with it."""
-    from .cluster import ram_available_bytes
-
-    need = checkpoint_bytes(cfg) + DRIVER_BASE_BYTES
-    available = ram_available_bytes()
-    if need <= available:
-        return
-    gib = 1024**3
-    raise ConfigError(
-        f"{flag('lora_rank')} {cfg.lora_rank}: each checkpoint passes through the driver, which "
-        f"needs about {need / gib:.1f} GiB (the adapter and its AdamW state, plus the driver "
-        f"itself), and this node (the Ray head) has {available / gib:.1f} GiB available: give "
-        "the head more memory (the Helm chart's head.resources.limits.memory), or lower "
-        f"{flag('lora_rank')} or {flag('lora_targets')}"
-    )
 
 
 def resolve_micro_batches(inp: Inputs, progress: Progress) -> None:

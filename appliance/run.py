@@ -15,11 +15,9 @@ restored) or worker (recreated at its cursor).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import signal
 import time
 from collections import deque
 from collections.abc import Callable
@@ -27,9 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import storage
 from .chat import ChatTemplate
-from .checkpoint import Checkpoint, json_bytes, load_latest_checkpoint, save_checkpoint
+from .checkpoint import FAULT_ENV, json_bytes, load_latest_checkpoint  # noqa: F401 (tests)
 from .cluster import Slot, local_slots, on_node
 from .config import CHECKPOINT_MINUTES, TrainConfig, flag
 from .engine import lr_at
@@ -37,7 +34,6 @@ from .errors import ConfigError, cause_chain
 from .failures import RestartsExhausted, gather, unrecoverable
 from .feed import count_batches, schedule, skipped_warning, worker_kwargs
 from .interrupt import GracefulStop, RunInterrupted
-from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .metrics import DriverMetrics
 from .progress import Progress
 from .run_record import write_run_file
@@ -45,30 +41,8 @@ from .tokenize_worker import ACTOR_OPTIONS, ShardWorker, default_num_workers
 from .trainer import Trainer, TrainerSettings
 from .weight_store import WeightStore
 
-TRAINER_STATE = "trainer_state.pt"  # LoRA weights + optimizer + step + RNG (torch.save)
 DRIVER_STATE = "driver_state.json"  # step, schedule position, worker cursors, losses
 CONFIG_FILE = "config.json"  # the run's resolved config
-FAULT_ENV = "APPLIANCE_FAULT_KILL_DURING_CHECKPOINT"  # tests: SIGKILL mid-write at this step
-
-
-@contextlib.contextmanager
-def _fault_injection(step: int):
-    """If $APPLIANCE_FAULT_KILL_DURING_CHECKPOINT names this step, die by SIGKILL after the
-    checkpoint's first file is written: how the tests prove a torn write loses nothing."""
-    if os.environ.get(FAULT_ENV) != str(step):
-        yield
-        return
-    real_write = storage.write_bytes
-
-    def write_then_die(uri: str, data: bytes) -> None:
-        real_write(uri, data)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    storage.write_bytes = write_then_die
-    try:
-        yield
-    finally:
-        storage.write_bytes = real_write
 
 
 @dataclass
@@ -132,15 +106,6 @@ class RunState:
         )
 
 
-def write_adapter(output: str, files: dict[str, bytes]) -> None:
-    """Weights first, config last: a directory with adapter_config.json is a complete adapter."""
-    config_uri = storage.join(output, ADAPTER_CONFIG)
-    if storage.exists(config_uri):
-        storage.delete(config_uri)  # an old config beside new weights would look complete
-    storage.write_bytes(storage.join(output, ADAPTER_WEIGHTS), files[ADAPTER_WEIGHTS])
-    storage.write_bytes(config_uri, files[ADAPTER_CONFIG])
-
-
 def trainer_settings(inp: Inputs, world_size: int = 1) -> TrainerSettings:
     cfg = inp.cfg
     return TrainerSettings(
@@ -184,7 +149,8 @@ class Run:
         import ray
 
         cfg, inp = self.cfg, self.inp
-        ckpt = load_latest_checkpoint(cfg.output) if cfg.resume else None
+        # the driver reads only its own state of the checkpoint here; rank 0 reads the rest
+        ckpt = load_latest_checkpoint(cfg.output, only=(DRIVER_STATE,)) if cfg.resume else None
         if cfg.resume and ckpt is None:
             self.progress.note(
                 f"--resume: {cfg.output} has no checkpoint yet (its run stopped before the "
@@ -254,7 +220,7 @@ class Run:
         try:
             self.trainers = self._make_trainers()
             if ckpt is not None:
-                self.restore(ckpt)
+                self.restore()
                 self.metrics.restart("driver")  # this process continues a killed one's run
         except Exception as e:  # noqa: BLE001 - an actor that cannot start is not retried here
             raise unrecoverable(e) or e from None
@@ -303,21 +269,22 @@ class Run:
     # ------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self) -> None:
+        """Rank 0 writes it (every rank holds the same adapter and optimizer state), with the
+        driver's state and the run's config beside its own: the big files never come here."""
         import ray
 
         t0 = time.perf_counter()
-        rank0 = self.trainers[0]  # every rank holds the same adapter and optimizer state
-        files = dict(ray.get(rank0.adapter_files.remote()))
-        files[TRAINER_STATE] = ray.get(rank0.state_bytes.remote())
         driver = {
             **self.state.to_json(),
             "trainers": self.num_trainers,
             "tokenize_workers": self.num_workers,
         }
-        files[DRIVER_STATE] = json_bytes(driver)
-        files[CONFIG_FILE] = json_bytes(self.cfg.to_dict())
-        with _fault_injection(self.state.step):
-            save_checkpoint(self.cfg.output, self.state.step, files, self.cfg.keep_checkpoints)
+        files = {DRIVER_STATE: json_bytes(driver), CONFIG_FILE: json_bytes(self.cfg.to_dict())}
+        cfg, step = self.cfg, self.state.step
+        save = self.trainers[0].save_checkpoint.remote(
+            cfg.output, step, files, cfg.keep_checkpoints
+        )
+        ray.get(save)
         self.metrics.checkpoint_seconds(time.perf_counter() - t0)
         self.last_checkpoint = time.monotonic()
 
@@ -353,21 +320,22 @@ class Run:
             130,  # the issue's contract for both signals: 130, "stopped by the user"
         )
 
-    def restore(self, ckpt: Checkpoint | None = None) -> None:
-        """Put every trainer and the run state back to `ckpt` (default: the latest complete
-        checkpoint; the start when there is none); the weight stores are untouched."""
+    def restore(self) -> None:
+        """Put every trainer and the run state back to the latest good checkpoint (the start
+        when there is none); the weight stores are untouched. Rank 0 reads the checkpoint and
+        loads it; the other ranks load its trainer state from the object store (one copy)."""
         import ray
 
-        ckpt = ckpt or load_latest_checkpoint(self.cfg.output)
-        for problem in ckpt.skipped if ckpt else []:
-            self.progress.note(f"warning: skipped a damaged checkpoint: {problem}")
-        if ckpt is None:
+        found = ray.get(self.trainers[0].restore_latest_checkpoint.remote(self.cfg.output))
+        if found is None:
             self.state = RunState()
             return
-        self.state = RunState.from_json(json.loads(ckpt.files[DRIVER_STATE]))
-        data = ray.put(ckpt.files[TRAINER_STATE])  # one copy, read by every rank
-        gather([t.load_state_bytes.remote(data) for t in self.trainers])
-        self.progress.note(f"resumed from {ckpt.name} (step {self.state.step})")
+        for problem in found["skipped"]:
+            self.progress.note(f"warning: skipped a damaged checkpoint: {problem}")
+        self.state = RunState.from_json(json.loads(found["files"][DRIVER_STATE]))
+        state = found["state"]  # [ref] with several ranks
+        gather([t.load_state_bytes.remote(state[0]) for t in self.trainers[1:]])
+        self.progress.note(f"resumed from {found['name']} (step {self.state.step})")
 
     # ------------------------------------------------------------ faults
 
@@ -552,8 +520,7 @@ class Run:
     def finish(self) -> None:
         import ray
 
-        files = self._retrying(lambda: ray.get(self.trainers[0].adapter_files.remote()))
-        write_adapter(self.cfg.output, files)
+        self._retrying(lambda: ray.get(self.trainers[0].write_adapter.remote(self.cfg.output)))
         loads = sum(
             s["load_count"] for s in ray.get([s.stats.remote() for s in self.stores.values()])
         )

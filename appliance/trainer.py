@@ -3,6 +3,10 @@ optimizer; takes batches by object ref; returns what each step measured.
 
 A plain class, used directly in tests and in-process runs, and as a Ray actor by the driver.
 The base weights come from the node's WeightStore as zero-copy views; nothing here reloads them.
+
+Rank 0 writes the run's checkpoints and its final adapter to --output itself, and reads the
+checkpoint it resumes from: the adapter and its AdamW state (about 12 GiB for 70B at rank 64)
+never pass through the driver, which on a cluster runs on a small head node.
 """
 
 from __future__ import annotations
@@ -21,12 +25,26 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save as safetensors_bytes
 
+from . import storage
 from .blocks import dtype_from_name
+from .checkpoint import fault_injection, load_latest_checkpoint, save_checkpoint
 from .engine import StreamedEngine
 from .gpu_monitor import NvmlSampler
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraSpec, LoraWeights, adapter_config
 from .metrics import TrainerMetrics, peak_flops_per_second
 from .weight_store import WeightHandles
+
+TRAINER_STATE = "trainer_state.pt"  # a checkpoint's LoRA weights + optimizer + step + RNG
+BIG_FILES = (TRAINER_STATE, ADAPTER_WEIGHTS)  # what only rank 0 reads and writes
+
+
+def write_adapter(output: str, files: dict[str, bytes]) -> None:
+    """Weights first, config last: a directory with adapter_config.json is a complete adapter."""
+    config_uri = storage.join(output, ADAPTER_CONFIG)
+    if storage.exists(config_uri):
+        storage.delete(config_uri)  # an old config beside new weights would look complete
+    storage.write_bytes(storage.join(output, ADAPTER_WEIGHTS), files[ADAPTER_WEIGHTS])
+    storage.write_bytes(config_uri, files[ADAPTER_CONFIG])
 
 
 @dataclass(frozen=True)
@@ -176,8 +194,42 @@ class Trainer:
 
     # ------------------------------------------------------------ state
 
+    def save_checkpoint(self, output: str, step: int, files: dict[str, bytes], keep: int) -> str:
+        """Rank 0: write the checkpoint of step `step` under `output` (checkpoint.save_checkpoint:
+        complete, then published, then pruned to `keep`): this rank's adapter and trainer state,
+        beside the driver's small `files` (its state, the run's config). Returns its URI."""
+        files = {**self.adapter_files(), TRAINER_STATE: self.state_bytes(), **files}
+        with fault_injection(step):
+            return save_checkpoint(output, step, files, keep)
+
+    def restore_latest_checkpoint(self, output: str) -> dict[str, Any] | None:
+        """Rank 0: load the newest good checkpoint under `output` into this rank (damaged ones
+        are skipped, as load_latest_checkpoint says). Returns None when there is none, else its
+        name, the problems of those skipped, its small files (the driver's state, the config)
+        and, in a one-item list (a reference, not resolved on the way), its trainer state put in
+        the object store for the other ranks' load_state_bytes."""
+        import ray
+
+        ckpt = load_latest_checkpoint(output)
+        if ckpt is None:
+            return None
+        state = ckpt.files[TRAINER_STATE]
+        self.load_state_bytes(state)
+        small = {name: data for name, data in ckpt.files.items() if name not in BIG_FILES}
+        shared = self.settings.world_size > 1  # one rank: nobody else to read it
+        return {
+            "name": ckpt.name,
+            "skipped": ckpt.skipped,
+            "files": small,
+            "state": [ray.put(state)] if shared else [],
+        }
+
+    def write_adapter(self, output: str) -> None:
+        """Rank 0: publish the final PEFT adapter in `output` (write_adapter)."""
+        write_adapter(output, self.adapter_files())
+
     def adapter_files(self) -> dict[str, bytes]:
-        """The PEFT adapter as file name → bytes (written by the driver to local disk or S3)."""
+        """The PEFT adapter as file name → bytes (what checkpoints and the final adapter hold)."""
         return {
             ADAPTER_WEIGHTS: safetensors_bytes(self.lora.peft_state_dict(), {"format": "pt"}),
             ADAPTER_CONFIG: json.dumps(

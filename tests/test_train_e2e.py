@@ -371,3 +371,47 @@ def test_trainer_deaths_in_a_checkpoint_and_in_finish_are_recovered(ray_local, m
         1,
         2,
     )
+
+
+def test_checkpoints_and_the_adapter_never_pass_through_the_driver(
+    ray_local, model_dir, tmp_path, monkeypatch
+):
+    """Rank 0 writes the checkpoints and the final adapter and reads the checkpoint a run resumes
+    from: the driver (this process) neither writes nor reads their big files, the adapter's
+    weights and the trainer state (about 12 GiB for 70B at rank 64; on a cluster the driver runs
+    on a small head node). It reads only its own state, to resume."""
+    from appliance import storage
+    from appliance.checkpoint import load_latest_checkpoint
+
+    seen: list[tuple[str, str]] = []
+    real_read, real_write = storage.read_bytes, storage.write_bytes
+
+    def read(uri, *args, **kwargs):
+        seen.append(("read", str(uri)))
+        return real_read(uri, *args, **kwargs)
+
+    def write(uri, *args, **kwargs):
+        seen.append(("write", str(uri)))
+        return real_write(uri, *args, **kwargs)
+
+    # this process only: the trainers, the actors that do the writing, have their own module
+    monkeypatch.setattr(storage, "read_bytes", read)
+    monkeypatch.setattr(storage, "write_bytes", write)
+    data = write_jsonl(tmp_path / "data.jsonl")
+    out = tmp_path / "out"
+    for steps, resume in ((4, False), (6, True)):
+        cfg = tiny_train_config(
+            model_dir, data, out, steps=steps, checkpoint_every=2, resume=resume
+        )
+        run = Run(prepare(cfg), Progress("json"))
+        run.create_actors()
+        run.train()
+        run.finish()
+        _finish(run)
+    assert run.state.step == 6 and len(run.state.losses) == 6  # resumed at 4, trained 5 and 6
+    big = ("trainer_state.pt", "adapter_model.safetensors")
+    assert [(op, uri) for op, uri in seen if uri.endswith(big)] == []
+    assert ("read", str(out / "checkpoints" / "step-000004" / "driver_state.json")) in seen
+    assert load_latest_checkpoint(str(out)).step == 6  # written, complete, by rank 0
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
+    assert (out / "adapter_model.safetensors").stat().st_size > 0
