@@ -6,8 +6,9 @@
   metrics label (metrics.RUN_ENV).
 - `trainer_slots`: one slot per trainer a --cluster can host: each GPU of a trainer node (a node
   with the appliance_trainer_node resource, else any GPU node), one per trainer node without GPUs.
-- `check_shared_output`: with --cluster the driver writes run.json, checkpoints and the adapter
-  from its own process: a local --output must be writable there and visible on the trainer nodes.
+- `check_shared_output`: with --cluster the driver writes run.json and rank 0, on a trainer node,
+  the checkpoints and the adapter: a local --output must be writable from the driver and be the
+  same directory on the trainer nodes.
 """
 
 from __future__ import annotations
@@ -313,7 +314,7 @@ def check_shared_output(output: str, slots: list[Slot]) -> None:
     import ray
 
     shared = (
-        "with --cluster the driver writes run.json, checkpoints and the adapter itself: "
+        "with --cluster the driver writes run.json and rank 0 the checkpoints and the adapter: "
         "give an s3:// URI or a directory shared by the driver and the trainer nodes"
     )
     probe = Path(output) / f".appliance-probe-{uuid.uuid4().hex}"

@@ -5,7 +5,7 @@
     train    `run.Run` creates a WeightStore per trainer node, the tokenizer workers and the
              trainers (one per GPU, data-parallel), keeps a bounded window of batches in flight,
              steps the trainers, checkpoints, recovers
-    cleanup  write the adapter (complete, then published), stop Ray
+    cleanup  rank 0 writes the adapter (complete, then published); stop Ray
 
 The driver holds no tensors: batches travel from the tokenizer workers to the trainer by object
 ref, weights from the store to the trainer through shared memory.

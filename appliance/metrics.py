@@ -139,7 +139,7 @@ PHASE_SECONDS = MetricSpec(
     "(compute waiting for a host-to-device copy: weights, or offloaded activations), h2d_host "
     "(the host blocked staging weights into page-locked memory), checkpoint, other (step time "
     "no phase claimed). "
-    'Rank "driver" carries checkpoints the driver writes between steps.',
+    'Rank "driver" carries the checkpoints written between steps (by rank 0; the driver waits).',
     ("rank", "phase"),
 )  # fmt: skip
 H2D_BYTES = MetricSpec(
