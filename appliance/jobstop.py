@@ -15,6 +15,7 @@ SIGTERM (Ray's default: 3 s, far too short for a step of a large model; the char
   the RayJob or the release, so the run's last steps are checkpointed first.
 
     python -m appliance.jobstop [--address http://127.0.0.1:8265] [--timeout SECONDS]
+                                [--say-every SECONDS]
 
 Exit status: 0 when no job is left running (none was, or each has stopped; a dashboard that does
 not answer means there is no cluster left to stop), 1 when the timeout passed first.
@@ -34,6 +35,9 @@ RAY_DEFAULT_STOP_WAIT_S = 3
 # beyond the supervisor's wait: the driver's exit and the job's status reaching the dashboard
 MARGIN_S = 30
 POLL_S = 2.0
+# a line at least this often while waiting: `kubectl exec` (make deploy, make destroy) shows
+# progress, and its stream never sits idle long enough for a load balancer to drop it
+SAY_EVERY_S = 30.0
 
 
 def default_timeout() -> float:
@@ -47,9 +51,10 @@ def default_timeout() -> float:
     return seconds + MARGIN_S
 
 
-def stop_jobs(address: str, timeout: float, say=print) -> bool:
+def stop_jobs(address: str, timeout: float, say=print, say_every: float = SAY_EVERY_S) -> bool:
     """Ask the cluster at `address` to stop each job that has not ended, then wait (up to
-    `timeout` seconds) until every job has ended. True when none is left running."""
+    `timeout` seconds, saying which jobs it waits for every `say_every` seconds) until every job
+    has ended. True when none is left running."""
     from ray.job_submission import JobSubmissionClient
 
     try:
@@ -76,7 +81,7 @@ def stop_jobs(address: str, timeout: float, say=print) -> bool:
     if not waiting:
         say(f"no submitted job is running on the cluster at {address}")
         return True
-    start = time.monotonic()
+    start = said = time.monotonic()
     while waiting:
         try:
             left = {
@@ -94,6 +99,10 @@ def stop_jobs(address: str, timeout: float, say=print) -> bool:
             still = ", ".join(f"{name} ({state})" for name, state in sorted(left.items()))
             say(f"still running after {timeout:.0f} s: {still}")
             return False
+        if waiting and time.monotonic() - said >= say_every:
+            still = ", ".join(f"{name} ({state})" for name, state in sorted(left.items()))
+            say(f"waiting for {still}: {time.monotonic() - start:.0f} s so far")
+            said = time.monotonic()
         if waiting:
             time.sleep(POLL_S)
     return True
@@ -117,9 +126,16 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds to wait for the jobs to end (default: RAY_JOB_STOP_WAIT_TIME_S + "
         f"{MARGIN_S}, the supervisor's wait before it kills a stopped driver)",
     )
+    parser.add_argument(
+        "--say-every",
+        type=float,
+        default=SAY_EVERY_S,
+        help=f"seconds between the lines that say what it waits for (default: {SAY_EVERY_S:.0f})",
+    )
     args = parser.parse_args(argv)
     timeout = default_timeout() if args.timeout is None else args.timeout
-    ok = stop_jobs(args.address, timeout, say=lambda line: print(line, flush=True))
+    say = lambda line: print(line, flush=True)  # noqa: E731 - a line at a time, to kubectl exec
+    ok = stop_jobs(args.address, timeout, say, args.say_every)
     return 0 if ok else 1
 
 

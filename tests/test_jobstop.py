@@ -94,15 +94,16 @@ def test_a_training_job_stops_at_a_step_with_a_checkpoint_and_a_stubborn_one_is_
         stubborn = tmp_path / "stubborn.py"
         stubborn.write_text(
             "import signal, sys, time\n"
-            "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(8), sys.exit(130)))\n"
+            "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(12), sys.exit(130)))\n"
             "print('ready', flush=True)\n"
             "time.sleep(600)\n"
         )
         slow = client.submit_job(entrypoint=f"{sys.executable} {stubborn}")
         wait_for(lambda: "ready" in client.get_job_logs(slow), "the stubborn job to start")
-        late = jobstop("--address", address, "--timeout", "2")
+        late = jobstop("--address", address, "--timeout", "5", "--say-every", "1")
         assert late.returncode == 1, late.stdout + late.stderr
-        assert f"still running after 2 s: {slow} (" in late.stdout
+        assert f"waiting for {slow} (" in late.stdout  # a line while it waits
+        assert f"still running after 5 s: {slow} (" in late.stdout
         assert "no submitted job is running" not in late.stdout
         wait_for(lambda: client.get_job_status(slow).is_terminal(), "the stubborn job to end")
         again = jobstop("--address", address)
