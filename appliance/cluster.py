@@ -207,22 +207,38 @@ def start_ray(cfg: TrainConfig, progress: Progress, weight_bytes: int | None = N
 
 
 def _init_ray(stop_at_once: bool, **kwargs) -> None:
-    """`ray.init(**kwargs)`, where a SIGTERM stops as it does before and after it.
+    """`ray.init(**kwargs)`, where SIGTERM and Ctrl-C stop as they do before and after it.
 
     ray.init installs a SIGTERM handler of its own first thing, a silent `sys.exit(15)`: a
-    SIGTERM that lands while Ray starts raised SystemExit(15), and the run ended with exit 15
-    and no word. With our stop-at-once handler in force (`stop_at_once`), that SystemExit is
-    what our handler raises instead, KeyboardInterrupt (`interrupted`, exit 130), after the
-    processes Ray had started so far are stopped."""
+    SIGTERM while Ray started ended the run with exit 15 and no word. And a signal that lands
+    inside ray.init, whatever the handler, interrupts it halfway: after it has started the GCS and
+    the raylet but before it has recorded them, so ray.shutdown() cannot stop them, and they
+    outlive the run. So, with our stop-at-once handler in force (`stop_at_once`), both signals
+    are held while ray.init runs (Ray's own SIGTERM handler is not installed) and acted on once
+    it has returned: ray.shutdown(), then KeyboardInterrupt (`interrupted`, exit 130)."""
+    import threading
+
     import ray
 
+    if not stop_at_once or threading.current_thread() is not threading.main_thread():
+        ray.init(**kwargs)
+        return
+    from ray._private import utils as ray_utils
+
+    asked: list[int] = []
+    signals = (signal.SIGTERM, signal.SIGINT)
+    previous = {s: signal.signal(s, lambda signum, frame: asked.append(signum)) for s in signals}
+    ray_sets_its_handler = ray_utils.set_sigterm_handler
+    ray_utils.set_sigterm_handler = lambda handler: None
     try:
         ray.init(**kwargs)
-    except SystemExit as e:
-        if not stop_at_once or e.code != signal.SIGTERM:
-            raise
-        ray.shutdown()  # the node processes started so far (a no-op when there are none)
-        raise KeyboardInterrupt from None
+    finally:
+        ray_utils.set_sigterm_handler = ray_sets_its_handler
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if asked:
+        ray.shutdown()
+        raise KeyboardInterrupt
 
 
 def _quiet_default_token_auth_notice() -> None:

@@ -219,20 +219,25 @@ def test_sigterm_before_the_step_loop_stops_at_once_as_ctrl_c_does(inputs, tmp_p
     assert "interrupted" in err
 
 
-# SIGTERM delivered at a chosen point inside ray.init: right after Ray installs its own SIGTERM
-# handler (ray.init's first act), or once Ray's node processes (GCS, raylet) have started.
+# SIGTERM delivered at a chosen point inside ray.init: as it creates its node (Ray's own SIGTERM
+# handler would be in force by then), or once the node's processes (GCS, raylet) have started,
+# before ray.init has recorded them.
 SIGTERM_INSIDE_RAY_INIT = """
 import os, signal, sys
 import ray._private.node as node
-import ray._private.utils as utils
 def then_sigterm(original):
     def call(*args, **kwargs):
         result = original(*args, **kwargs)
         os.kill(os.getpid(), signal.SIGTERM)
         return result
     return call
-if sys.argv[1] == "handler":
-    utils.set_sigterm_handler = then_sigterm(utils.set_sigterm_handler)
+def sigterm_then(original):
+    def call(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return original(*args, **kwargs)
+    return call
+if sys.argv[1] == "node":
+    node.Node.__init__ = sigterm_then(node.Node.__init__)
 else:
     node.Node.start_ray_processes = then_sigterm(node.Node.start_ray_processes)
 sys.argv = ["appliance", *sys.argv[2:]]
@@ -241,11 +246,12 @@ entry()
 """
 
 
-@pytest.mark.parametrize("point", ["handler", "processes"])
+@pytest.mark.parametrize("point", ["node", "processes"])
 def test_sigterm_inside_ray_init_stops_as_it_does_around_it(inputs, tmp_path, point):
     """ray.init's own SIGTERM handler is a silent sys.exit(15): a SIGTERM while Ray starts
-    ended the run with exit 15 and no word. It is `interrupted`, exit 130, as before and after
-    ray.init, and the Ray processes started so far are gone with the run."""
+    ended the run with exit 15 and no word, and one that landed after the GCS and raylet had
+    started left them running. It is `interrupted`, exit 130, as before and after ray.init,
+    and every Ray process is gone with the run."""
     script = tmp_path / "sigterm_inside_ray_init.py"
     script.write_text(SIGTERM_INSIDE_RAY_INIT)
     p = subprocess.Popen(
