@@ -408,12 +408,12 @@ replace_changed_job() {
   run "${KUBECTL[@]}" delete rayjob "$job" --namespace "$NAMESPACE" --wait
 }
 
-# Stop release $2's running Ray jobs (namespace $1) the graceful way before its RayJob or the release is
-# deleted: `python -m appliance.jobstop` in the head pod asks Ray's job supervisor to stop each
-# job (SIGTERM to the driver, which finishes its step and writes a checkpoint; the chart gives it
-# gracefulStopSeconds) and waits until they have ended. Deleting a running RayJob alone would
-# stop it too, but returns before the driver has written that checkpoint. Best effort: with no
-# head pod (no cluster, or pods still starting) there is nothing to stop.
+# Stop release $2's running Ray jobs (namespace $1) the graceful way before its RayJob or the
+# release is deleted: `python -m appliance.jobstop` in the head pod asks Ray's job supervisor to
+# stop each job (SIGTERM to the driver, which finishes its step and writes a checkpoint; the chart
+# gives it gracefulStopSeconds) and waits until they have ended. Deleting a running RayJob alone
+# would stop it too, but returns before the driver has written that checkpoint. Best effort: with
+# no head pod (no cluster, or pods still starting) there is nothing to stop.
 stop_jobs_gracefully() {
   local namespace="$1" release="$2" pod
   pod="$(query "${KUBECTL[@]}" get pods --namespace "$namespace" \
