@@ -139,11 +139,11 @@ def start_ray(cfg: TrainConfig, progress: Progress, weight_bytes: int | None = N
     if ray.is_initialized():
         return
     from .checkpoint import FAULT_ENV, FAULT_PID_ENV
-    from .interrupt import sigterm_stops_at_once, stop_at_once_on_sigterm
+    from .interrupt import sigterm_stops_at_once
     from .metrics import RUN_ENV, run_label, set_run_label
     from .metrics_endpoint import choose_metrics_port, metrics_url, ray_init_kwargs
 
-    ours = sigterm_stops_at_once()  # ray.init sets its own SIGTERM handler: ours comes back
+    ours = sigterm_stops_at_once()  # then _init_ray keeps it through ray.init
 
     # Every process of this job (trainers, tokenizer workers, the weight store) labels its
     # metrics with the run: the Ray session is shared by every RayJob on a cluster.
@@ -165,8 +165,6 @@ def start_ray(cfg: TrainConfig, progress: Progress, weight_bytes: int | None = N
             raise ConfigError(
                 f"--cluster {address}: cannot connect to a Ray cluster: {e}"
             ) from None
-        if ours:
-            stop_at_once_on_sigterm()
         progress.note(f"connected to Ray cluster at {address}")
     else:
         port = choose_metrics_port(cfg.metrics_port, DEFAULT_METRICS_PORT)
@@ -198,8 +196,6 @@ def start_ray(cfg: TrainConfig, progress: Progress, weight_bytes: int | None = N
                 "free space and are writable (RAY_TMPDIR moves the first), then see the logs in "
                 f"{ray_dir}/session_latest/logs"
             ) from None
-        if ours:
-            stop_at_once_on_sigterm()
         progress.note(f"Ray ready in {time.perf_counter() - t0:.1f} s")
         if store is not None:
             progress.note(f"object store: {store / GIB:.1f} GiB ({source})")

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .chat import ChatTemplate
-from .checkpoint import FAULT_ENV, json_bytes, load_latest_checkpoint  # noqa: F401 (tests)
+from .checkpoint import json_bytes, load_latest_checkpoint
 from .cluster import Slot, local_slots, on_node
 from .config import CHECKPOINT_MINUTES, TrainConfig, flag
 from .engine import lr_at

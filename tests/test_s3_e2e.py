@@ -15,8 +15,7 @@ from peft import PeftModel
 from safetensors.torch import load
 
 from appliance import storage
-from appliance.checkpoint import list_checkpoints, load_latest_checkpoint
-from appliance.run import FAULT_ENV
+from appliance.checkpoint import FAULT_ENV, list_checkpoints, load_latest_checkpoint
 from appliance.run_record import model_fingerprint
 from tests.helpers_model import load_hf, make_model
 from tests.helpers_net import free_port
