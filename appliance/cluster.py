@@ -8,7 +8,7 @@
   with the appliance_trainer_node resource, else any GPU node), one per trainer node without GPUs.
 - `check_shared_output`: with --cluster the driver writes run.json and rank 0, on a trainer node,
   the checkpoints and the adapter: a local --output must be writable from the driver and be the
-  same directory on the trainer nodes.
+  same directory, writable too, on the trainer nodes.
 """
 
 from __future__ import annotations
@@ -314,13 +314,25 @@ def on_node(node_id: str | None) -> dict:
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
 
 
-def _can_see(path: str) -> bool:
-    return Path(path).exists()
+def _output_problem(probe: str) -> str | None:
+    """On a trainer node: None when it sees the driver's probe file and can write beside it (rank
+    0 writes the checkpoints and the adapter there), else what is wrong."""
+    seen = Path(probe)
+    if not seen.exists():
+        return "does not see it"
+    mine = seen.with_name(f"{seen.name}-{socket.gethostname()}-{os.getpid()}")
+    try:
+        mine.write_bytes(b"")
+        mine.unlink()
+    except OSError as e:
+        return f"cannot write there ({e.strerror})"
+    return None
 
 
 def check_shared_output(output: str, slots: list[Slot]) -> None:
     """A local --output with --cluster: create it here (the driver writes into it), then check
-    that every trainer node sees the same directory (by a probe file written here)."""
+    that every trainer node sees the same directory (by a probe file written here) and can write
+    into it."""
     if storage.is_s3(output):
         return
     import ray
@@ -339,13 +351,12 @@ def check_shared_output(output: str, slots: list[Slot]) -> None:
         ) from None
     try:
         nodes = sorted({(s.node_id, s.address) for s in slots if s.node_id is not None})
-        see = ray.remote(num_cpus=0)(_can_see)
-        seen = ray.get([see.options(**on_node(n)).remote(str(probe)) for n, _ in nodes])
+        check = ray.remote(num_cpus=0)(_output_problem)
+        problems = ray.get([check.options(**on_node(n)).remote(str(probe)) for n, _ in nodes])
     finally:
         probe.unlink(missing_ok=True)
-    blind = [address for (_, address), ok in zip(nodes, seen, strict=True) if not ok]
-    if blind:
+    wrong = [f"{address} {why}" for (_, address), why in zip(nodes, problems, strict=True) if why]
+    if wrong:
         raise ConfigError(
-            f"--output {output} is not visible from the trainer node(s) {', '.join(blind)}; "
-            f"{shared}"
+            f"--output {output}: from the trainer node(s): {'; '.join(wrong)}. {shared}"
         )

@@ -1,9 +1,17 @@
 """`appliance train --cluster` on a real multi-node Ray cluster on this machine: a head, a CPU
-node and two trainer nodes; the custom resource `appliance_trainer_node` stands in for a GPU."""
+node and two trainer nodes; the custom resource `appliance_trainer_node` stands in for a GPU. A
+trainer node started in a private mount namespace stands in for one that does not share the
+driver's files."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import ray
@@ -16,7 +24,8 @@ from appliance.errors import ConfigError
 from appliance.progress import Progress
 from appliance.run_record import write_run_file
 from tests.helpers_model import make_model
-from tests.helpers_ray import node_processes, wait_gone
+from tests.helpers_mount import unshare_prefix
+from tests.helpers_ray import node_processes, session_processes, wait_gone
 from tests.helpers_tokenizer import sentences
 
 pytestmark = pytest.mark.integration
@@ -156,3 +165,70 @@ def test_an_address_where_no_cluster_listens_is_one_clear_error():
     ):
         start_ray(TrainConfig(cluster="127.0.0.1:1"), Progress("json"))
     assert not ray.is_initialized()
+
+
+@pytest.fixture(scope="module")
+def blind_node(tmp_path_factory):
+    """A head (no trainer) and a trainer node started in a private mount namespace, where the
+    directory `hidden` is an empty tmpfs and `readonly` is mounted read-only: a node that does
+    not share (or cannot write) what the driver's node has there, as a pod without the volume."""
+    base = tmp_path_factory.mktemp("blind")
+    hidden, readonly = base / "hidden", base / "readonly"
+    hidden.mkdir()
+    readonly.mkdir()
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    mounts = f"mount -t tmpfs tmpfs {hidden} && mount --bind -o ro {readonly} {readonly}"
+    node = subprocess.Popen(
+        [
+            *unshare_prefix(),
+            *("sh", "-c", f'{mounts} && exec "$@"', "sh", sys.executable, "-m"),
+            *("ray.scripts.scripts", "start", "--block", "--address", c.address),
+            *("--num-cpus", "1", "--resources", json.dumps({TRAINER_NODE_RESOURCE: 1})),
+        ],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        c.wait_for_nodes()
+        deadline = time.monotonic() + 120
+        while len(c.global_state.node_table()) < 2:  # the namespaced node has registered
+            assert node.poll() is None, "the namespaced Ray node exited"
+            assert time.monotonic() < deadline, "the namespaced Ray node did not join"
+            time.sleep(0.5)
+        yield c, base
+    finally:
+        procs = session_processes(node.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(node.pid, signal.SIGTERM)  # `ray start --block` stops its node's processes
+        node.wait(timeout=120)
+        wait_gone(procs)
+        shut_down(c)
+
+
+@pytest.mark.parametrize(
+    ("model", "output", "said"),
+    [
+        ("model", "hidden/out", "does not see it"),
+        ("model", "readonly/out", "cannot write there (Read-only file system)"),
+        ("hidden/model", "out", "is not visible from the trainer's node"),
+    ],
+)
+def test_a_trainer_node_that_cannot_see_or_write_a_path_is_named_before_training(
+    blind_node, model, output, said
+):
+    c, base = blind_node
+    if not (base / model).exists():
+        make_model(base / model, "llama-mha")
+    data = base / "d.jsonl"
+    data.write_text(json.dumps({"text": "the cat"}) + "\n")
+    paths = dict(model=str(base / model), data=str(data), output=str(base / output))
+    cfg = build_config({}, dict(**paths, steps=1, cluster=c.address))
+    try:
+        with pytest.raises(ConfigError) as e:
+            connect(cfg, Progress("json"))
+    finally:
+        ray.shutdown()
+    assert said in str(e.value)
+    assert "s3://" in str(e.value)  # and says what to give instead
+    assert not any((base / output).glob(".appliance-probe-*"))  # the probe is gone again

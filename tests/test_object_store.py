@@ -8,7 +8,6 @@ user `unshare --user --map-root-user --mount`) where a tmpfs of a size chosen he
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -22,25 +21,12 @@ from appliance.errors import ConfigError
 from appliance.metrics import RUN_ENV, run_label
 from appliance.weight_store import WeightStore
 from tests.helpers_model import make_model
+from tests.helpers_mount import unshare_prefix
 from tests.helpers_net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1024**2
 GIB = 1024**3
-UNSHARE_FORMS = (["unshare", "--mount"], ["unshare", "--user", "--map-root-user", "--mount"])
-
-
-def unshare_prefix() -> list[str]:
-    """The first unshare form that can mount a tmpfs here, or skip."""
-    if shutil.which("unshare") is None:
-        pytest.skip("unshare (util-linux) is not installed")
-    for form in UNSHARE_FORMS:
-        probe = [*form, "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"]
-        if subprocess.run(probe, capture_output=True).returncode == 0:
-            return form
-    pytest.skip("cannot mount a tmpfs in a private mount namespace here (no CAP_SYS_ADMIN)")
-
-
 def with_shm(size: str, python: str, timeout: int = 120) -> dict:
     """Run `python` (which prints one JSON line last) with a fresh tmpfs of `size` on /dev/shm."""
     script = f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$0" -c "$1"'
