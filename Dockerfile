@@ -85,6 +85,7 @@ COPY appliance/configs/ /opt/appliance/configs/
 # Caches at paths any uid can write: `docker run --user <uid>` has HOME=/, so ~/.cache (the S3
 # downloads) and ~/.triton/cache (the fused dequant kernels, flex_attention's compiled kernels)
 # would be under an unwritable /. (torch.compile's own cache is /tmp/torchinductor_<user or uid>.)
+# Ray's auth token, which ray.init would save in ~/.ray, is kept in the run's environment there.
 # -v /srv/cache:/var/cache/appliance keeps the S3 downloads between `--rm` runs.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import secrets
 import signal
 import socket
 import time
@@ -173,6 +174,7 @@ def start_ray(cfg: TrainConfig, progress: Progress, weight_bytes: int | None = N
             check_weights_fit(weight_bytes, store, source)
         progress.note("starting Ray (embedded)")
         _quiet_default_token_auth_notice()
+        _token_in_env_if_home_is_read_only()
         t0 = time.perf_counter()
         try:
             _init_ray(
@@ -245,6 +247,30 @@ def _quiet_default_token_auth_notice() -> None:
     log = logging.getLogger("ray._private.authentication.authentication_token_setup")
     if not any(f is _drop_token_auth_enabled for f in log.filters):
         log.addFilter(_drop_token_auth_enabled)
+
+
+def _token_in_env_if_home_is_read_only() -> None:
+    """Ray 2.60's ray.init of a new local cluster turns token authentication on and, with no token
+    given, writes a new one to ~/.ray/auth_token. Where the home directory cannot be written
+    (`docker run --user <uid>`: HOME is /, which only root may write), that write failed and Ray
+    did not start. There the token is made here instead and given to Ray in RAY_AUTH_TOKEN, the
+    first place it looks (its processes inherit it): authentication stays on, nothing is written.
+    A token the user gave (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, the file) or RAY_AUTH_MODE=disabled
+    is left as it is."""
+    if os.environ.get("RAY_AUTH_MODE", "token").strip().lower() != "token":
+        return
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return
+    ray_home = Path.home() / ".ray"
+    if (ray_home / "auth_token").exists():
+        return
+    try:
+        ray_home.mkdir(parents=True, exist_ok=True)  # as Ray would, to write its token there
+        if os.access(ray_home, os.W_OK):
+            return
+    except OSError:
+        pass
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
 
 def _drop_token_auth_enabled(record: logging.LogRecord) -> bool:

@@ -341,3 +341,20 @@ def test_ray_that_cannot_start_is_one_line_and_the_demo_cleans_up(tmp_path):
     (line,) = [x for x in err.splitlines() if x.startswith("error: ")]
     assert line.startswith("error: cannot start Ray: ") and "RAY_TMPDIR" in line
     assert list(temp.glob("appliance-demo-*")) == []  # the demo's model and corpus are gone
+
+
+def test_a_home_ray_cannot_write_does_not_stop_the_run(inputs, tmp_path):
+    """`docker run --user <uid>` has HOME=/, which that uid cannot write: Ray 2.60's ray.init,
+    with token authentication on by default, failed to save its new token there and did not
+    start. /proc stands in for it here (no directory can be made in it, even by root)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_")}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "appliance.cli", *train_argv(inputs, tmp_path / "out")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**env, **FOUR_CPUS, "HOME": "/proc"},
+    )
+    rc, out, err = finish(p)
+    assert rc == 0, err[-3000:]
+    assert record(tmp_path / "out")["status"] == "complete"
