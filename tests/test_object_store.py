@@ -27,6 +27,8 @@ from tests.helpers_net import free_port
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1024**2
 GIB = 1024**3
+
+
 def with_shm(size: str, python: str, timeout: int = 120) -> dict:
     """Run `python` (which prints one JSON line last) with a fresh tmpfs of `size` on /dev/shm."""
     script = f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$0" -c "$1"'
