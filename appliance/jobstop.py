@@ -18,7 +18,10 @@ SIGTERM (Ray's default: 3 s, far too short for a step of a large model; the char
                                 [--say-every SECONDS]
 
 Exit status: 0 when no job is left running (none was, or each has stopped; a dashboard that does
-not answer means there is no cluster left to stop), 1 when the timeout passed first.
+not answer means there is no cluster left to stop), 1 when the timeout passed first, 2 when the
+dashboard wants Ray's auth token and this process has none (Ray token authentication: KubeRay's
+`authOptions: {mode: token}` sets RAY_AUTH_MODE and RAY_AUTH_TOKEN in every Ray container, so
+the pods' hooks and `kubectl exec` into a Ray pod have it).
 Uses Ray's job REST API only (ray.job_submission): it never joins the cluster.
 """
 
@@ -135,7 +138,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     timeout = default_timeout() if args.timeout is None else args.timeout
     say = lambda line: print(line, flush=True)  # noqa: E731 - a line at a time, to kubectl exec
-    ok = stop_jobs(args.address, timeout, say, args.say_every)
+    from ray.exceptions import AuthenticationError
+
+    try:
+        ok = stop_jobs(args.address, timeout, say, args.say_every)
+    except AuthenticationError as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        say(
+            f"the Ray dashboard at {args.address} wants Ray's auth token ({reason}): run this "
+            "where RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) are set as in "
+            "the cluster's Ray containers (kubectl exec into a Ray pod has them)"
+        )
+        return 2
     return 0 if ok else 1
 
 

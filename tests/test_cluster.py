@@ -200,7 +200,7 @@ def blind_node(tmp_path_factory):
     finally:
         procs = session_processes(node.pid)
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(node.pid, signal.SIGTERM)  # `ray start --block` stops its node's processes
+            os.kill(node.pid, signal.SIGTERM)  # `ray start --block` stops its node's processes
         node.wait(timeout=120)
         wait_gone(procs)
         shut_down(c)

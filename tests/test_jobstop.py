@@ -5,10 +5,16 @@ checkpoint and ends STOPPED; a job that outlasts the timeout is named, with exit
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import secrets
+import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -17,18 +23,19 @@ from appliance.checkpoint import load_latest_checkpoint
 from appliance.cluster import TRAINER_NODE_RESOURCE
 from tests.helpers_model import make_model
 from tests.helpers_net import free_port
-from tests.helpers_ray import ray_session
+from tests.helpers_ray import ray_session, session_processes, wait_gone
 from tests.helpers_tokenizer import sentences
 
 pytestmark = pytest.mark.integration
 
 
-def jobstop(*args: str) -> subprocess.CompletedProcess:
+def jobstop(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "appliance.jobstop", *args],
         capture_output=True,
         text=True,
         timeout=300,
+        env=env,
     )
 
 
@@ -110,3 +117,53 @@ def test_a_training_job_stops_at_a_step_with_a_checkpoint_and_a_stubborn_one_is_
         assert (
             again.returncode == 0 and "no submitted job is running on the cluster" in again.stdout
         )
+
+
+def test_a_head_with_token_authentication_needs_its_token(tmp_path: Path) -> None:
+    """KubeRay's `authOptions: {mode: token}` (the chart's rayTokenAuth) puts RAY_AUTH_MODE and
+    RAY_AUTH_TOKEN in every Ray container, so the pods' hooks have the token. Without it (run
+    from elsewhere) the head refuses, and jobstop says so: exit 2, not a traceback, and never
+    "nothing to stop"."""
+    token = secrets.token_hex(32)
+    port, gcs = free_port(), free_port()
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_")}
+    clean["HOME"] = str(tmp_path)  # no ~/.ray/auth_token of this machine's
+    head = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block"),
+            *("--port", str(gcs), "--num-cpus", "1", "--include-dashboard", "true"),
+            *("--dashboard-host", "127.0.0.1", "--dashboard-port", str(port)),
+        ],
+        env={**clean, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token},
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    address = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _answers(address), "the head's dashboard")
+        refused = jobstop("--address", address, env=clean)
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert "Traceback" not in refused.stdout + refused.stderr
+        assert f"the Ray dashboard at {address} wants Ray's auth token" in refused.stdout
+        assert "RAY_AUTH_TOKEN" in refused.stdout
+        with_token = {**clean, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+        done = jobstop("--address", address, env=with_token)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "no submitted job is running on the cluster" in done.stdout
+    finally:
+        procs = session_processes(head.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(head.pid, signal.SIGTERM)  # `ray start --block` stops the head's processes
+        head.wait(timeout=120)
+        wait_gone(procs)
+
+
+def _answers(address: str) -> bool:
+    try:
+        urllib.request.urlopen(f"{address}/api/version", timeout=5).close()
+    except urllib.error.HTTPError:
+        return True  # it answered (401: it wants the token)
+    except OSError:
+        return False
+    return True
