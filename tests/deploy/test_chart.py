@@ -574,6 +574,34 @@ def test_graceful_stop_seconds_sets_the_wait_and_the_grace_period_and_zero_is_re
     assert "gracefulStopSeconds must be a whole number of seconds >= 1 (got 0)" in refused.stderr
 
 
+@pytest.mark.parametrize("cls", GPU_CLASSES)
+def test_ray_token_authentication_is_on_unless_turned_off(renders, cls) -> None:
+    """KubeRay (>= 1.5.1) makes the token and puts it in every Ray container when the RayCluster
+    asks for it (the CRD schema test above checks the field); the notes say how to read it from
+    the Secret KubeRay names after the cluster."""
+    docs = renders[(cls, "monitoring-off")]
+    cluster = one(docs, "RayCluster")
+    assert cluster["spec"]["authOptions"] == {"mode": "token"}
+    off = one(render(CI_VALUES[cls], sets={"rayTokenAuth": "false"}), "RayCluster")
+    assert "authOptions" not in off["spec"]
+    assert crd_errors(off) == []
+
+
+def test_the_notes_say_how_to_read_the_ray_token() -> None:
+    def notes(*sets: str) -> str:
+        cmd = [require(HELM), "install", "appliance", CHART, "-n", "appliance"]
+        cmd += ["-f", CI_VALUES["a10"], "--dry-run=client", *sets]
+        result = run(cmd)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.split("NOTES:", 1)[1]
+
+    read = "kubectl get secret -n appliance appliance -o jsonpath='{.data.auth_token}' | base64 -d"
+    assert read in notes()
+    assert read in notes("--set", "job.enabled=false")  # for `ray job submit` from here too
+    assert "export RAY_AUTH_MODE=token" in notes("--set", "job.enabled=false")
+    assert "auth_token" not in notes("--set", "rayTokenAuth=false")
+
+
 def test_the_ray_dashboard_listens_on_all_interfaces(renders) -> None:
     head = one(renders[("a10", "monitoring-off")], "RayCluster")["spec"]["headGroupSpec"]
     assert head["rayStartParams"]["dashboard-host"] == "0.0.0.0"
@@ -730,6 +758,7 @@ def test_the_job_checksum_changes_with_what_the_job_runs_on_and_only_that() -> N
         # the cluster's pods are recreated (upgradeStrategy), which kills a running job
         "gpuClassOverrides.shmSize": "96Gi",
         "head.shmSize": "4Gi",
+        "rayTokenAuth": "false",
     }
     for key, value in changes.items():
         assert job_checksum(render(CI_VALUES["a10"], sets={key: value})) != base, key

@@ -166,6 +166,8 @@ def test_deploy_dry_run_prints_every_step_and_renders_the_chart(sandbox, gpu_cla
         in hints
     )
     assert f"{with_kubeconfig}port-forward -n appliance svc/appliance-head-svc 8265:8265" in hints
+    token = "get secret -n appliance appliance -o jsonpath='{.data.auth_token}' | base64 -d"
+    assert f"{with_kubeconfig}{token}" in hints  # the Secret KubeRay names after the RayCluster
     assert [h for h in hints if not h.startswith(("+ ", with_kubeconfig))] == []
 
     # Every helm and kubectl call that reaches a cluster names this class's kubeconfig and context.
