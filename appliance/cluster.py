@@ -19,6 +19,7 @@ import os
 import secrets
 import signal
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -161,7 +162,14 @@ def start_ray(cfg: TrainConfig, progress: Progress, weight_bytes: int | None = N
             address = os.environ.get("RAY_ADDRESS") or "auto"
         try:
             _reachable(address)
-            _init_ray(ours, address=address, log_to_driver=False, runtime_env=runtime_env)
+            _answers_as_gcs(address)
+            _init_ray(
+                ours,
+                starts_ray=False,
+                address=address,
+                log_to_driver=False,
+                runtime_env=runtime_env,
+            )
         except ConnectionError as e:
             raise ConfigError(
                 f"--cluster {address}: cannot connect to a Ray cluster: {e}"
@@ -179,6 +187,7 @@ def start_ray(cfg: TrainConfig, progress: Progress, weight_bytes: int | None = N
         try:
             _init_ray(
                 ours,
+                starts_ray=True,
                 address="local",
                 include_dashboard=False,
                 log_to_driver=False,
@@ -204,18 +213,18 @@ def start_ray(cfg: TrainConfig, progress: Progress, weight_bytes: int | None = N
         progress.note(f"metrics: {metrics_url(port)}")
 
 
-def _init_ray(stop_at_once: bool, **kwargs) -> None:
+def _init_ray(stop_at_once: bool, starts_ray: bool, **kwargs) -> None:
     """`ray.init(**kwargs)`, where SIGTERM and Ctrl-C stop as they do before and after it.
 
     ray.init installs a SIGTERM handler of its own first thing, a silent `sys.exit(15)`: a
-    SIGTERM while Ray started ended the run with exit 15 and no word. And a signal that lands
-    inside ray.init, whatever the handler, interrupts it halfway: after it has started the GCS and
-    the raylet but before it has recorded them, so ray.shutdown() cannot stop them, and they
-    outlive the run. So, with our stop-at-once handler in force (`stop_at_once`), both signals
-    are held while ray.init runs (Ray's own SIGTERM handler is not installed) and acted on once
-    it has returned: ray.shutdown(), then KeyboardInterrupt (`interrupted`, exit 130)."""
-    import threading
-
+    SIGTERM while Ray started ended the run with exit 15 and no word. With our stop-at-once
+    handler in force (`stop_at_once`), Ray's is not installed. And a signal that lands inside a
+    ray.init that starts Ray (`starts_ray`), whatever the handler, interrupts it halfway: after
+    it has started the GCS and the raylet but before it has recorded them, so ray.shutdown()
+    cannot stop them, and they outlive the run. So there both signals are held while ray.init
+    runs and acted on once it has returned: ray.shutdown(), then KeyboardInterrupt
+    (`interrupted`, exit 130). A ray.init that joins a cluster starts no process, and can wait
+    for minutes on one that does not answer: there they act at once."""
     import ray
 
     if not stop_at_once or threading.current_thread() is not threading.main_thread():
@@ -224,7 +233,7 @@ def _init_ray(stop_at_once: bool, **kwargs) -> None:
     from ray._private import utils as ray_utils
 
     asked: list[int] = []
-    signals = (signal.SIGTERM, signal.SIGINT)
+    signals = (signal.SIGTERM, signal.SIGINT) if starts_ray else ()
     previous = {s: signal.signal(s, lambda signum, frame: asked.append(signum)) for s in signals}
     ray_sets_its_handler = ray_utils.set_sigterm_handler
     ray_utils.set_sigterm_handler = lambda handler: None
@@ -284,6 +293,52 @@ class RayStartFailed(ApplianceError):
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def _answers_as_gcs(address: str) -> None:
+    """Raise ConnectionError, saying why, unless a Ray GCS at host:port accepts this process: one
+    connection (Ray's own GcsClient), in a thread, so that Ctrl-C and SIGTERM act meanwhile.
+
+    ray.init retries it 20 times and then says only that it could not connect: about 20 s for a
+    cluster that wants an auth token this process lacks, about 13 minutes for an address where
+    something else answers (the dashboard's port, 8265, given for the GCS's)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or "://" in address or not port.isdigit():
+        return  # "auto" (Ray looks for a local cluster itself) or a ray:// client address
+    try:
+        from ray._raylet import GcsClient
+        from ray.exceptions import AuthenticationError, RpcError
+    except ImportError:  # another Ray than the pinned one: ray.init alone says what it says
+        return
+    failed: list[BaseException] = []
+
+    def connect() -> None:
+        try:
+            GcsClient(address=address)
+        except Exception as e:  # noqa: BLE001 - handed to the main thread
+            failed.append(e)
+
+    probe = threading.Thread(target=connect, name="appliance-gcs-probe", daemon=True)
+    probe.start()
+    while probe.is_alive():
+        probe.join(0.2)  # signal handlers run between these
+    if not failed:
+        return
+    e = failed[0]
+    if isinstance(e, AuthenticationError):
+        has = os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+        raise ConnectionError(
+            f"it uses Ray's token authentication and refused this process's token "
+            f"({'a wrong one' if has else 'none given'}): set RAY_AUTH_MODE=token and "
+            "RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the cluster's token (the Helm chart's: "
+            "kubectl get secret -n NAMESPACE RAYCLUSTER -o jsonpath='{.data.auth_token}' | "
+            "base64 -d)"
+        ) from None
+    if isinstance(e, RpcError):
+        raise ConnectionError(
+            f"no Ray GCS answers there ({_first_line(e)}): give the head's GCS port (6379 "
+            "unless `ray start --head --port` chose another), not the dashboard's (8265)"
+        ) from None
 
 
 def _reachable(address: str, timeout: float = 10.0) -> None:

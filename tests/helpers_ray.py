@@ -101,3 +101,32 @@ def ray_session(**init_kwargs) -> Iterator[None]:
         procs = ray_descendants()
         ray.shutdown()
         wait_gone(procs)
+
+
+@contextlib.contextmanager
+def ray_start(args: list[str], env: dict | None = None, prefix: list[str] | None = None):
+    """`ray start --block <args>` in a session of its own (`prefix`: a command that execs it, as
+    `unshare ... sh -c '...; exec "$@"' sh`), for a node this test process did not start through
+    Ray's Python API (another environment, another mount namespace). Yields its Popen; on exit
+    SIGTERM to `ray start` alone (it stops its node's processes: a signal to the whole session
+    would leave it waiting a minute on a GCS already gone), then wait until every process of the
+    session has ended (asserted)."""
+    import signal
+    import subprocess
+    import sys
+
+    node = subprocess.Popen(
+        [*(prefix or []), sys.executable, "-m", "ray.scripts.scripts", "start", "--block", *args],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield node
+    finally:
+        procs = session_processes(node.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(node.pid, signal.SIGTERM)
+        node.wait(timeout=120)
+        wait_gone(procs)

@@ -5,13 +5,16 @@ driver's files."""
 
 from __future__ import annotations
 
-import contextlib
+import http.server
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -25,10 +28,12 @@ from appliance.progress import Progress
 from appliance.run_record import write_run_file
 from tests.helpers_model import make_model
 from tests.helpers_mount import unshare_prefix
-from tests.helpers_ray import node_processes, session_processes, wait_gone
+from tests.helpers_net import free_port
+from tests.helpers_ray import node_processes, ray_start, wait_gone
 from tests.helpers_tokenizer import sentences
 
 pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def shut_down(c: Cluster) -> None:
@@ -178,31 +183,19 @@ def blind_node(tmp_path_factory):
     readonly.mkdir()
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     mounts = f"mount -t tmpfs tmpfs {hidden} && mount --bind -o ro {readonly} {readonly}"
-    node = subprocess.Popen(
-        [
-            *unshare_prefix(),
-            *("sh", "-c", f'{mounts} && exec "$@"', "sh", sys.executable, "-m"),
-            *("ray.scripts.scripts", "start", "--block", "--address", c.address),
-            *("--num-cpus", "1", "--resources", json.dumps({TRAINER_NODE_RESOURCE: 1})),
-        ],
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    args = ["--address", c.address, "--num-cpus", "1"]
+    args += ["--resources", json.dumps({TRAINER_NODE_RESOURCE: 1})]
     try:
-        c.wait_for_nodes()
-        deadline = time.monotonic() + 120
-        while len(c.global_state.node_table()) < 2:  # the namespaced node has registered
-            assert node.poll() is None, "the namespaced Ray node exited"
-            assert time.monotonic() < deadline, "the namespaced Ray node did not join"
-            time.sleep(0.5)
-        yield c, base
+        prefix = [*unshare_prefix(), "sh", "-c", f'{mounts} && exec "$@"', "sh"]
+        with ray_start(args, prefix=prefix) as node:
+            c.wait_for_nodes()
+            deadline = time.monotonic() + 120
+            while len(c.global_state.node_table()) < 2:  # the namespaced node has registered
+                assert node.poll() is None, "the namespaced Ray node exited"
+                assert time.monotonic() < deadline, "the namespaced Ray node did not join"
+                time.sleep(0.5)
+            yield c, base
     finally:
-        procs = session_processes(node.pid)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(node.pid, signal.SIGTERM)  # `ray start --block` stops its node's processes
-        node.wait(timeout=120)
-        wait_gone(procs)
         shut_down(c)
 
 
@@ -232,3 +225,88 @@ def test_a_trainer_node_that_cannot_see_or_write_a_path_is_named_before_training
     assert said in str(e.value)
     assert "s3://" in str(e.value)  # and says what to give instead
     assert not any((base / output).glob(".appliance-probe-*"))  # the probe is gone again
+
+
+def finish(p: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out, err
+
+
+def cli(*args: str, env: dict) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "appliance.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+
+
+def test_a_cluster_with_token_authentication_names_the_token_and_trains_with_it(tmp_path):
+    """The Helm chart's RayCluster uses Ray's token authentication (rayTokenAuth). Without the
+    token ray.init retried for 20 s and said only that it could not connect."""
+    model = make_model(tmp_path / "model", "llama-mha")
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(40)))
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_")}
+    clean.update(HOME=str(tmp_path), PYTHONPATH=str(ROOT))  # no ~/.ray/auth_token of this machine
+    token = secrets.token_hex(32)
+    with_token = {**clean, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    gcs = f"127.0.0.1:{free_port()}"
+    args = ["--head", "--port", gcs.split(":")[1], "--num-cpus", "2"]
+    args += ["--resources", json.dumps({TRAINER_NODE_RESOURCE: 1}), "--include-dashboard", "false"]
+    train = ["train", "--cluster", gcs, "--model", str(model), "--data", str(data)]
+    train += ["--steps", "2", "--seq-len", "16", "--lora-rank", "4", "--tokenize-workers", "1"]
+    with ray_start(args, env=with_token):
+        refused = cli(*train, "--output", str(tmp_path / "refused"), env=clean)
+        rc, _, err = finish(refused)
+        assert rc == 1, err[-3000:]
+        (line,) = [x for x in err.splitlines() if x.startswith("error: ")]
+        assert f"--cluster {gcs}: cannot connect to a Ray cluster: it uses Ray's token" in line
+        assert "(none given): set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN" in line
+        trained = cli(*train, "--output", str(tmp_path / "out"), env=with_token)
+        rc, _, err = finish(trained)
+        assert rc == 0, err[-3000:]
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["status"] == "complete"
+
+
+def test_an_address_where_no_gcs_answers_is_named_and_ctrl_c_ends_the_wait(tmp_path):
+    """The dashboard's port (8265) given for the GCS's: ray.init waited about 13 minutes, and
+    (Ray's SIGTERM and Ctrl-C held while ray.init ran) could not be stopped meanwhile."""
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{server.server_address[1]}"
+    model = make_model(tmp_path / "model", "llama-mha")
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "the cat"}) + "\n")
+    train = ["train", "--cluster", address, "--model", str(model), "--data", str(data)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    try:
+        waited = cli(*train, "--output", str(tmp_path / "waited"), env=env)
+        stopped = cli(*train, "--output", str(tmp_path / "stopped"), env=env)
+        # Ray's own line once its client has tried for 5 s: the wait is under way
+        said = ""
+        while "Failed to connect to GCS at address" not in said:
+            line = stopped.stderr.readline()
+            assert line, said[-3000:]
+            said += line
+        stopped.send_signal(signal.SIGINT)
+        rc, out, err = finish(stopped, timeout=30)
+        assert rc == 130 and "interrupted" in out + err, (out + err)[-3000:]
+        rc, out, err = finish(waited)
+    finally:
+        server.shutdown()
+    assert rc == 1, err[-3000:]
+    (line,) = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert f"--cluster {address}: cannot connect to a Ray cluster: no Ray GCS answers there" in line
+    assert "not the dashboard's (8265)" in line
