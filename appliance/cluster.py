@@ -326,13 +326,20 @@ def _answers_as_gcs(address: str) -> None:
         return
     e = failed[0]
     if isinstance(e, AuthenticationError):
-        has = os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+        if os.environ.get("RAY_AUTH_MODE", "").strip().lower() != "token":
+            sent = "none: RAY_AUTH_MODE is not token here"
+        elif (
+            any((os.environ.get("RAY_AUTH_TOKEN"), os.environ.get("RAY_AUTH_TOKEN_PATH")))
+            or (Path.home() / ".ray" / "auth_token").exists()
+        ):
+            sent = "one it does not accept"
+        else:
+            sent = "none: no RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token here"
         raise ConnectionError(
-            f"it uses Ray's token authentication and refused this process's token "
-            f"({'a wrong one' if has else 'none given'}): set RAY_AUTH_MODE=token and "
-            "RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the cluster's token (the Helm chart's: "
-            "kubectl get secret -n NAMESPACE RAYCLUSTER -o jsonpath='{.data.auth_token}' | "
-            "base64 -d)"
+            f"it uses Ray's token authentication, and this process sent {sent}: set "
+            "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the cluster's "
+            "token (the Helm chart's: kubectl get secret -n NAMESPACE RAYCLUSTER -o "
+            "jsonpath='{.data.auth_token}' | base64 -d)"
         ) from None
     if isinstance(e, RpcError):
         raise ConnectionError(

@@ -253,6 +253,7 @@ def test_a_cluster_with_token_authentication_names_the_token_and_trains_with_it(
     clean.update(HOME=str(tmp_path), PYTHONPATH=str(ROOT))  # no ~/.ray/auth_token of this machine
     token = secrets.token_hex(32)
     with_token = {**clean, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    other = {"RAY_AUTH_TOKEN": secrets.token_hex(32)}
     gcs = f"127.0.0.1:{free_port()}"
     args = ["--head", "--port", gcs.split(":")[1], "--num-cpus", "2"]
     args += ["--resources", json.dumps({TRAINER_NODE_RESOURCE: 1}), "--include-dashboard", "false"]
@@ -264,7 +265,10 @@ def test_a_cluster_with_token_authentication_names_the_token_and_trains_with_it(
         assert rc == 1, err[-3000:]
         (line,) = [x for x in err.splitlines() if x.startswith("error: ")]
         assert f"--cluster {gcs}: cannot connect to a Ray cluster: it uses Ray's token" in line
-        assert "(none given): set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN" in line
+        assert "sent none: RAY_AUTH_MODE is not token here: set RAY_AUTH_MODE=token and" in line
+        wrong = cli(*train, "--output", str(tmp_path / "wrong"), env={**with_token, **other})
+        rc, _, err = finish(wrong)
+        assert rc == 1 and "this process sent one it does not accept: set" in err, err[-3000:]
         trained = cli(*train, "--output", str(tmp_path / "out"), env=with_token)
         rc, _, err = finish(trained)
         assert rc == 0, err[-3000:]
