@@ -277,7 +277,7 @@ def test_a_cluster_with_token_authentication_names_the_token_and_trains_with_it(
 
 def test_an_address_where_no_gcs_answers_is_named_and_ctrl_c_ends_the_wait(tmp_path):
     """The dashboard's port (8265) given for the GCS's: ray.init waited about 13 minutes, and
-    (Ray's SIGTERM and Ctrl-C held while ray.init ran) could not be stopped meanwhile."""
+    (SIGTERM and Ctrl-C held while ray.init ran) could not be stopped meanwhile."""
 
     class Page(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
@@ -296,7 +296,9 @@ def test_an_address_where_no_gcs_answers_is_named_and_ctrl_c_ends_the_wait(tmp_p
     train = ["train", "--cluster", address, "--model", str(model), "--data", str(data)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
-        waited = cli(*train, "--output", str(tmp_path / "waited"), env=env)
+        # Ray's connect timeout shortened from 30 s: the same error, 25 s sooner
+        quick = {**env, "RAY_py_gcs_connect_timeout_s": "5"}
+        waited = cli(*train, "--output", str(tmp_path / "waited"), env=quick)
         stopped = cli(*train, "--output", str(tmp_path / "stopped"), env=env)
         # Ray's own line once its client has tried for 5 s: the wait is under way
         said = ""
