@@ -228,7 +228,11 @@ def test_a_trainer_node_that_cannot_see_or_write_a_path_is_named_before_training
 
 
 def finish(p: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
-    out, err = p.communicate(timeout=timeout)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # not left running after the test
+        raise
     return p.returncode, out, err
 
 
@@ -295,11 +299,11 @@ def test_an_address_where_no_gcs_answers_is_named_and_ctrl_c_ends_the_wait(tmp_p
     data.write_text(json.dumps({"text": "the cat"}) + "\n")
     train = ["train", "--cluster", address, "--model", str(model), "--data", str(data)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # Ray's connect timeout shortened from 30 s: the same error, 25 s sooner
+    quick = {**env, "RAY_py_gcs_connect_timeout_s": "5"}
+    waited = cli(*train, "--output", str(tmp_path / "waited"), env=quick)
+    stopped = cli(*train, "--output", str(tmp_path / "stopped"), env=env)
     try:
-        # Ray's connect timeout shortened from 30 s: the same error, 25 s sooner
-        quick = {**env, "RAY_py_gcs_connect_timeout_s": "5"}
-        waited = cli(*train, "--output", str(tmp_path / "waited"), env=quick)
-        stopped = cli(*train, "--output", str(tmp_path / "stopped"), env=env)
         # Ray's own line once its client has tried for 5 s: the wait is under way
         said = ""
         while "Failed to connect to GCS at address" not in said:
@@ -311,6 +315,10 @@ def test_an_address_where_no_gcs_answers_is_named_and_ctrl_c_ends_the_wait(tmp_p
         assert rc == 130 and "interrupted" in out + err, (out + err)[-3000:]
         rc, out, err = finish(waited)
     finally:
+        for p in (waited, stopped):  # a failed assertion leaves neither running
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
         server.shutdown()
     assert rc == 1, err[-3000:]
     (line,) = [x for x in err.splitlines() if x.startswith("error: ")]
