@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import secrets
 import signal
 import socket
 import threading
@@ -25,7 +24,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import storage
+from . import ray_auth, storage
 from .config import DEFAULT_METRICS_PORT, TrainConfig, parse_bytes
 from .errors import ApplianceError, ConfigError
 from .progress import Progress
@@ -157,10 +156,15 @@ def start_ray(cfg: TrainConfig, progress: Progress, weight_bytes: int | None = N
     runtime_env = {"env_vars": env_vars}
 
     if cfg.cluster:
+        from ray.exceptions import AuthenticationError
+
         address = cfg.cluster
         if address == "auto":
             address = os.environ.get("RAY_ADDRESS") or "auto"
         try:
+            problem = ray_auth.local_token_problem()
+            if problem:  # Ray's client would abort this process on it
+                raise ConnectionError(f"{problem}: {ray_auth.HOW}")
             _reachable(address)
             _answers_as_gcs(address)
             _init_ray(
@@ -174,6 +178,11 @@ def start_ray(cfg: TrainConfig, progress: Progress, weight_bytes: int | None = N
             raise ConfigError(
                 f"--cluster {address}: cannot connect to a Ray cluster: {e}"
             ) from None
+        except AuthenticationError as e:  # ray.init's own check ("auto": no probe above)
+            raise ConfigError(
+                f"--cluster {address}: cannot connect to a Ray cluster: {_first_line(e)}; "
+                f"{ray_auth.HOW}"
+            ) from None
         progress.note(f"connected to Ray cluster at {address}")
     else:
         port = choose_metrics_port(cfg.metrics_port, DEFAULT_METRICS_PORT)
@@ -181,8 +190,8 @@ def start_ray(cfg: TrainConfig, progress: Progress, weight_bytes: int | None = N
         if store is not None and weight_bytes is not None:
             check_weights_fit(weight_bytes, store, source)
         progress.note("starting Ray (embedded)")
-        _quiet_default_token_auth_notice()
-        _token_in_env_if_home_is_read_only()
+        ray_auth.quiet_default_notice()
+        ray_auth.token_in_env_if_home_is_read_only()
         t0 = time.perf_counter()
         try:
             _init_ray(
@@ -248,44 +257,6 @@ def _init_ray(stop_at_once: bool, starts_ray: bool, **kwargs) -> None:
         raise KeyboardInterrupt
 
 
-def _quiet_default_token_auth_notice() -> None:
-    """Ray 2.60's ray.init of a new local cluster enables token authentication and warns that it
-    did, on every run ("Token authentication is enabled ... Set RAY_AUTH_MODE=disabled to opt
-    out"). Authentication stays on; only that notice is dropped: a warning every run says
-    nothing to act on. Any other warning of Ray's (auth disabled, a token missing) still shows."""
-    log = logging.getLogger("ray._private.authentication.authentication_token_setup")
-    if not any(f is _drop_token_auth_enabled for f in log.filters):
-        log.addFilter(_drop_token_auth_enabled)
-
-
-def _token_in_env_if_home_is_read_only() -> None:
-    """Ray 2.60's ray.init of a new local cluster turns token authentication on and, with no token
-    given, writes a new one to ~/.ray/auth_token. Where the home directory cannot be written
-    (`docker run --user <uid>`: HOME is /, which only root may write), that write failed and Ray
-    did not start. There the token is made here instead and given to Ray in RAY_AUTH_TOKEN, the
-    first place it looks (its processes inherit it): authentication stays on, nothing is written.
-    A token the user gave (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, the file) or RAY_AUTH_MODE=disabled
-    is left as it is."""
-    if os.environ.get("RAY_AUTH_MODE", "token").strip().lower() != "token":
-        return
-    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
-        return
-    ray_home = Path.home() / ".ray"
-    if (ray_home / "auth_token").exists():
-        return
-    try:
-        ray_home.mkdir(parents=True, exist_ok=True)  # as Ray would, to write its token there
-        if os.access(ray_home, os.W_OK):
-            return
-    except OSError:
-        pass
-    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-
-
-def _drop_token_auth_enabled(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("Token authentication is enabled")
-
-
 class RayStartFailed(ApplianceError):
     """The embedded Ray did not start (no space for its session files or shared memory, ...)."""
 
@@ -319,6 +290,7 @@ def _answers_as_gcs(address: str) -> None:
             failed.append(e)
 
     probe = threading.Thread(target=connect, name="appliance-gcs-probe", daemon=True)
+    start = time.monotonic()
     probe.start()
     while probe.is_alive():
         probe.join(0.2)  # signal handlers run between these
@@ -326,25 +298,17 @@ def _answers_as_gcs(address: str) -> None:
         return
     e = failed[0]
     if isinstance(e, AuthenticationError):
-        if os.environ.get("RAY_AUTH_MODE", "").strip().lower() != "token":
-            sent = "none: RAY_AUTH_MODE is not token here"
-        elif (
-            any((os.environ.get("RAY_AUTH_TOKEN"), os.environ.get("RAY_AUTH_TOKEN_PATH")))
-            or (Path.home() / ".ray" / "auth_token").exists()
-        ):
-            sent = "one it does not accept"
-        else:
-            sent = "none: no RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token here"
         raise ConnectionError(
-            f"it uses Ray's token authentication, and this process sent {sent}: set "
-            "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the cluster's "
-            "token (the Helm chart's: kubectl get secret -n NAMESPACE RAYCLUSTER -o "
-            "jsonpath='{.data.auth_token}' | base64 -d)"
+            f"it uses Ray's token authentication, and this process sent "
+            f"{ray_auth.what_was_sent()}: {ray_auth.HOW} (the Helm chart's: "
+            f"{ray_auth.CHART_TOKEN})"
         ) from None
     if isinstance(e, RpcError):
         raise ConnectionError(
-            f"no Ray GCS answers there ({_first_line(e)}): give the head's GCS port (6379 "
-            "unless `ray start --head --port` chose another), not the dashboard's (8265)"
+            f"no Ray GCS answered there within {time.monotonic() - start:.0f} s "
+            f"({_first_line(e)}): give the head's GCS port (6379 unless `ray start --head "
+            "--port` chose another), not the dashboard's (8265); a head that is still starting: "
+            "try again once it is up"
         ) from None
 
 
@@ -403,17 +367,25 @@ def on_node(node_id: str | None) -> dict:
 
 
 def _output_problem(probe: str) -> str | None:
-    """On a trainer node: None when it sees the driver's probe file and can write beside it (rank
-    0 writes the checkpoints and the adapter there), else what is wrong."""
+    """On a trainer node: None when it sees the driver's probe file and can write and remove a
+    file beside it (rank 0 writes the checkpoints and the adapter there, and prunes the old
+    checkpoints), else what is wrong."""
     seen = Path(probe)
-    if not seen.exists():
-        return "does not see it"
+    try:
+        seen.stat()
+    except FileNotFoundError:
+        return "does not see the directory (the driver's file written there is not there)"
+    except OSError as e:
+        return f"cannot read the directory ({e.strerror})"
     mine = seen.with_name(f"{seen.name}-{socket.gethostname()}-{os.getpid()}")
     try:
         mine.write_bytes(b"")
-        mine.unlink()
     except OSError as e:
         return f"cannot write there ({e.strerror})"
+    try:
+        mine.unlink()
+    except OSError as e:
+        return f"can write there but not remove a file it wrote, {mine.name} ({e.strerror})"
     return None
 
 
@@ -446,5 +418,5 @@ def check_shared_output(output: str, slots: list[Slot]) -> None:
     wrong = [f"{address} {why}" for (_, address), why in zip(nodes, problems, strict=True) if why]
     if wrong:
         raise ConfigError(
-            f"--output {output}: from the trainer node(s): {'; '.join(wrong)}. {shared}"
+            f"--output {output}: from the trainer node(s): {'; '.join(wrong)}; {shared}"
         )

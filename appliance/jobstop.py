@@ -18,10 +18,11 @@ SIGTERM (Ray's default: 3 s, far too short for a step of a large model; the char
                                 [--say-every SECONDS]
 
 Exit status: 0 when no job is left running (none was, or each has stopped; a dashboard that does
-not answer means there is no cluster left to stop), 1 when the timeout passed first, 2 when the
-dashboard wants Ray's auth token and this process has none (Ray token authentication: KubeRay's
-`authOptions: {mode: token}` sets RAY_AUTH_MODE and RAY_AUTH_TOKEN in every Ray container, so
-the pods' hooks and `kubectl exec` into a Ray pod have it).
+not answer means there is no cluster left to stop), 1 when the timeout passed first, 2 when
+Ray's token authentication stops it: the dashboard refused this process's token, or
+RAY_AUTH_MODE=token here with no token set (KubeRay's `authOptions: {mode: token}` sets
+RAY_AUTH_MODE and RAY_AUTH_TOKEN in every Ray container, so the pods' hooks and `kubectl exec`
+into a Ray pod have them).
 Uses Ray's job REST API only (ray.job_submission): it never joins the cluster.
 """
 
@@ -140,14 +141,19 @@ def main(argv: list[str] | None = None) -> int:
     say = lambda line: print(line, flush=True)  # noqa: E731 - a line at a time, to kubectl exec
     from ray.exceptions import AuthenticationError
 
+    from .ray_auth import HOW, local_token_problem, what_was_sent
+
+    problem = local_token_problem()
+    if problem:  # Ray's client would fail on it before asking the dashboard anything
+        say(f"{problem}: {HOW} (kubectl exec into a Ray pod has them)")
+        return 2
     try:
         ok = stop_jobs(args.address, timeout, say, args.say_every)
-    except AuthenticationError as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except AuthenticationError:
         say(
-            f"the Ray dashboard at {args.address} wants Ray's auth token ({reason}): run this "
-            "where RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) are set as in "
-            "the cluster's Ray containers (kubectl exec into a Ray pod has them)"
+            f"the Ray dashboard at {args.address} uses Ray's token authentication and refused "
+            f"this process, which sent {what_was_sent()}: {HOW} (kubectl exec into a Ray pod "
+            "has them)"
         )
         return 2
     return 0 if ok else 1

@@ -464,10 +464,16 @@ print_next_steps() {
   if [[ -n "$JOB_NAME" ]]; then
     echo "  $kubectl logs -n $NAMESPACE -f job/$JOB_NAME"
   fi
+  # the chart's rayTokenAuth: KubeRay keeps the token in a Secret named after the RayCluster
+  if grep -q '^  authOptions:' "$OUT_DIR/manifests/appliance/templates/raycluster.yaml"; then
+    echo "Ray dashboard (http://127.0.0.1:8265; the token it asks for is the second line's):"
+    echo "  $kubectl port-forward -n $NAMESPACE svc/$cluster_name-head-svc 8265:8265"
+    echo "  $kubectl get secret -n $NAMESPACE $cluster_name -o jsonpath='{.data.auth_token}' | base64 -d"
+  else
+    echo "Ray dashboard (http://127.0.0.1:8265):"
+    echo "  $kubectl port-forward -n $NAMESPACE svc/$cluster_name-head-svc 8265:8265"
+  fi
   cat <<EOF
-Ray dashboard (http://127.0.0.1:8265; the token it asks for, with the chart's rayTokenAuth on):
-  $kubectl port-forward -n $NAMESPACE svc/$cluster_name-head-svc 8265:8265
-  $kubectl get secret -n $NAMESPACE $cluster_name -o jsonpath='{.data.auth_token}' | base64 -d
 Grafana (http://127.0.0.1:3000; dashboards in folders "Appliance" and "Ray"):
   $kubectl port-forward -n $MONITORING_NAMESPACE svc/prometheus-grafana 3000:80
   $kubectl get secret -n $MONITORING_NAMESPACE prometheus-grafana -o jsonpath='{.data.admin-password}' | base64 -d

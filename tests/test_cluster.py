@@ -10,6 +10,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -202,7 +203,7 @@ def blind_node(tmp_path_factory):
 @pytest.mark.parametrize(
     ("model", "output", "said"),
     [
-        ("model", "hidden/out", "does not see it"),
+        ("model", "hidden/out", "does not see the directory"),
         ("model", "readonly/out", "cannot write there (Read-only file system)"),
         ("hidden/model", "out", "is not visible from the trainer's node"),
     ],
@@ -225,6 +226,19 @@ def test_a_trainer_node_that_cannot_see_or_write_a_path_is_named_before_training
     assert said in str(e.value)
     assert "s3://" in str(e.value)  # and says what to give instead
     assert not any((base / output).glob(".appliance-probe-*"))  # the probe is gone again
+
+
+def wait_for_port(address: str, timeout: float = 120.0) -> None:
+    """Until host:port accepts a TCP connection (a `ray start` head's GCS)."""
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, f"nothing listens at {address}"
+            time.sleep(0.2)
 
 
 def finish(p: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
@@ -263,16 +277,24 @@ def test_a_cluster_with_token_authentication_names_the_token_and_trains_with_it(
     args += ["--resources", json.dumps({TRAINER_NODE_RESOURCE: 1}), "--include-dashboard", "false"]
     train = ["train", "--cluster", gcs, "--model", str(model), "--data", str(data)]
     train += ["--steps", "2", "--seq-len", "16", "--lora-rank", "4", "--tokenize-workers", "1"]
+    tries = {  # three runs at once, each refused: no token sent, a wrong one, none to send
+        "none": (clean, "this process sent none, as RAY_AUTH_MODE is not token here: set"),
+        "wrong": ({**with_token, **other}, "this process sent one the cluster does not accept"),
+        "empty": (  # what the chart's `export ... RAY_AUTH_TOKEN="$(kubectl ...)"` gives when
+            {**with_token, "RAY_AUTH_TOKEN": ""},  # kubectl fails: Ray's client aborted on it
+            "RAY_AUTH_MODE is token here, but no token is set (RAY_AUTH_TOKEN is empty or unset",
+        ),
+    }
     with ray_start(args, env=with_token):
-        refused = cli(*train, "--output", str(tmp_path / "refused"), env=clean)
-        rc, _, err = finish(refused)
-        assert rc == 1, err[-3000:]
-        (line,) = [x for x in err.splitlines() if x.startswith("error: ")]
-        assert f"--cluster {gcs}: cannot connect to a Ray cluster: it uses Ray's token" in line
-        assert "sent none: RAY_AUTH_MODE is not token here: set RAY_AUTH_MODE=token and" in line
-        wrong = cli(*train, "--output", str(tmp_path / "wrong"), env={**with_token, **other})
-        rc, _, err = finish(wrong)
-        assert rc == 1 and "this process sent one it does not accept: set" in err, err[-3000:]
+        wait_for_port(gcs)
+        runs = {k: cli(*train, "--output", str(tmp_path / k), env=e) for k, (e, _) in tries.items()}
+        for name, run in runs.items():
+            rc, _, err = finish(run)
+            assert rc == 1 and "Traceback" not in err, err[-3000:]
+            (line,) = [x for x in err.splitlines() if x.startswith("error: ")]
+            assert line.startswith(f"error: --cluster {gcs}: cannot connect to a Ray cluster: ")
+            assert tries[name][1] in line, line
+            assert line.endswith("to the cluster's token" if name == "empty" else "| base64 -d)")
         trained = cli(*train, "--output", str(tmp_path / "out"), env=with_token)
         rc, _, err = finish(trained)
         assert rc == 0, err[-3000:]
@@ -322,5 +344,7 @@ def test_an_address_where_no_gcs_answers_is_named_and_ctrl_c_ends_the_wait(tmp_p
         server.shutdown()
     assert rc == 1, err[-3000:]
     (line,) = [x for x in err.splitlines() if x.startswith("error: ")]
-    assert f"--cluster {address}: cannot connect to a Ray cluster: no Ray GCS answers there" in line
+    assert (
+        f"--cluster {address}: cannot connect to a Ray cluster: no Ray GCS answered there" in line
+    )
     assert "not the dashboard's (8265)" in line

@@ -148,8 +148,15 @@ def test_a_head_with_token_authentication_needs_its_token(tmp_path: Path) -> Non
         refused = jobstop("--address", address, env=clean)
         assert refused.returncode == 2, refused.stdout + refused.stderr
         assert "Traceback" not in refused.stdout + refused.stderr
-        assert f"the Ray dashboard at {address} wants Ray's auth token" in refused.stdout
-        assert "RAY_AUTH_TOKEN" in refused.stdout
+        assert (
+            f"the Ray dashboard at {address} uses Ray's token authentication and refused this "
+            "process, which sent none, as RAY_AUTH_MODE is not token here: set RAY_AUTH_MODE="
+        ) in refused.stdout
+        # RAY_AUTH_MODE=token and no token: Ray's client refuses before it asks the dashboard
+        empty = jobstop("--address", address, env={**clean, "RAY_AUTH_MODE": "token"})
+        assert empty.returncode == 2, empty.stdout + empty.stderr
+        assert "RAY_AUTH_MODE is token here, but no token is set" in empty.stdout
+        assert "Traceback" not in empty.stdout + empty.stderr
         with_token = {**clean, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
         done = jobstop("--address", address, env=with_token)
         assert done.returncode == 0, done.stdout + done.stderr

@@ -234,7 +234,7 @@ def test_job_arguments_and_extra_values_reach_the_rendered_chart(sandbox, tmp_pa
     config = tmp_path / "train.yaml"
     config.write_text("lora_rank: 8\nseq_len: 512\n")
     extra = tmp_path / "extra-values.yaml"
-    extra.write_text("worker:\n  replicas: 2\n")
+    extra.write_text("worker:\n  replicas: 2\nrayTokenAuth: false\n")
     args = [
         "MODEL=s3://b/m",
         "DATA=s3://b/d",
@@ -243,7 +243,8 @@ def test_job_arguments_and_extra_values_reach_the_rendered_chart(sandbox, tmp_pa
         f"TRAIN_CONFIG={config}",
         f"CHART_VALUES={extra}",
     ]
-    assert dry_run("deploy", sandbox, "GPU_CLASS=a10", *args).returncode == 0
+    result = dry_run("deploy", sandbox, "GPU_CLASS=a10", *args)
+    assert result.returncode == 0, result.stdout
     manifests = Path(sandbox["DEPLOY_OUT_DIR"]) / "manifests" / "appliance" / "templates"
     job = yaml.safe_load((manifests / "rayjob.yaml").read_text())
     entrypoint = job["spec"]["entrypoint"]
@@ -257,6 +258,9 @@ def test_job_arguments_and_extra_values_reach_the_rendered_chart(sandbox, tmp_pa
     assert (cfg.lora_rank, cfg.seq_len, cfg.steps, cfg.model) == (8, 512, 7, "s3://b/m")
     cluster = yaml.safe_load((manifests / "raycluster.yaml").read_text())
     assert cluster["spec"]["workerGroupSpecs"][0]["replicas"] == 2  # CHART_VALUES applied
+    # rayTokenAuth off: no authOptions, and no token for the hints to read
+    assert "authOptions" not in cluster["spec"] and "auth_token" not in result.stdout
+    assert "port-forward -n appliance svc/appliance-head-svc 8265:8265" in result.stdout
 
 
 @pytest.mark.parametrize("gpu_class", ["a10", "4090"])
