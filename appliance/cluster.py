@@ -26,7 +26,7 @@ from pathlib import Path
 
 from . import ray_auth, storage
 from .config import DEFAULT_METRICS_PORT, TrainConfig, parse_bytes
-from .errors import ApplianceError, ConfigError
+from .errors import ApplianceError, ConfigError, first_line
 from .progress import Progress
 
 TRAINER_NODE_RESOURCE = "appliance_trainer_node"  # marks nodes for trainers, beside "GPU"
@@ -180,7 +180,7 @@ def start_ray(cfg: TrainConfig, progress: Progress, weight_bytes: int | None = N
             ) from None
         except AuthenticationError as e:  # ray.init's own check ("auto": no probe above)
             raise ConfigError(
-                f"--cluster {address}: cannot connect to a Ray cluster: {_first_line(e)}; "
+                f"--cluster {address}: cannot connect to a Ray cluster: {first_line(e)}; "
                 f"{ray_auth.HOW}"
             ) from None
         progress.note(f"connected to Ray cluster at {address}")
@@ -212,7 +212,7 @@ def start_ray(cfg: TrainConfig, progress: Progress, weight_bytes: int | None = N
                 ray.shutdown()
             ray_dir = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), "ray")
             raise RayStartFailed(
-                f"cannot start Ray: {_first_line(e)}; check that {ray_dir} and /dev/shm have "
+                f"cannot start Ray: {first_line(e)}; check that {ray_dir} and /dev/shm have "
                 "free space and are writable (RAY_TMPDIR moves the first), then see the logs in "
                 f"{ray_dir}/session_latest/logs"
             ) from None
@@ -261,11 +261,6 @@ class RayStartFailed(ApplianceError):
     """The embedded Ray did not start (no space for its session files or shared memory, ...)."""
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
 def _answers_as_gcs(address: str) -> None:
     """Raise ConnectionError, saying why, unless a Ray GCS at host:port accepts this process: one
     connection (Ray's own GcsClient), in a thread, so that Ctrl-C and SIGTERM act meanwhile.
@@ -273,9 +268,8 @@ def _answers_as_gcs(address: str) -> None:
     ray.init retries it 20 times and then says only that it could not connect: about 20 s for a
     cluster that wants an auth token this process lacks, about 13 minutes for an address where
     something else answers (the dashboard's port, 8265, given for the GCS's)."""
-    host, sep, port = address.rpartition(":")
-    if not sep or "://" in address or not port.isdigit():
-        return  # "auto" (Ray looks for a local cluster itself) or a ray:// client address
+    if _host_port(address) is None:
+        return
     try:
         from ray._raylet import GcsClient
         from ray.exceptions import AuthenticationError, RpcError
@@ -306,20 +300,29 @@ def _answers_as_gcs(address: str) -> None:
     if isinstance(e, RpcError):
         raise ConnectionError(
             f"no Ray GCS answered there within {time.monotonic() - start:.0f} s "
-            f"({_first_line(e)}): give the head's GCS port (6379 unless `ray start --head "
+            f"({first_line(e)}): give the head's GCS port (6379 unless `ray start --head "
             "--port` chose another), not the dashboard's (8265); a head that is still starting: "
             "try again once it is up"
         ) from None
 
 
+def _host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of a host:port --cluster address; None for "auto" (Ray looks for a local
+    cluster itself) or a ray:// client address, which the checks before ray.init leave alone."""
+    host, sep, port = address.rpartition(":")
+    if not sep or "://" in address or not port.isdigit():
+        return None
+    return host, int(port)
+
+
 def _reachable(address: str, timeout: float = 10.0) -> None:
     """Raise ConnectionError unless host:port accepts a TCP connection: ray.init retries an
     address where nothing listens for minutes."""
-    host, sep, port = address.rpartition(":")
-    if not sep or "://" in address or not port.isdigit():
-        return  # "auto" (Ray looks for a local cluster itself) or a ray:// client address
+    host_port = _host_port(address)
+    if host_port is None:
+        return
     try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
+        socket.create_connection(host_port, timeout=timeout).close()
     except OSError as e:
         raise ConnectionError(f"nothing answers at {address} ({e.strerror or e})") from None
 

@@ -47,6 +47,13 @@ class StorageError(ApplianceError):
         return (type(self), (str(self), self.uri, self.kind))
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of `e`'s message (its type's name when it has none): for one-line errors
+    that quote what a library raised."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def cause_chain(e: BaseException) -> list[BaseException]:
     """The exception and what it wraps, outermost first (Ray nests an actor's failure in
     `.cause`, a task's in `.cause` again when it crosses another actor)."""

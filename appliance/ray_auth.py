@@ -17,6 +17,8 @@ import os
 import secrets
 from pathlib import Path
 
+from .errors import first_line
+
 MODE_ENV = "RAY_AUTH_MODE"
 TOKEN_ENV = "RAY_AUTH_TOKEN"
 TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
@@ -46,7 +48,7 @@ def local_token_problem() -> str | None:
         if AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True):
             return None
     except AuthenticationError as e:  # RAY_AUTH_TOKEN_PATH names a file it cannot read
-        return f"RAY_AUTH_MODE is token here, but {_first_line(e)}"
+        return f"RAY_AUTH_MODE is token here, but {first_line(e)}"
     return (
         "RAY_AUTH_MODE is token here, but no token is set (RAY_AUTH_TOKEN is empty or unset, "
         "with no RAY_AUTH_TOKEN_PATH and no ~/.ray/auth_token)"
@@ -96,8 +98,3 @@ def token_in_env_if_home_is_read_only() -> None:
     except OSError:
         pass
     os.environ[TOKEN_ENV] = secrets.token_hex(32)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -465,13 +465,12 @@ print_next_steps() {
     echo "  $kubectl logs -n $NAMESPACE -f job/$JOB_NAME"
   fi
   # the chart's rayTokenAuth: KubeRay keeps the token in a Secret named after the RayCluster
-  if grep -q '^  authOptions:' "$OUT_DIR/manifests/appliance/templates/raycluster.yaml"; then
-    echo "Ray dashboard (http://127.0.0.1:8265; the token it asks for is the second line's):"
-    echo "  $kubectl port-forward -n $NAMESPACE svc/$cluster_name-head-svc 8265:8265"
+  local auth=""
+  if grep -q '^  authOptions:' "$OUT_DIR/manifests/appliance/templates/raycluster.yaml"; then auth=1; fi
+  echo "Ray dashboard (http://127.0.0.1:8265${auth:+; it asks for the token the second line prints}):"
+  echo "  $kubectl port-forward -n $NAMESPACE svc/$cluster_name-head-svc 8265:8265"
+  if [[ -n "$auth" ]]; then
     echo "  $kubectl get secret -n $NAMESPACE $cluster_name -o jsonpath='{.data.auth_token}' | base64 -d"
-  else
-    echo "Ray dashboard (http://127.0.0.1:8265):"
-    echo "  $kubectl port-forward -n $NAMESPACE svc/$cluster_name-head-svc 8265:8265"
   fi
   cat <<EOF
 Grafana (http://127.0.0.1:3000; dashboards in folders "Appliance" and "Ray"):

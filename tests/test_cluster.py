@@ -11,8 +11,6 @@ import os
 import secrets
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -27,6 +25,7 @@ from appliance.driver import connect
 from appliance.errors import ConfigError
 from appliance.progress import Progress
 from appliance.run_record import write_run_file
+from tests.helpers_cli import cli, finish
 from tests.helpers_model import make_model
 from tests.helpers_mount import unshare_prefix
 from tests.helpers_net import free_port
@@ -239,26 +238,6 @@ def wait_for_port(address: str, timeout: float = 120.0) -> None:
         except OSError:
             assert time.monotonic() < deadline, f"nothing listens at {address}"
             time.sleep(0.2)
-
-
-def finish(p: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)  # not left running after the test
-        raise
-    return p.returncode, out, err
-
-
-def cli(*args: str, env: dict) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "appliance.cli", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
 
 
 def test_a_cluster_with_token_authentication_names_the_token_and_trains_with_it(tmp_path):

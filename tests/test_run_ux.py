@@ -26,6 +26,7 @@ import pytest
 from appliance.checkpoint import load_latest_checkpoint
 from appliance.config import build_config
 from appliance.run_record import write_run_file
+from tests.helpers_cli import cli, finish
 from tests.helpers_model import make_model
 from tests.helpers_net import free_port
 from tests.helpers_ray import session_processes, wait_gone
@@ -77,15 +78,6 @@ def start(argv: list[str], prefix: str = "", env: dict | None = None) -> subproc
         start_new_session=True,
         env={**os.environ, **FOUR_CPUS, **(env or {})},
     )
-
-
-def finish(p: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        raise
-    return p.returncode, out, err
 
 
 def read_until(p: subprocess.Popen, pattern: str) -> list[str]:
@@ -348,13 +340,7 @@ def test_a_home_ray_cannot_write_does_not_stop_the_run(inputs, tmp_path):
     with token authentication on by default, failed to save its new token there and did not
     start. /proc stands in for it here (no directory can be made in it, even by root)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_")}
-    p = subprocess.Popen(
-        [sys.executable, "-m", "appliance.cli", *train_argv(inputs, tmp_path / "out")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**env, **FOUR_CPUS, "HOME": "/proc"},
-    )
+    p = cli(*train_argv(inputs, tmp_path / "out"), env={**env, **FOUR_CPUS, "HOME": "/proc"})
     rc, out, err = finish(p)
     assert rc == 0, err[-3000:]
     assert record(tmp_path / "out")["status"] == "complete"
