@@ -23,9 +23,23 @@ fi
 command -v apt-get >/dev/null || { log "apt-get not found: install Prometheus by hand"; exit 1; }
 export DEBIAN_FRONTEND=noninteractive
 log "apt-get install prometheus"
-apt-get update -qq
+# A fresh cloud machine often runs apt at boot (unattended-upgrades, cloud-init) and holds
+# its locks for a few minutes: wait for them rather than fail the install. `install` waits on
+# dpkg's lock itself (DPkg::Lock::Timeout); `update` does not wait on the lists lock (apt 2.6),
+# so it is tried again until the same deadline.
+timeout="${APT_LOCK_TIMEOUT:-600}"
+wait_lock=(-o DPkg::Lock::Timeout="$timeout")
+deadline=$((SECONDS + timeout))
+until apt-get "${wait_lock[@]}" update -qq; do
+  if ((SECONDS >= deadline)); then
+    log "apt-get update kept failing for ${timeout}s (APT_LOCK_TIMEOUT): see its error above"
+    exit 1
+  fi
+  log "apt-get update failed (another apt running?): trying again in 10 s"
+  sleep 10
+done
 # --no-install-recommends: the server and promtool only, not node-exporter and friends.
-apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+apt-get "${wait_lock[@]}" install -y -qq --no-install-recommends prometheus >/dev/null
 # The package's postinst may start a service on :9090 where an init system runs; the tests
 # start their own server on a free port, so a running one does no harm.
 log "$(prometheus --version 2>&1 | head -n1) installed"
