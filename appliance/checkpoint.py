@@ -275,7 +275,8 @@ def _load_verified(
     uri: str, only: Collection[str] | None = None
 ) -> tuple[dict[str, Any] | None, dict[str, bytes], list[str]]:
     """Read a checkpoint dir and check it against its manifest: (manifest, files, problems).
-    `only`: read and check just those of the manifest's files (the others are not read)."""
+    `only`: read and check just those of the manifest's files; the others are not read, only
+    their sizes checked (a missing or truncated trainer state is found before a model loads)."""
     manifest_uri = storage.join(uri, MANIFEST)
     try:
         raw = storage.read_bytes(manifest_uri)
@@ -296,21 +297,22 @@ def _load_verified(
     files: dict[str, bytes] = {}
     problems: list[str] = []
     for fname, (want_size, want_sha) in expected.items():
-        if only is not None and fname not in only:
-            continue
         furi = storage.join(uri, fname)
+        size_only = only is not None and fname not in only
         try:
-            data = storage.read_bytes(furi)
+            data = None if size_only else storage.read_bytes(furi)
+            size = storage.size(furi) if data is None else len(data)
         except StorageError as e:
             if e.kind != NOT_FOUND:
                 raise
             problems.append(f"{furi}: missing")
             continue
-        if len(data) != want_size:
+        if size != want_size:
             problems.append(
-                f"{furi}: size {len(data)} bytes, manifest says {want_size} (truncated or "
-                "overwritten)"
+                f"{furi}: size {size} bytes, manifest says {want_size} (truncated or overwritten)"
             )
+        elif data is None:
+            continue
         elif _sha256(data) != want_sha:
             problems.append(f"{furi}: sha256 mismatch (corrupt)")
         else:

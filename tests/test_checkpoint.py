@@ -214,6 +214,36 @@ def test_all_corrupt_raises_naming_each_file(output_uri: str) -> None:
     assert len(info.value.problems) == 2
 
 
+def test_only_reads_those_files_and_checks_the_others_sizes(output_uri: str) -> None:
+    """The driver resumes reading only its small state: the big files it does not read are
+    still checked for presence and size, so a checkpoint whose trainer state is missing or
+    truncated is skipped (or, all bad, an error) before any model loads."""
+    for step in (1, 2, 3):
+        save_checkpoint(output_uri, step, files_for(step), keep=3)
+    truncated = storage.join(ckpt_uri(output_uri, 3), "optimizer.pt")
+    storage.write_bytes(truncated, storage.read_bytes(truncated)[:5])
+    missing = storage.join(ckpt_uri(output_uri, 2), "adapter_model.safetensors")
+    storage.delete(missing)
+
+    ckpt = load_latest_checkpoint(output_uri, only=("state.json",))
+    assert ckpt is not None and ckpt.step == 1
+    assert ckpt.files == {"state.json": files_for(1)["state.json"]}  # the others not read
+    assert any(truncated in s and "truncated" in s for s in ckpt.skipped)
+    assert any(missing in s and "missing" in s for s in ckpt.skipped)
+
+    # a flipped byte keeps the size: only a full read finds it (rank 0's, which falls back)
+    flip_byte(storage.join(ckpt_uri(output_uri, 1), "optimizer.pt"))
+    assert load_latest_checkpoint(output_uri, only=("state.json",)).step == 1
+    with pytest.raises(CheckpointError):
+        load_latest_checkpoint(output_uri)
+
+    storage.delete(storage.join(ckpt_uri(output_uri, 1), "optimizer.pt"))
+    with pytest.raises(CheckpointError) as info:
+        load_latest_checkpoint(output_uri, only=("state.json",))
+    assert truncated in str(info.value) and missing in str(info.value)
+    assert len(info.value.problems) == 3
+
+
 def test_marker_pointing_at_nothing_raises(output_uri: str) -> None:
     storage.write_bytes(storage.join(output_uri, "checkpoints", "latest"), b"step-000009\n")
     with pytest.raises(CheckpointError, match="step-000009: named by latest but missing"):

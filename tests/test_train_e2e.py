@@ -20,6 +20,7 @@ import torch
 from peft import PeftModel
 
 from appliance.blocks import DictBlockSource
+from appliance.checkpoint import CheckpointError
 from appliance.config import build_config
 from appliance.driver import prepare, train
 from appliance.engine import StreamedEngine, lr_at
@@ -379,7 +380,8 @@ def test_checkpoints_and_the_adapter_never_pass_through_the_driver(
     """Rank 0 writes the checkpoints and the final adapter and reads the checkpoint a run resumes
     from: the driver (this process) neither writes nor reads their big files, the adapter's
     weights and the trainer state (about 12 GiB for 70B at rank 64; on a cluster the driver runs
-    on a small head node). It reads only its own state, to resume."""
+    on a small head node). It reads only its own state, to resume, and checks the sizes of
+    the others."""
     from appliance import storage
     from appliance.checkpoint import load_latest_checkpoint
 
@@ -415,3 +417,15 @@ def test_checkpoints_and_the_adapter_never_pass_through_the_driver(
     assert load_latest_checkpoint(str(out)).step == 6  # written, complete, by rank 0
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
     assert (out / "adapter_model.safetensors").stat().st_size > 0
+
+    # it checks their sizes, so trainer states all truncated stop a resume before a model loads
+    states = sorted(out.glob("checkpoints/step-*/trainer_state.pt"))
+    assert states
+    for state in states:
+        state.write_bytes(state.read_bytes()[:100])
+    cfg = tiny_train_config(model_dir, data, out, steps=8, checkpoint_every=2, resume=True)
+    run = Run(prepare(cfg), Progress("json"))
+    with pytest.raises(CheckpointError) as info:
+        run.create_actors()
+    assert all(str(state) in str(info.value) for state in states)
+    assert not hasattr(run, "stores")  # raised before the weight stores were made
