@@ -47,7 +47,7 @@ from . import quant
 from .bench_table import print_table, write_json
 from .blocks import dtype_from_name
 from .engine import StreamedEngine
-from .errors import ConfigError
+from .errors import ConfigError, first_line
 from .gpu_monitor import NvmlSampler
 from .lora import LoraSpec, LoraWeights
 from .measure import (
@@ -170,7 +170,7 @@ def _run_mode(
         # what the budget caps (reserved), and whether the allocator had to free and retry
         allocator = _allocator_facts(device)
     except torch.cuda.OutOfMemoryError as e:
-        return {**row, "fits": False, "reason": f"CUDA out of memory: {str(e).splitlines()[0]}"}
+        return {**row, "fits": False, "reason": f"CUDA out of memory: {first_line(e)}"}
     finally:
         engine.close()  # unregister the page-locked blocks before anything can free them
         del engine, lora

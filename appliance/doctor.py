@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import storage
-from .errors import ApplianceError, ConfigError
+from .errors import ApplianceError, ConfigError, first_line
 from .model import ModelArgs
 
 GiB, MiB = 2**30, 2**20
@@ -553,7 +553,7 @@ def run_checks(
             args, _ = load_args(model, preset)
             needs = needs_for(args, cuda, base_quant)
         except ApplianceError as e:
-            checks.append(Check("model", "fail", str(e).splitlines()[0], "fix --model/--preset"))
+            checks.append(Check("model", "fail", first_line(e), "fix --model/--preset"))
     checks += [
         check_shm(needs),
         check_shm_pages(),
