@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import signal
 
 import pytest
 
@@ -14,6 +15,12 @@ from tests.helpers_ray import ray_session
 # with pytest's own exit status, once every atexit handler has run. Installed here, before any
 # test module imports Ray, so that it runs after Ray's own exit hook.
 appliance_exit.install()
+
+# A script's background job (`make test &`, `nohup ... &`) starts with SIGINT ignored, and every
+# process it starts inherits that: the tests that press Ctrl-C on an `appliance` child would see
+# it ignored (its run went on to its end). Caught here, SIGINT is back at its default in children.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # The GPU machine's image has torch, transformers and peft but not Ray (its wheel is too big to
