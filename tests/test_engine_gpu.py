@@ -148,6 +148,9 @@ def test_fp32_cuda_equals_cpu(variant, tmp_path):
         engine = StreamedEngine(
             source, lora_with_random_b(source.args, device), device=device, grad_clip=0.5
         )
+        # AdamW's slope lr/eps at near-zero gradients would amplify their rounding, which
+        # differs between the CPU's kernels and the GPU's (test_engine_parity says how much)
+        engine.optimizer.param_groups[0]["eps"] = 1e-4
         loss, _, _ = engine.forward_backward(mbs, step=0)
         g = grads(engine)
         engine.optimizer_step(lr=1e-2)
