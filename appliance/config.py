@@ -45,7 +45,9 @@ class TrainConfig:
         "Omit for the built-in demo.",
     )
     data: str | None = _f(
-        None, "Training data: a .jsonl, .parquet or .txt file, a directory of them, or s3://."
+        None,
+        "Training data: a .jsonl, .json, .parquet or .txt file (.jsonl/.json/.txt may be .gz, "
+        ".bz2, .xz or .zst compressed), a directory of them, or s3://.",
     )
     output: str | None = _f(
         None, "Where the adapter and checkpoints go (directory or s3:// prefix)."

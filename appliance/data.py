@@ -1,10 +1,13 @@
 """Dataset reading, record parsing, tokenization and the batch type. Pure Python: no Ray here.
 
-A dataset is a `.jsonl`, `.parquet` or `.txt` file, or a directory searched recursively for them
-(sorted by relative path; other files are skipped, and `unreadable_files` names them). Documents
-are numbered in that order over all files: a non-blank `.jsonl` line is one document, a `.parquet`
-row is one document (read with pyarrow, the same columns as the JSON keys, `file:row N` in
-errors), a `.txt` file is one document. Worker `w` of `N` owns the
+A dataset is a `.jsonl`, `.json`, `.parquet` or `.txt` file, or a directory searched recursively
+for them (sorted by relative path; other files are skipped, and `unreadable_files` names them).
+`.jsonl`, `.json` and `.txt` files may be compressed (`.gz`, `.bz2`, `.xz`, `.zst`: read as they
+are decompressed, never unpacked to disk). Documents are numbered in that order over all files:
+a non-blank `.jsonl` line is one document, a `.json` file is JSON Lines too unless it holds one
+JSON array, whose items are the documents (`file:[N]` in errors), a `.parquet` row is one
+document (read with pyarrow, the same columns as the JSON keys, `file:row N` in errors), a `.txt`
+file is one document. Worker `w` of `N` owns the
 documents whose global index `% N == w`; its documents are numbered 0, 1, ... within its shard,
 and the cursor (see `tokenize_worker.py`) refers to those shard indices.
 
@@ -20,12 +23,17 @@ end-of-turn tokens). With `--eval-split`, documents are held out by `Holdout`. A
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import hashlib
+import io
 import json
+import lzma
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -33,7 +41,11 @@ from tokenizers import Tokenizer
 from .chat import ChatError, ChatTemplate, messages_of, render_with_spans, target_mask
 from .errors import ApplianceError
 
-DATA_SUFFIXES = (".jsonl", ".parquet", ".txt")
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")  # of .jsonl, .json and .txt files (not .parquet)
+DATA_FILES = ".jsonl, .json, .parquet or .txt; .jsonl, .json and .txt also .gz, .bz2, .xz or .zst"
+# JSON files that `datasets` writes beside the data (save_to_disk, push_to_hub): never records
+METADATA_FILES = ("dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json")
 IGNORE_INDEX = -100  # label of a position without loss (PyTorch cross_entropy's ignore_index)
 ON_BAD_RECORD = ("fail", "skip")
 
@@ -126,33 +138,111 @@ class RawDocument:
     """A shard document before parsing: its bytes and where it came from."""
 
     doc: int  # index within the worker's shard
-    where: str  # "file:line" for .jsonl, "file:row N" for .parquet, "file" for .txt
-    data: bytes  # a .parquet row arrives as its JSON object (null columns dropped)
+    where: str  # "file:line" for .jsonl, "file:[N]" for a .json array, "file:row N" for .parquet,
+    # "file" for .txt
+    data: bytes  # a .parquet row (null columns dropped) or an array's item arrives as JSON
     kind: str  # "jsonl" | "txt"
+
+
+def data_format(path: Path) -> str | None:
+    """What a file under `--data` holds, from its name: "jsonl", "json", "parquet" or "txt" (a
+    compressed one by the suffix before its compression's: `a.jsonl.gz` is "jsonl"), or None for
+    a file that is not data (`.csv`, `README.md`, `datasets`' metadata JSON)."""
+    name = path.name.lower()
+    if name in METADATA_FILES:
+        return None
+    compressed = name.endswith(COMPRESSIONS)
+    if compressed:
+        name = name.rsplit(".", 1)[0]
+    suffix = Path(name).suffix
+    if suffix not in DATA_SUFFIXES or (compressed and suffix == ".parquet"):
+        return None
+    return suffix[1:]
+
+
+def open_data(path: Path) -> BinaryIO:
+    """A data file opened for reading bytes, decompressed on the way as its name says."""
+    compression = path.suffix.lower()
+    if compression == ".gz":
+        return gzip.open(path, "rb")
+    if compression == ".bz2":
+        return bz2.open(path, "rb")
+    if compression == ".xz":
+        return lzma.open(path, "rb")
+    if compression == ".zst":
+        import pyarrow as pa  # (the standard library has no zstd before Python 3.14)
+
+        return io.BufferedReader(pa.input_stream(str(path), compression="zstd"))
+    return open(path, "rb")  # noqa: SIM115 - the caller closes it (with open_data(...) as fh)
+
+
+def _read_lines(path: Path) -> Iterator[bytes]:
+    """The lines of a data file, decompressed; a file that cannot be read or decompressed (a
+    truncated download, another format under the suffix) is a DataError naming it."""
+    try:
+        with open_data(path) as fh:
+            yield from fh
+    except (OSError, EOFError, zlib.error, lzma.LZMAError) as e:
+        # an OSError with an errno is the file system's (permission, ...); the others, the data's
+        hint = " (a damaged or truncated file?)" if getattr(e, "errno", None) is None else ""
+        raise DataError(f"{path}: cannot read: {e}{hint}") from None
+
+
+def _read_all(path: Path) -> bytes:
+    return b"".join(_read_lines(path))
+
+
+def json_array(path: Path) -> list | None:
+    """The items of a `.json` file that holds one JSON array (the whole file is parsed), None
+    for JSON Lines. DataError naming the line and column for a file that starts with `[` but is
+    not valid JSON, and for one whose first line is not JSON (one JSON object over many lines,
+    as an editor writes it: not a dataset either way)."""
+    lines = enumerate(_read_lines(path), 1)  # the first non-blank one, after a byte-order mark
+    lineno, first = next(
+        ((n, t) for n, line in lines if (t := line.removeprefix(b"\xef\xbb\xbf").strip())),
+        (0, b""),
+    )
+    if not first:
+        return None  # empty: no documents
+    if first.startswith(b"["):
+        try:
+            items = json.loads(_read_all(path).decode("utf-8-sig"))
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        except json.JSONDecodeError as e:
+            raise DataError(
+                f"{path}: malformed JSON array: {e.msg} at line {e.lineno} column {e.colno}"
+            ) from None
+        return items
+    try:
+        json.loads(first.decode("utf-8", errors="replace"))
+    except json.JSONDecodeError as e:
+        raise DataError(
+            f"{path}:{lineno}: not JSON ({e.msg} at column {e.colno}): a .json dataset is JSON "
+            "Lines (one record a line) or one JSON array of records"
+        ) from None
+    return None
 
 
 def find_data_files(path: str | Path) -> list[Path]:
     """The dataset's files in document order.
 
-    DataError if the path is missing, holds no .jsonl, .parquet or .txt file, or no document at
-    all.
+    DataError if the path is missing, holds no data file (`data_format`), or no document at all.
     """
     root = Path(path)
     if not root.exists():
         raise DataError(f"dataset not found: {path}")
     if root.is_file():
-        if root.suffix.lower() not in DATA_SUFFIXES:
-            raise DataError(
-                f"unsupported dataset file {path}: expected a .jsonl, .parquet or .txt file"
-            )
+        if data_format(root) is None:
+            raise DataError(f"unsupported dataset file {path}: expected a data file ({DATA_FILES})")
         files = [root]
     else:
-        files = [f for f in root.rglob("*") if f.suffix.lower() in DATA_SUFFIXES and f.is_file()]
+        files = [f for f in root.rglob("*") if data_format(f) is not None and f.is_file()]
         if not files:
             skipped = unreadable_files(root)
             shown = ", ".join(skipped[:5]) + (", ..." if len(skipped) > 5 else "")
             raise DataError(
-                f"empty dataset: no .jsonl, .parquet or .txt files under {path}"
+                f"empty dataset: no data files ({DATA_FILES}) under {path}"
                 + (f" (skipped {len(skipped)} other file(s): {shown})" if skipped else "")
             )
     # Sort by relative POSIX path so the document order is the same on every machine.
@@ -172,7 +262,7 @@ def unreadable_files(path: str | Path) -> list[str]:
     return sorted(
         f.relative_to(root).as_posix()
         for f in root.rglob("*")
-        if f.is_file() and f.suffix.lower() not in DATA_SUFFIXES and not f.name.startswith(".")
+        if f.is_file() and data_format(f) is None and not f.name.startswith(".")
     )
 
 
@@ -201,15 +291,19 @@ def parquet_num_rows(f: Path) -> int:
 def has_documents(files: Sequence[Path]) -> bool:
     """True as soon as one document is found (cheap: stops at the first)."""
     for f in files:
-        if f.suffix.lower() == ".txt":
+        kind = data_format(f)
+        if kind == "txt":
             return True
-        if f.suffix.lower() == ".parquet":
+        if kind == "parquet":
             if parquet_num_rows(f) > 0:
                 return True
             continue
-        with open(f, "rb") as fh:
-            if any(line.strip() for line in fh):
+        if kind == "json" and (items := json_array(f)) is not None:
+            if items:
                 return True
+            continue
+        if any(line.strip() for line in _read_lines(f)):
+            return True
     return False
 
 
@@ -244,14 +338,14 @@ class ShardReader:
         g = 0  # global document index
         first = self.start_doc * self.num_workers + self.worker_index
         for f in self.files:
-            suffix = f.suffix.lower()
-            if suffix == ".txt":
+            kind = data_format(f)
+            if kind == "txt":
                 if self._mine(g, first):
-                    yield RawDocument(g // self.num_workers, str(f), f.read_bytes(), "txt")
+                    yield RawDocument(g // self.num_workers, str(f), _read_all(f), "txt")
                 g += 1
                 self.total_documents = g
                 continue
-            if suffix == ".parquet":
+            if kind == "parquet":
                 n = parquet_num_rows(f)
                 # decode the file only if it holds one of this shard's documents
                 if any(self._mine(i, first) for i in range(g, g + n)):
@@ -266,14 +360,21 @@ class ShardReader:
                     g += n
                 self.total_documents = g
                 continue
-            with open(f, "rb") as fh:
-                for lineno, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue  # blank lines are not documents
+            if kind == "json" and (items := json_array(f)) is not None:
+                for i, obj in enumerate(items):
                     if self._mine(g, first):
-                        yield RawDocument(g // self.num_workers, f"{f}:{lineno}", line, "jsonl")
+                        data = json.dumps(obj).encode()
+                        yield RawDocument(g // self.num_workers, f"{f}:[{i}]", data, "jsonl")
                     g += 1
-                    self.total_documents = g
+                self.total_documents = g
+                continue
+            for lineno, line in enumerate(_read_lines(f), 1):
+                if not line.strip():
+                    continue  # blank lines are not documents
+                if self._mine(g, first):
+                    yield RawDocument(g // self.num_workers, f"{f}:{lineno}", line, "jsonl")
+                g += 1
+                self.total_documents = g
 
 
 def _decode_utf8(data: bytes, where: str) -> str:

@@ -25,7 +25,14 @@ from .chat import load_chat_template
 from .checkpoint import LATEST_MARKER, checkpoints_uri
 from .cluster import check_shared_output, on_node, start_ray, trainer_slots, weight_store_bytes
 from .config import TrainConfig, flag
-from .data import Holdout, check_dataset, check_has_targets, check_tokenizer_fits, unreadable_files
+from .data import (
+    DATA_FILES,
+    Holdout,
+    check_dataset,
+    check_has_targets,
+    check_tokenizer_fits,
+    unreadable_files,
+)
 from .errors import NOT_FOUND, ConfigError, StorageError, cause_chain
 from .hf_checkpoint import SafetensorsCheckpoint, read_model_args, seq_len_problems, tokenizer_path
 from .hub import resolve_model
@@ -116,8 +123,8 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
     tokenizer = check_tokenizer_fits(tok, args.vocab_size, model_dir)  # ids past the embedding
     check_dataset(data_path)  # errors here are clear; inside an actor they'd be wrapped
     notes = [
-        f"--data {cfg.data}: skipped {len(skipped)} file(s) that are not .jsonl, .parquet or "
-        f".txt: {', '.join(skipped[:5])}{', ...' if len(skipped) > 5 else ''}"
+        f"--data {cfg.data}: skipped {len(skipped)} file(s) that are not data ({DATA_FILES}): "
+        f"{', '.join(skipped[:5])}{', ...' if len(skipped) > 5 else ''}"
         for skipped in [unreadable_files(data_path)]
         if skipped
     ]

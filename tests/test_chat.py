@@ -1,10 +1,12 @@
 """Conversations: rendered with the model's chat template as transformers renders it, trained
-on the assistant turns exactly as chat.py defines; ShareGPT and parquet read like JSONL; every
-bad input named with its file:line (or file:row)."""
+on the assistant turns exactly as chat.py defines; ShareGPT, parquet, .json arrays and compressed
+files read like JSONL; every bad input named with its file:line (or file:row)."""
 
 from __future__ import annotations
 
+import gzip
 import json
+import lzma
 
 import numpy as np
 import pyarrow as pa
@@ -140,7 +142,9 @@ def test_only_assistant_turns_and_their_end_of_turn_are_targets(model_dir, tmp_p
     assert targets == [vocab["day"], added["<|im_end|>"]]  # not "user", "night", nor the prompt
 
 
-def test_sharegpt_and_parquet_give_the_same_batches_as_jsonl(model_dir, tmp_path):
+def test_sharegpt_parquet_json_and_compressed_files_give_the_same_batches_as_jsonl(
+    model_dir, tmp_path
+):
     records = [{"messages": m} for m in CONVERSATIONS] + [
         {"text": "the cat sat"},
         {"prompt": "a dog", "completion": "ran far"},
@@ -162,6 +166,14 @@ def test_sharegpt_and_parquet_give_the_same_batches_as_jsonl(model_dir, tmp_path
     write_parquet(tmp_path / "pq" / "0.parquet", records[:2])
     write_parquet(tmp_path / "pq" / "1.parquet", records[2:])
     assert_same(worker_batches(tmp_path / "pq", model_dir), jsonl)
+    # a .json array (as alpaca-style files are), and compressed JSON Lines, read like JSONL
+    (tmp_path / "array.json").write_text(json.dumps(sharegpt, indent=1))
+    assert_same(worker_batches(tmp_path / "array.json", model_dir), jsonl)
+    (tmp_path / "zipped").mkdir()
+    lines = (tmp_path / "a.jsonl").read_bytes().splitlines(keepends=True)
+    (tmp_path / "zipped" / "0.jsonl.gz").write_bytes(gzip.compress(b"".join(lines[:3])))
+    (tmp_path / "zipped" / "1.json.xz").write_bytes(lzma.compress(b"".join(lines[3:])))
+    assert_same(worker_batches(tmp_path / "zipped", model_dir), jsonl)
 
 
 def test_template_sources_named_list_jinja_file_and_override(model_dir, tmp_path):

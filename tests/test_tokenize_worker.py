@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from appliance.data import IGNORE_INDEX, SKIP_HINT, Batch, DataError, check_dataset
+from appliance.data import DATA_FILES, IGNORE_INDEX, SKIP_HINT, Batch, DataError, check_dataset
 from appliance.tokenize_worker import ACTOR_OPTIONS, TokenizeWorker, default_num_workers
 from tests.helpers_ray import ray_session
 from tests.helpers_tokenizer import make_tokenizer, sentences
@@ -299,7 +299,7 @@ def test_directory_without_data_files(tmp_path, tok):
     with pytest.raises(DataError) as e:
         new_worker(tmp_path, tok)
     assert str(e.value) == (
-        f"empty dataset: no .jsonl, .parquet or .txt files under {tmp_path} "
+        f"empty dataset: no data files ({DATA_FILES}) under {tmp_path} "
         "(skipped 1 other file(s): notes.md)"
     )
 
