@@ -436,9 +436,15 @@ def parse_document(raw: RawDocument, chat: ChatTemplate | None = None) -> Record
         raise BadRecord(str(e)) from None
     keys = sorted(obj)
     shown = ", ".join(json.dumps(k) for k in keys[:10]) + (", ..." if len(keys) > 10 else "")
+    hint = ""
+    if {"instruction", "output"} <= set(keys):  # Alpaca: its prompt template is the user's to pick
+        hint = (
+            ' (an Alpaca-style record: write it as "prompt" + "completion", the prompt being '
+            'the instruction and input in the template you want, or as "messages")'
+        )
     raise BadRecord(
         f'{raw.where}: record has no "text" (nor "prompt" + "completion", "messages", '
-        f'"conversations"); keys found: {shown or "none"}'
+        f'"conversations"); keys found: {shown or "none"}{hint}'
     )
 
 
