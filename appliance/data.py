@@ -29,6 +29,7 @@ import hashlib
 import io
 import json
 import lzma
+import re
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -237,21 +238,30 @@ def find_data_files(path: str | Path) -> list[Path]:
             raise DataError(f"unsupported dataset file {path}: expected a data file ({DATA_FILES})")
         files = [root]
     else:
-        files = [f for f in root.rglob("*") if data_format(f) is not None and f.is_file()]
+        files = _files_under(root)
         if not files:
             skipped = unreadable_files(root)
-            shown = ", ".join(skipped[:5]) + (", ..." if len(skipped) > 5 else "")
             raise DataError(
                 f"empty dataset: no data files ({DATA_FILES}) under {path}"
-                + (f" (skipped {len(skipped)} other file(s): {shown})" if skipped else "")
+                + (f" (skipped {len(skipped)} other file(s): {_some(skipped)})" if skipped else "")
             )
-    # Sort by relative POSIX path so the document order is the same on every machine.
-    files.sort(key=lambda f: f.relative_to(root).as_posix())
     if not has_documents(files):
         raise DataError(
             f"empty dataset: no documents in {path} ({len(files)} file(s), all empty or blank)"
         )
     return files
+
+
+def _some(names: list[str], n: int = 5) -> str:
+    """The first `n` of `names`, comma-separated, "..." after them if there are more."""
+    return ", ".join(names[:n]) + (", ..." if len(names) > n else "")
+
+
+def _files_under(root: Path) -> list[Path]:
+    """The data files under a directory, sorted by relative POSIX path: the document order is
+    the same on every machine."""
+    files = [f for f in root.rglob("*") if data_format(f) is not None and f.is_file()]
+    return sorted(files, key=lambda f: f.relative_to(root).as_posix())
 
 
 def unreadable_files(path: str | Path) -> list[str]:
@@ -264,6 +274,53 @@ def unreadable_files(path: str | Path) -> list[str]:
         for f in root.rglob("*")
         if f.is_file() and data_format(f) is None and not f.name.startswith(".")
     )
+
+
+# the words that name a split in a file's path, as `datasets` infers splits from file names
+SPLIT_WORDS = {
+    "train": ("train", "training"),
+    "validation": ("validation", "valid", "val", "dev"),
+    "test": ("test", "testing", "eval", "evaluation"),
+}
+
+
+def split_of(relative: str) -> str | None:
+    """The split a data file's path names (`data/test-00000-of-00001.parquet`: "test"), if any."""
+    words = set(re.split(r"[-._ /]", relative.lower()))
+    return next((split for split, names in SPLIT_WORDS.items() if words & set(names)), None)
+
+
+def dataset_notes(path: str | Path, flag: str, uri: str) -> list[str]:
+    """What to tell the user about a dataset directory (`path`, the local copy of `uri`, given
+    as `flag`) before a run reads it: the files skipped as not data, and files named for several
+    splits, every one of which is read (a dataset downloaded from the Hub holds its test split
+    beside its train split)."""
+    root = Path(path)
+    if not root.is_dir():
+        return []
+    notes = []
+    if skipped := unreadable_files(root):
+        notes.append(
+            f"{flag} {uri}: skipped {len(skipped)} file(s) that are not data ({DATA_FILES}): "
+            + _some(skipped)
+        )
+    files = [f.relative_to(root).as_posix() for f in _files_under(root)]
+    splits: dict[str, list[str]] = {}
+    for f in files:
+        if (split := split_of(f)) is not None:
+            splits.setdefault(split, []).append(f)
+    if len(splits) > 1:
+        named = "; ".join(  # train, validation, test
+            f"{len(splits[split])} {split}: {_some(splits[split], 1)}"
+            for split in SPLIT_WORDS
+            if split in splits
+        )
+        notes.append(
+            f"{flag} {uri}: its {len(files)} files are named for several splits ({named}), and "
+            f"every one is read: to use one split, give {flag} that split's file or a directory "
+            "of its files alone"
+        )
+    return notes
 
 
 def parquet_rows(f: Path) -> Iterator[dict]:

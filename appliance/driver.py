@@ -25,14 +25,7 @@ from .chat import load_chat_template
 from .checkpoint import LATEST_MARKER, checkpoints_uri
 from .cluster import check_shared_output, on_node, start_ray, trainer_slots, weight_store_bytes
 from .config import TrainConfig, flag
-from .data import (
-    DATA_FILES,
-    Holdout,
-    check_dataset,
-    check_has_targets,
-    check_tokenizer_fits,
-    unreadable_files,
-)
+from .data import Holdout, check_dataset, check_has_targets, check_tokenizer_fits, dataset_notes
 from .errors import NOT_FOUND, ConfigError, StorageError, cause_chain
 from .hf_checkpoint import SafetensorsCheckpoint, read_model_args, seq_len_problems, tokenizer_path
 from .hub import resolve_model
@@ -122,16 +115,12 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
     tok = tokenizer_path(model_dir)
     tokenizer = check_tokenizer_fits(tok, args.vocab_size, model_dir)  # ids past the embedding
     check_dataset(data_path)  # errors here are clear; inside an actor they'd be wrapped
-    notes = [
-        f"--data {cfg.data}: skipped {len(skipped)} file(s) that are not data ({DATA_FILES}): "
-        f"{', '.join(skipped[:5])}{', ...' if len(skipped) > 5 else ''}"
-        for skipped in [unreadable_files(data_path)]
-        if skipped
-    ]
+    notes = dataset_notes(data_path, "--data", cfg.data)  # files skipped, several splits
     eval_data = None
     if cfg.eval_data:
         eval_data = storage.localize(cfg.eval_data)
         check_dataset(eval_data)
+        notes += dataset_notes(eval_data, "--eval-data", cfg.eval_data)
     chat = load_chat_template(
         model_dir, storage.localize(cfg.chat_template) if cfg.chat_template else None
     )

@@ -17,11 +17,13 @@ from appliance.data import (
     ShardReader,
     check_has_targets,
     check_tokenizer_fits,
+    dataset_notes,
     encode_records,
     find_data_files,
     has_documents,
     load_tokenizer,
     parse_document,
+    split_of,
     unreadable_files,
 )
 from tests.helpers_tokenizer import make_tokenizer
@@ -108,6 +110,43 @@ def test_has_documents(tmp_path):
     assert has_documents([empty, write_jsonl(tmp_path / "f.jsonl", [{"text": "a"}])])
     (tmp_path / "t.txt").write_text("")
     assert has_documents([tmp_path / "t.txt"])  # a .txt file is a document even if empty
+
+
+def test_split_names_as_datasets_reads_them():
+    assert split_of("data/train-00000-of-00002.parquet") == "train"
+    assert split_of("data/validation-00000-of-00001.parquet") == "validation"
+    assert split_of("test.jsonl") == "test"
+    assert split_of("dev/part-0.jsonl.gz") == "validation"  # a directory names it too
+    assert split_of("my_eval_set.json") == "test"
+    assert split_of("contest.jsonl") is None  # whole words only
+    assert split_of("part-0.jsonl") is None
+
+
+def test_dataset_notes_name_skipped_files_and_several_splits(tmp_path):
+    hub = tmp_path / "hub"  # as `hf download --repo-type dataset` leaves a dataset
+    for rel in [
+        "README.md",
+        "data/train-00000-of-00002.parquet",
+        "data/train-00001-of-00002.parquet",
+        "data/test-00000-of-00001.parquet",
+    ]:
+        (hub / rel).parent.mkdir(parents=True, exist_ok=True)
+        (hub / rel).write_text("x")
+    assert dataset_notes(hub, "--data", "s3://b/hub") == [
+        "--data s3://b/hub: skipped 1 file(s) that are not data (.jsonl, .json, .parquet or "
+        ".txt; .jsonl, .json and .txt also .gz, .bz2, .xz or .zst): README.md",
+        "--data s3://b/hub: its 3 files are named for several splits (2 train: "
+        "data/train-00000-of-00002.parquet, ...; 1 test: data/test-00000-of-00001.parquet), "
+        "and every one is read: to use one split, give --data that split's file or a directory "
+        "of its files alone",
+    ]
+    # one split, or none named: nothing to say; nor of a single file
+    train = hub / "data" / "train-00000-of-00002.parquet"
+    assert dataset_notes(tmp_path / "none", "--data", "x") == []
+    (hub / "README.md").unlink()
+    (hub / "data" / "test-00000-of-00001.parquet").unlink()
+    assert dataset_notes(hub, "--data", str(hub)) == []
+    assert dataset_notes(train, "--data", str(train)) == []
 
 
 # -- compressed files and .json ------------------------------------------------------------

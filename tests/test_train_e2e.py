@@ -131,6 +131,26 @@ def test_tokenization_happens_in_the_workers_and_each_token_is_trained_once(
     assert state.target_tokens == dataset_tokens - len(docs)
 
 
+def test_the_run_notes_skipped_files_and_files_named_for_several_splits(model_dir, tmp_path):
+    data, held_out = tmp_path / "ds", tmp_path / "ev"
+    for d in (data / "data", held_out):
+        d.mkdir(parents=True)
+    write_jsonl(data / "data" / "train-0.jsonl")
+    write_jsonl(data / "data" / "test-0.jsonl", n=5, seed=1)
+    (data / "README.md").write_text("a dataset card")
+    write_jsonl(held_out / "a.jsonl", n=5, seed=2)
+    (held_out / "scores.csv").write_text("a,b\n")
+    cfg = tiny_train_config(model_dir, data, tmp_path / "out", steps=1, eval_data=str(held_out))
+    notes = prepare(cfg).notes  # what `appliance train` prints before it starts the actors
+    assert len(notes) == 3
+    assert notes[0].startswith(f"--data {data}: skipped 1 file(s) that are not data (")
+    assert notes[0].endswith(": README.md")
+    assert notes[1].startswith(f"--data {data}: its 2 files are named for several splits (")
+    assert notes[2].startswith(f"--eval-data {held_out}: skipped 1 file(s) that are not data (")
+    assert notes[2].endswith(": scores.csv")
+    assert "(1 train: data/train-0.jsonl; 1 test: data/test-0.jsonl)" in notes[1]
+
+
 def test_schedule_round_robins_and_skips_used_up_workers():
     assert schedule(None, 3, 7) == [0, 1, 2, 0, 1, 2, 0]
     assert schedule([2, 4, 1], 3, 100) == [0, 1, 2, 0, 1, 1, 1]
