@@ -178,7 +178,7 @@ def train(config_file: str | None, **flags) -> None:
 @click.option(
     "--data",
     required=True,
-    help="Data as train reads it: .jsonl/.json/.parquet/.txt (compressed too) or a directory of "
+    help="Data as train reads it: .jsonl/.json/.parquet/.arrow/.txt (compressed too) or a dir of "
     "them (text, prompt + completion, or conversations); scored on the targets training uses.",
 )
 @click.option("--seq-len", type=int, required=True, help="Truncate each record to N tokens.")

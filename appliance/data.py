@@ -1,15 +1,16 @@
 """Dataset reading, record parsing, tokenization and the batch type. Pure Python: no Ray here.
 
-A dataset is a `.jsonl`, `.json`, `.parquet` or `.txt` file, or a directory searched recursively
-for them (sorted by relative path; other files are skipped, and `unreadable_files` names them).
-`.jsonl`, `.json` and `.txt` files may be compressed (`.gz`, `.bz2`, `.xz`, `.zst`: read as they
-are decompressed, never unpacked to disk). Documents are numbered in that order over all files:
-a non-blank `.jsonl` line is one document, a `.json` file is JSON Lines too unless it holds one
-JSON array, whose items are the documents (`file:[N]` in errors), a `.parquet` row is one
-document (read with pyarrow, the same columns as the JSON keys, `file:row N` in errors), a `.txt`
-file is one document. Worker `w` of `N` owns the
-documents whose global index `% N == w`; its documents are numbered 0, 1, ... within its shard,
-and the cursor (see `tokenize_worker.py`) refers to those shard indices.
+A dataset is a `.jsonl`, `.json`, `.parquet`, `.arrow` or `.txt` file, or a directory searched
+recursively for them (sorted by relative path; other files are skipped, and `unreadable_files`
+names them). `.jsonl`, `.json` and `.txt` files may be compressed (`.gz`, `.bz2`, `.xz`, `.zst`:
+read as they are decompressed, never unpacked to disk). Documents are numbered in that order over
+all files: a non-blank `.jsonl` line is one document, a `.json` file is JSON Lines too unless it
+holds one JSON array, whose items are the documents (`file:[N]` in errors), a `.parquet` or
+`.arrow` row is one document (read with pyarrow, the same columns as the JSON keys, `file:row N` in
+errors; `.arrow` is what `datasets` writes: save_to_disk, its cache), a `.txt` file is one
+document. Worker `w` of `N` owns the documents whose global index `% N == w`; its documents are
+numbered 0, 1, ... within its shard, and the cursor (see `tokenize_worker.py`) refers to those
+shard indices.
 
 A record is `{"text": ...}` (loss on every token), `{"prompt": ..., "completion": ...}` (loss on
 the completion and the EOS only), or a conversation: `{"messages": [{"role", "content"}, ...]}`
@@ -42,9 +43,12 @@ from tokenizers import Tokenizer
 from .chat import ChatError, ChatTemplate, messages_of, render_with_spans, target_mask
 from .errors import ApplianceError
 
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
-COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")  # of .jsonl, .json and .txt files (not .parquet)
-DATA_FILES = ".jsonl, .json, .parquet or .txt; .jsonl, .json and .txt also .gz, .bz2, .xz or .zst"
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".txt")
+TABLES = ("parquet", "arrow")  # a row is a document, the columns its keys
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")  # of .jsonl, .json and .txt files (not tables)
+DATA_FILES = (
+    ".jsonl, .json, .parquet, .arrow or .txt; .jsonl, .json and .txt also .gz, .bz2, .xz or .zst"
+)
 # JSON files that `datasets` writes beside the data (save_to_disk, push_to_hub): never records
 METADATA_FILES = ("dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json")
 IGNORE_INDEX = -100  # label of a position without loss (PyTorch cross_entropy's ignore_index)
@@ -139,14 +143,14 @@ class RawDocument:
     """A shard document before parsing: its bytes and where it came from."""
 
     doc: int  # index within the worker's shard
-    where: str  # "file:line" for .jsonl, "file:[N]" for a .json array, "file:row N" for .parquet,
+    where: str  # "file:line" for .jsonl, "file:[N]" for a .json array, "file:row N" for a table,
     # "file" for .txt
-    data: bytes  # a .parquet row (null columns dropped) or an array's item arrives as JSON
+    data: bytes  # a table's row (null columns dropped) or an array's item arrives as JSON
     kind: str  # "jsonl" | "txt"
 
 
 def data_format(path: Path) -> str | None:
-    """What a file under `--data` holds, from its name: "jsonl", "json", "parquet" or "txt" (a
+    """What a file under `--data` holds, from its name: "jsonl", "json", "parquet", "arrow" or "txt" (a
     compressed one by the suffix before its compression's: `a.jsonl.gz` is "jsonl"), or None for
     a file that is not data (`.csv`, `README.md`, `datasets`' metadata JSON)."""
     name = path.name.lower()
@@ -156,7 +160,7 @@ def data_format(path: Path) -> str | None:
     if compressed:
         name = name.rsplit(".", 1)[0]
     suffix = Path(name).suffix
-    if suffix not in DATA_SUFFIXES or (compressed and suffix == ".parquet"):
+    if suffix not in DATA_SUFFIXES or (compressed and suffix[1:] in TABLES):
         return None
     return suffix[1:]
 
@@ -323,26 +327,47 @@ def dataset_notes(path: str | Path, flag: str, uri: str) -> list[str]:
     return notes
 
 
-def parquet_rows(f: Path) -> Iterator[dict]:
-    """Each row of a .parquet file as a dict, columns whose value is null left out."""
+def _record_batches(f: Path) -> Iterator[Any]:
+    """The record batches of a .parquet file or an Arrow IPC file (.arrow: the stream format,
+    as `datasets`' save_to_disk and cache write it, or the random-access file format),
+    memory-mapped; a file pyarrow cannot read is a DataError naming it."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
+    kind = data_format(f)
     try:
-        pf = pq.ParquetFile(f)
-        for batch in pf.iter_batches(batch_size=1024):
-            for row in batch.to_pylist():
-                yield {k: v for k, v in row.items() if v is not None}
+        if kind == "parquet":
+            yield from pq.ParquetFile(f).iter_batches(batch_size=1024)
+            return
+        source = pa.memory_map(str(f))
+        if source.read(6) == b"ARROW1":  # the file format's magic number
+            reader = pa.ipc.open_file(source)
+            for i in range(reader.num_record_batches):
+                yield reader.get_batch(i)
+        else:
+            source.seek(0)
+            yield from pa.ipc.open_stream(source)
     except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
-        raise DataError(f"{f}: cannot read as parquet: {e}") from None
+        raise DataError(f"{f}: cannot read as {kind}: {e}") from None
 
 
-def parquet_num_rows(f: Path) -> int:
-    import pyarrow.parquet as pq
+def table_rows(f: Path) -> Iterator[dict]:
+    """Each row of a .parquet or .arrow file as a dict, columns whose value is null left out."""
+    for batch in _record_batches(f):
+        for row in batch.to_pylist():
+            yield {k: v for k, v in row.items() if v is not None}
 
-    try:
-        return pq.ParquetFile(f).metadata.num_rows
-    except (OSError, ValueError) as e:
-        raise DataError(f"{f}: cannot read as parquet: {e}") from None
+
+def table_num_rows(f: Path) -> int:
+    """Rows in a .parquet file (from its footer) or an .arrow file (its batches' lengths)."""
+    if data_format(f) == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(f).metadata.num_rows
+        except (OSError, ValueError) as e:
+            raise DataError(f"{f}: cannot read as parquet: {e}") from None
+    return sum(batch.num_rows for batch in _record_batches(f))
 
 
 def has_documents(files: Sequence[Path]) -> bool:
@@ -351,8 +376,8 @@ def has_documents(files: Sequence[Path]) -> bool:
         kind = data_format(f)
         if kind == "txt":
             return True
-        if kind == "parquet":
-            if parquet_num_rows(f) > 0:
+        if kind in TABLES:
+            if table_num_rows(f) > 0:
                 return True
             continue
         if kind == "json" and (items := json_array(f)) is not None:
@@ -402,11 +427,11 @@ class ShardReader:
                 g += 1
                 self.total_documents = g
                 continue
-            if kind == "parquet":
-                n = parquet_num_rows(f)
+            if kind in TABLES:
+                n = table_num_rows(f)
                 # decode the file only if it holds one of this shard's documents
                 if any(self._mine(i, first) for i in range(g, g + n)):
-                    for row, obj in enumerate(parquet_rows(f)):
+                    for row, obj in enumerate(table_rows(f)):
                         if self._mine(g, first):
                             data = json.dumps(obj).encode()
                             yield RawDocument(

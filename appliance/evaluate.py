@@ -1,7 +1,7 @@
 """`appliance eval`: mean next-token loss of a base model (+ LoRA adapter) on a dataset.
 
 The dataset is read exactly as `train` reads it (any accepted format: `.jsonl`, `.json`,
-`.parquet`, `.txt`, compressed or not, or a directory of them; text, prompt + completion, and conversations rendered with the
+`.parquet`, `.arrow`, `.txt`, compressed or not, or a directory of them; text, prompt + completion, and conversations rendered with the
 model's chat template), and every document has the targets training gives it (`data.py`): a text
 record predicts every token and the appended EOS, prompt + completion only the completion and
 EOS, a conversation only its assistant turns. Each document is truncated to `seq_len` tokens and

@@ -64,6 +64,17 @@ def write_parquet(path, records):
     pq.write_table(pa.table({k: [r.get(k) for r in records] for k in keys}), path)
 
 
+def write_arrow(path, records, stream: bool):
+    """Records as an Arrow IPC file: the stream format (what `datasets` writes) or the file
+    format, two record batches, null where a record lacks a key."""
+    keys = list(dict.fromkeys(k for r in records for k in r))
+    table = pa.table({k: [r.get(k) for r in records] for k in keys})
+    new = pa.ipc.new_stream if stream else pa.ipc.new_file
+    with new(str(path), table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=max(1, len(records) // 2)):
+            writer.write_batch(batch)
+
+
 def reference_loss(model_dir, conversations, seq_len) -> tuple[float, int]:
     """The targets of chat.py's definition, computed independently: transformers renders the
     template (apply_chat_template) and gives the offsets; the loss is the HF model's."""
@@ -166,6 +177,13 @@ def test_sharegpt_parquet_json_and_compressed_files_give_the_same_batches_as_jso
     write_parquet(tmp_path / "pq" / "0.parquet", records[:2])
     write_parquet(tmp_path / "pq" / "1.parquet", records[2:])
     assert_same(worker_batches(tmp_path / "pq", model_dir), jsonl)
+    # .arrow as datasets' save_to_disk writes it (the IPC stream format), and the IPC file format
+    (tmp_path / "arrow").mkdir()
+    write_arrow(tmp_path / "arrow" / "data-00000-of-00002.arrow", records[:3], stream=True)
+    write_arrow(tmp_path / "arrow" / "data-00001-of-00002.arrow", records[3:], stream=False)
+    (tmp_path / "arrow" / "state.json").write_text('{"_split": "train"}')  # metadata beside them
+    (tmp_path / "arrow" / "dataset_info.json").write_text("{}")
+    assert_same(worker_batches(tmp_path / "arrow", model_dir), jsonl)
     # a .json array (as alpaca-style files are), and compressed JSON Lines, read like JSONL
     (tmp_path / "array.json").write_text(json.dumps(sharegpt, indent=1))
     assert_same(worker_batches(tmp_path / "array.json", model_dir), jsonl)
@@ -277,6 +295,13 @@ def test_template_whose_prefixes_move_is_refused_naming_it(model_dir, tmp_path):
 def test_parquet_errors_name_file_and_row_and_other_files_are_named(model_dir, tmp_path):
     (tmp_path / "d").mkdir()
     write_parquet(tmp_path / "d" / "p.parquet", [{"text": "the cat"}, {"body": "x"}])
+    (tmp_path / "e").mkdir()
+    write_arrow(tmp_path / "e" / "a.arrow", [{"text": "a"}] * 3 + [{"body": "x"}], stream=True)
+    with pytest.raises(DataError, match=r"a.arrow:row 3: record has no \"text\""):
+        worker_batches(tmp_path / "e", model_dir)
+    (tmp_path / "e" / "b.arrow").write_bytes(b"not arrow at all")
+    with pytest.raises(DataError, match=r"b.arrow: cannot read as arrow: "):
+        find_data_files(tmp_path / "e" / "b.arrow")
     (tmp_path / "d" / "notes.csv").write_text("a,b\n")
     assert unreadable_files(tmp_path / "d") == ["notes.csv"]
     assert find_data_files(tmp_path / "d") == [tmp_path / "d" / "p.parquet"]

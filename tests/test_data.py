@@ -50,6 +50,7 @@ def test_find_data_files_is_recursive_sorted_and_ignores_other_files(tmp_path):
     names = [
         *("b.jsonl", "a/z.txt", "a/y.jsonl", "c.md", "a/notes.json", "a/b/x.TXT", "0.txt"),
         *("d.jsonl.gz", "e.csv.gz", "f.parquet.gz", "a/dataset_info.json", "t.txt.zst"),
+        *("g.arrow", "h.arrow.gz", "a/state.json"),
     ]
     for rel in names:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -63,14 +64,17 @@ def test_find_data_files_is_recursive_sorted_and_ignores_other_files(tmp_path):
         "a/z.txt",
         "b.jsonl",
         "d.jsonl.gz",
+        "g.arrow",
         "t.txt.zst",
     ]
     # datasets' metadata beside the data is not data; nor is a compressed .csv or .parquet
     assert unreadable_files(tmp_path) == [
         "a/dataset_info.json",
+        "a/state.json",
         "c.md",
         "e.csv.gz",
         "f.parquet.gz",
+        "h.arrow.gz",
     ]
 
 
@@ -89,7 +93,7 @@ def test_directory_without_data_files_is_named(tmp_path):
     with pytest.raises(DataError) as e:
         find_data_files(tmp_path)
     assert str(e.value) == (
-        "empty dataset: no data files (.jsonl, .json, .parquet or .txt; .jsonl, .json and .txt "
+        "empty dataset: no data files (.jsonl, .json, .parquet, .arrow or .txt; .jsonl, .json and .txt "
         f"also .gz, .bz2, .xz or .zst) under {tmp_path} (skipped 1 other file(s): readme.md)"
     )
 
@@ -133,8 +137,8 @@ def test_dataset_notes_name_skipped_files_and_several_splits(tmp_path):
         (hub / rel).parent.mkdir(parents=True, exist_ok=True)
         (hub / rel).write_text("x")
     assert dataset_notes(hub, "--data", "s3://b/hub") == [
-        "--data s3://b/hub: skipped 1 file(s) that are not data (.jsonl, .json, .parquet or "
-        ".txt; .jsonl, .json and .txt also .gz, .bz2, .xz or .zst): README.md",
+        "--data s3://b/hub: skipped 1 file(s) that are not data (.jsonl, .json, .parquet, "
+        ".arrow or .txt; .jsonl, .json and .txt also .gz, .bz2, .xz or .zst): README.md",
         "--data s3://b/hub: its 3 files are named for several splits (2 train: "
         "data/train-00000-of-00002.parquet, ...; 1 test: data/test-00000-of-00001.parquet), "
         "and every one is read: to use one split, give --data that split's file or a directory "
