@@ -327,6 +327,25 @@ def dataset_notes(path: str | Path, flag: str, uri: str) -> list[str]:
     return notes
 
 
+def not_held_out_notes(data: str | Path, eval_data: str | Path, eval_uri: str) -> list[str]:
+    """A note when `eval_data` (given as `--eval-data eval_uri`) shares files with `data` (the
+    same file, however reached): a validation loss over documents the run trains on is not a
+    held-out loss."""
+
+    def files(path: Path) -> set[Path]:
+        found = [path] if path.is_file() else _files_under(path) if path.is_dir() else []
+        return {f.resolve() for f in found if data_format(f) is not None}
+
+    shared = sorted(files(Path(data)) & files(Path(eval_data)))
+    if not shared:
+        return []
+    return [
+        f"--eval-data {eval_uri}: {len(shared)} of its files are --data's too, so its loss is "
+        f"not held out ({_some([str(f) for f in shared], 3)}): give files the run does not train "
+        "on, or --eval-split"
+    ]
+
+
 def _record_batches(f: Path) -> Iterator[Any]:
     """The record batches of a .parquet file or an Arrow IPC file (.arrow: the stream format,
     as `datasets`' save_to_disk and cache write it, or the random-access file format),

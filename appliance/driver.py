@@ -25,7 +25,14 @@ from .chat import load_chat_template
 from .checkpoint import LATEST_MARKER, checkpoints_uri
 from .cluster import check_shared_output, on_node, start_ray, trainer_slots, weight_store_bytes
 from .config import TrainConfig, flag
-from .data import Holdout, check_dataset, check_has_targets, check_tokenizer_fits, dataset_notes
+from .data import (
+    Holdout,
+    check_dataset,
+    check_has_targets,
+    check_tokenizer_fits,
+    dataset_notes,
+    not_held_out_notes,
+)
 from .errors import NOT_FOUND, ConfigError, StorageError, cause_chain
 from .hf_checkpoint import SafetensorsCheckpoint, read_model_args, seq_len_problems, tokenizer_path
 from .hub import resolve_model
@@ -121,6 +128,7 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
         eval_data = storage.localize(cfg.eval_data)
         check_dataset(eval_data)
         notes += dataset_notes(eval_data, "--eval-data", cfg.eval_data)
+        notes += not_held_out_notes(data_path, eval_data, cfg.eval_data)
     chat = load_chat_template(
         model_dir, storage.localize(cfg.chat_template) if cfg.chat_template else None
     )

@@ -22,6 +22,7 @@ from appliance.data import (
     find_data_files,
     has_documents,
     load_tokenizer,
+    not_held_out_notes,
     parse_document,
     split_of,
     unreadable_files,
@@ -151,6 +152,22 @@ def test_dataset_notes_name_skipped_files_and_several_splits(tmp_path):
     (hub / "data" / "test-00000-of-00001.parquet").unlink()
     assert dataset_notes(hub, "--data", str(hub)) == []
     assert dataset_notes(train, "--data", str(train)) == []
+
+
+def test_eval_files_that_are_training_files_are_named(tmp_path):
+    train = write_jsonl(tmp_path / "train" / "a.jsonl", [{"text": "a"}])
+    write_jsonl(tmp_path / "train" / "b.jsonl", [{"text": "b"}])
+    (tmp_path / "eval").mkdir()
+    write_jsonl(tmp_path / "eval" / "c.jsonl", [{"text": "c"}])
+    assert not_held_out_notes(tmp_path / "train", tmp_path / "eval", "e") == []
+    (tmp_path / "eval" / "a.jsonl").symlink_to(train)  # the same file, reached another way
+    want = [
+        f"--eval-data e: 1 of its files are --data's too, so its loss is not held out ({train}): "
+        "give files the run does not train on, or --eval-split"
+    ]
+    assert not_held_out_notes(tmp_path / "train", tmp_path / "eval", "e") == want
+    assert not_held_out_notes(tmp_path / "train", train, "e") == want
+    assert not_held_out_notes(train, tmp_path / "train" / ".." / "train" / "a.jsonl", "e") == want
 
 
 # -- compressed files and .json ------------------------------------------------------------

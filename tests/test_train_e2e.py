@@ -131,7 +131,9 @@ def test_tokenization_happens_in_the_workers_and_each_token_is_trained_once(
     assert state.target_tokens == dataset_tokens - len(docs)
 
 
-def test_the_run_notes_skipped_files_and_files_named_for_several_splits(model_dir, tmp_path):
+def test_the_run_notes_skipped_files_several_splits_and_eval_files_it_trains_on(
+    model_dir, tmp_path
+):
     data, held_out = tmp_path / "ds", tmp_path / "ev"
     for d in (data / "data", held_out):
         d.mkdir(parents=True)
@@ -140,14 +142,19 @@ def test_the_run_notes_skipped_files_and_files_named_for_several_splits(model_di
     (data / "README.md").write_text("a dataset card")
     write_jsonl(held_out / "a.jsonl", n=5, seed=2)
     (held_out / "scores.csv").write_text("a,b\n")
+    (held_out / "b.jsonl").symlink_to(data / "data" / "test-0.jsonl")  # trained on: not held out
     cfg = tiny_train_config(model_dir, data, tmp_path / "out", steps=1, eval_data=str(held_out))
     notes = prepare(cfg).notes  # what `appliance train` prints before it starts the actors
-    assert len(notes) == 3
+    assert len(notes) == 4
     assert notes[0].startswith(f"--data {data}: skipped 1 file(s) that are not data (")
     assert notes[0].endswith(": README.md")
     assert notes[1].startswith(f"--data {data}: its 2 files are named for several splits (")
     assert notes[2].startswith(f"--eval-data {held_out}: skipped 1 file(s) that are not data (")
     assert notes[2].endswith(": scores.csv")
+    assert notes[3] == (
+        f"--eval-data {held_out}: 1 of its files are --data's too, so its loss is not held out "
+        f"({data / 'data' / 'test-0.jsonl'}): give files the run does not train on, or --eval-split"
+    )
     assert "(1 train: data/train-0.jsonl; 1 test: data/test-0.jsonl)" in notes[1]
 
 
