@@ -230,15 +230,19 @@ def eval_cmd(
     """Print {"loss": mean next-token NLL, "tokens": target tokens} as one JSON line."""
     from . import storage
     from .blocks import dtype_from_name
+    from .data import dataset_notes
     from .evaluate import check_device, evaluate
     from .hub import resolve_model
     from .trainer import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
     check_device(dev)  # before resolve_dtype asks the GPU what it computes
+    data_path = storage.localize(data)
+    for note in dataset_notes(data_path, "--data", data):  # files skipped, several splits
+        click.echo(f"note: {note}", err=True)
     result = evaluate(
         storage.localize(resolve_model(model)),
-        storage.localize(data),
+        data_path,
         seq_len,
         adapter_dir=storage.localize(adapter) if adapter else None,
         device=dev,

@@ -64,6 +64,24 @@ def test_eval_prints_one_json_line_with_loss_and_tokens(model_and_adapter):
     assert result.stderr.startswith("warning: --seq-len 10 cut "), result.stderr
     assert "pass a larger --seq-len" in result.stderr
 
+    # a directory: its files that are not data, and files of several splits, are named first
+    d = data.parent / "eval-dir"
+    (d / "data").mkdir(parents=True)
+    (d / "data" / "test-0.jsonl").write_bytes(data.read_bytes())
+    (d / "data" / "validation-0.jsonl").write_text('{"text": "the cat"}\n')
+    (d / "README.md").write_text("a dataset card")
+    argv = ["eval", "--model", str(model), "--data", str(d), "--seq-len", "64", "--device", "cpu"]
+    result = CliRunner().invoke(main, argv)
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [
+        f"note: --data {d}: skipped 1 file(s) that are not data (.jsonl, .json, .parquet, .arrow "
+        "or .txt; .jsonl, .json and .txt also .gz, .bz2, .xz or .zst): README.md",
+        f"note: --data {d}: its 2 files are named for several splits (1 validation: "
+        "data/validation-0.jsonl; 1 test: data/test-0.jsonl), and every one is read: to use one "
+        "split, give --data that split's file or a directory of its files alone",
+    ]
+    assert json.loads(result.stdout)["tokens"] > printed["tokens"]
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_eval_on_cuda_without_a_gpu_is_one_error_line(model_and_adapter):
