@@ -150,9 +150,9 @@ class RawDocument:
 
 
 def data_format(path: Path) -> str | None:
-    """What a file under `--data` holds, from its name: "jsonl", "json", "parquet", "arrow" or "txt" (a
-    compressed one by the suffix before its compression's: `a.jsonl.gz` is "jsonl"), or None for
-    a file that is not data (`.csv`, `README.md`, `datasets`' metadata JSON)."""
+    """What a file under `--data` holds, from its name: "jsonl", "json", "parquet", "arrow" or
+    "txt" (a compressed one by the suffix before its compression's: `a.jsonl.gz` is "jsonl"), or
+    None for a file that is not data (`.csv`, `README.md`, `datasets`' metadata JSON)."""
     name = path.name.lower()
     if name in METADATA_FILES:
         return None
@@ -358,14 +358,14 @@ def _record_batches(f: Path) -> Iterator[Any]:
         if kind == "parquet":
             yield from pq.ParquetFile(f).iter_batches(batch_size=1024)
             return
-        source = pa.memory_map(str(f))
-        if source.read(6) == b"ARROW1":  # the file format's magic number
-            reader = pa.ipc.open_file(source)
-            for i in range(reader.num_record_batches):
-                yield reader.get_batch(i)
-        else:
-            source.seek(0)
-            yield from pa.ipc.open_stream(source)
+        with pa.memory_map(str(f)) as source:
+            if source.read(6) == b"ARROW1":  # the file format's magic number
+                reader = pa.ipc.open_file(source)
+                for i in range(reader.num_record_batches):
+                    yield reader.get_batch(i)
+            else:
+                source.seek(0)
+                yield from pa.ipc.open_stream(source)
     except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
         raise DataError(f"{f}: cannot read as {kind}: {e}") from None
 

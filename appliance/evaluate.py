@@ -1,12 +1,13 @@
 """`appliance eval`: mean next-token loss of a base model (+ LoRA adapter) on a dataset.
 
 The dataset is read exactly as `train` reads it (any accepted format: `.jsonl`, `.json`,
-`.parquet`, `.arrow`, `.txt`, compressed or not, or a directory of them; text, prompt + completion, and conversations rendered with the
-model's chat template), and every document has the targets training gives it (`data.py`): a text
-record predicts every token and the appended EOS, prompt + completion only the completion and
-EOS, a conversation only its assistant turns. Each document is truncated to `seq_len` tokens and
-scored alone: the result is the summed NLL over the target tokens of all documents divided by
-their number, i.e. what transformers' model gives summed over the same sequences.
+`.parquet`, `.arrow`, `.txt`, compressed or not, or a directory of them; text, prompt + completion,
+and conversations rendered with the model's chat template), and every document has the targets
+training gives it (`data.py`): a text record predicts every token and the appended EOS, prompt +
+completion only the completion and EOS, a conversation only its assistant turns. Each document is
+truncated to `seq_len` tokens and scored alone: the result is the summed NLL over the target tokens
+of all documents divided by their number, i.e. what transformers' model gives summed over the same
+sequences.
 
 The forward pass is the training engine's (StreamedEngine.eval_loss), so a model larger than the
 GPU is evaluated the same way it is trained: block by block. `eval_batches` packs the same

@@ -94,8 +94,9 @@ def test_directory_without_data_files_is_named(tmp_path):
     with pytest.raises(DataError) as e:
         find_data_files(tmp_path)
     assert str(e.value) == (
-        "empty dataset: no data files (.jsonl, .json, .parquet, .arrow or .txt; .jsonl, .json and .txt "
-        f"also .gz, .bz2, .xz or .zst) under {tmp_path} (skipped 1 other file(s): readme.md)"
+        "empty dataset: no data files (.jsonl, .json, .parquet, .arrow or .txt; .jsonl, .json "
+        f"and .txt also .gz, .bz2, .xz or .zst) under {tmp_path} (skipped 1 other file(s): "
+        "readme.md)"
     )
 
 
