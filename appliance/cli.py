@@ -230,7 +230,7 @@ def eval_cmd(
     """Print {"loss": mean next-token NLL, "tokens": target tokens} as one JSON line."""
     from . import storage
     from .blocks import dtype_from_name
-    from .data import dataset_notes
+    from .data_files import dataset_notes
     from .evaluate import check_device, evaluate
     from .hub import resolve_model
     from .trainer import resolve_device, resolve_dtype

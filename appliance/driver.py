@@ -25,14 +25,8 @@ from .chat import load_chat_template
 from .checkpoint import LATEST_MARKER, checkpoints_uri
 from .cluster import check_shared_output, on_node, start_ray, trainer_slots, weight_store_bytes
 from .config import TrainConfig, flag
-from .data import (
-    Holdout,
-    check_dataset,
-    check_has_targets,
-    check_tokenizer_fits,
-    dataset_notes,
-    not_held_out_notes,
-)
+from .data import Holdout, check_dataset, check_has_targets, check_tokenizer_fits
+from .data_files import dataset_notes, not_held_out_notes
 from .errors import NOT_FOUND, ConfigError, StorageError, cause_chain
 from .hf_checkpoint import SafetensorsCheckpoint, read_model_args, seq_len_problems, tokenizer_path
 from .hub import resolve_model

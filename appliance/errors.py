@@ -11,7 +11,7 @@ from typing import Any
 
 class ApplianceError(Exception):
     """Base class for errors caused by the user's input, not by a bug: bad config (ConfigError),
-    model (ModelError), data (data.DataError), storage (StorageError) or checkpoints
+    model (ModelError), data (DataError), storage (StorageError) or checkpoints
     (checkpoint.CheckpointError). The CLI prints these; anything else is a bug and keeps its
     traceback."""
 
@@ -22,6 +22,14 @@ class ConfigError(ApplianceError):
 
 class ModelError(ApplianceError):
     """A model directory that cannot be used: missing files, unsupported architecture, bad shapes."""
+
+
+class DataError(ApplianceError):
+    """A problem with the dataset or tokenizer that the user must fix; the message names it.
+
+    Takes exactly one message argument so that it pickles (and so crosses Ray actor boundaries)
+    unchanged.
+    """
 
 
 # Error kinds carried by StorageError.kind, for callers that branch on them.

@@ -37,6 +37,7 @@ from .data import (
     skipped_message,
     with_skip_hint,
 )
+from .data_files import find_data_files
 from .engine import MicroBatch, StreamedEngine
 from .errors import ConfigError
 from .lora import load_adapter
@@ -63,7 +64,7 @@ def read_documents(
     `file:row N`) for a bad record, unless `on_bad_record="skip"` (then it is left out).
     `holdout`: only the documents --eval-split holds out. `warn` is told of skipped records and
     of truncated documents (how many, the tokens not scored)."""
-    files = data.find_data_files(data_path)
+    files = find_data_files(data_path)
     records, skipped = [], []
     for raw in ShardReader(files, 0, 1, holdout=holdout):
         try:

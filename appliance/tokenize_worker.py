@@ -48,11 +48,11 @@ from appliance.data import (
     Record,
     ShardReader,
     encode_records,
-    find_data_files,
     load_tokenizer,
     parse_document,
     with_skip_hint,
 )
+from appliance.data_files import find_data_files
 from appliance.metrics import TokenizerMetrics
 from appliance.packing import fill_rows, split_document
 

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 import transformers
 
 from appliance.chat import ChatError, load_chat_template
-from appliance.data import DataError, find_data_files, unreadable_files
+from appliance.data_files import find_data_files, unreadable_files
+from appliance.errors import DataError
 from appliance.evaluate import evaluate
 from appliance.tokenize_worker import TokenizeWorker
 from tests.helpers_model import load_hf, make_model

@@ -1,10 +1,8 @@
-"""appliance.data: file discovery, sharding, record parsing, tokenizer loading, encoding."""
+"""appliance.data: sharding, record parsing, tokenizer loading, encoding."""
 
 from __future__ import annotations
 
-import json
 import pickle
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,259 +15,18 @@ from appliance.data import (
     ShardReader,
     check_has_targets,
     check_tokenizer_fits,
-    dataset_notes,
     encode_records,
     find_data_files,
-    has_documents,
     load_tokenizer,
-    not_held_out_notes,
     parse_document,
-    split_of,
-    unreadable_files,
 )
+from tests.helpers_data import write_jsonl
 from tests.helpers_tokenizer import make_tokenizer
-
-
-def write_jsonl(path: Path, records: list, blank_lines: bool = False) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lines = [r if isinstance(r, str) else json.dumps(r) for r in records]
-    if blank_lines:
-        lines = [x for line in lines for x in (line, "   ")]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
     return make_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-# -- discovery -------------------------------------------------------------------------------
-
-
-def test_find_data_files_is_recursive_sorted_and_ignores_other_files(tmp_path):
-    names = [
-        *("b.jsonl", "a/z.txt", "a/y.jsonl", "c.md", "a/notes.json", "a/b/x.TXT", "0.txt"),
-        *("d.jsonl.gz", "e.csv.gz", "f.parquet.gz", "a/dataset_info.json", "t.txt.zst"),
-        *("g.arrow", "h.arrow.gz", "a/state.json"),
-    ]
-    for rel in names:
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text("x")
-    files = find_data_files(tmp_path)
-    assert [f.relative_to(tmp_path).as_posix() for f in files] == [
-        "0.txt",
-        "a/b/x.TXT",
-        "a/notes.json",
-        "a/y.jsonl",
-        "a/z.txt",
-        "b.jsonl",
-        "d.jsonl.gz",
-        "g.arrow",
-        "t.txt.zst",
-    ]
-    # datasets' metadata beside the data is not data; nor is a compressed .csv or .parquet
-    assert unreadable_files(tmp_path) == [
-        "a/dataset_info.json",
-        "a/state.json",
-        "c.md",
-        "e.csv.gz",
-        "f.parquet.gz",
-        "h.arrow.gz",
-    ]
-
-
-def test_find_data_files_single_file(tmp_path):
-    f = write_jsonl(tmp_path / "d.jsonl", [{"text": "a"}])
-    assert find_data_files(f) == [f]
-
-
-def test_missing_path_is_named(tmp_path):
-    with pytest.raises(DataError, match=r"^dataset not found: .*/nope$"):
-        find_data_files(tmp_path / "nope")
-
-
-def test_directory_without_data_files_is_named(tmp_path):
-    (tmp_path / "readme.md").write_text("hi")
-    with pytest.raises(DataError) as e:
-        find_data_files(tmp_path)
-    assert str(e.value) == (
-        "empty dataset: no data files (.jsonl, .json, .parquet, .arrow or .txt; .jsonl, .json "
-        f"and .txt also .gz, .bz2, .xz or .zst) under {tmp_path} (skipped 1 other file(s): "
-        "readme.md)"
-    )
-
-
-def test_unsupported_single_file(tmp_path):
-    (tmp_path / "d.csv").write_text("a,b")
-    with pytest.raises(
-        DataError,
-        match=r"unsupported dataset file .*d\.csv: expected a data file \(\.jsonl, \.json,",
-    ):
-        find_data_files(tmp_path / "d.csv")
-
-
-def test_has_documents(tmp_path):
-    empty = tmp_path / "e.jsonl"
-    empty.write_text("\n  \n")
-    assert not has_documents([empty])
-    assert has_documents([empty, write_jsonl(tmp_path / "f.jsonl", [{"text": "a"}])])
-    (tmp_path / "t.txt").write_text("")
-    assert has_documents([tmp_path / "t.txt"])  # a .txt file is a document even if empty
-
-
-def test_split_names_as_datasets_reads_them():
-    assert split_of("data/train-00000-of-00002.parquet") == "train"
-    assert split_of("data/validation-00000-of-00001.parquet") == "validation"
-    assert split_of("test.jsonl") == "test"
-    assert split_of("dev/part-0.jsonl.gz") == "validation"  # a directory names it too
-    assert split_of("my_eval_set.json") == "test"
-    assert split_of("contest.jsonl") is None  # whole words only
-    assert split_of("part-0.jsonl") is None
-
-
-def test_dataset_notes_name_skipped_files_and_several_splits(tmp_path):
-    hub = tmp_path / "hub"  # as `hf download --repo-type dataset` leaves a dataset
-    for rel in [
-        "README.md",
-        "data/train-00000-of-00002.parquet",
-        "data/train-00001-of-00002.parquet",
-        "data/test-00000-of-00001.parquet",
-    ]:
-        (hub / rel).parent.mkdir(parents=True, exist_ok=True)
-        (hub / rel).write_text("x")
-    assert dataset_notes(hub, "--data", "s3://b/hub") == [
-        "--data s3://b/hub: skipped 1 file(s) that are not data (.jsonl, .json, .parquet, "
-        ".arrow or .txt; .jsonl, .json and .txt also .gz, .bz2, .xz or .zst): README.md",
-        "--data s3://b/hub: its 3 files are named for several splits (2 train: "
-        "data/train-00000-of-00002.parquet, ...; 1 test: data/test-00000-of-00001.parquet), "
-        "and every one is read: to use one split, give --data that split's file or a directory "
-        "of its files alone",
-    ]
-    # one split, or none named: nothing to say; nor of a single file
-    train = hub / "data" / "train-00000-of-00002.parquet"
-    assert dataset_notes(tmp_path / "none", "--data", "x") == []
-    (hub / "README.md").unlink()
-    (hub / "data" / "test-00000-of-00001.parquet").unlink()
-    assert dataset_notes(hub, "--data", str(hub)) == []
-    assert dataset_notes(train, "--data", str(train)) == []
-
-
-def test_eval_files_that_are_training_files_are_named(tmp_path):
-    train = write_jsonl(tmp_path / "train" / "a.jsonl", [{"text": "a"}])
-    write_jsonl(tmp_path / "train" / "b.jsonl", [{"text": "b"}])
-    (tmp_path / "eval").mkdir()
-    write_jsonl(tmp_path / "eval" / "c.jsonl", [{"text": "c"}])
-    assert not_held_out_notes(tmp_path / "train", tmp_path / "eval", "e") == []
-    (tmp_path / "eval" / "a.jsonl").symlink_to(train)  # the same file, reached another way
-    want = [
-        f"--eval-data e: 1 of its files are --data's too, so its loss is not held out ({train}): "
-        "give files the run does not train on, or --eval-split"
-    ]
-    assert not_held_out_notes(tmp_path / "train", tmp_path / "eval", "e") == want
-    assert not_held_out_notes(tmp_path / "train", train, "e") == want
-    assert not_held_out_notes(train, tmp_path / "train" / ".." / "train" / "a.jsonl", "e") == want
-
-
-# -- compressed files and .json ------------------------------------------------------------
-
-
-def compress(path: Path, data: bytes) -> Path:
-    """`data` written to `path`, compressed as its last suffix says (the standard library's
-    gzip, bz2 and lzma; zstd through pyarrow, checked by its frame's magic number)."""
-    import bz2
-    import gzip
-    import lzma
-
-    import pyarrow as pa
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    suffix = path.suffix
-    if suffix == ".zst":
-        with pa.output_stream(str(path), compression="zstd") as out:
-            out.write(data)
-        assert path.read_bytes()[:4] == b"\x28\xb5\x2f\xfd"
-    else:
-        path.write_bytes({".gz": gzip, ".bz2": bz2, ".xz": lzma}[suffix].compress(data))
-    return path
-
-
-def texts(files: list[Path], worker: int = 0, workers: int = 1) -> list[str]:
-    return [parse_document(d).text for d in ShardReader(files, worker, workers)]
-
-
-@pytest.mark.parametrize("codec", [".gz", ".bz2", ".xz", ".zst"])
-def test_compressed_files_read_as_the_plain_ones(tmp_path, codec):
-    records = [{"text": f"doc {i} \u00e9\u4e2d"} for i in range(7)]
-    plain = write_jsonl(tmp_path / "plain" / "a.jsonl", records, blank_lines=True)
-    (tmp_path / "plain" / "b.txt").write_text("a whole file\nis one document\n")
-    packed = tmp_path / "packed"
-    compress(packed / f"a.jsonl{codec}", plain.read_bytes())
-    compress(packed / f"b.txt{codec}", (tmp_path / "plain" / "b.txt").read_bytes())
-    compress(packed / f"c.json{codec}", json.dumps(records[:2], indent=2).encode())
-    files = find_data_files(packed)
-    assert [f.name for f in files] == [f"a.jsonl{codec}", f"b.txt{codec}", f"c.json{codec}"]
-    want = texts(find_data_files(tmp_path / "plain")) + [r["text"] for r in records[:2]]
-    assert len(want) == 10 and texts(files) == want
-    for w in range(3):  # shards as for any file: by global index, located by line
-        assert texts(files, w, 3) == want[w::3]
-    assert next(iter(ShardReader(files, 1, 3))).where == f"{files[0]}:3"
-
-
-def test_a_damaged_compressed_file_is_named(tmp_path):
-    import gzip
-
-    good = gzip.compress(b"".join(b'{"text": "d%d"}\n' % i for i in range(2000)))
-    cut = tmp_path / "cut.jsonl.gz"
-    cut.write_bytes(good[: len(good) // 2])  # an interrupted download
-    with pytest.raises(DataError, match=r"cut\.jsonl\.gz: cannot read: .*damaged or truncated"):
-        list(ShardReader([cut], 0, 1))
-    fake = tmp_path / "fake.jsonl.zst"
-    fake.write_text('{"text": "not compressed at all"}\n')
-    with pytest.raises(DataError, match=r"fake\.jsonl\.zst: cannot read: "):
-        find_data_files(fake)
-
-
-def test_a_json_file_is_an_array_of_records_or_json_lines(tmp_path):
-    array = tmp_path / "array.json"
-    items = [{"text": "a"}, {"prompt": "p", "completion": "c"}, ["x"], {"text": "d"}]
-    array.write_text("\ufeff\n  " + json.dumps(items, indent=2))  # a byte-order mark, blanks
-    docs = list(ShardReader([array], 0, 1))
-    assert [d.where for d in docs] == [f"{array}:[{i}]" for i in range(4)]
-    assert parse_document(docs[1]) == Record(prompt="p", completion="c")
-    with pytest.raises(DataError, match=r"array\.json:\[2\]: expected a JSON object, found an"):
-        parse_document(docs[2])
-    assert [d.doc for d in ShardReader([array], 1, 2)] == [0, 1]
-    assert [d.where for d in ShardReader([array], 1, 2, start_doc=1)] == [f"{array}:[3]"]
-
-    lines = write_jsonl(tmp_path / "lines.json", [{"text": "l0"}, {"text": "l1"}])
-    both = list(ShardReader([lines, array], 0, 1))
-    assert [parse_document(d).text for d in both[:2]] == ["l0", "l1"]
-    assert [d.where for d in both] == [f"{lines}:1", f"{lines}:2", *(d.where for d in docs)]
-
-    (tmp_path / "empty.json").write_text("[]\n")
-    assert not has_documents([tmp_path / "empty.json"])
-    with pytest.raises(DataError, match=r"^empty dataset: no documents in .*empty\.json"):
-        find_data_files(tmp_path / "empty.json")
-
-    broken = tmp_path / "broken.json"
-    broken.write_text('[\n  {"text": "a"},\n  {"text": "b"\n]\n')
-    with pytest.raises(
-        DataError, match=r"broken\.json: malformed JSON array: Expecting ',' delimiter at line 4"
-    ):
-        find_data_files(broken)
-    latin1 = tmp_path / "latin1.json"
-    latin1.write_bytes(b'[{"text": "caf\xe9"}]')
-    with pytest.raises(DataError, match=r"latin1\.json: not valid UTF-8 \(invalid continuation"):
-        find_data_files(latin1)
-    one_object = tmp_path / "squad.json"
-    one_object.write_text(json.dumps({"data": [{"text": "a"}]}, indent=2))
-    with pytest.raises(DataError) as e:
-        find_data_files(one_object)
-    assert str(e.value).startswith(f"{one_object}:1: not JSON (")
-    assert str(e.value).endswith(
-        "a .json dataset is JSON Lines (one record a line) or one JSON array of records"
-    )
 
 
 # -- sharding --------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from appliance.data import DATA_FILES, IGNORE_INDEX, SKIP_HINT, Batch, DataError, check_dataset
+from appliance.data import IGNORE_INDEX, SKIP_HINT, Batch, DataError, check_dataset
+from appliance.data_files import DATA_FILES
 from appliance.tokenize_worker import ACTOR_OPTIONS, TokenizeWorker, default_num_workers
 from tests.helpers_ray import ray_session
 from tests.helpers_tokenizer import make_tokenizer, sentences

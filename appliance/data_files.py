@@ -1,0 +1,299 @@
+"""Dataset files: which files under `--data` are data, and how each format is read.
+
+A dataset is a `.jsonl`, `.json`, `.parquet`, `.arrow` or `.txt` file, or a directory searched
+recursively for them (sorted by relative path; other files are skipped, and `unreadable_files`
+names them). `.jsonl`, `.json` and `.txt` files may be compressed (`.gz`, `.bz2`, `.xz`, `.zst`:
+read as they are decompressed, never unpacked to disk). Documents are numbered in that order over
+all files: a non-blank `.jsonl` line is one document, a `.json` file is JSON Lines too unless it
+holds one JSON array, whose items are the documents (`file:[N]` in errors), a `.parquet` or
+`.arrow` row is one document (read with pyarrow, the same columns as the JSON keys, `file:row N` in
+errors; `.arrow` is what `datasets` writes: save_to_disk, its cache), a `.txt` file is one
+document. `data.ShardReader` deals them out to the tokenizer workers.
+
+Also what a run says about a dataset directory before it reads it (`dataset_notes`: files
+skipped, files named for several splits; `not_held_out_notes`: --eval-data files that are
+--data's too). Records inside the documents are parsed by `data.py`.
+"""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import io
+import json
+import lzma
+import re
+import zlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from .errors import DataError
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".txt")
+TABLES = ("parquet", "arrow")  # a row is a document, the columns its keys
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")  # of .jsonl, .json and .txt files (not tables)
+DATA_FILES = (
+    ".jsonl, .json, .parquet, .arrow or .txt; .jsonl, .json and .txt also .gz, .bz2, .xz or .zst"
+)
+# JSON files that `datasets` writes beside the data (save_to_disk, push_to_hub): never records
+METADATA_FILES = ("dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json")
+
+
+def data_format(path: Path) -> str | None:
+    """What a file under `--data` holds, from its name: "jsonl", "json", "parquet", "arrow" or
+    "txt" (a compressed one by the suffix before its compression's: `a.jsonl.gz` is "jsonl"), or
+    None for a file that is not data (`.csv`, `README.md`, `datasets`' metadata JSON)."""
+    name = path.name.lower()
+    if name in METADATA_FILES:
+        return None
+    compressed = name.endswith(COMPRESSIONS)
+    if compressed:
+        name = name.rsplit(".", 1)[0]
+    suffix = Path(name).suffix
+    if suffix not in DATA_SUFFIXES or (compressed and suffix[1:] in TABLES):
+        return None
+    return suffix[1:]
+
+
+def open_data(path: Path) -> BinaryIO:
+    """A data file opened for reading bytes, decompressed on the way as its name says."""
+    compression = path.suffix.lower()
+    if compression == ".gz":
+        return gzip.open(path, "rb")
+    if compression == ".bz2":
+        return bz2.open(path, "rb")
+    if compression == ".xz":
+        return lzma.open(path, "rb")
+    if compression == ".zst":
+        import pyarrow as pa  # (the standard library has no zstd before Python 3.14)
+
+        return io.BufferedReader(pa.input_stream(str(path), compression="zstd"))
+    return open(path, "rb")  # noqa: SIM115 - the caller closes it (with open_data(...) as fh)
+
+
+def read_lines(path: Path) -> Iterator[bytes]:
+    """The lines of a data file, decompressed; a file that cannot be read or decompressed (a
+    truncated download, another format under the suffix) is a DataError naming it."""
+    try:
+        with open_data(path) as fh:
+            yield from fh
+    except (OSError, EOFError, zlib.error, lzma.LZMAError) as e:
+        # an OSError with an errno is the file system's (permission, ...); the others, the data's
+        hint = " (a damaged or truncated file?)" if getattr(e, "errno", None) is None else ""
+        raise DataError(f"{path}: cannot read: {e}{hint}") from None
+
+
+def read_all(path: Path) -> bytes:
+    return b"".join(read_lines(path))
+
+
+def json_array(path: Path) -> list | None:
+    """The items of a `.json` file that holds one JSON array (the whole file is parsed), None
+    for JSON Lines. DataError naming the line and column for a file that starts with `[` but is
+    not valid JSON, and for one whose first line is not JSON (one JSON object over many lines,
+    as an editor writes it: not a dataset either way)."""
+    lines = enumerate(read_lines(path), 1)  # the first non-blank one, after a byte-order mark
+    lineno, first = next(
+        ((n, t) for n, line in lines if (t := line.removeprefix(b"\xef\xbb\xbf").strip())),
+        (0, b""),
+    )
+    if not first:
+        return None  # empty: no documents
+    if first.startswith(b"["):
+        try:
+            items = json.loads(read_all(path).decode("utf-8-sig"))
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        except json.JSONDecodeError as e:
+            raise DataError(
+                f"{path}: malformed JSON array: {e.msg} at line {e.lineno} column {e.colno}"
+            ) from None
+        return items
+    try:
+        json.loads(first.decode("utf-8", errors="replace"))
+    except json.JSONDecodeError as e:
+        raise DataError(
+            f"{path}:{lineno}: not JSON ({e.msg} at column {e.colno}): a .json dataset is JSON "
+            "Lines (one record a line) or one JSON array of records"
+        ) from None
+    return None
+
+
+def find_data_files(path: str | Path) -> list[Path]:
+    """The dataset's files in document order.
+
+    DataError if the path is missing, holds no data file (`data_format`), or no document at all.
+    """
+    root = Path(path)
+    if not root.exists():
+        raise DataError(f"dataset not found: {path}")
+    if root.is_file():
+        if data_format(root) is None:
+            raise DataError(f"unsupported dataset file {path}: expected a data file ({DATA_FILES})")
+        files = [root]
+    else:
+        files = _files_under(root)
+        if not files:
+            skipped = unreadable_files(root)
+            raise DataError(
+                f"empty dataset: no data files ({DATA_FILES}) under {path}"
+                + (f" (skipped {len(skipped)} other file(s): {_some(skipped)})" if skipped else "")
+            )
+    if not has_documents(files):
+        raise DataError(
+            f"empty dataset: no documents in {path} ({len(files)} file(s), all empty or blank)"
+        )
+    return files
+
+
+def _some(names: list[str], n: int = 5) -> str:
+    """The first `n` of `names`, comma-separated, "..." after them if there are more."""
+    return ", ".join(names[:n]) + (", ..." if len(names) > n else "")
+
+
+def _files_under(root: Path) -> list[Path]:
+    """The data files under a directory, sorted by relative POSIX path: the document order is
+    the same on every machine."""
+    files = [f for f in root.rglob("*") if data_format(f) is not None and f.is_file()]
+    return sorted(files, key=lambda f: f.relative_to(root).as_posix())
+
+
+def unreadable_files(path: str | Path) -> list[str]:
+    """Files under a dataset directory that are not data (`.csv`, ...): skipped, and said so."""
+    root = Path(path)
+    if not root.is_dir():
+        return []
+    return sorted(
+        f.relative_to(root).as_posix()
+        for f in root.rglob("*")
+        if f.is_file() and data_format(f) is None and not f.name.startswith(".")
+    )
+
+
+# the words that name a split in a file's path, as `datasets` infers splits from file names
+SPLIT_WORDS = {
+    "train": ("train", "training"),
+    "validation": ("validation", "valid", "val", "dev"),
+    "test": ("test", "testing", "eval", "evaluation"),
+}
+
+
+def split_of(relative: str) -> str | None:
+    """The split a data file's path names (`data/test-00000-of-00001.parquet`: "test"), if any."""
+    words = set(re.split(r"[-._ /]", relative.lower()))
+    return next((split for split, names in SPLIT_WORDS.items() if words & set(names)), None)
+
+
+def dataset_notes(path: str | Path, flag: str, uri: str) -> list[str]:
+    """What to tell the user about a dataset directory (`path`, the local copy of `uri`, given
+    as `flag`) before a run reads it: the files skipped as not data, and files named for several
+    splits, every one of which is read (a dataset downloaded from the Hub holds its test split
+    beside its train split)."""
+    root = Path(path)
+    if not root.is_dir():
+        return []
+    notes = []
+    if skipped := unreadable_files(root):
+        notes.append(
+            f"{flag} {uri}: skipped {len(skipped)} file(s) that are not data ({DATA_FILES}): "
+            + _some(skipped)
+        )
+    files = [f.relative_to(root).as_posix() for f in _files_under(root)]
+    splits: dict[str, list[str]] = {}
+    for f in files:
+        if (split := split_of(f)) is not None:
+            splits.setdefault(split, []).append(f)
+    if len(splits) > 1:
+        named = "; ".join(  # train, validation, test
+            f"{len(splits[split])} {split}: {_some(splits[split], 1)}"
+            for split in SPLIT_WORDS
+            if split in splits
+        )
+        notes.append(
+            f"{flag} {uri}: its {len(files)} files are named for several splits ({named}), and "
+            f"every one is read: to use one split, give {flag} that split's file or a directory "
+            "of its files alone"
+        )
+    return notes
+
+
+def not_held_out_notes(data: str | Path, eval_data: str | Path, eval_uri: str) -> list[str]:
+    """A note when `eval_data` (given as `--eval-data eval_uri`) shares files with `data` (the
+    same file, however reached): a validation loss over documents the run trains on is not a
+    held-out loss."""
+
+    def files(path: Path) -> set[Path]:
+        found = [path] if path.is_file() else _files_under(path) if path.is_dir() else []
+        return {f.resolve() for f in found if data_format(f) is not None}
+
+    shared = sorted(files(Path(data)) & files(Path(eval_data)))
+    if not shared:
+        return []
+    return [
+        f"--eval-data {eval_uri}: {len(shared)} of its files are --data's too, so its loss is "
+        f"not held out ({_some([str(f) for f in shared], 3)}): give files the run does not train "
+        "on, or --eval-split"
+    ]
+
+
+def _record_batches(f: Path) -> Iterator[Any]:
+    """The record batches of a .parquet file or an Arrow IPC file (.arrow: the stream format,
+    as `datasets`' save_to_disk and cache write it, or the random-access file format),
+    memory-mapped; a file pyarrow cannot read is a DataError naming it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    kind = data_format(f)
+    try:
+        if kind == "parquet":
+            yield from pq.ParquetFile(f).iter_batches(batch_size=1024)
+            return
+        with pa.memory_map(str(f)) as source:
+            if source.read(6) == b"ARROW1":  # the file format's magic number
+                reader = pa.ipc.open_file(source)
+                for i in range(reader.num_record_batches):
+                    yield reader.get_batch(i)
+            else:
+                source.seek(0)
+                yield from pa.ipc.open_stream(source)
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        raise DataError(f"{f}: cannot read as {kind}: {e}") from None
+
+
+def table_rows(f: Path) -> Iterator[dict]:
+    """Each row of a .parquet or .arrow file as a dict, columns whose value is null left out."""
+    for batch in _record_batches(f):
+        for row in batch.to_pylist():
+            yield {k: v for k, v in row.items() if v is not None}
+
+
+def table_num_rows(f: Path) -> int:
+    """Rows in a .parquet file (from its footer) or an .arrow file (its batches' lengths)."""
+    if data_format(f) == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(f).metadata.num_rows
+        except (OSError, ValueError) as e:
+            raise DataError(f"{f}: cannot read as parquet: {e}") from None
+    return sum(batch.num_rows for batch in _record_batches(f))
+
+
+def has_documents(files: Sequence[Path]) -> bool:
+    """True as soon as one document is found (cheap: stops at the first)."""
+    for f in files:
+        kind = data_format(f)
+        if kind == "txt":
+            return True
+        if kind in TABLES:
+            if table_num_rows(f) > 0:
+                return True
+            continue
+        if kind == "json" and (items := json_array(f)) is not None:
+            if items:
+                return True
+            continue
+        if any(line.strip() for line in read_lines(f)):
+            return True
+    return False
