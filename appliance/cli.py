@@ -178,8 +178,9 @@ def train(config_file: str | None, **flags) -> None:
 @click.option(
     "--data",
     required=True,
-    help="Data as train reads it: .jsonl/.json/.parquet/.arrow/.txt (compressed too) or a dir of "
-    "them (text, prompt + completion, or conversations); scored on the targets training uses.",
+    help="Data as train reads it: .jsonl/.json/.parquet/.arrow/.txt (compressed too), a dir of "
+    "them, s3:// or a cached Hugging Face dataset id (text, prompt + completion, or "
+    "conversations); scored on the targets training uses.",
 )
 @click.option("--seq-len", type=int, required=True, help="Truncate each record to N tokens.")
 @click.option(
@@ -232,12 +233,12 @@ def eval_cmd(
     from .blocks import dtype_from_name
     from .data_files import dataset_notes
     from .evaluate import check_device, evaluate
-    from .hub import resolve_model
+    from .hub import resolve_dataset, resolve_model
     from .trainer import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
     check_device(dev)  # before resolve_dtype asks the GPU what it computes
-    data_path = storage.localize(data)
+    data_path = storage.localize(resolve_dataset(data))
     for note in dataset_notes(data_path, "--data", data):  # files skipped, several splits
         click.echo(f"note: {note}", err=True)
     result = evaluate(

@@ -47,7 +47,8 @@ class TrainConfig:
     data: str | None = _f(
         None,
         "Training data: a .jsonl, .json, .parquet, .arrow or .txt file (.jsonl/.json/.txt may "
-        "be .gz, .bz2, .xz or .zst compressed), a directory of them, or s3://.",
+        "be .gz, .bz2, .xz or .zst compressed), a directory of them, s3://, or a dataset id "
+        "(org/name) in the local Hugging Face cache.",
     )
     output: str | None = _f(
         None, "Where the adapter and checkpoints go (directory or s3:// prefix)."

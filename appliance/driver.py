@@ -29,7 +29,7 @@ from .data import Holdout, check_dataset, check_has_targets, check_tokenizer_fit
 from .data_files import dataset_notes, not_held_out_notes
 from .errors import NOT_FOUND, ConfigError, StorageError, cause_chain
 from .hf_checkpoint import SafetensorsCheckpoint, read_model_args, seq_len_problems, tokenizer_path
-from .hub import resolve_model
+from .hub import resolve_dataset, resolve_model
 from .interrupt import GracefulStop, RunInterrupted
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .model import ModelArgs
@@ -81,9 +81,10 @@ def _absolute_paths(cfg: TrainConfig) -> None:
 
     assert cfg.model is not None and cfg.data is not None and cfg.output is not None
     cfg.model = resolve_model(cfg.model)  # a hub id: its snapshot in the local HF cache
+    cfg.data = resolve_dataset(cfg.data)  # (a dataset's, for --data org/name)
     cfg.model, cfg.data, cfg.output = absolute(cfg.model), absolute(cfg.data), absolute(cfg.output)
     if cfg.eval_data:
-        cfg.eval_data = absolute(cfg.eval_data)
+        cfg.eval_data = absolute(resolve_dataset(cfg.eval_data, "--eval-data"))
     if cfg.chat_template:
         cfg.chat_template = absolute(cfg.chat_template)
 

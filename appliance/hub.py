@@ -1,10 +1,12 @@
-"""`--model org/name`: a Hugging Face hub id, found in the local Hugging Face cache.
+"""`--model org/name` and `--data org/name`: Hugging Face hub ids, found in the local Hugging Face
+cache.
 
 Nothing is downloaded: the id resolves, through huggingface_hub's own cache lookup (`HF_HOME`,
-`HF_HUB_CACHE`, the `models--org--name/snapshots/<commit>/` layout, `refs/main`), to the snapshot
-directory that `hf download org/name` filled, and that directory is used like any other model
-directory. `org/name@revision` picks a branch, tag or commit. When the model is not cached the
-error gives the command that downloads it.
+`HF_HUB_CACHE`, the `models--org--name/snapshots/<commit>/` layout, or `datasets--org--name/...`
+for a dataset, `refs/main`), to the snapshot directory that `hf download org/name` (with
+`--repo-type dataset` for a dataset) filled, and that directory is used like any other model or
+dataset directory. `org/name@revision` picks a branch, tag or commit. When the id is not cached
+the error gives the command that downloads it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import re
 from pathlib import Path
 
 from . import storage
-from .errors import ModelError
+from .errors import DataError, ModelError
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(@[\w./-]+)?$")
 
@@ -28,17 +30,32 @@ def is_hub_id(model: str) -> bool:
 def resolve_model(model: str, flag: str = "--model") -> str:
     """A local path or s3:// URI as it is; a hub id as its snapshot directory in the local
     Hugging Face cache. ModelError (naming `flag`) when the id is not cached."""
-    if not is_hub_id(model):
-        return model
+    return _resolve(model, flag, "model", ModelError)
+
+
+def resolve_dataset(data: str, flag: str = "--data") -> str:
+    """`resolve_model` for a dataset: a hub id as the snapshot directory of the dataset repo
+    `hf download org/name --repo-type dataset` filled. DataError (naming `flag`) when the id is
+    not cached."""
+    return _resolve(data, flag, "dataset", DataError)
+
+
+def _resolve(uri: str, flag: str, repo_type: str, error: type[Exception]) -> str:
+    if not is_hub_id(uri):
+        return uri
     from huggingface_hub import constants, snapshot_download
 
-    repo_id, _, revision = model.partition("@")
+    repo_id, _, revision = uri.partition("@")
     try:
-        return snapshot_download(repo_id, revision=revision or None, local_files_only=True)
+        return snapshot_download(
+            repo_id, repo_type=repo_type, revision=revision or None, local_files_only=True
+        )
     except Exception:  # noqa: BLE001 - not cached (huggingface_hub names it several ways)
-        raise ModelError(
-            f"{flag} {model}: not a directory here and not in the local Hugging Face cache "
-            f"({constants.HF_HUB_CACHE}); download it with `hf download {repo_id}"
-            f"{' --revision ' + revision if revision else ''}` (or `hf download {repo_id} "
+        kind = "" if repo_type == "model" else f" --repo-type {repo_type}"
+        what = "not a directory here" if repo_type == "model" else "not a file or directory here"
+        raise error(
+            f"{flag} {uri}: {what} and not in the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}); download it with `hf download {repo_id}{kind}"
+            f"{' --revision ' + revision if revision else ''}` (or `hf download {repo_id}{kind} "
             f"--local-dir DIR` and pass {flag} DIR)"
         ) from None
