@@ -36,7 +36,11 @@ def resolve_model(model: str, flag: str = "--model") -> str:
 def resolve_dataset(data: str, flag: str = "--data") -> str:
     """`resolve_model` for a dataset: a hub id as the snapshot directory of the dataset repo
     `hf download org/name --repo-type dataset` filled. DataError (naming `flag`) when the id is
-    not cached."""
+    not cached. A name like a data file's (`dir/train.jsonl`) is a path, missing or not."""
+    from .data_files import data_format
+
+    if data_format(Path(data)) is not None:
+        return data
     return _resolve(data, flag, "dataset", DataError)
 
 

@@ -105,6 +105,13 @@ def test_a_dataset_id_is_read_from_the_local_cache_or_named_with_its_download_co
     assert "note: --data tiny-org/chat: skipped 1 file(s) that are not data" in result.stderr
     assert "--data tiny-org/chat: its 2 files are named for several splits" in result.stderr
 
+    result = appliance("eval", *argv, "--data", "tiny-org/typo.jsonl", env=env)  # a path
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert (
+        result.stderr.strip()
+        == "error: no such file or directory: tiny-org/typo.jsonl: check the path"
+    )
+
     result = appliance("eval", *argv, "--data", "tiny-org/none@v2", env=env)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip() == (
