@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 from . import storage
+from .data_files import data_format
 from .errors import DataError, ModelError
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(@[\w./-]+)?$")
@@ -37,8 +38,6 @@ def resolve_dataset(data: str, flag: str = "--data") -> str:
     """`resolve_model` for a dataset: a hub id as the snapshot directory of the dataset repo
     `hf download org/name --repo-type dataset` filled. DataError (naming `flag`) when the id is
     not cached. A name like a data file's (`dir/train.jsonl`) is a path, missing or not."""
-    from .data_files import data_format
-
     if data_format(Path(data)) is not None:
         return data
     return _resolve(data, flag, "dataset", DataError)
