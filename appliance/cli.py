@@ -238,11 +238,12 @@ def eval_cmd(
 
     dev = resolve_device(device)
     check_device(dev)  # before resolve_dtype asks the GPU what it computes
+    model_dir = storage.localize(resolve_model(model))  # the model's errors first, as train's
     data_path = storage.localize(resolve_dataset(data))
     for note in dataset_notes(data_path, "--data", data):  # files skipped, several splits
         click.echo(f"note: {note}", err=True)
     result = evaluate(
-        storage.localize(resolve_model(model)),
+        model_dir,
         data_path,
         seq_len,
         adapter_dir=storage.localize(adapter) if adapter else None,
