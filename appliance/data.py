@@ -1,4 +1,4 @@
-"""Dataset reading, record parsing, tokenization and the batch type. Pure Python: no Ray here.
+"""Shard reading, record parsing, tokenization and the batch type. Pure Python: no Ray here.
 
 A dataset (`data_files.py`: which files, each format read as what documents) is numbered in
 document order over its files. Worker `w` of `N` owns the documents whose global index `% N ==
