@@ -32,7 +32,8 @@ from .data_files import (
     TABLES,
     data_format,
     find_data_files,
-    json_array,
+    is_json_array,
+    json_array_items,
     read_all,
     read_lines,
     table_num_rows,
@@ -183,8 +184,8 @@ class ShardReader:
                     g += n
                 self.total_documents = g
                 continue
-            if kind == "json" and (items := json_array(f)) is not None:
-                for i, obj in enumerate(items):
+            if kind == "json" and is_json_array(f):
+                for i, obj in enumerate(json_array_items(f)):
                     if self._mine(g, first):
                         data = json.dumps(obj).encode()
                         yield RawDocument(g // self.num_workers, f"{f}:[{i}]", data, "jsonl")

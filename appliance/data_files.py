@@ -5,10 +5,11 @@ recursively for them (sorted by relative path; other files are skipped, and `unr
 names them). `.jsonl`, `.json` and `.txt` files may be compressed (`.gz`, `.bz2`, `.xz`, `.zst`:
 read as they are decompressed, never unpacked to disk). Documents are numbered in that order over
 all files: a non-blank `.jsonl` line is one document, a `.json` file is JSON Lines too unless it
-holds one JSON array, whose items are the documents (`file:[N]` in errors), a `.parquet` or
-`.arrow` row is one document (read with pyarrow, the same columns as the JSON keys, `file:row N` in
-errors; `.arrow` is what `datasets` writes: save_to_disk, its cache), a `.txt` file is one
-document. `data.ShardReader` deals them out to the tokenizer workers.
+holds one JSON array, whose items are the documents (`file:[N]` in errors; parsed one by one as the
+file is read, so an array takes no more memory than JSON Lines), a `.parquet` or `.arrow` row is
+one document (read with pyarrow, the same columns as the JSON keys, `file:row N` in errors;
+`.arrow` is what `datasets` writes: save_to_disk, its cache), a `.txt` file is one document.
+`data.ShardReader` deals them out to the tokenizer workers.
 
 Also what a run says about a dataset directory before it reads it (`dataset_notes`: files
 skipped, files named for several splits; `not_held_out_notes`: --eval-data files that are
@@ -18,8 +19,11 @@ skipped, files named for several splits; `not_held_out_notes`: --eval-data files
 from __future__ import annotations
 
 import bz2
+import codecs
+import contextlib
 import gzip
 import io
+import itertools
 import json
 import lzma
 import re
@@ -75,49 +79,138 @@ def open_data(path: Path) -> BinaryIO:
 def read_lines(path: Path) -> Iterator[bytes]:
     """The lines of a data file, decompressed; a file that cannot be read or decompressed (a
     truncated download, another format under the suffix) is a DataError naming it."""
+    with _reading(path) as fh:
+        yield from fh
+
+
+def read_chunks(path: Path, size: int = 1 << 20) -> Iterator[bytes]:
+    """A data file, decompressed, in pieces of `size` bytes (errors as read_lines')."""
+    with _reading(path) as fh:
+        while chunk := fh.read(size):
+            yield chunk
+
+
+def read_all(path: Path) -> bytes:
+    return b"".join(read_chunks(path))
+
+
+@contextlib.contextmanager
+def _reading(path: Path) -> Iterator[BinaryIO]:
+    """open_data(path), its read and decompression errors as a DataError naming the file."""
     try:
         with open_data(path) as fh:
-            yield from fh
+            yield fh
     except (OSError, EOFError, zlib.error, lzma.LZMAError) as e:
         # an OSError with an errno is the file system's (permission, ...); the others, the data's
         hint = " (a damaged or truncated file?)" if getattr(e, "errno", None) is None else ""
         raise DataError(f"{path}: cannot read: {e}{hint}") from None
 
 
-def read_all(path: Path) -> bytes:
-    return b"".join(read_lines(path))
+def is_json_array(path: Path) -> bool:
+    """Whether a `.json` file holds one JSON array (its first character, after a byte-order
+    mark and blanks, is `[`) rather than JSON Lines. DataError for one whose first line is not
+    JSON (one JSON object over many lines, as an editor writes it: not a dataset either way)."""
+    for chunk in read_chunks(path, 1 << 16):
+        start = chunk.removeprefix(b"\xef\xbb\xbf").lstrip()
+        if start:
+            if start.startswith(b"["):
+                return True
+            break
+    lines = enumerate(read_lines(path), 1)  # the first non-blank one
+    for lineno, line in lines:
+        if first := line.removeprefix(b"\xef\xbb\xbf").strip():
+            try:
+                json.loads(first.decode("utf-8", errors="replace"))
+            except json.JSONDecodeError as e:
+                raise DataError(
+                    f"{path}:{lineno}: not JSON ({e.msg} at column {e.colno}): a .json dataset "
+                    "is JSON Lines (one record a line) or one JSON array of records"
+                ) from None
+            break
+    return False
 
 
-def json_array(path: Path) -> list | None:
-    """The items of a `.json` file that holds one JSON array (the whole file is parsed), None
-    for JSON Lines. DataError naming the line and column for a file that starts with `[` but is
-    not valid JSON, and for one whose first line is not JSON (one JSON object over many lines,
-    as an editor writes it: not a dataset either way)."""
-    lines = enumerate(read_lines(path), 1)  # the first non-blank one, after a byte-order mark
-    lineno, first = next(
-        ((n, t) for n, line in lines if (t := line.removeprefix(b"\xef\xbb\xbf").strip())),
-        (0, b""),
-    )
-    if not first:
-        return None  # empty: no documents
-    if first.startswith(b"["):
+_BLANKS = re.compile(r"[ \t\n\r]*")
+
+
+def json_array_items(path: Path, chunk_bytes: int = 1 << 20) -> Iterator[Any]:
+    """The items of a `.json` file that holds one JSON array, each parsed as the file is read:
+    the memory is an item and a chunk, not the file (each tokenizer worker reads every file).
+    DataError naming the line and column where the array is malformed, and the byte where the
+    file is not UTF-8."""
+    text = _text_chunks(path, chunk_bytes)
+    decoder = json.JSONDecoder()
+    # the text read and not yet parsed, from `pos`; where buf[0] is: its line, and its column
+    # (0-based), for the errors
+    buf, pos, line, column = "", 0, 1, 0
+
+    def more() -> bool:  # read on: False at the end of the file
+        nonlocal buf, pos, line, column
+        chunk = next(text, None)
+        if chunk is None:
+            return False
+        newlines = buf.count("\n", 0, pos)
+        line += newlines
+        column = pos - buf.rfind("\n", 0, pos) - 1 if newlines else column + pos
+        buf, pos = buf[pos:] + chunk, 0
+        return True
+
+    def next_char() -> str:  # the next character that is not a blank ("" at the end)
+        nonlocal pos
+        while (pos := _BLANKS.match(buf, pos).end()) == len(buf) and more():
+            pass
+        return buf[pos : pos + 1]
+
+    def malformed(problem: str, at: int) -> DataError:  # as json.loads words and places it
+        newlines = buf.count("\n", 0, at)
+        col = at - buf.rfind("\n", 0, at) if newlines else column + at + 1
+        return DataError(
+            f"{path}: malformed JSON array: {problem.removesuffix(' at')} at line "
+            f"{line + newlines} column {col}"
+        )
+
+    if next_char() != "[":
+        raise malformed("Expecting '['", pos)
+    pos += 1
+    if next_char() == "]":
+        pos += 1
+    else:
+        while True:
+            next_char()
+            while True:  # an item cut by the end of the text read so far is parsed again
+                try:
+                    item, end = decoder.raw_decode(buf, pos)
+                except json.JSONDecodeError as e:
+                    if more():
+                        continue
+                    raise malformed(e.msg, e.pos) from None
+                if end < len(buf) or not more():  # (a number at the end may go on)
+                    break
+            pos = end
+            yield item
+            c = next_char()
+            if c not in (",", "]"):
+                raise malformed("Expecting ',' delimiter", pos)
+            pos += 1
+            if c == "]":
+                break
+    if next_char():
+        raise malformed("Extra data", pos)
+
+
+def _text_chunks(path: Path, size: int) -> Iterator[str]:
+    """A data file as UTF-8 text (a byte-order mark dropped), in pieces; DataError naming the
+    byte where it is not UTF-8."""
+    decoder = codecs.getincrementaldecoder("utf-8-sig")()
+    done = 0
+    for chunk in itertools.chain(read_chunks(path, size), [b""]):  # b"": the end
         try:
-            items = json.loads(read_all(path).decode("utf-8-sig"))
+            if piece := decoder.decode(chunk, final=not chunk):
+                yield piece
         except UnicodeDecodeError as e:
-            raise DataError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
-        except json.JSONDecodeError as e:
-            raise DataError(
-                f"{path}: malformed JSON array: {e.msg} at line {e.lineno} column {e.colno}"
-            ) from None
-        return items
-    try:
-        json.loads(first.decode("utf-8", errors="replace"))
-    except json.JSONDecodeError as e:
-        raise DataError(
-            f"{path}:{lineno}: not JSON ({e.msg} at column {e.colno}): a .json dataset is JSON "
-            "Lines (one record a line) or one JSON array of records"
-        ) from None
-    return None
+            byte = max(done + e.start - len(decoder.getstate()[0]), 0)
+            raise DataError(f"{path}: not valid UTF-8 ({e.reason} at byte {byte})") from None
+        done += len(chunk)
 
 
 def find_data_files(path: str | Path) -> list[Path]:
@@ -290,8 +383,8 @@ def has_documents(files: Sequence[Path]) -> bool:
             if table_num_rows(f) > 0:
                 return True
             continue
-        if kind == "json" and (items := json_array(f)) is not None:
-            if items:
+        if kind == "json" and is_json_array(f):
+            if any(True for _ in json_array_items(f)):  # (stops at the first item)
                 return True
             continue
         if any(line.strip() for line in read_lines(f)):

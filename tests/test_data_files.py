@@ -14,6 +14,8 @@ from appliance.data_files import (
     dataset_notes,
     find_data_files,
     has_documents,
+    is_json_array,
+    json_array_items,
     not_held_out_notes,
     split_of,
     unreadable_files,
@@ -229,12 +231,15 @@ def test_a_json_file_is_an_array_of_records_or_json_lines(tmp_path):
     with pytest.raises(DataError, match=r"^empty dataset: no documents in .*empty\.json"):
         find_data_files(tmp_path / "empty.json")
 
+    # an array is parsed item by item as it is read: a fault is named where the reader meets it
     broken = tmp_path / "broken.json"
     broken.write_text('[\n  {"text": "a"},\n  {"text": "b"\n]\n')
+    assert find_data_files(broken) == [broken]
     with pytest.raises(
-        DataError, match=r"broken\.json: malformed JSON array: Expecting ',' delimiter at line 4"
+        DataError,
+        match=r"broken\.json: malformed JSON array: Expecting ',' delimiter at line 4 column 1$",
     ):
-        find_data_files(broken)
+        list(ShardReader([broken], 0, 1))
     latin1 = tmp_path / "latin1.json"
     latin1.write_bytes(b'[{"text": "caf\xe9"}]')
     with pytest.raises(DataError, match=r"latin1\.json: not valid UTF-8 \(invalid continuation"):
@@ -247,3 +252,49 @@ def test_a_json_file_is_an_array_of_records_or_json_lines(tmp_path):
     assert str(e.value).endswith(
         "a .json dataset is JSON Lines (one record a line) or one JSON array of records"
     )
+
+
+ITEMS = [
+    {"text": "caf\u00e9 \u4e2d\u6587 \U0001f600", "n": 12345678901234567890, "f": -1.5e-300},
+    {"messages": [{"role": "user", "content": 'say "hi"\\n'}], "t": True, "z": None},
+    "a string, ] with a bracket",
+    [1, [2, [3]]],
+    98765,
+    {},
+]
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 64, 1 << 20])
+def test_a_json_array_is_parsed_item_by_item_across_any_chunk_boundary(tmp_path, chunk):
+    f = tmp_path / "a.json"
+    for text in (json.dumps(ITEMS), json.dumps(ITEMS, indent=3, ensure_ascii=False)):
+        f.write_text("\ufeff " + text + "\n\n", encoding="utf-8")  # multi-byte, cut anywhere
+        assert is_json_array(f)
+        assert list(json_array_items(f, chunk)) == ITEMS
+    for text in ("[]", " [ ] ", "[\n]\n"):
+        f.write_text(text)
+        assert list(json_array_items(f, chunk)) == []
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ('[{"a": 1},\n {"b": 2}\n {"c": 3}]', "Expecting ',' delimiter at line 3 column 2"),
+        ('[{"a": 1},\n {"b": 2},\n]', "Expecting value at line 3 column 1"),  # a trailing comma
+        ('[{"a": 1},\n {"b": 2}', "Expecting ',' delimiter at line 2 column 10"),  # cut short
+        ('[{"a": 1},\n {"b": "two', "Unterminated string starting at line 2 column 8"),
+        ('[{"a": 1}]\n[{"b": 2}]', "Extra data at line 2 column 1"),
+        ('[{"a": 1}, {"b" 2}]', "Expecting ':' delimiter at line 1 column 17"),
+    ],
+)
+@pytest.mark.parametrize("chunk", [1, 5, 1 << 20])
+def test_a_malformed_json_array_is_named_at_its_line_and_column(tmp_path, text, problem, chunk):
+    f = tmp_path / "bad.json"
+    f.write_text(text)
+    with pytest.raises(DataError) as e:
+        list(json_array_items(f, chunk))
+    assert str(e.value) == f"{f}: malformed JSON array: {problem}"
+    with pytest.raises(json.JSONDecodeError) as reference:  # as json.loads words and places it
+        json.loads(text)
+    r = reference.value
+    assert problem == f"{r.msg.removesuffix(' at')} at line {r.lineno} column {r.colno}"
