@@ -181,7 +181,7 @@ def json_array_items(path: Path, chunk_bytes: int = 1 << 20) -> Iterator[Any]:
                 try:
                     item, end = decoder.raw_decode(buf, pos)
                 except json.JSONDecodeError as e:
-                    if more():
+                    if more():  # (a cut item and a malformed one fail alike: read on to tell)
                         continue
                     raise malformed(e.msg, e.pos) from None
                 if end < len(buf) or not more():  # (a number at the end may go on)
