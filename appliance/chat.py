@@ -1,9 +1,10 @@
 """Conversations: validating chat records, rendering them with the model's chat template, and
 finding the characters that are training targets.
 
-The template is the model's own: `chat_template` in `tokenizer_config.json` (a string, or the
-named list form `[{"name": "default", "template": ...}, ...]`), or a `chat_template.jinja` file
-beside it; `--chat-template FILE` overrides both. It is rendered the way transformers renders it:
+The template is the model's own: a `chat_template.jinja` file, else `chat_template` in
+`tokenizer_config.json` (a string, or the named list form `[{"name": "default", "template":
+...}, ...]`), else in a multimodal model's `chat_template.json`; `--chat-template FILE` overrides
+them. It is rendered the way transformers renders it:
 a sandboxed jinja2 environment with `trim_blocks` and `lstrip_blocks`, `raise_exception()` and a
 `tojson` filter, and the special tokens (`bos_token`, `eos_token`, ...) of tokenizer_config.json.
 
@@ -27,6 +28,7 @@ from .errors import ApplianceError
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "tool": "tool"}
 TEMPLATE_FILE = "chat_template.jinja"
+PROCESSOR_TEMPLATE_FILE = "chat_template.json"  # {"chat_template": ...}, beside a processor
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
@@ -128,6 +130,13 @@ def load_chat_template(model_dir: str | Path, override: str | Path | None = None
     else:
         value = config.get("chat_template")
         source = f"{config_path} chat_template"
+        processor = model_dir / PROCESSOR_TEMPLATE_FILE
+        if value is None and processor.is_file():  # a multimodal model's processor template
+            try:
+                value = json.loads(processor.read_text(encoding="utf-8")).get("chat_template")
+            except (OSError, ValueError, AttributeError) as e:
+                raise ChatError(f"cannot read {processor}: {e}") from None
+            source = f"{processor} chat_template"
         if value is None:
             return None
         if isinstance(value, list):  # the named form: use the "default" one

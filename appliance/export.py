@@ -2,7 +2,11 @@
 
 For every adapted linear layer W' = W + (B @ A) · alpha / rank, computed in fp32 and stored in
 W's own dtype; every other tensor is copied unchanged. The result loads with
-`AutoModelForCausalLM.from_pretrained` (no peft needed) and gives the adapted model's logits.
+`AutoModelForCausalLM.from_pretrained` (no peft needed) and gives the adapted model's logits. A
+multimodal model's vision tower and projector are copied unchanged, and every tensor keeps the
+name it has in the base model's files (models/multimodal.py); so does every other file of the
+model directory (tokenizer, chat template, processor and generation configs, licence), weights
+excepted.
 
 Memory: tensors are read and written one output shard at a time (a shard holds whole blocks, up
 to `max_shard_bytes`), so host memory holds one shard, never the whole model. Safety: everything
@@ -28,14 +32,10 @@ from .errors import ModelError
 from .lora import LoraWeights, load_adapter
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
-# copied verbatim when present (config.json is required and always copied)
-EXTRA_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-    "tokenizer.model",
-)
+# the base model's files that are weights (the export writes its own): every other file at the
+# top of the model directory is copied as it is
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt",
+                "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.gguf")  # fmt: skip
 _DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2}  # else 1
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -141,10 +141,10 @@ def export_merged(
             )
             tensors = ckpt.read(names, dtype=None)  # as stored: merged weights keep their dtype
             merged += _merge(tensors, lora)
-            tensors = {n: t.contiguous() for n, t in tensors.items()}
+            tensors = {ckpt.stored_name(n): t.contiguous() for n, t in tensors.items()}
             save_file(tensors, tmp / fname, metadata={"format": "pt"})
             total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
-            weight_map.update(dict.fromkeys(names, fname))
+            weight_map.update(dict.fromkeys(tensors, fname))
             del tensors
         expected = sum(len(b) for b in lora.blocks)
         if merged != expected:  # load_adapter checked shapes, so this means missing weights
@@ -152,10 +152,9 @@ def export_merged(
         if len(shards) > 1:
             index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        shutil.copy2(model_dir / "config.json", tmp / "config.json")
-        for name in EXTRA_FILES:
-            if (model_dir / name).is_file():
-                shutil.copy2(model_dir / name, tmp / name)
+        for f in sorted(model_dir.iterdir()):
+            if f.is_file() and not any(f.match(w) for w in WEIGHT_FILES):
+                shutil.copy2(f, tmp / f.name)
         _check_output(output)  # someone may have written there meanwhile
         if output.exists():
             output.rmdir()  # empty: replace it

@@ -21,8 +21,11 @@ from safetensors import SafetensorError, safe_open
 from . import models
 from .errors import ModelError
 from .model import ModelArgs
+from .models import multimodal
 
-SUPPORTED_ARCHITECTURES = models.SUPPORTED_ARCHITECTURES
+# the text architectures, then the multimodal ones whose language model is trained (see
+# models/multimodal.py: the vision tower is left as it is)
+SUPPORTED_ARCHITECTURES = models.SUPPORTED_ARCHITECTURES + multimodal.ARCHITECTURES
 # what a safetensors file that cannot be read raises: a missing or unreadable file (OSError), a
 # truncated or garbled header (SafetensorError), a tensor past the end of the file (RuntimeError)
 _UNREADABLE = (OSError, RuntimeError, SafetensorError)
@@ -42,9 +45,13 @@ def _read_json(path: Path, what: str) -> dict:
 
 def _refusal(arch: str, cfg: dict) -> str | None:
     """Why a known kind of model cannot run here (None: no specific reason)."""
+    if arch in multimodal.ARCHITECTURES:
+        return None
     if "vision_config" in cfg or arch.endswith("ForConditionalGeneration"):
-        hint = " (for Gemma 3, a Gemma3ForCausalLM text checkpoint)" if "Gemma3" in arch else ""
-        return f"has a vision tower; only text-only causal LMs are supported{hint}"
+        return (
+            "has a vision tower; supported are text-only causal LMs and the language model of "
+            f"{' and '.join(multimodal.ARCHITECTURES)}"
+        )
     experts = ("num_experts", "num_local_experts", "n_routed_experts")
     if any(cfg.get(k) for k in experts) or "Moe" in arch or "Mixtral" in arch:
         return "is a mixture-of-experts model; mixture-of-experts models are not supported yet"
@@ -68,9 +75,18 @@ def read_model_args(model_dir: str | Path) -> ModelArgs:
             f"{where}: architecture {name!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    arch = archs[0]
+    arch = language_model_of = archs[0]
+    if arch in multimodal.ARCHITECTURES:  # train its language model: the text model's config
+        arch, cfg = multimodal.language_config(cfg)
+        where = Path(f"{where} (text_config)")
+        has_lm_head = _has_lm_head(model_dir)
+        if has_lm_head is not None:  # as transformers ties them: by what the files hold
+            cfg["tie_word_embeddings"] = not has_lm_head
+    else:
+        language_model_of = None
     try:
         fields = _common_fields(arch, cfg, where)
+        fields["language_model_of"] = language_model_of
         family = models.FAMILIES[arch]
         if family is models.qwen3:
             fields.update(_qwen3_fields(cfg, where))
@@ -83,6 +99,17 @@ def read_model_args(model_dir: str | Path) -> ModelArgs:
         return ModelArgs(**fields)
     except KeyError as e:
         raise ModelError(f"{where}: missing required field {e.args[0]!r}") from None
+
+
+def _has_lm_head(model_dir: Path) -> bool | None:
+    """Whether a multimodal checkpoint stores an LM head of its own (None: no weights here, as
+    for `appliance plan` on a config.json alone). transformers ties a multimodal model's LM head
+    to its embeddings only when the files hold no other: the released Gemma 3 files hold none,
+    Mistral Small 3.1's do, and their configs do not say so alike."""
+    try:
+        return "lm_head.weight" in SafetensorsCheckpoint(model_dir).files
+    except ModelError:
+        return None
 
 
 def _common_fields(arch: str, cfg: dict, where: Path) -> dict[str, Any]:
@@ -326,7 +353,11 @@ def pytorch_bin_message(model_dir: Path) -> str:
 
 
 class SafetensorsCheckpoint:
-    """Name → file index over one `model.safetensors` or sharded files with an index JSON."""
+    """Name → file index over one `model.safetensors` or sharded files with an index JSON.
+
+    Names are the text model's (`model.layers.0.…`, `lm_head.weight`): a multimodal checkpoint's
+    language-model tensors are presented under them (models/multimodal.py), its other tensors
+    (vision tower, projector) under their own names; `stored_name` gives a name in the files."""
 
     def __init__(self, model_dir: str | Path):
         self.dir = Path(model_dir)
@@ -334,10 +365,10 @@ class SafetensorsCheckpoint:
         single = self.dir / "model.safetensors"
         if index.is_file():
             weight_map = _read_json(index, "safetensors index")["weight_map"]
-            self.files = {name: self.dir / f for name, f in weight_map.items()}
+            files = {name: self.dir / f for name, f in weight_map.items()}
         elif single.is_file():
             with _opened(single) as f:
-                self.files = {name: single for name in f.keys()}
+                files = {name: single for name in f.keys()}
         elif any(self.dir.glob("pytorch_model*.bin")):
             raise ModelError(pytorch_bin_message(self.dir))
         else:
@@ -345,9 +376,23 @@ class SafetensorsCheckpoint:
                 f"{self.dir}: no model.safetensors or model.safetensors.index.json; "
                 "save the model with safe_serialization=True"
             )
-        for path in set(self.files.values()):
+        for path in set(files.values()):
             if not path.is_file():
                 raise ModelError(f"{path}: shard named in the index is missing")
+        # name → name in the files, where they differ (a multimodal checkpoint's language model)
+        self._stored: dict[str, str] = {}
+        if multimodal.is_multimodal_checkpoint(files):
+            self._stored = multimodal.language_names(files)
+        self._name = {stored: name for name, stored in self._stored.items()}
+        self.files = {self._name.get(stored, stored): path for stored, path in files.items()}
+
+    def stored_name(self, name: str) -> str:
+        """The name a tensor has in the files."""
+        return self._stored.get(name, name)
+
+    def name_of(self, stored: str) -> str:
+        """The name a tensor of the files has here."""
+        return self._name.get(stored, stored)
 
     def read(self, names: list[str], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
         """Read `names` (grouped by shard) converted to `dtype` (None: as stored)."""
@@ -360,7 +405,7 @@ class SafetensorsCheckpoint:
         for path, group in by_file.items():
             with _opened(path) as f:
                 for n in group:
-                    t = f.get_tensor(n)
+                    t = f.get_tensor(self.stored_name(n))
                     out[n] = t if dtype is None else t.to(dtype)
         return out
 
@@ -382,9 +427,9 @@ class SafetensorsCheckpoint:
         out = {}
         for path in sorted(set(self.files.values())):
             with _opened(path) as f:
-                for name in f.keys():
-                    s = f.get_slice(name)
-                    out[name] = (tuple(s.get_shape()), s.get_dtype())
+                for stored in f.keys():
+                    s = f.get_slice(stored)
+                    out[self.name_of(stored)] = (tuple(s.get_shape()), s.get_dtype())
         return out
 
 
@@ -415,7 +460,8 @@ ST_DTYPES = {
 
 
 def tensor_locations(ckpt: SafetensorsCheckpoint) -> dict[str, TensorLocation]:
-    """name → TensorLocation of every tensor in the checkpoint's files, from the headers.
+    """name (as `ckpt.files` names it) → TensorLocation of every tensor in the checkpoint's
+    files, from the headers.
 
     The safetensors layout: an 8-byte little-endian header length N, N bytes of JSON
     {name: {dtype, shape, data_offsets: [begin, end]}} (offsets relative to byte 8 + N), then
@@ -432,13 +478,14 @@ def tensor_locations(ckpt: SafetensorsCheckpoint) -> dict[str, TensorLocation]:
             raise ModelError(
                 f"{path}: cannot read safetensors header: {e}; re-download or re-save the model"
             ) from None
-        for name, meta in header.items():
-            if name == "__metadata__":
+        for stored, meta in header.items():
+            if stored == "__metadata__":
                 continue
+            name = ckpt.name_of(stored)
             begin, end = meta["data_offsets"]
             if 8 + n + end > size:
                 raise ModelError(
-                    f"{path}: tensor {name} lies past the end of the file (truncated?); "
+                    f"{path}: tensor {stored} lies past the end of the file (truncated?); "
                     "re-download or re-save the model"
                 )
             out[name] = TensorLocation(

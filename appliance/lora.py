@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from .errors import ModelError
 from .model import LoraContext, ModelArgs
-from .models import TARGETS, resolve_targets
+from .models import TARGETS, multimodal, resolve_targets
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -41,9 +41,16 @@ class LoraSpec:
         return [TARGETS[t] for t in self.targets]
 
 
-def peft_key(block: int, module: str, which: str) -> str:
-    """PEFT's key for block `block`'s `module` ('self_attn.q_proj'), which = 'A' | 'B'."""
-    return f"base_model.model.model.layers.{block}.{module}.lora_{which}.weight"
+def peft_key(block: int, module: str, which: str, layers: str = "model.layers") -> str:
+    """PEFT's key for block `block`'s `module` ('self_attn.q_proj'), which = 'A' | 'B';
+    `layers`: where the blocks are among the model's modules (`peft_layers`)."""
+    return f"base_model.model.{layers}.{block}.{module}.lora_{which}.weight"
+
+
+def peft_layers(args: ModelArgs) -> str:
+    """Where the blocks are among the transformers model's modules: `model.layers`, or a
+    multimodal model's `model.language_model.layers`."""
+    return multimodal.LAYERS if args.language_model_of else "model.layers"
 
 
 class LoraWeights:
@@ -101,7 +108,8 @@ class LoraWeights:
         for i, block in enumerate(self.blocks):
             for module, (A, B) in block.items():
                 for which, p in (("A", A), ("B", B)):
-                    out[peft_key(i, module, which)] = p.detach().to("cpu", torch.float32, copy=True)
+                    key = peft_key(i, module, which, peft_layers(self.args))
+                    out[key] = p.detach().to("cpu", torch.float32, copy=True)
         return out
 
     def load_peft_state_dict(self, sd: dict[str, torch.Tensor], where: str = "adapter") -> None:
@@ -110,7 +118,7 @@ class LoraWeights:
             for i, block in enumerate(self.blocks):
                 for module, (A, B) in block.items():
                     for which, p in (("A", A), ("B", B)):
-                        key = peft_key(i, module, which)
+                        key = peft_key(i, module, which, peft_layers(self.args))
                         expected.add(key)
                         if key not in sd:
                             raise ModelError(f"{where}: missing LoRA tensor {key}")
@@ -130,11 +138,15 @@ class LoraWeights:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_file(self.peft_state_dict(), out_dir / ADAPTER_WEIGHTS, metadata={"format": "pt"})
         (out_dir / ADAPTER_CONFIG).write_text(
-            json.dumps(adapter_config(self.spec, base_model), indent=2)
+            json.dumps(adapter_config(self.spec, self.args, base_model), indent=2)
         )
 
 
-def adapter_config(spec: LoraSpec, base_model: str = "") -> dict:
+def adapter_config(spec: LoraSpec, args: ModelArgs, base_model: str = "") -> dict:
+    """PEFT's adapter_config.json. On a multimodal model `target_modules` is a pattern that
+    matches the language model's projections only (the vision tower has modules of those names)."""
+    names = sorted(m.split(".")[-1] for m in spec.modules)
+    targets = multimodal.target_pattern(names) if args.language_model_of else names
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -142,7 +154,7 @@ def adapter_config(spec: LoraSpec, base_model: str = "") -> dict:
         "r": spec.rank,
         "lora_alpha": spec.alpha,
         "lora_dropout": spec.dropout,
-        "target_modules": sorted(m.split(".")[-1] for m in spec.modules),
+        "target_modules": targets,
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
@@ -168,8 +180,13 @@ def read_spec(adapter_dir: str | Path) -> LoraSpec:
     if cfg.get("peft_type") != "LORA":
         raise ModelError(f"{path}: peft_type {cfg.get('peft_type')!r} is not LORA")
     names = cfg.get("target_modules") or []
-    if isinstance(names, str):
-        raise ModelError(f"{path}: target_modules as a regex is not supported")
+    if isinstance(names, str):  # a pattern: only the one written for multimodal models
+        names = multimodal.names_of_pattern(names)
+        if names is None:
+            raise ModelError(
+                f"{path}: target_modules as a regex is not supported (only a list of module "
+                "names, or the language-model pattern appliance train writes)"
+            )
     unknown = [n for n in names if n not in _MODULE_BY_NAME]
     if unknown:
         raise ModelError(f"{path}: target modules {unknown} are not supported")

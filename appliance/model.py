@@ -66,6 +66,9 @@ class ModelArgs:
     layer_types: tuple[str, ...] | None = None
     rope_local_theta: float | None = None  # Gemma 3: RoPE base of the sliding layers (unscaled)
     partial_rotary_factor: float = 1.0  # RoPE on the first hs·factor dimensions (Phi-4-mini)
+    # the multimodal architecture whose language model this is (Gemma3ForConditionalGeneration):
+    # its tensors and adapter keys are named under it (models/multimodal.py); None: a text model
+    language_model_of: str | None = None
 
     def window(self, layer: int) -> int | None:
         """The sliding window of block `layer` (keys within `window` positions), None: causal."""

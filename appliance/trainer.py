@@ -233,7 +233,7 @@ class Trainer:
         return {
             ADAPTER_WEIGHTS: safetensors_bytes(self.lora.peft_state_dict(), {"format": "pt"}),
             ADAPTER_CONFIG: json.dumps(
-                adapter_config(self.lora.spec, self.settings.base_model), indent=2
+                adapter_config(self.lora.spec, self.lora.args, self.settings.base_model), indent=2
             ).encode(),
         }
 

@@ -15,6 +15,7 @@ from appliance.lora import LoraSpec, LoraWeights
 from tests.helpers_tokenizer import make_tokenizer
 
 VOCAB = 64  # ≥ the test tokenizer's vocabulary
+MULTIMODAL = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration")
 
 BASE = dict(
     vocab_size=VOCAB,
@@ -100,8 +101,41 @@ VARIANTS: dict[str, tuple[str, dict]] = {
             },
         ),
     ),
+    # the language model of an image-text model (models/multimodal.py): Gemma 3's with its
+    # sliding layers and their own RoPE base, its LM head tied to the embeddings (as released)
+    "gemma3-vlm": (
+        "Gemma3ForConditionalGeneration",
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+            query_pre_attn_scalar=24,
+        ),
+    ),
+    # Mistral Small 3.1's shape: head_dim ≠ hidden / heads, an LM head of its own
+    "mistral3-vlm": (
+        "Mistral3ForConditionalGeneration",
+        dict(num_key_value_heads=2, head_dim=32, sliding_window=None, rope_theta=1e6),
+    ),
 }
 
+
+def _multimodal(config_class, vision: dict, **outer):
+    """An image-text config: the text variant's keys in text_config, a tiny vision tower."""
+
+    def make(**text):
+        return config_class(text_config=text, vision_config=vision, **outer)
+
+    return make
+
+
+_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+               image_size=28, patch_size=14)  # fmt: skip
 _CONFIGS = {
     "LlamaForCausalLM": transformers.LlamaConfig,
     "MistralForCausalLM": transformers.MistralConfig,
@@ -110,6 +144,12 @@ _CONFIGS = {
     "Gemma2ForCausalLM": transformers.Gemma2Config,
     "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
     "Phi3ForCausalLM": transformers.Phi3Config,
+    "Gemma3ForConditionalGeneration": _multimodal(
+        transformers.Gemma3Config, _VISION, mm_tokens_per_image=4
+    ),
+    "Mistral3ForConditionalGeneration": _multimodal(
+        transformers.Mistral3Config, {**_VISION, "head_dim": 16}, tie_word_embeddings=False
+    ),
 }
 
 
@@ -161,10 +201,12 @@ def write_config(directory: str | Path, arch: str = "LlamaForCausalLM", **change
 def load_hf(directory: str | Path) -> transformers.PreTrainedModel:
     """The reference model, in fp32 with eager attention: the definition itself. (transformers
     5.17, as on the GPU image, picks SDPA for Gemma 2 and drops its attention soft-capping;
-    later releases refuse SDPA for it.)"""
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, dtype=torch.float32, attn_implementation="eager"
-    )
+    later releases refuse SDPA for it.) An image-text model is loaded whole, vision tower too."""
+    import json
+
+    arch = json.loads((Path(directory) / "config.json").read_text())["architectures"][0]
+    auto = getattr(transformers, arch) if arch in MULTIMODAL else transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
 
 
@@ -175,6 +217,8 @@ FAMILY_VARIANTS = (
     "gemma2-softcap-window",
     "gemma3-local-rope",
     "phi3-partial-longrope",
+    "gemma3-vlm",
+    "mistral3-vlm",
 )
 SPEC = LoraSpec(rank=4, alpha=8.0, dropout=0.0, targets=ALL_TARGETS)
 

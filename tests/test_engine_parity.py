@@ -18,7 +18,7 @@ from appliance.blocks import DictBlockSource
 from appliance.engine import StreamedEngine, lr_at
 from appliance.errors import ModelError
 from appliance.hf_checkpoint import SafetensorsCheckpoint, read_block, read_model_args
-from appliance.lora import LoraSpec, LoraWeights, peft_key
+from appliance.lora import LoraSpec, LoraWeights, peft_key, peft_layers
 from tests.helpers_model import (
     FAMILY_VARIANTS,
     VARIANTS,
@@ -68,7 +68,7 @@ def assert_gradients_match(lora: LoraWeights, ref: PeftModel) -> None:
     for i, block in enumerate(lora.blocks):
         for module, (A, B) in block.items():
             for which, p in (("A", A), ("B", B)):
-                key = peft_key(i, module, which)
+                key = peft_key(i, module, which, peft_layers(lora.args))
                 assert rel_err(p.grad, ref_grads[key]) < RTOL, key
                 checked += 1
     assert checked == len(ref_grads) == lora.args.num_layers * len(lora.spec.targets) * 2

@@ -21,6 +21,10 @@ def test_every_tensor_of_the_checkpoint_is_read_with_the_shape_config_json_impli
     model_dir = make_model(tmp_path / "model", variant, with_tokenizer=False)
     args = read_model_args(model_dir)
     headers = SafetensorsCheckpoint(model_dir).headers()
+    if args.language_model_of:  # the vision tower and projector are there, and not read
+        others = {n for n in headers if n.startswith(("vision_tower.", "multi_modal_projector."))}
+        assert others and all(not n.startswith(("model.", "lm_head")) for n in others)
+        headers = {n: h for n, h in headers.items() if n not in others}
     assert expected_shapes(args) == {name: shape for name, (shape, _) in headers.items()}
     # quantization covers every linear weight (the block's 2-D tensors), fused ones included
     linear = models.linear_weight_names(args)
@@ -81,10 +85,11 @@ def test_gemma3_configs_of_either_transformers_generation_read_the_same(tmp_path
          "architecture ['Qwen3MoeForCausalLM'] is a mixture-of-experts model"),
         ("LlamaForCausalLM", dict(architectures=["MixtralForCausalLM"]),
          "architecture ['MixtralForCausalLM'] is a mixture-of-experts model"),
-        ("Gemma3ForCausalLM", dict(architectures=["Gemma3ForConditionalGeneration"],
-                                   vision_config={"model_type": "siglip_vision_model"}),
-         "architecture ['Gemma3ForConditionalGeneration'] has a vision tower; only text-only "
-         "causal LMs are supported (for Gemma 3, a Gemma3ForCausalLM text checkpoint)"),
+        ("LlamaForCausalLM", dict(architectures=["LlavaForConditionalGeneration"],
+                                  vision_config={"model_type": "clip_vision_model"}),
+         "architecture ['LlavaForConditionalGeneration'] has a vision tower; supported are "
+         "text-only causal LMs and the language model of Gemma3ForConditionalGeneration and "
+         "Mistral3ForConditionalGeneration"),
         ("Qwen3ForCausalLM", dict(use_sliding_window=True), "use_sliding_window=true"),
         ("Gemma2ForCausalLM", dict(hidden_activation="gelu"), "hidden_activation='gelu'"),
         ("Gemma3ForCausalLM", dict(use_bidirectional_attention=True),
