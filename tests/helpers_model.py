@@ -31,6 +31,19 @@ BASE = dict(
     pad_token_id=0,
 )
 
+# Gemma 3: q/k norms, sliding/full layers with their own RoPE bases, linear scaling on the full ones
+GEMMA3_LOCAL_ROPE = dict(
+    num_key_value_heads=2,
+    head_dim=16,
+    sliding_window=8,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+    },
+    query_pre_attn_scalar=24,
+)
+
 VARIANTS: dict[str, tuple[str, dict]] = {
     "llama-mha": ("LlamaForCausalLM", dict(rope_theta=10000.0)),
     "llama-gqa-rope3-tied": (
@@ -70,21 +83,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
             initializer_range=0.3,
         ),
     ),
-    # q/k norms, sliding/full layers with their own RoPE bases, linear scaling on the full ones
-    "gemma3-local-rope": (
-        "Gemma3ForCausalLM",
-        dict(
-            num_key_value_heads=2,
-            head_dim=16,
-            sliding_window=8,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-            rope_parameters={
-                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
-                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-            },
-            query_pre_attn_scalar=24,
-        ),
-    ),
+    "gemma3-local-rope": ("Gemma3ForCausalLM", GEMMA3_LOCAL_ROPE),
     # fused qkv/gate_up, RoPE on half of each head, longrope (T > 16 takes the long factors),
     # sliding window 20 < T
     "phi3-partial-longrope": (
@@ -101,22 +100,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
             },
         ),
     ),
-    # the language model of an image-text model (models/multimodal.py): Gemma 3's with its
-    # sliding layers and their own RoPE base, its LM head tied to the embeddings (as released)
-    "gemma3-vlm": (
-        "Gemma3ForConditionalGeneration",
-        dict(
-            num_key_value_heads=2,
-            head_dim=16,
-            sliding_window=8,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-            rope_parameters={
-                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
-                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-            },
-            query_pre_attn_scalar=24,
-        ),
-    ),
+    # the language model of an image-text model (models/multimodal.py): Gemma 3's as above, its
+    # LM head tied to the embeddings (as released)
+    "gemma3-vlm": ("Gemma3ForConditionalGeneration", GEMMA3_LOCAL_ROPE),
     # Mistral Small 3.1's shape: head_dim ≠ hidden / heads, an LM head of its own
     "mistral3-vlm": (
         "Mistral3ForConditionalGeneration",
