@@ -1,12 +1,11 @@
 """`appliance export`: base model + LoRA adapter merged into a plain Hugging Face checkpoint.
 
 For every adapted linear layer W' = W + (B @ A) · alpha / rank, computed in fp32 and stored in
-W's own dtype; every other tensor is copied unchanged. The result loads with
-`AutoModelForCausalLM.from_pretrained` (no peft needed) and gives the adapted model's logits. A
-multimodal model's vision tower and projector are copied unchanged, and every tensor keeps the
-name it has in the base model's files (models/multimodal.py); so does every other file of the
-model directory (tokenizer, chat template, processor and generation configs, licence), weights
-excepted.
+W's own dtype; every other tensor is copied unchanged, under the name it has in the base model's
+files, and so is every other file of the model directory (tokenizer, chat template, generation
+and processor configs, licence), weights excepted. The result loads with
+`AutoModelForCausalLM.from_pretrained` (no peft needed), an image-text model with its own class
+and its vision tower as it was (models/multimodal.py), and gives the adapted model's logits.
 
 Memory: tensors are read and written one output shard at a time (a shard holds whole blocks, up
 to `max_shard_bytes`), so host memory holds one shard, never the whole model. Safety: everything
