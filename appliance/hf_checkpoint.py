@@ -380,9 +380,7 @@ class SafetensorsCheckpoint:
             if not path.is_file():
                 raise ModelError(f"{path}: shard named in the index is missing")
         # name → name in the files, where they differ (a multimodal checkpoint's language model)
-        self._stored: dict[str, str] = {}
-        if multimodal.is_multimodal_checkpoint(files):
-            self._stored = multimodal.language_names(files)
+        self._stored = multimodal.language_names(files)
         self._name = {stored: name for name, stored in self._stored.items()}
         self.files = {self._name.get(stored, stored): path for stored, path in files.items()}
 

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from appliance import export as E
+from appliance import models
 from appliance.chat import ChatError, load_chat_template
 from appliance.errors import ModelError
 from appliance.hf_checkpoint import (
@@ -30,7 +31,8 @@ from appliance.hf_checkpoint import (
 from appliance.lora import LoraSpec, read_spec
 from appliance.models import multimodal
 from appliance.weight_store import local_source
-from tests.helpers_model import load_hf, lora_with_random_b, make_model, rel_err
+from tests.helpers_model import load_hf, lora_with_random_b, make_model
+from tests.test_export import check_export_matches_peft
 
 # config.json as the released checkpoints have it (transformers 4.50 wrote them: text_config holds
 # only what differs from the text config class's defaults), vision_config shortened
@@ -237,7 +239,6 @@ def test_export_keeps_the_vision_tower_every_name_and_every_file(variant, tmp_pa
     lora_with_random_b(args, LoraSpec(rank=2, alpha=4.0)).save(tmp_path / "adapter")
     out = E.export_merged(model_dir, tmp_path / "adapter", tmp_path / "out", max_shard_bytes=40_000)
 
-    before = {}
     with safe_open(model_dir / "model.safetensors", "pt") as f:
         before = {n: f.get_tensor(n) for n in f.keys()}
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -245,23 +246,17 @@ def test_export_keeps_the_vision_tower_every_name_and_every_file(variant, tmp_pa
     after = {}
     for shard in set(index["weight_map"].values()):
         after.update(load_file(out / shard))
-    adapted = (
-        "q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
-        "up_proj.weight", "down_proj.weight",
-    )  # fmt: skip
+    adapted = tuple(models.linear_weight_names(args))  # the 7 projections LoRA targets here
     for name, t in before.items():
         changed = name.startswith("language_model.model.layers.") and name.endswith(adapted)
         assert torch.equal(after[name], t) != changed, name
     for name in ["config.json", "tokenizer.json", *extra]:
         assert (out / name).read_bytes() == (model_dir / name).read_bytes(), name
-    merged, info = getattr(transformers, args.language_model_of).from_pretrained(
+    _, info = getattr(transformers, args.language_model_of).from_pretrained(
         out, dtype=torch.float32, output_loading_info=True
     )
     assert not info["missing_keys"] and not info["unexpected_keys"]
-    x = torch.randint(3, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        theirs = PeftModel.from_pretrained(load_hf(model_dir), tmp_path / "adapter").eval()
-        assert rel_err(merged.eval()(input_ids=x).logits, theirs(input_ids=x).logits) < 1e-5
+    check_export_matches_peft(model_dir, tmp_path / "adapter", out)
 
 
 def test_a_processors_chat_template_json_is_the_models_template(tmp_path):

@@ -108,7 +108,8 @@ def language_config(cfg: dict) -> tuple[str, dict]:
 
 def language_names(stored: Iterable[str]) -> dict[str, str]:
     """text name → stored name of each language-model tensor among a multimodal checkpoint's
-    `stored` names (the vision tower's and the projector's are not among them)."""
+    `stored` names (the vision tower's and the projector's are not among them); empty for a text
+    checkpoint, whose names are the text names."""
     out = {}
     for name in stored:
         for prefix, text_prefix in _STORED_PREFIXES:
@@ -116,11 +117,6 @@ def language_names(stored: Iterable[str]) -> dict[str, str]:
                 out[text_prefix + name[len(prefix) :]] = name
                 break
     return out
-
-
-def is_multimodal_checkpoint(stored: Iterable[str]) -> bool:
-    """Whether tensor names are a multimodal checkpoint's (its language model under a prefix)."""
-    return any(name.startswith(("language_model.", "model.language_model.")) for name in stored)
 
 
 def target_pattern(module_names: Iterable[str]) -> str:
