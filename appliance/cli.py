@@ -179,7 +179,7 @@ def train(config_file: str | None, **flags) -> None:
     "--data",
     required=True,
     help="Data as train reads it: .jsonl/.json/.parquet/.arrow/.txt (compressed too), a dir of "
-    "them, s3:// or a cached Hugging Face dataset id (text, prompt + completion, or "
+    "them, a glob pattern, s3:// or a cached Hugging Face dataset id (text, prompt + completion, or "
     "conversations); scored on the targets training uses.",
 )
 @click.option("--seq-len", type=int, required=True, help="Truncate each record to N tokens.")
@@ -229,24 +229,24 @@ def eval_cmd(
     on_bad_record: str = "fail",
 ):
     """Print {"loss": mean next-token NLL, "tokens": target tokens} as one JSON line."""
-    from . import storage
     from .blocks import dtype_from_name
     from .data_files import dataset_notes
     from .evaluate import check_device, evaluate
     from .hub import resolve_dataset, resolve_model
+    from .s3_cache import localize, localize_data
     from .trainer import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
     check_device(dev)  # before resolve_dtype asks the GPU what it computes
-    model_dir = storage.localize(resolve_model(model))  # the model's errors first, as train's
-    data_path = storage.localize(resolve_dataset(data))
+    model_dir = localize(resolve_model(model))  # the model's errors first, as train's
+    data_path = localize_data(resolve_dataset(data))
     for note in dataset_notes(data_path, "--data", data):  # files skipped, several splits
         click.echo(f"note: {note}", err=True)
     result = evaluate(
         model_dir,
         data_path,
         seq_len,
-        adapter_dir=storage.localize(adapter) if adapter else None,
+        adapter_dir=localize(adapter) if adapter else None,
         device=dev,
         dtype=dtype_from_name(resolve_dtype(dtype, dev)),
         base_quant=base_quant,
@@ -269,11 +269,11 @@ def eval_cmd(
 @friendly_errors
 def export(model: str, adapter: str, output: str) -> None:
     """Write base + adapter merged into a Hugging Face checkpoint."""
-    from . import storage
     from .export import export_merged
     from .hub import resolve_model
+    from .s3_cache import localize
 
-    export_merged(storage.localize(resolve_model(model)), storage.localize(adapter), output)
+    export_merged(localize(resolve_model(model)), localize(adapter), output)
     click.echo(f"merged checkpoint written to {output}")
 
 

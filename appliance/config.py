@@ -47,8 +47,9 @@ class TrainConfig:
     data: str | None = _f(
         None,
         "Training data: a .jsonl, .json, .parquet, .arrow or .txt file (.jsonl/.json/.txt may "
-        "be .gz, .bz2, .xz or .zst compressed), a directory of them, s3://, or a dataset id "
-        "(org/name) in the local Hugging Face cache.",
+        "be .gz, .bz2, .xz or .zst compressed), a directory of them, a glob pattern "
+        "('data/train-*.jsonl', '**' for any directories; quote it), s3:// (a pattern too), or "
+        "a dataset id (org/name) in the local Hugging Face cache.",
     )
     output: str | None = _f(
         None, "Where the adapter and checkpoints go (directory or s3:// prefix)."

@@ -1,8 +1,9 @@
 """Dataset files: which files under `--data` are data, and how each format is read.
 
-A dataset is a `.jsonl`, `.json`, `.parquet`, `.arrow` or `.txt` file, or a directory searched
+A dataset is a `.jsonl`, `.json`, `.parquet`, `.arrow` or `.txt` file, a directory searched
 recursively for them (sorted by relative path; other files are skipped, and `unreadable_files`
-names them). `.jsonl`, `.json` and `.txt` files may be compressed (`.gz`, `.bz2`, `.xz`, `.zst`:
+names them), or a glob pattern naming files (`data/train-*.jsonl`, `data/**`: `globs`; taken in
+the same order). `.jsonl`, `.json` and `.txt` files may be compressed (`.gz`, `.bz2`, `.xz`, `.zst`:
 read as they are decompressed, never unpacked to disk). Documents are numbered in that order over
 all files: a non-blank `.jsonl` line is one document, a `.json` file is JSON Lines too unless it
 holds one JSON array, whose items are the documents (`file:[N]` in errors; parsed one by one as the
@@ -21,6 +22,7 @@ from __future__ import annotations
 import bz2
 import codecs
 import contextlib
+import glob
 import gzip
 import io
 import itertools
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from .errors import DataError
+from .globs import has_glob, split_glob
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".txt")
 TABLES = ("parquet", "arrow")  # a row is a document, the columns its keys
@@ -214,14 +217,25 @@ def _text_chunks(path: Path, size: int) -> Iterator[str]:
 
 
 def find_data_files(path: str | Path) -> list[Path]:
-    """The dataset's files in document order.
+    """The dataset's files in document order: a file, a directory's data files, or those a glob
+    pattern names (`is_pattern`).
 
     DataError if the path is missing, holds no data file (`data_format`), or no document at all.
     """
     root = Path(path)
-    if not root.exists():
+    if is_pattern(root):
+        files, others = _matching(root)
+        if not files:
+            raise DataError(
+                f"no file matches {path}: check the pattern (* and ? match within a name, ** any "
+                "directories)"
+                if not others
+                else f"empty dataset: no data files ({DATA_FILES}) match {path} (it matched "
+                f"{len(others)} other file(s): {_some([str(f) for f in others])})"
+            )
+    elif not root.exists():
         raise DataError(f"dataset not found: {path}")
-    if root.is_file():
+    elif root.is_file():
         if data_format(root) is None:
             raise DataError(f"unsupported dataset file {path}: expected a data file ({DATA_FILES})")
         files = [root]
@@ -240,6 +254,22 @@ def find_data_files(path: str | Path) -> list[Path]:
     return files
 
 
+def is_pattern(path: str | Path) -> bool:
+    """Whether `--data` names its files by a glob pattern (`globs`): a wildcard in a path that
+    does not exist under its own name."""
+    return has_glob(str(path)) and not Path(path).exists()
+
+
+def _matching(pattern: Path) -> tuple[list[Path], list[Path]]:
+    """The data files a glob pattern names and the other files it names, each sorted by path:
+    the document order of a directory of the same files. A pattern names files, as on S3, where
+    there are no directories: `data/**` for every file under `data`."""
+    hits = (Path(p) for p in glob.glob(str(pattern), recursive=True))
+    files = sorted((p for p in hits if p.is_file()), key=Path.as_posix)
+    data = [f for f in files if data_format(f) is not None]
+    return data, [f for f in files if data_format(f) is None]
+
+
 def _some(names: list[str], n: int = 5) -> str:
     """The first `n` of `names`, comma-separated, "..." after them if there are more."""
     return ", ".join(names[:n]) + (", ..." if len(names) > n else "")
@@ -252,16 +282,34 @@ def _files_under(root: Path) -> list[Path]:
     return sorted(files, key=lambda f: f.relative_to(root).as_posix())
 
 
-def unreadable_files(path: str | Path) -> list[str]:
-    """Files under a dataset directory that are not data (`.csv`, ...): skipped, and said so."""
-    root = Path(path)
-    if not root.is_dir():
-        return []
-    return sorted(
-        f.relative_to(root).as_posix()
+def _others_under(root: Path) -> list[Path]:
+    """The files under a directory that are not data (`.csv`, ...), hidden files left out."""
+    return [
+        f
         for f in root.rglob("*")
         if f.is_file() and data_format(f) is None and not f.name.startswith(".")
-    )
+    ]
+
+
+def _listing(path: Path) -> tuple[Path, list[Path], list[Path]]:
+    """A dataset directory's or pattern's data files and other files, with the directory their
+    names are given relative to (the pattern's part before its first wildcard)."""
+    if is_pattern(path):
+        return Path(split_glob(str(path))[0] or "."), *_matching(path)
+    if path.is_dir():
+        return path, _files_under(path), _others_under(path)
+    return path.parent, [], []
+
+
+def _relative(files: list[Path], root: Path) -> list[str]:
+    return sorted(f.relative_to(root).as_posix() for f in files)
+
+
+def unreadable_files(path: str | Path) -> list[str]:
+    """Files under a dataset directory, or named by its pattern, that are not data (`.csv`, ...):
+    skipped, and said so."""
+    root, _, others = _listing(Path(path))
+    return _relative(others, root)
 
 
 # the words that name a split in a file's path, as `datasets` infers splits from file names
@@ -279,20 +327,18 @@ def split_of(relative: str) -> str | None:
 
 
 def dataset_notes(path: str | Path, flag: str, uri: str) -> list[str]:
-    """What to tell the user about a dataset directory (`path`, the local copy of `uri`, given
-    as `flag`) before a run reads it: the files skipped as not data, and files named for several
-    splits, every one of which is read (a dataset downloaded from the Hub holds its test split
-    beside its train split)."""
-    root = Path(path)
-    if not root.is_dir():
-        return []
+    """What to tell the user about a dataset directory or pattern (`path`, the local copy of
+    `uri`, given as `flag`) before a run reads it: the files skipped as not data, and files named
+    for several splits, every one of which is read (a dataset downloaded from the Hub holds its
+    test split beside its train split)."""
+    root, data, others = _listing(Path(path))
     notes = []
-    if skipped := unreadable_files(root):
+    if skipped := _relative(others, root):
         notes.append(
             f"{flag} {uri}: skipped {len(skipped)} file(s) that are not data ({DATA_FILES}): "
             + _some(skipped)
         )
-    files = [f.relative_to(root).as_posix() for f in _files_under(root)]
+    files = _relative(data, root)
     splits: dict[str, list[str]] = {}
     for f in files:
         if (split := split_of(f)) is not None:
@@ -305,8 +351,8 @@ def dataset_notes(path: str | Path, flag: str, uri: str) -> list[str]:
         )
         notes.append(
             f"{flag} {uri}: its {len(files)} files are named for several splits ({named}), and "
-            f"every one is read: to use one split, give {flag} that split's file or a directory "
-            "of its files alone"
+            f"every one is read: to use one split, give {flag} that split's file, a directory "
+            "of its files alone, or a pattern that names them (`DIR/train-*`)"
         )
     return notes
 
@@ -317,7 +363,7 @@ def not_held_out_notes(data: str | Path, eval_data: str | Path, eval_uri: str) -
     held-out loss."""
 
     def files(path: Path) -> set[Path]:
-        found = [path] if path.is_file() else _files_under(path) if path.is_dir() else []
+        found = [path] if path.is_file() else _listing(path)[1]
         return {f.resolve() for f in found if data_format(f) is not None}
 
     shared = sorted(files(Path(data)) & files(Path(eval_data)))

@@ -28,7 +28,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import storage
+from . import s3_cache, storage
 from .errors import ApplianceError, ConfigError, first_line
 from .model import ModelArgs
 
@@ -388,7 +388,7 @@ def check_memlock(needs: Needs | None) -> Check:
 
 def check_disk(model: str | None, needs: Needs | None) -> Check:
     if model is not None and storage.is_s3(model):
-        root = storage.cache_root()
+        root = s3_cache.cache_root()
         where = _existing(root)
         free = shutil.disk_usage(where).free
         detail = f"model cache {root}: {_gib(free)} free"

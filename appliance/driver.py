@@ -46,6 +46,7 @@ from .run_record import (
     read_run_file,
     run_identity,
 )
+from .s3_cache import localize, localize_data
 from .trainer import resolve_device, resolve_dtype
 
 
@@ -96,8 +97,8 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
     if cfg.auto_resume:  # the run --output holds is continued; with none there, one starts
         cfg.resume = read_run_file(cfg.output) is not None
     try:
-        model_dir = storage.localize(cfg.model)
-        data_path = storage.localize(cfg.data)
+        model_dir = localize(cfg.model)
+        data_path = localize_data(cfg.data)
     except StorageError as e:
         if cfg.resume and e.uri == cfg.model and e.kind == NOT_FOUND:
             raise ConfigError(
@@ -120,13 +121,11 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
     notes = dataset_notes(data_path, "--data", cfg.data)  # files skipped, several splits
     eval_data = None
     if cfg.eval_data:
-        eval_data = storage.localize(cfg.eval_data)
+        eval_data = localize_data(cfg.eval_data)
         check_dataset(eval_data)
         notes += dataset_notes(eval_data, "--eval-data", cfg.eval_data)
         notes += not_held_out_notes(data_path, eval_data, cfg.eval_data)
-    chat = load_chat_template(
-        model_dir, storage.localize(cfg.chat_template) if cfg.chat_template else None
-    )
+    chat = load_chat_template(model_dir, localize(cfg.chat_template) if cfg.chat_template else None)
     if args.eos_token_id is not None:  # (its absence is reported below)
         holdout = Holdout(cfg.eval_split, cfg.seed) if cfg.eval_split else None
         check_has_targets(data_path, tokenizer, args.eos_token_id, chat, holdout, cfg.on_bad_record)

@@ -37,7 +37,7 @@ from .data import (
     skipped_message,
     with_skip_hint,
 )
-from .data_files import find_data_files
+from .data_files import find_data_files, is_pattern
 from .engine import MicroBatch, StreamedEngine
 from .errors import ConfigError
 from .lora import load_adapter
@@ -142,18 +142,19 @@ def validation_batches(cfg, inp, warn: Callable[[str], None] | None = None) -> l
     semantics of `appliance eval`); DataError if none has a target token. `warn`: as in
     `read_documents` (skipped records, documents cut to --seq-len)."""
     from . import storage
+    from .s3_cache import localize, localize_data
 
     holdout = None
     if cfg.eval_data:
-        path = storage.localize(cfg.eval_data)
+        path = localize_data(cfg.eval_data)
     elif cfg.eval_split:
-        path = storage.localize(cfg.data)
+        path = localize_data(cfg.data)
         holdout = Holdout(cfg.eval_split, cfg.seed, held_out=True)
     else:
         path = inp.eval_data  # the demo's held-out corpus
     # from the model's URI, as the tokenizer workers do: with --cluster this runs in the
     # driver, on the head, and inp's paths are the trainer node's (its S3 cache)
-    tokenizer = data.load_tokenizer(storage.localize(storage.join(cfg.model, "tokenizer.json")))
+    tokenizer = data.load_tokenizer(localize(storage.join(cfg.model, "tokenizer.json")))
     docs = read_documents(
         path,
         tokenizer,
@@ -220,7 +221,7 @@ def evaluate(
         problems.append(f"{model_dir}/config.json has no eos_token_id: documents end with one")
     if problems:
         raise ConfigError("\n".join(problems))
-    if not Path(data_path).exists():
+    if not (Path(data_path).exists() or is_pattern(data_path)):
         raise ConfigError(f"--data {data_path}: no such file or directory")
     hf_checkpoint.SafetensorsCheckpoint(model_dir).check(args)
     tokenizer_path = hf_checkpoint.tokenizer_path(model_dir)

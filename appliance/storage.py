@@ -13,7 +13,7 @@ environment when a client or transfer is made:
   (botocore's ``max_attempts``).
 - ``APPLIANCE_S3_MULTIPART_THRESHOLD`` / ``APPLIANCE_S3_MULTIPART_CHUNKSIZE`` (default 64 MiB):
   files at least this big are uploaded/downloaded in parts of this size, in parallel.
-- ``APPLIANCE_S3_CACHE`` (default ``~/.cache/appliance/s3``): where :func:`localize` puts
+- ``APPLIANCE_S3_CACHE`` (default ``~/.cache/appliance/s3``): where ``s3_cache.localize`` puts
   downloads.
 """
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import codecs
 import io
-import json
 import logging
 import os
 import shutil
@@ -35,7 +34,6 @@ from typing import Any
 from appliance.errors import (
     ACCESS_DENIED,
     INVALID,
-    NO_SPACE,
     NOT_FOUND,
     OTHER,
     StorageError,
@@ -44,8 +42,6 @@ from appliance.s3 import S3_SCHEME, s3_client, s3_error, transfer_config
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CACHE_ROOT = Path("~/.cache/appliance/s3")
-_INDEX_DIR = ".etags"  # under the cache root: what each localized file was downloaded from
 
 # --------------------------------------------------------------------------------------------
 # URIs
@@ -82,7 +78,7 @@ def join(uri: str | os.PathLike[str], *parts: str) -> str:
     return out
 
 
-def _local(uri: str | os.PathLike[str]) -> Path:
+def to_local(uri: str | os.PathLike[str]) -> Path:
     s = str(uri)
     if s.startswith("file://"):
         s = s[len("file://") :]
@@ -147,7 +143,7 @@ def list_objects(uri_prefix: str) -> list[ObjectInfo]:
     """
     if is_s3(uri_prefix):
         return _s3_list(uri_prefix)
-    root = _local(uri_prefix)
+    root = to_local(uri_prefix)
     if not root.exists():
         return []
     if not root.is_dir():
@@ -175,7 +171,7 @@ def exists(uri: str) -> bool:
     error, not an absent file.
     """
     if not is_s3(uri):
-        return _local(uri).exists()
+        return to_local(uri).exists()
     from botocore.exceptions import ClientError
 
     bucket, key = split_s3(uri)
@@ -199,7 +195,7 @@ def read_bytes(uri: str) -> bytes:
     """The whole content of one file."""
     if not is_s3(uri):
         try:
-            return _local(uri).read_bytes()
+            return to_local(uri).read_bytes()
         except OSError as e:
             raise _local_error(e, uri, "reading") from e
     bucket, key = split_s3(uri)
@@ -221,7 +217,7 @@ def file_mode() -> int:
     return 0o666 & ~mask
 
 
-def _atomic_local_write(path: Path, write: Any, uri: str) -> None:
+def atomic_local_write(path: Path, write: Any, uri: str) -> None:
     """Write via ``write(fileobj)`` to a temp file next to ``path``, fsync, then rename over it."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -249,7 +245,7 @@ def write_bytes(uri: str, data: bytes) -> None:
     """Write one file. Local writes are atomic (temp file in the same dir, then ``os.replace``);
     S3 PUTs are atomic by nature (large payloads go multipart)."""
     if not is_s3(uri):
-        _atomic_local_write(_local(uri), lambda f: f.write(data), uri)
+        atomic_local_write(to_local(uri), lambda f: f.write(data), uri)
         return
     bucket, key = split_s3(uri)
     try:
@@ -276,7 +272,7 @@ def upload_file(
             with open(src, "rb") as s:
                 shutil.copyfileobj(s, f, 16 * 1024 * 1024)
 
-        _atomic_local_write(_local(uri), copy, uri)
+        atomic_local_write(to_local(uri), copy, uri)
         return
     bucket, key = split_s3(uri)
     config = transfer_config(multipart_threshold, multipart_chunksize)
@@ -297,7 +293,7 @@ def download_file(
     all (downloaded to a temp file next to it, then renamed)."""
     dest = Path(local_path).expanduser()
     if not is_s3(uri):
-        src = _local(uri)
+        src = to_local(uri)
         if not src.is_file():
             raise StorageError(f"no such file: {uri}: check the path", uri, NOT_FOUND)
 
@@ -305,7 +301,7 @@ def download_file(
             with open(src, "rb") as s:
                 shutil.copyfileobj(s, f, 16 * 1024 * 1024)
 
-        _atomic_local_write(dest, copy, str(dest))
+        atomic_local_write(dest, copy, str(dest))
         return
     bucket, key = split_s3(uri)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -330,7 +326,7 @@ def delete(uri: str) -> None:
     """Delete one file; deleting a missing file is not an error."""
     if not is_s3(uri):
         try:
-            _local(uri).unlink(missing_ok=True)
+            to_local(uri).unlink(missing_ok=True)
         except OSError as e:
             raise _local_error(e, uri, "deleting") from e
         return
@@ -344,7 +340,7 @@ def delete(uri: str) -> None:
 def delete_prefix(uri: str) -> None:
     """Delete a directory/prefix and everything under it; a missing one is not an error."""
     if not is_s3(uri):
-        path = _local(uri)
+        path = to_local(uri)
         try:
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
@@ -384,7 +380,7 @@ def size(uri: str) -> int:
     """Size of one file in bytes."""
     if not is_s3(uri):
         try:
-            path = _local(uri)
+            path = to_local(uri)
             if path.is_dir():
                 raise IsADirectoryError(str(path))
             return path.stat().st_size
@@ -405,7 +401,7 @@ def open_text_lines(uri: str, encoding: str = "utf-8", chunk_bytes: int = 1 << 2
     """
     if not is_s3(uri):
         try:
-            f = open(_local(uri), encoding=encoding, newline=None)
+            f = open(to_local(uri), encoding=encoding, newline=None)
         except OSError as e:
             raise _local_error(e, uri, "opening") from e
         return _local_lines(f, uri)
@@ -443,139 +439,3 @@ def _s3_lines(body: Any, uri: str, encoding: str, chunk_bytes: int) -> Iterator[
         body.close()
     if pending:
         yield pending.removesuffix("\r")
-
-
-# --------------------------------------------------------------------------------------------
-# localize: make an s3:// model or dataset available as local files
-
-
-def cache_root() -> Path:
-    """Where :func:`localize` keeps S3 downloads (``APPLIANCE_S3_CACHE`` or
-    ``~/.cache/appliance/s3``)."""
-    return Path(os.environ.get("APPLIANCE_S3_CACHE") or DEFAULT_CACHE_ROOT).expanduser()
-
-
-def _fmt_bytes(n: int) -> str:
-    return f"{n} bytes ({n / 2**30:.2f} GiB)"
-
-
-def _existing_ancestor(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def localize(uri: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """A local path holding the content of ``uri``.
-
-    Local paths are returned as they are (a Path, ``~`` expanded) after checking they exist.
-    For ``s3://`` the object (a dataset file) or every object under the prefix (a model or
-    dataset directory) is downloaded to ``<cache_dir>/<bucket>/<key>`` (``cache_dir`` defaults
-    to :func:`cache_root`) and that path is returned. Files already there with the same size and
-    ETag are not fetched again; local files whose S3 object disappeared since an earlier
-    localize are removed. Before downloading, the free space on the cache disk is checked
-    against the bytes still to fetch.
-    """
-    if not is_s3(uri):
-        path = _local(uri)
-        if not path.exists():
-            raise StorageError(f"no such file or directory: {uri}: check the path", uri, NOT_FOUND)
-        return path
-
-    bucket, key = split_s3(uri)
-    key = key.strip("/")
-    root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
-    objects = _s3_list(uri)  # the prefix as a directory
-    is_dir = bool(objects) or not key
-    if not is_dir:
-        try:
-            head = s3_client().head_object(Bucket=bucket, Key=key)
-        except Exception as e:
-            err = s3_error(e, uri, "localizing")
-            if err.kind == NOT_FOUND:
-                err = StorageError(
-                    f"nothing at {uri}: no object with that key and no objects under it; "
-                    "check the URI (`aws s3 ls` it)",
-                    uri,
-                    NOT_FOUND,
-                )
-            raise err from e
-        objects = [ObjectInfo("", int(head["ContentLength"]), head["ETag"].strip('"'))]
-    if is_dir and not objects:
-        raise StorageError(f"nothing under {uri}: the prefix is empty", uri, NOT_FOUND)
-
-    dest = root / bucket / key if key else root / bucket
-    index_path = root / _INDEX_DIR / bucket / f"{key or '_'}.json"
-    index = _read_index(index_path)
-
-    def local_of(o: ObjectInfo) -> Path:
-        return dest / o.name if o.name else dest
-
-    todo = []
-    for o in objects:
-        p = local_of(o)
-        seen = index.get(o.name)
-        fresh = (
-            seen == {"size": o.size, "etag": o.etag} and p.is_file() and p.stat().st_size == o.size
-        )
-        if not fresh:
-            todo.append(o)
-    needed = sum(o.size for o in todo)
-    gone = sorted(set(index) - {o.name for o in objects})  # deleted from S3 since last time
-    if todo or gone:  # (a cache that holds it all already is only read: it may be read-only)
-        _check_cache_writable(root, uri)
-    if todo:
-        free = shutil.disk_usage(_existing_ancestor(dest)).free
-        if needed > free:
-            raise StorageError(
-                f"not enough disk space to localize {uri} into {dest}: need "
-                f"{_fmt_bytes(needed)}, {_fmt_bytes(free)} free; free space there or point "
-                "APPLIANCE_S3_CACHE at a bigger disk",
-                uri,
-                NO_SPACE,
-            )
-    for name in gone:
-        stale = dest / name if name else dest
-        if stale.is_file():
-            stale.unlink()
-        del index[name]
-    if gone and not todo:
-        _write_index(index_path, index, uri)
-    if todo:
-        logger.info("localizing %s: %d files, %s", uri, len(todo), _fmt_bytes(needed))
-    for o in todo:
-        src = join(uri, o.name) if o.name else f"{S3_SCHEME}{bucket}/{key}"
-        download_file(src, local_of(o))
-        index[o.name] = {"size": o.size, "etag": o.etag}
-        _write_index(index_path, index, uri)  # after each file: an interrupted run resumes
-    return dest
-
-
-def _check_cache_writable(root: Path, uri: str) -> None:
-    """StorageError naming the cache and APPLIANCE_S3_CACHE unless `root` can hold downloads. A
-    container run as another uid (`docker run --user`) has HOME=/ and no ~/.cache of its own."""
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=root):
-            pass
-    except OSError as e:
-        raise StorageError(
-            f"cannot download {uri}: the S3 cache {root} is not writable ({e.strerror}); set "
-            "APPLIANCE_S3_CACHE to a writable directory (in a container, a mounted volume: the "
-            "downloads are then kept between runs)",
-            uri,
-        ) from None
-
-
-def _read_index(path: Path) -> dict[str, dict[str, Any]]:
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_index(path: Path, index: dict[str, dict[str, Any]], uri: str) -> None:
-    payload = json.dumps(index, indent=1, sort_keys=True).encode()
-    _atomic_local_write(path, lambda f: f.write(payload), uri)

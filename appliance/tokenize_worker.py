@@ -35,7 +35,6 @@ from typing import Any
 
 import numpy as np
 
-from appliance import storage
 from appliance.chat import ChatTemplate
 from appliance.data import (
     IGNORE_INDEX,
@@ -55,6 +54,7 @@ from appliance.data import (
 from appliance.data_files import find_data_files
 from appliance.metrics import TokenizerMetrics
 from appliance.packing import fill_rows, split_document
+from appliance.s3_cache import localize, localize_data
 
 ENCODE_CHUNK = 64  # documents per encode_batch call: amortizes the call, keeps read-ahead small
 
@@ -493,9 +493,7 @@ class ShardWorker(TokenizeWorker):
     runs on: tokenizer workers go wherever the cluster has CPUs."""
 
     def __init__(self, data_path: str, tokenizer_path: str, **kwargs: Any):
-        super().__init__(
-            str(storage.localize(data_path)), str(storage.localize(tokenizer_path)), **kwargs
-        )
+        super().__init__(str(localize_data(data_path)), str(localize(tokenizer_path)), **kwargs)
 
     def node_id(self) -> str:
         import ray

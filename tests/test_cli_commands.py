@@ -78,9 +78,17 @@ def test_eval_prints_one_json_line_with_loss_and_tokens(model_and_adapter):
         "or .txt; .jsonl, .json and .txt also .gz, .bz2, .xz or .zst): README.md",
         f"note: --data {d}: its 2 files are named for several splits (1 validation: "
         "data/validation-0.jsonl; 1 test: data/test-0.jsonl), and every one is read: to use one "
-        "split, give --data that split's file or a directory of its files alone",
+        "split, give --data that split's file, a directory of its files alone, or a pattern that "
+        "names them (`DIR/train-*`)",
     ]
     assert json.loads(result.stdout)["tokens"] > printed["tokens"]
+
+    # a pattern that names one split's files: nothing to say, and only they are read
+    argv[argv.index("--data") + 1] = str(d / "*" / "test-*.jsonl")
+    result = CliRunner().invoke(main, argv)
+    assert result.exit_code == 0, result.output
+    assert result.stderr == ""
+    assert json.loads(result.stdout) == evaluate(model, data, 64)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from appliance import errors, s3, storage
+from appliance import errors, s3, s3_cache, storage
 from appliance.errors import StorageError
 
 pytest_plugins = ["tests.s3_server"]
@@ -188,7 +188,7 @@ def test_missing_bucket_errors(s3_endpoint: str, tmp_path: Path) -> None:
         "size": lambda: storage.size(uri),
         "exists": lambda: storage.exists(uri),
         "list_files": lambda: storage.list_files("s3://no-such-bucket-appliance/run"),
-        "localize": lambda: storage.localize(uri, cache_dir=tmp_path / "cache"),
+        "localize": lambda: s3_cache.localize(uri, cache_dir=tmp_path / "cache"),
     }
     for what, call in calls.items():
         with pytest.raises(StorageError) as info:
@@ -257,9 +257,9 @@ def test_no_credentials(s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_localize_local_path_unchanged(tmp_path: Path) -> None:
-    assert storage.localize(str(tmp_path)) == tmp_path
+    assert s3_cache.localize(str(tmp_path)) == tmp_path
     with pytest.raises(StorageError, match="no such file or directory") as info:
-        storage.localize(str(tmp_path / "missing"))
+        s3_cache.localize(str(tmp_path / "missing"))
     assert str(tmp_path / "missing") in str(info.value)
 
 
@@ -284,7 +284,7 @@ def test_localize_downloads_then_skips_unchanged(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     cache = tmp_path / "cache"
-    path = storage.localize(model_prefix, cache_dir=cache)
+    path = s3_cache.localize(model_prefix, cache_dir=cache)
     assert path == cache / s3_bucket / "models" / "tiny"
     got = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
     assert got == ["config.json", "model-00001.safetensors", "tok/tokenizer.json"]
@@ -297,8 +297,8 @@ def test_localize_downloads_then_skips_unchanged(
         fetched.append(uri)
         real_download(uri, local_path, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(storage, "download_file", recording_download)
-    assert storage.localize(model_prefix, cache_dir=cache) == path
+    monkeypatch.setattr(s3_cache, "download_file", recording_download)
+    assert s3_cache.localize(model_prefix, cache_dir=cache) == path
     assert fetched == []  # everything already there with the same size and ETag
 
     # Same size, new content: the ETag differs, so exactly that file is fetched again.
@@ -306,7 +306,7 @@ def test_localize_downloads_then_skips_unchanged(
         Bucket=s3_bucket, Key="models/tiny/model-00001.safetensors", Body=b"B" * 1000
     )
     s3_client.delete_object(Bucket=s3_bucket, Key="models/tiny/tok/tokenizer.json")
-    storage.localize(model_prefix, cache_dir=cache)
+    s3_cache.localize(model_prefix, cache_dir=cache)
     assert fetched == [f"{model_prefix}/model-00001.safetensors"]
     assert (path / "model-00001.safetensors").read_bytes() == b"B" * 1000
     assert not (path / "tok" / "tokenizer.json").exists()  # gone from S3, gone here
@@ -314,7 +314,7 @@ def test_localize_downloads_then_skips_unchanged(
     # A local file damaged to another size is fetched again too.
     (path / "config.json").write_bytes(b"{")
     fetched.clear()
-    storage.localize(model_prefix, cache_dir=cache)
+    s3_cache.localize(model_prefix, cache_dir=cache)
     assert fetched == [f"{model_prefix}/config.json"]
     assert (path / "config.json").read_bytes() == b'{"hidden_size": 8}'
 
@@ -325,12 +325,12 @@ def test_localize_single_file_and_default_cache(
     s3_client.put_object(Bucket=s3_bucket, Key="data/train.jsonl", Body=b'{"text": "hi"}\n')
     monkeypatch.delenv("APPLIANCE_S3_CACHE", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
-    path = storage.localize(f"s3://{s3_bucket}/data/train.jsonl")
+    path = s3_cache.localize(f"s3://{s3_bucket}/data/train.jsonl")
     assert path == tmp_path / ".cache" / "appliance" / "s3" / s3_bucket / "data" / "train.jsonl"
     assert path.read_bytes() == b'{"text": "hi"}\n'
 
     with pytest.raises(StorageError, match="nothing at") as info:
-        storage.localize(f"s3://{s3_bucket}/data/missing.jsonl", cache_dir=tmp_path / "c")
+        s3_cache.localize(f"s3://{s3_bucket}/data/missing.jsonl", cache_dir=tmp_path / "c")
     assert info.value.kind == errors.NOT_FOUND
     assert f"s3://{s3_bucket}/data/missing.jsonl" in str(info.value)
 
@@ -346,14 +346,14 @@ def test_a_cache_that_cannot_be_written_is_named_with_the_variable_to_set(
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     uri = f"s3://{s3_bucket}/data/train.jsonl"
     with pytest.raises(StorageError) as info:
-        storage.localize(uri)
+        s3_cache.localize(uri)
     assert str(info.value) == (
         f"cannot download {uri}: the S3 cache {tmp_path}/home/.cache/appliance/s3 is not "
         "writable (Not a directory); set APPLIANCE_S3_CACHE to a writable directory (in a "
         "container, a mounted volume: the downloads are then kept between runs)"
     )
     monkeypatch.setenv("APPLIANCE_S3_CACHE", str(tmp_path / "cache"))
-    assert storage.localize(uri).read_bytes() == b'{"text": "hi"}\n'
+    assert s3_cache.localize(uri).read_bytes() == b'{"text": "hi"}\n'
 
 
 def test_a_read_only_cache_that_holds_everything_is_only_read(
@@ -366,16 +366,16 @@ def test_a_read_only_cache_that_holds_everything_is_only_read(
 
     s3_client.put_object(Bucket=s3_bucket, Key="data/train.jsonl", Body=b'{"text": "hi"}\n')
     uri, cache = f"s3://{s3_bucket}/data/train.jsonl", tmp_path / "cache"
-    path = storage.localize(uri, cache_dir=cache)
+    path = s3_cache.localize(uri, cache_dir=cache)
 
     def read_only(*args: Any, **kw: Any) -> Any:
         raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr(storage.tempfile, "TemporaryFile", read_only)
-    assert storage.localize(uri, cache_dir=cache) == path  # all there: nothing to write
+    monkeypatch.setattr(s3_cache.tempfile, "TemporaryFile", read_only)
+    assert s3_cache.localize(uri, cache_dir=cache) == path  # all there: nothing to write
     s3_client.put_object(Bucket=s3_bucket, Key="data/train.jsonl", Body=b'{"text": "new"}\n')
     with pytest.raises(StorageError, match="is not writable \\(Read-only file system\\)"):
-        storage.localize(uri, cache_dir=cache)
+        s3_cache.localize(uri, cache_dir=cache)
     assert path.read_bytes() == b'{"text": "hi"}\n'  # what was there is kept
 
 
@@ -389,7 +389,7 @@ def test_localize_checks_free_space(
     )
     cache = tmp_path / "cache"
     with pytest.raises(StorageError) as info:
-        storage.localize(model_prefix, cache_dir=cache)
+        s3_cache.localize(model_prefix, cache_dir=cache)
     msg = str(info.value)
     assert info.value.kind == errors.NO_SPACE
     assert model_prefix in msg

@@ -1,0 +1,218 @@
+"""Local copies of ``s3://`` models and datasets: ``localize`` (a local path is taken as it is),
+and ``localize_data`` for ``--data`` and ``--eval-data``, which may be glob patterns.
+
+Downloads go to ``<cache root>/<bucket>/<key>`` (``APPLIANCE_S3_CACHE``, default
+``~/.cache/appliance/s3``), with an index of the size and ETag each file was fetched with, so a
+rerun fetches only what changed. Every failure is a ``StorageError`` naming the URI and what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from appliance.errors import INVALID, NO_SPACE, NOT_FOUND, StorageError
+from appliance.globs import glob_match, has_glob, split_glob
+from appliance.s3 import S3_SCHEME, s3_client, s3_error
+from appliance.storage import (
+    ObjectInfo,
+    atomic_local_write,
+    download_file,
+    is_s3,
+    join,
+    list_objects,
+    split_s3,
+    to_local,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CACHE_ROOT = Path("~/.cache/appliance/s3")
+_INDEX_DIR = ".etags"  # under the cache root: what each localized file was downloaded from
+
+
+def cache_root() -> Path:
+    """Where :func:`localize` keeps S3 downloads (``APPLIANCE_S3_CACHE`` or
+    ``~/.cache/appliance/s3``)."""
+    return Path(os.environ.get("APPLIANCE_S3_CACHE") or DEFAULT_CACHE_ROOT).expanduser()
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n} bytes ({n / 2**30:.2f} GiB)"
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def localize(uri: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """A local path holding the content of ``uri``.
+
+    Local paths are returned as they are (a Path, ``~`` expanded) after checking they exist.
+    For ``s3://`` the object (a dataset file) or every object under the prefix (a model or
+    dataset directory) is downloaded to ``<cache_dir>/<bucket>/<key>`` (``cache_dir`` defaults
+    to :func:`cache_root`) and that path is returned. Files already there with the same size and
+    ETag are not fetched again; local files whose S3 object disappeared since an earlier
+    localize are removed. Before downloading, the free space on the cache disk is checked
+    against the bytes still to fetch.
+    """
+    if not is_s3(uri):
+        path = to_local(uri)
+        if not path.exists():
+            raise StorageError(f"no such file or directory: {uri}: check the path", uri, NOT_FOUND)
+        return path
+    return _localize_s3(uri, cache_dir)
+
+
+def localize_data(uri: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """:func:`localize` for ``--data`` and ``--eval-data``, which may be a glob pattern
+    (``data/train-*.jsonl``, ``s3://bucket/corpus/**/*.parquet``; the rule is in ``globs``). A
+    local pattern is returned as it is once the directory before its first wildcard is found
+    (``data_files`` lists what it names); from S3 only the objects that match are downloaded, and
+    the pattern over their local copies is returned."""
+    if not has_glob(uri) or (not is_s3(uri) and to_local(uri).exists()):
+        return localize(uri, cache_dir)
+    fixed, pattern = split_glob(uri)
+    if not is_s3(uri):
+        base = to_local(fixed or ".")
+        if not base.is_dir():
+            raise StorageError(
+                f"no such directory: {fixed} (the part of {uri} before its first wildcard): "
+                "check the path",
+                uri,
+                NOT_FOUND,
+            )
+        return to_local(uri)
+    if has_glob(split_s3(uri)[0]):
+        raise StorageError(
+            f"{uri}: the bucket's name cannot be a pattern; name the bucket", uri, INVALID
+        )
+    return _localize_s3(fixed, cache_dir, pattern=pattern, shown=uri) / pattern
+
+
+def _localize_s3(
+    uri: str,
+    cache_dir: str | os.PathLike[str] | None,
+    pattern: str | None = None,
+    shown: str | None = None,
+) -> Path:
+    """`localize` of an S3 URI; with `pattern`, only the objects under the prefix `uri` whose
+    names match it (`globs.glob_match`), `shown` being the URI the user gave."""
+    bucket, key = split_s3(uri)
+    key = key.strip("/")
+    root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
+    objects = list_objects(uri)  # the prefix as a directory
+
+    def wanted(name: str) -> bool:
+        return pattern is None or glob_match(pattern, name)
+
+    if pattern is not None:
+        objects = [o for o in objects if wanted(o.name)]
+        if not objects:
+            raise StorageError(
+                f"nothing matches {shown}: no object under {uri}/ has a name that matches "
+                f"{pattern}; check the pattern (`aws s3 ls --recursive {uri}/`)",
+                shown,
+                NOT_FOUND,
+            )
+    is_dir = bool(objects) or not key
+    if not is_dir:
+        try:
+            head = s3_client().head_object(Bucket=bucket, Key=key)
+        except Exception as e:
+            err = s3_error(e, uri, "localizing")
+            if err.kind == NOT_FOUND:
+                err = StorageError(
+                    f"nothing at {uri}: no object with that key and no objects under it; "
+                    "check the URI (`aws s3 ls` it)",
+                    uri,
+                    NOT_FOUND,
+                )
+            raise err from e
+        objects = [ObjectInfo("", int(head["ContentLength"]), head["ETag"].strip('"'))]
+    if is_dir and not objects:
+        raise StorageError(f"nothing under {uri}: the prefix is empty", uri, NOT_FOUND)
+
+    dest = root / bucket / key if key else root / bucket
+    index_path = root / _INDEX_DIR / bucket / f"{key or '_'}.json"
+    index = _read_index(index_path)
+
+    def local_of(o: ObjectInfo) -> Path:
+        return dest / o.name if o.name else dest
+
+    todo = []
+    for o in objects:
+        p = local_of(o)
+        seen = index.get(o.name)
+        fresh = (
+            seen == {"size": o.size, "etag": o.etag} and p.is_file() and p.stat().st_size == o.size
+        )
+        if not fresh:
+            todo.append(o)
+    needed = sum(o.size for o in todo)
+    # deleted from S3 since last time (of those the pattern names: the rest are not ours)
+    gone = sorted(name for name in set(index) - {o.name for o in objects} if wanted(name))
+    if todo or gone:  # (a cache that holds it all already is only read: it may be read-only)
+        _check_cache_writable(root, uri)
+    if todo:
+        free = shutil.disk_usage(_existing_ancestor(dest)).free
+        if needed > free:
+            raise StorageError(
+                f"not enough disk space to localize {uri} into {dest}: need "
+                f"{_fmt_bytes(needed)}, {_fmt_bytes(free)} free; free space there or point "
+                "APPLIANCE_S3_CACHE at a bigger disk",
+                uri,
+                NO_SPACE,
+            )
+    for name in gone:
+        stale = dest / name if name else dest
+        if stale.is_file():
+            stale.unlink()
+        del index[name]
+    if gone and not todo:
+        _write_index(index_path, index, uri)
+    if todo:
+        logger.info("localizing %s: %d files, %s", uri, len(todo), _fmt_bytes(needed))
+    for o in todo:
+        src = join(uri, o.name) if o.name else f"{S3_SCHEME}{bucket}/{key}"
+        download_file(src, local_of(o))
+        index[o.name] = {"size": o.size, "etag": o.etag}
+        _write_index(index_path, index, uri)  # after each file: an interrupted run resumes
+    return dest
+
+
+def _check_cache_writable(root: Path, uri: str) -> None:
+    """StorageError naming the cache and APPLIANCE_S3_CACHE unless `root` can hold downloads. A
+    container run as another uid (`docker run --user`) has HOME=/ and no ~/.cache of its own."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root):
+            pass
+    except OSError as e:
+        raise StorageError(
+            f"cannot download {uri}: the S3 cache {root} is not writable ({e.strerror}); set "
+            "APPLIANCE_S3_CACHE to a writable directory (in a container, a mounted volume: the "
+            "downloads are then kept between runs)",
+            uri,
+        ) from None
+
+
+def _read_index(path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_index(path: Path, index: dict[str, dict[str, Any]], uri: str) -> None:
+    payload = json.dumps(index, indent=1, sort_keys=True).encode()
+    atomic_local_write(path, lambda f: f.write(payload), uri)
