@@ -392,12 +392,16 @@ class SafetensorsCheckpoint:
         """The name a tensor of the files has here."""
         return self._name.get(stored, stored)
 
+    def _missing(self, name: str) -> ModelError:
+        stored = multimodal.stored_name_like(name, self._stored)
+        return ModelError(f"{self.dir}: tensor {stored!r} is missing from the checkpoint")
+
     def read(self, names: list[str], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
         """Read `names` (grouped by shard) converted to `dtype` (None: as stored)."""
         by_file: dict[Path, list[str]] = {}
         for n in names:
             if n not in self.files:
-                raise ModelError(f"{self.dir}: tensor {n!r} is missing from the checkpoint")
+                raise self._missing(n)
             by_file.setdefault(self.files[n], []).append(n)
         out = {}
         for path, group in by_file.items():
@@ -413,7 +417,7 @@ class SafetensorsCheckpoint:
         shapes = {name: shape for name, (shape, _) in self.headers().items()}
         for name, shape in expected_shapes(args).items():
             if name not in shapes:
-                raise ModelError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
+                raise self._missing(name)
             if shapes[name] != shape:
                 raise ModelError(
                     f"{self.dir}: {name} has shape {shapes[name]}, config.json implies {shape}"

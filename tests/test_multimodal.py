@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 import torch
@@ -185,6 +186,20 @@ def test_either_tensor_layout_reads_the_same_weights(variant, tmp_path):
     assert store.num_blocks == args.num_layers
     assert set(store.globals()) == set(read_globals(a, args, torch.float32))
     assert ("lm_head.weight" in store.globals()) == (variant == "mistral3-vlm")
+
+    # a missing tensor is named as the files would hold it, in either layout
+    for ckpt, prefix in [(src, "language_model.model."), (modules, "model.language_model.")]:
+        tensors = load_file(ckpt / "model.safetensors")
+        del tensors[prefix + "layers.1.mlp.up_proj.weight"]
+        save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(ModelError) as e:
+            SafetensorsCheckpoint(ckpt).check(args)
+        want = (
+            f"{ckpt}: tensor '{prefix}layers.1.mlp.up_proj.weight' is missing from the checkpoint"
+        )
+        assert str(e.value) == want
+        with pytest.raises(ModelError, match=re.escape(want)):
+            SafetensorsCheckpoint(ckpt).read(["model.layers.1.mlp.up_proj.weight"], None)
 
 
 def test_the_lm_head_is_the_files_own_whatever_the_flags_say(tmp_path):

@@ -119,6 +119,18 @@ def language_names(stored: Iterable[str]) -> dict[str, str]:
     return out
 
 
+def stored_name_like(name: str, names: dict[str, str]) -> str:
+    """The name the text-named tensor `name` has, or would have, in files whose language-model
+    tensors are named as `names` says (`language_names`' result): to name a missing tensor as the
+    files would hold it."""
+    head = name.split(".", 1)[0] + "."  # model. or lm_head.
+    for text, stored in names.items():
+        if text.startswith(head):
+            rest = text[len(head) :]
+            return stored[: len(stored) - len(rest)] + name[len(head) :]
+    return name
+
+
 def target_pattern(module_names: Iterable[str]) -> str:
     """PEFT's `target_modules` as a pattern: the named projections of the language model only."""
     names = "|".join(re.escape(n) for n in module_names)
