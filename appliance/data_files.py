@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from .errors import DataError
-from .globs import has_glob, split_glob
+from .globs import glob_match, has_glob, split_glob
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".txt")
 TABLES = ("parquet", "arrow")  # a row is a document, the columns its keys
@@ -320,10 +320,30 @@ SPLIT_WORDS = {
 }
 
 
+# the split to point to first: --data's train split, --eval-data's validation split
+ONE_SPLIT_FIRST = {False: ("train", "validation", "test"), True: ("validation", "test", "train")}
+
+
 def split_of(relative: str) -> str | None:
     """The split a data file's path names (`data/test-00000-of-00001.parquet`: "test"), if any."""
     words = set(re.split(r"[-._ /]", relative.lower()))
     return next((split for split, names in SPLIT_WORDS.items() if words & set(names)), None)
+
+
+def split_pattern(split: str, files: list[str]) -> str | None:
+    """A glob pattern naming exactly the files of `split` among `files` (names relative to the
+    dataset's root): `data/train*` for `data/train-00000-of-00002.parquet`, `dev/**` for
+    `dev/part-0.jsonl`; None when neither form names them alone."""
+    mine = {f for f in files if split_of(f) == split}
+    for f in sorted(mine):
+        for word in re.finditer(r"[^-._ /]+", f):
+            if word.group().lower() in SPLIT_WORDS[split]:
+                end = word.end()
+                pattern = f[:end] + ("/**" if f[end : end + 1] == "/" else "*")
+                if {g for g in files if glob_match(pattern, g)} == mine:
+                    return pattern
+                break
+    return None
 
 
 def dataset_notes(path: str | Path, flag: str, uri: str) -> list[str]:
@@ -349,10 +369,15 @@ def dataset_notes(path: str | Path, flag: str, uri: str) -> list[str]:
             for split in SPLIT_WORDS
             if split in splits
         )
+        split = next(s for s in ONE_SPLIT_FIRST[flag == "--eval-data"] if s in splits)
+        if (pattern := split_pattern(split, files)) is not None:
+            root = split_glob(uri)[0] if has_glob(uri) else uri.rstrip("/")
+            one = f"e.g. {flag} '{root}/{pattern}'" if root else f"e.g. {flag} '{pattern}'"
+        else:
+            one = "a directory of its files alone or a pattern that names them"
         notes.append(
             f"{flag} {uri}: its {len(files)} files are named for several splits ({named}), and "
-            f"every one is read: to use one split, give {flag} that split's file, a directory "
-            "of its files alone, or a pattern that names them (`DIR/train-*`)"
+            f"every one is read: to use one split, give {flag} its files alone ({one})"
         )
     return notes
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from . import storage
 from .data_files import data_format
 from .errors import DataError, ModelError
+from .globs import has_glob, split_glob
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(@[\w./-]+)?$")
 
@@ -36,8 +37,17 @@ def resolve_model(model: str, flag: str = "--model") -> str:
 
 def resolve_dataset(data: str, flag: str = "--data") -> str:
     """`resolve_model` for a dataset: a hub id as the snapshot directory of the dataset repo
-    `hf download org/name --repo-type dataset` filled. DataError (naming `flag`) when the id is
-    not cached. A name like a data file's (`dir/train.jsonl`) is a path, missing or not."""
+    `hf download org/name --repo-type dataset` filled, and `org/name/PATTERN` as that glob
+    pattern inside it (`org/name/data/train-*`: one split, as `datasets`' data_files picks it).
+    DataError (naming `flag`) when the id is not cached. A name like a data file's
+    (`dir/train.jsonl`) is a path, missing or not, and so is a pattern whose directory exists."""
+    if has_glob(data) and not storage.is_s3(data):
+        repo, _, inside = data.partition("/")[2].partition("/")
+        repo_id = data.split("/", 1)[0] + "/" + repo
+        fixed = split_glob(data)[0]
+        if inside and not has_glob(repo_id) and is_hub_id(repo_id) and not Path(fixed).exists():
+            return str(Path(_resolve(repo_id, flag, "dataset", DataError)) / inside)
+        return data
     if data_format(Path(data)) is not None:
         return data
     return _resolve(data, flag, "dataset", DataError)

@@ -78,8 +78,7 @@ def test_eval_prints_one_json_line_with_loss_and_tokens(model_and_adapter):
         "or .txt; .jsonl, .json and .txt also .gz, .bz2, .xz or .zst): README.md",
         f"note: --data {d}: its 2 files are named for several splits (1 validation: "
         "data/validation-0.jsonl; 1 test: data/test-0.jsonl), and every one is read: to use one "
-        "split, give --data that split's file, a directory of its files alone, or a pattern that "
-        "names them (`DIR/train-*`)",
+        f"split, give --data its files alone (e.g. --data '{d}/data/validation*')",
     ]
     assert json.loads(result.stdout)["tokens"] > printed["tokens"]
 

@@ -122,8 +122,8 @@ def test_dataset_notes_name_skipped_files_and_several_splits(tmp_path):
         ".arrow or .txt; .jsonl, .json and .txt also .gz, .bz2, .xz or .zst): README.md",
         "--data s3://b/hub: its 3 files are named for several splits (2 train: "
         "data/train-00000-of-00002.parquet, ...; 1 test: data/test-00000-of-00001.parquet), "
-        "and every one is read: to use one split, give --data that split's file, a directory "
-        "of its files alone, or a pattern that names them (`DIR/train-*`)",
+        "and every one is read: to use one split, give --data its files alone (e.g. --data "
+        "'s3://b/hub/data/train*')",
     ]
     # one split, or none named: nothing to say; nor of a single file
     train = hub / "data" / "train-00000-of-00002.parquet"

@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 
 from appliance import storage
-from appliance.data_files import dataset_notes, find_data_files, not_held_out_notes
+from appliance.data_files import (
+    dataset_notes,
+    find_data_files,
+    not_held_out_notes,
+    split_of,
+    split_pattern,
+)
 from appliance.driver import prepare
 from appliance.errors import DataError, StorageError
 from appliance.globs import glob_match, split_glob
@@ -279,3 +285,34 @@ def test_train_on_s3_patterns_reads_only_the_files_they_name(s3_endpoint, s3_buc
         "val.jsonl",
     ]
     assert "eval_loss" in proc.stdout
+
+
+def test_the_pattern_a_split_note_suggests_names_that_split_alone():
+    hub = ["README.md", "data/train-00000-of-00002.parquet", "data/train-00001-of-00002.parquet"]
+    hub.append("data/test-00000-of-00001.parquet")
+    assert split_pattern("train", hub) == "data/train*"
+    assert split_pattern("test", hub) == "data/test*"
+    dirs = ["dev/part-0.jsonl", "dev/part-1.jsonl", "train/part-0.jsonl", "Train.jsonl"]
+    assert split_pattern("validation", dirs) == "dev/**"
+    assert split_pattern("train", dirs) is None  # train/** misses Train.jsonl, Train* train/...
+    assert split_pattern("train", ["A/TRAIN-0.txt", "A/eval.txt"]) == "A/TRAIN*"
+    for files in (hub, dirs):
+        for split in ("train", "validation", "test"):
+            if (pattern := split_pattern(split, files)) is not None:
+                assert {f for f in files if glob_match(pattern, f)} == {
+                    f for f in files if split_of(f) == split
+                }
+    # an --eval-data note points to the validation split first
+    notes = dataset_notes_of(["train-0.jsonl", "valid-0.jsonl", "test-0.jsonl"], "--eval-data")
+    assert notes[-1].endswith("(e.g. --eval-data 'E/valid*')")
+    notes = dataset_notes_of(["train-0.jsonl", "valid-0.jsonl", "test-0.jsonl"], "--data")
+    assert notes[-1].endswith("(e.g. --data 'E/train*')")
+
+
+def dataset_notes_of(names, flag):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        for name in names:
+            (Path(d) / name).write_text("x")
+        return dataset_notes(d, flag, "E")

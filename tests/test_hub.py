@@ -104,6 +104,17 @@ def test_a_dataset_id_is_read_from_the_local_cache_or_named_with_its_download_co
     assert json.loads(result.stdout) == evaluate(model, snapshot, 16)  # the snapshot's documents
     assert "note: --data tiny-org/chat: skipped 1 file(s) that are not data" in result.stderr
     assert "--data tiny-org/chat: its 2 files are named for several splits" in result.stderr
+    assert "(e.g. --data 'tiny-org/chat/data/train*')" in result.stderr
+
+    # what the note says: a pattern inside the dataset picks one split, as datasets' data_files
+    result = appliance("eval", *argv, "--data", "tiny-org/chat/data/train*", env=env)
+    assert result.returncode == 0, result.stderr
+    train = snapshot / "data" / "train-00000-of-00001.jsonl"
+    assert json.loads(result.stdout) == evaluate(model, train, 16)
+    assert result.stderr == ""
+    result = appliance("eval", *argv, "--data", "tiny-org/none/data/train*", env=env)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: --data tiny-org/none: not a file or directory here")
 
     result = appliance("eval", *argv, "--data", "tiny-org/typo.jsonl", env=env)  # a path
     assert result.returncode == 1 and "Traceback" not in result.stderr
@@ -133,6 +144,13 @@ def test_train_reads_data_and_eval_data_given_as_dataset_ids(tmp_path, monkeypat
     assert inp.data_path == snapshot and inp.eval_data == snapshot
     assert inp.cfg.data == inp.cfg.eval_data == str(snapshot)  # what run.json records
     assert any(f"--data {snapshot}: its 2 files are named for several" in n for n in inp.notes)
+    inp = prepare(
+        tiny_train_config(
+            model, "tiny-org/chat/data/train-*", tmp_path / "out", eval_data="tiny-org/chat/*/test*"
+        )
+    )
+    assert inp.data_path == snapshot / "data" / "train-*" and inp.notes == []
+    assert inp.eval_data == snapshot / "*" / "test*"
     with pytest.raises(DataError, match=r"^--eval-data tiny-org/gone: not a file or directory"):
         prepare(
             tiny_train_config(model, "tiny-org/chat", tmp_path / "o", eval_data="tiny-org/gone")
