@@ -49,7 +49,8 @@ class TrainConfig:
         "Training data: a .jsonl, .json, .parquet, .arrow or .txt file (.jsonl/.json/.txt may "
         "be .gz, .bz2, .xz or .zst compressed), a directory of them, a glob pattern "
         "('data/train-*.jsonl', '**' for any directories; quote it), s3:// (a pattern too), or "
-        "a dataset id (org/name) in the local Hugging Face cache.",
+        "a dataset id (org/name, or org/name/data/train-* for one split) in the local Hugging "
+        "Face cache.",
     )
     output: str | None = _f(
         None, "Where the adapter and checkpoints go (directory or s3:// prefix)."
