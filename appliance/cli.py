@@ -179,8 +179,8 @@ def train(config_file: str | None, **flags) -> None:
     "--data",
     required=True,
     help="Data as train reads it: .jsonl/.json/.parquet/.arrow/.txt (compressed too), a dir of "
-    "them, a glob pattern, s3:// or a cached Hugging Face dataset id (text, prompt + completion, or "
-    "conversations); scored on the targets training uses.",
+    "them, a glob pattern, s3:// or a cached Hugging Face dataset id (text, prompt + "
+    "completion, or conversations); scored on the targets training uses.",
 )
 @click.option("--seq-len", type=int, required=True, help="Truncate each record to N tokens.")
 @click.option(

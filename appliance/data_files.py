@@ -225,13 +225,21 @@ def find_data_files(path: str | Path) -> list[Path]:
     root = Path(path)
     if is_pattern(root):
         files, others = _matching(root)
-        if not files:
+        if others and not files:
             raise DataError(
-                f"no file matches {path}: check the pattern (* and ? match within a name, ** any "
-                "directories)"
-                if not others
-                else f"empty dataset: no data files ({DATA_FILES}) match {path} (it matched "
+                f"empty dataset: no data files ({DATA_FILES}) match {path} (it matched "
                 f"{len(others)} other file(s): {_some([str(f) for f in others])})"
+            )
+        if not files:
+            dirs = [p for p in glob.glob(str(root), recursive=True) if Path(p).is_dir()]
+            raise DataError(
+                f"no file matches {path}: "
+                + (
+                    f"it names directories only ({_some(dirs, 3)}), and a pattern names files: "
+                    f"add /** for every file under them"
+                    if dirs
+                    else "check the pattern (* and ? match within a name, ** any directories)"
+                )
             )
     elif not root.exists():
         raise DataError(f"dataset not found: {path}")
@@ -371,8 +379,8 @@ def dataset_notes(path: str | Path, flag: str, uri: str) -> list[str]:
         )
         split = next(s for s in ONE_SPLIT_FIRST[flag == "--eval-data"] if s in splits)
         if (pattern := split_pattern(split, files)) is not None:
-            root = split_glob(uri)[0] if has_glob(uri) else uri.rstrip("/")
-            one = f"e.g. {flag} '{root}/{pattern}'" if root else f"e.g. {flag} '{pattern}'"
+            base = split_glob(uri)[0] if has_glob(uri) else uri.rstrip("/")
+            one = f"e.g. {flag} '{base}/{pattern}'" if base else f"e.g. {flag} '{pattern}'"
         else:
             one = "a directory of its files alone or a pattern that names them"
         notes.append(

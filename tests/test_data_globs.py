@@ -107,8 +107,12 @@ def test_a_pattern_names_its_data_files_in_a_directorys_order(tmp_path):
         "data/train-1.jsonl.gz",
     ]
     # a pattern names files, not directories (as on S3); `**` any depth, hidden names never
-    with pytest.raises(DataError, match="no file matches"):
+    with pytest.raises(DataError) as e:
         find_data_files(tmp_path / "data" / "s*")  # (a directory)
+    assert str(e.value) == (
+        f"no file matches {tmp_path}/data/s*: it names directories only ({tmp_path}/data/sub), "
+        "and a pattern names files: add /** for every file under them"
+    )
     assert rel(find_data_files(tmp_path / "data" / "s*" / "**"), tmp_path) == [
         "data/sub/deeper/train-3.txt",
         "data/sub/train-2.jsonl",
