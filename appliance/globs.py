@@ -4,10 +4,10 @@
 A pattern names files, never a directory (on S3 there are none): `data/**` names every file
 under `data`. The rule is `glob.glob(pattern, recursive=True)`'s, and `glob_match` applies it to
 S3 keys, which `glob` cannot list, so a pattern picks the same files from a directory and from
-its copy on S3: `*`, `?` and `[...]` match within one path segment, a `**` segment matches any number of
-directories (none included), and a wildcard never matches a name that starts with `.` unless the
-pattern's segment does. A path that exists under its own name is never a pattern; `[[]` matches a
-literal `[`.
+its copy on S3: `*`, `?` and `[...]` match within one path segment, a `**` segment matches any
+number of directories (none included), and a wildcard never matches a name that starts with `.`
+unless the pattern's segment does. A path that exists under its own name is never a pattern;
+`[[]` matches a literal `[`.
 """
 
 from __future__ import annotations
