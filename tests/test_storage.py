@@ -1,4 +1,5 @@
-"""appliance.storage against local disk and a real S3 API (moto server on 127.0.0.1)."""
+"""appliance.storage and appliance.s3_cache against local disk and a real S3 API (moto server on
+127.0.0.1)."""
 
 from __future__ import annotations
 
