@@ -42,11 +42,10 @@ def resolve_dataset(data: str, flag: str = "--data") -> str:
     DataError (naming `flag`) when the id is not cached. A name like a data file's
     (`dir/train.jsonl`) is a path, missing or not, and so is a pattern whose directory exists."""
     if has_glob(data) and not storage.is_s3(data):
-        repo, _, inside = data.partition("/")[2].partition("/")
-        repo_id = data.split("/", 1)[0] + "/" + repo
-        fixed = split_glob(data)[0]
-        if inside and not has_glob(repo_id) and is_hub_id(repo_id) and not Path(fixed).exists():
-            return str(Path(_resolve(repo_id, flag, "dataset", DataError)) / inside)
+        parts = data.split("/", 2)  # org, name, the pattern inside (a hub id holds no wildcard)
+        repo_id = "/".join(parts[:2])
+        if len(parts) == 3 and is_hub_id(repo_id) and not Path(split_glob(data)[0]).exists():
+            return str(Path(_resolve(repo_id, flag, "dataset", DataError)) / parts[2])
         return data
     if data_format(Path(data)) is not None:
         return data
