@@ -273,7 +273,8 @@ def export(model: str, adapter: str, output: str) -> None:
     from .hub import resolve_model
     from .s3_cache import localize
 
-    export_merged(localize(resolve_model(model)), localize(adapter), output)
+    model = resolve_model(model)  # a hub id: its snapshot, which the model card names by the id
+    export_merged(localize(model), localize(adapter), output, shown_as=(model, adapter))
     click.echo(f"merged checkpoint written to {output}")
 
 

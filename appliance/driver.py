@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import storage
+from . import model_card, storage
 from .chat import load_chat_template
 from .checkpoint import LATEST_MARKER, checkpoints_uri
 from .cluster import check_shared_output, on_node, start_ray, trainer_slots, weight_store_bytes
@@ -257,13 +257,18 @@ def recorded_config(output: str) -> dict | None:
 def remove_previous_run(output: str) -> None:
     """--overwrite: delete what a previous run left in `output` (local or s3://): its adapter
     (adapter_config.json first, so no moment shows a complete-looking adapter), its checkpoints
-    (the `latest` marker first, so none is ever restored into the new run), then run.json.
-    Other files are the user's and stay."""
+    (the `latest` marker first, so none is ever restored into the new run), its model card when
+    appliance wrote it, then run.json. Other files are the user's and stay."""
     storage.delete(storage.join(output, ADAPTER_CONFIG))
     storage.delete(storage.join(output, ADAPTER_WEIGHTS))
     checkpoints = checkpoints_uri(output)
     storage.delete(storage.join(checkpoints, LATEST_MARKER))
     storage.delete_prefix(checkpoints)
+    card = storage.join(output, model_card.CARD)
+    if storage.exists(card) and model_card.is_ours(
+        storage.read_bytes(card).decode(errors="replace")
+    ):
+        storage.delete(card)
     storage.delete(storage.join(output, RUN_FILE))
 
 
@@ -389,7 +394,7 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
                 run.interrupt = stop
                 run.train()
                 after = run.final_eval_loss()
-                run.finish()
+                run.finish(after)
             if started_here:
                 _let_metrics_report(cfg)
     except Exception as e:

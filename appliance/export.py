@@ -3,7 +3,9 @@
 For every adapted linear layer W' = W + (B @ A) · alpha / rank, computed in fp32 and stored in
 W's own dtype; every other tensor is copied unchanged, under the name it has in the base model's
 files, and so is every other file of the model directory (tokenizer, chat template, generation
-and processor configs, licence), weights excepted. The result loads with
+and processor configs, licence), weights excepted, and its README.md: the base model's card is
+replaced by the merged model's (model_card.py), which names the base model and carries its
+licence. The result loads with
 `AutoModelForCausalLM.from_pretrained` (no peft needed), an image-text model with its own class
 and its vision tower as it was (models/multimodal.py), and gives the adapted model's logits.
 
@@ -26,9 +28,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from . import hf_checkpoint
+from . import hf_checkpoint, model_card
 from .errors import ModelError
-from .lora import LoraWeights, load_adapter
+from .lora import ADAPTER_CONFIG, LoraWeights, load_adapter
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
 # the base model's files that are weights (the export writes its own): every other file at the
@@ -116,9 +118,12 @@ def export_merged(
     adapter_dir: str | Path,
     output_dir: str | Path,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    shown_as: tuple[str, str] | None = None,
 ) -> Path:
-    """Write `model_dir` with `adapter_dir` merged in as a new HF checkpoint at `output_dir`."""
-    model_dir, output = Path(model_dir), Path(output_dir)
+    """Write `model_dir` with `adapter_dir` merged in as a new HF checkpoint at `output_dir`.
+    `shown_as`: the model and adapter as the user gave them (an s3:// URI, not its local copy), for
+    the model card."""
+    model_dir, adapter_dir, output = Path(model_dir), Path(adapter_dir), Path(output_dir)
     _check_output(output)
     args = hf_checkpoint.read_model_args(model_dir)
     ckpt = hf_checkpoint.SafetensorsCheckpoint(model_dir)
@@ -152,8 +157,22 @@ def export_merged(
             index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         for f in sorted(model_dir.iterdir()):
-            if f.is_file() and not any(f.match(w) for w in WEIGHT_FILES):
+            if (
+                f.is_file()
+                and not any(f.match(w) for w in WEIGHT_FILES)
+                and f.name != model_card.CARD
+            ):
                 shutil.copy2(f, tmp / f.name)
+        model_name, adapter_name = shown_as or (str(model_dir), str(adapter_dir))
+        base = model_card.base_model(model_name, files=model_dir)
+        (tmp / model_card.CARD).write_text(
+            model_card.merged_card(
+                base,
+                adapter_name,
+                json.loads((adapter_dir / ADAPTER_CONFIG).read_text()),
+                model_card.completed_record(adapter_dir),
+            )
+        )
         _check_output(output)  # someone may have written there meanwhile
         if output.exists():
             output.rmdir()  # empty: replace it

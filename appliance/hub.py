@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 from . import storage
 from .data_files import data_format
@@ -27,6 +28,32 @@ def is_hub_id(model: str) -> bool:
     if storage.is_s3(model) or model.startswith((".", "/", "~")):
         return False
     return bool(_HUB_ID.match(model)) and not Path(model).exists()
+
+
+class CachedRepo(NamedTuple):
+    """Where a path lies in the local Hugging Face cache."""
+
+    repo_id: str  # org/name
+    revision: str  # the snapshot's commit
+    inside: str  # the rest of the path, inside the snapshot ("" for the snapshot itself)
+
+
+def cached_repo(path: str | Path, repo_type: str = "model") -> CachedRepo | None:
+    """The repo whose cached snapshot holds `path` (`.../models--org--name/snapshots/<commit>/…`,
+    `datasets--…` for a dataset): what `resolve_model` or `resolve_dataset` made of a hub id,
+    named by its id again (model cards, adapter configs). None for any other path."""
+    parts = Path(path).parts
+    for i in range(len(parts) - 2):
+        owner, _, repo = parts[i].removeprefix(f"{repo_type}s--").partition("--")
+        if (
+            parts[i].startswith(f"{repo_type}s--")
+            and owner
+            and repo
+            and parts[i + 1] == "snapshots"
+            and re.fullmatch(r"[0-9a-f]{40}", parts[i + 2])
+        ):
+            return CachedRepo(f"{owner}/{repo}", parts[i + 2], "/".join(parts[i + 3 :]))
+    return None
 
 
 def resolve_model(model: str, flag: str = "--model") -> str:

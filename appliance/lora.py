@@ -142,15 +142,20 @@ class LoraWeights:
         )
 
 
-def adapter_config(spec: LoraSpec, args: ModelArgs, base_model: str = "") -> dict:
+def adapter_config(
+    spec: LoraSpec, args: ModelArgs, base_model: str = "", revision: str | None = None
+) -> dict:
     """PEFT's adapter_config.json. On a multimodal model `target_modules` is a pattern that
-    matches the language model's projections only (the vision tower has modules of those names)."""
+    matches the language model's projections only (the vision tower has modules of those names).
+    `base_model` is a Hub id (with the snapshot's commit as `revision`) for a model from the
+    Hugging Face cache, as PEFT writes it for a model loaded by id, or the model's path."""
     names = sorted(m.split(".")[-1] for m in spec.modules)
     targets = multimodal.target_pattern(names) if args.language_model_of else names
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
+        "revision": revision,
         "r": spec.rank,
         "lora_alpha": spec.alpha,
         "lora_dropout": spec.dropout,

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import model_card
 from .chat import ChatTemplate
 from .checkpoint import json_bytes, load_latest_checkpoint
 from .cluster import Slot, local_slots, on_node
@@ -33,6 +34,7 @@ from .engine import lr_at
 from .errors import ConfigError, cause_chain
 from .failures import RestartsExhausted, gather, unrecoverable
 from .feed import count_batches, schedule, skipped_warning, worker_kwargs
+from .hub import cached_repo
 from .interrupt import GracefulStop, RunInterrupted
 from .metrics import DriverMetrics
 from .progress import Progress
@@ -108,6 +110,7 @@ class RunState:
 
 def trainer_settings(inp: Inputs, world_size: int = 1) -> TrainerSettings:
     cfg = inp.cfg
+    base = cached_repo(str(cfg.model))  # a hub id's snapshot: the adapter names the id
     return TrainerSettings(
         lora=cfg.lora_spec(),
         device=inp.device,
@@ -116,7 +119,8 @@ def trainer_settings(inp: Inputs, world_size: int = 1) -> TrainerSettings:
         weight_decay=cfg.weight_decay,
         grad_clip=cfg.grad_clip,
         seed=cfg.seed,
-        base_model=str(cfg.model),
+        base_model=base.repo_id if base else str(cfg.model),
+        base_revision=base.revision if base else None,
         world_size=world_size,
     )
 
@@ -517,24 +521,44 @@ class Run:
             return float(last[1])
         return self.evaluate() if self.has_eval() else None
 
-    def finish(self) -> None:
+    def finish(self, eval_loss: float | None = None) -> None:
+        """Publish the adapter, its model card, and run.json's `complete` record (last)."""
         import ray
 
         self._retrying(lambda: ray.get(self.trainers[0].write_adapter.remote(self.cfg.output)))
         loads = sum(
             s["load_count"] for s in ray.get([s.stats.remote() for s in self.stores.values()])
         )
-        self.record(
-            "complete",
-            {
-                "steps": self.state.step,
-                "losses": self.state.losses,
-                "restarts": self.restarts,
-                "skipped_records": sum(self.state.skipped.values()),
-                "skipped_steps": self.state.skipped_steps,
-                "weight_store_loads": loads,  # one per trainer node, however many restarts
-            },
-        )
+        done = {
+            "steps": self.state.step,
+            "losses": self.state.losses,
+            "restarts": self.restarts,
+            "skipped_records": sum(self.state.skipped.values()),
+            "skipped_steps": self.state.skipped_steps,
+            "weight_store_loads": loads,  # one per trainer node, however many restarts
+            "target_tokens": self.state.target_tokens,
+            "eval_loss": eval_loss,
+            "device": self.inp.device,
+            "dtype": self.inp.dtype,
+            "trainers": len(self.trainers),
+            "finished": model_card.today(),
+            "version": model_card.appliance_version(),
+        }
+        self._write_card(done)
+        self.record("complete", done)
+
+    def _write_card(self, done: dict) -> None:
+        """The adapter's README.md (model_card.py). A card is documentation: failing to write
+        one is said, and the run still completes."""
+        base = model_card.base_model(str(self.cfg.model), self.inp.model_dir)
+        try:
+            note = model_card.write_adapter_card(
+                {"config": self.cfg.to_dict(), **done}, base, str(self.cfg.output)
+            )
+        except Exception as e:  # noqa: BLE001 - e.g. an s3:// output that refused the write
+            note = f"the model card (README.md) was not written: {e}"
+        if note:
+            self.progress.note(note)
 
     def record(self, status: str, extra: dict | None = None) -> None:
         """run.json: the run's identity, resolved config and `status` (with `extra`)."""

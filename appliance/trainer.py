@@ -58,7 +58,8 @@ class TrainerSettings:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     seed: int = 0
-    base_model: str = ""
+    base_model: str = ""  # adapter_config.json's base_model_name_or_path, and its revision
+    base_revision: str | None = None
     world_size: int = 1  # data-parallel trainers; > 1: call join_group before the first step
 
 
@@ -233,7 +234,13 @@ class Trainer:
         return {
             ADAPTER_WEIGHTS: safetensors_bytes(self.lora.peft_state_dict(), {"format": "pt"}),
             ADAPTER_CONFIG: json.dumps(
-                adapter_config(self.lora.spec, self.lora.args, self.settings.base_model), indent=2
+                adapter_config(
+                    self.lora.spec,
+                    self.lora.args,
+                    self.settings.base_model,
+                    self.settings.base_revision,
+                ),
+                indent=2,
             ).encode(),
         }
 

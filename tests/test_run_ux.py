@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from huggingface_hub import ModelCard
 
 from appliance.checkpoint import load_latest_checkpoint
 from appliance.config import build_config
@@ -266,6 +267,7 @@ def hub_cache(hf_home: Path) -> Path:
     snapshot directory of a commit linking to them, and refs/main naming that commit."""
     repo = hf_home / "hub" / ("models--" + HUB_ID.replace("/", "--"))
     snapshot = make_model(repo / "snapshots" / COMMIT, "llama-mha")
+    (snapshot / "README.md").write_text("---\nlicense: apache-2.0\ntags: [base]\n---\nThe base.\n")
     (repo / "blobs").mkdir()
     for i, f in enumerate(sorted(snapshot.iterdir())):  # files are links to blobs, as there
         blob = repo / "blobs" / f"{i:040x}"
@@ -277,10 +279,11 @@ def hub_cache(hf_home: Path) -> Path:
 
 
 def test_a_hub_id_resume_without_checkpoint_flag_over_config_and_umask(inputs, tmp_path):
-    """One run shows four things: `--model org/name` resolves from the local Hugging Face cache
-    (offline) for train and eval; `--resume` of a run killed before its first checkpoint says so
-    and starts it; `--steps` beside a config file's `epochs` wins, with a note; the files
-    written follow the umask."""
+    """One run shows five things: `--model org/name` resolves from the local Hugging Face cache
+    (offline) for train, eval and export; `--resume` of a run killed before its first checkpoint
+    says so and starts it; `--steps` beside a config file's `epochs` wins, with a note; the files
+    written follow the umask; the adapter and the merged model name the base model by its hub id
+    (adapter_config.json, the model cards' metadata, with the base card's licence)."""
     snapshot = hub_cache(tmp_path / "hf")
     hub = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     data = inputs[1]
@@ -306,16 +309,34 @@ def test_a_hub_id_resume_without_checkpoint_flag_over_config_and_umask(inputs, t
         out / "adapter_model.safetensors",
         out / "adapter_config.json",
         out / "run.json",
+        out / "README.md",
         *(out / "checkpoints").rglob("*.pt"),
     ]
     assert len(written) > 3
     for path in written:
         assert stat.S_IMODE(path.stat().st_mode) == 0o640, path  # 0666 less the umask 027
 
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    assert (adapter["base_model_name_or_path"], adapter["revision"]) == (HUB_ID, COMMIT)
+    card = ModelCard.load(out / "README.md")
+    assert card.data.base_model == HUB_ID and card.data.library_name == "peft"
+    assert card.data.license == "apache-2.0" and "base" not in card.data.tags  # licence only
+    assert f"| base model | `{HUB_ID}` at {COMMIT[:12]} |" in card.text
+    assert f"| data | `{data.name}`, packed by documents |" in card.text
+    assert "| steps | 2 (4 micro-batches of 2 × 32 tokens per step; " in card.text
+
     argv = ["eval", "--model", HUB_ID, "--adapter", str(out), "--data", str(data)]
     rc, out_text, err = finish(start([*argv, "--seq-len", "32", "--device", "cpu"], env=hub))
     assert rc == 0, err[-3000:]
     assert json.loads(out_text.strip().splitlines()[-1])["tokens"] > 0
+
+    argv = ["export", "--model", HUB_ID, "--adapter", str(out), "--output", str(tmp_path / "m")]
+    rc, out_text, err = finish(start(argv, env=hub))
+    assert rc == 0, err[-3000:]
+    merged = ModelCard.load(tmp_path / "m" / "README.md")  # the base card is not copied
+    assert (merged.data.base_model, merged.data.base_model_relation) == (HUB_ID, "finetune")
+    assert merged.data.library_name == "transformers" and merged.data.license == "apache-2.0"
+    assert card.text.split("## Training")[1] == merged.text.split("## Training")[1]  # run.json's
 
 
 def test_ray_that_cannot_start_is_one_line_and_the_demo_cleans_up(tmp_path):

@@ -1,0 +1,242 @@
+"""Model cards: the README.md of a trained adapter and of a merged export.
+
+A card is what the Hugging Face Hub shows for a model and what a reader looks for first: which
+base model, how to load it, and how it was trained. Its front matter is the Hub's metadata
+(huggingface_hub's `ModelCardData`): `base_model` (a Hub id, when the base model came from the
+local Hugging Face cache), `library_name` (`peft` for an adapter, `transformers` for a merged
+model), and the base card's licence and language, which apply to what is derived from it. The
+training table comes from the run's `run.json`: the facts of the finished run, not a template to
+fill in. Data is named by its file name or Hub id only, never by the directory it was read from.
+
+`appliance train` writes the adapter's card into --output when the run completes (and rewrites it
+when a resumed run completes), unless a README.md there is not one of its own: a card carries a
+marker line, and a file without it is the user's and is never overwritten. `appliance export`
+writes the merged model's card in place of the base model's README.md (which describes another
+model).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import storage
+
+CARD = "README.md"
+#: first line after the front matter of every card appliance writes; train rewrites only these
+MARKER = (
+    "<!-- written by appliance; a later `appliance train` into this directory rewrites it: "
+    "delete this line to keep your edits -->"
+)
+# what the base model's card says that holds for a model derived from it
+CARRIED = ("license", "license_name", "license_link", "language", "pipeline_tag")
+
+
+@dataclass(frozen=True)
+class BaseModel:
+    """The base model as a card names it."""
+
+    name: str  # the Hub id, or the path or URI the run was given
+    repo_id: str | None = None  # a Hugging Face id (base_model metadata), when known
+    revision: str | None = None  # the cached snapshot's commit
+    metadata: dict[str, Any] = field(default_factory=dict)  # CARRIED keys of its card
+
+
+def base_model(model: str, files: str | Path | None = None) -> BaseModel:
+    """`model` as given (or resolved to its snapshot in the Hugging Face cache); `files`: a local
+    directory holding its files, for its card's metadata (default: `model` itself)."""
+    from .hub import cached_repo
+
+    repo = cached_repo(model)
+    repo_id, revision = (repo.repo_id, repo.revision) if repo else (None, None)
+    return BaseModel(
+        name=repo_id or model,
+        repo_id=repo_id,
+        revision=revision,
+        metadata=_carried_metadata(Path(files if files is not None else model) / CARD),
+    )
+
+
+def _carried_metadata(card: Path) -> dict[str, Any]:
+    """The CARRIED keys of the front matter of the base model's card; {} when it has none or it
+    cannot be read (a card is documentation: it never stops a run)."""
+    from huggingface_hub.repocard import metadata_load
+
+    try:
+        meta = metadata_load(card) or {}
+    except Exception:  # noqa: BLE001 - no card, unreadable, or front matter that is not YAML
+        return {}
+    return {k: meta[k] for k in CARRIED if k in meta} if isinstance(meta, dict) else {}
+
+
+def is_ours(text: str) -> bool:
+    return MARKER in text
+
+
+def _front_matter(base: BaseModel, **data: Any) -> str:
+    from huggingface_hub import ModelCardData
+
+    meta = {"pipeline_tag": "text-generation", **base.metadata, **data}
+    if base.repo_id:
+        meta["base_model"] = base.repo_id
+    return f"---\n{ModelCardData(**meta).to_yaml()}\n---\n{MARKER}\n"
+
+
+def _data_name(data: str) -> str:
+    """A dataset by its Hub id (from a cached snapshot) or its last path component."""
+    from .hub import cached_repo
+
+    repo = cached_repo(data, repo_type="dataset")
+    if repo:
+        return repo.repo_id + (f"/{repo.inside}" if repo.inside else "")
+    return data.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def training_rows(record: dict[str, Any], base: BaseModel) -> list[tuple[str, str]]:
+    """The training table of a completed run, from its run.json `record`."""
+    c, steps = record["config"], record.get("steps", 0)
+    quant = c.get("base_quant", "none")
+    revision = f" at {base.revision[:12]}" if base.revision else ""
+    quantized = (
+        "" if quant == "none" else f"; base weights {quant}-quantized while training (QLoRA)"
+    )
+    rows = [("base model", f"`{base.name}`{revision}{quantized}")]
+    packing = {"documents": "packed by documents", "stream": "packed as one stream"}
+    data = f"`{_data_name(str(c.get('data') or ''))}`"
+    rows.append(("data", f"{data}, {packing.get(c.get('packing'), c.get('packing'))}"))
+    trainers = record.get("trainers", 1)
+    shape = (
+        f"{c['micro_batches_per_step']} micro-batches of {c['micro_batch_size']} × "
+        f"{c['seq_len']} tokens per step" + (f" on each of {trainers} GPUs" if trainers > 1 else "")
+    )
+    tokens = record.get("target_tokens")
+    trained = f"{steps} ({shape}" + (f"; {tokens:,} tokens trained on)" if tokens else ")")
+    rows.append(("steps", trained))
+    targets = ", ".join(c["lora_targets"])
+    rows.append(
+        ("LoRA", f"r {c['lora_rank']}, alpha {_fmt(c['lora_alpha'])}, dropout "
+         f"{_fmt(c['lora_dropout'])}, on {targets}")
+    )  # fmt: skip
+    schedule = (
+        f"AdamW, lr {_fmt(c['lr'])}, {c['warmup_steps']} warm-up steps then cosine decay to "
+        f"{_fmt(c['min_lr_ratio'])}× lr, weight decay {_fmt(c['weight_decay'])}, gradient clip "
+        f"{_fmt(c['grad_clip'])}"
+    )
+    rows.append(("optimizer", schedule))
+    if record.get("dtype"):
+        rows.append(("precision", f"{record['dtype']} on {record.get('device', '?')}"))
+    rows.append(("seed", str(c["seed"])))
+    losses = record.get("losses") or []
+    if losses:
+        rows.append(("training loss", f"{_fmt(losses[0])} at step 1, {_fmt(losses[-1])} at step "
+                     f"{len(losses)}"))  # fmt: skip
+    if record.get("eval_loss") is not None:
+        held = (
+            f"`{_data_name(str(c['eval_data']))}`"
+            if c.get("eval_data")
+            else f"{_fmt(100 * c['eval_split'])}% of the documents, held out"
+            if c.get("eval_split")
+            else "the held-out set"
+        )
+        rows.append(("held-out loss", f"{_fmt(record['eval_loss'])} on {held}"))
+    if record.get("finished"):
+        rows.append(("trained", f"{record['finished']} with appliance {record.get('version', '')}"))
+    return rows
+
+
+def _table(rows: list[tuple[str, str]]) -> str:
+    return "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
+
+
+def adapter_card(record: dict[str, Any], base: BaseModel, adapter: str) -> str:
+    """The card of the adapter a completed run (run.json `record`) wrote into `adapter`."""
+    tags = ["lora", "appliance"] + ([f"base_model:adapter:{base.repo_id}"] if base.repo_id else [])
+    name = adapter.rstrip("/").rsplit("/", 1)[-1] or adapter
+    return (
+        _front_matter(base, library_name="peft", tags=tags)
+        + f"\n# {name}\n\nA LoRA adapter (PEFT format) for `{base.name}`, trained with "
+        "appliance.\n\n## Use\n\n```python\nfrom peft import PeftModel\n"
+        "from transformers import AutoModelForCausalLM\n\n"
+        f'model = AutoModelForCausalLM.from_pretrained("{base.name}")\n'
+        f'model = PeftModel.from_pretrained(model, "{adapter}")\n```\n\n'
+        "Or merged into the base model's weights, a checkpoint that loads without peft:\n\n"
+        f"```sh\nappliance export --model {base.name} --adapter {adapter} --output merged\n```\n\n"
+        f"## Training\n\n{_table(training_rows(record, base))}"
+    )
+
+
+def merged_card(
+    base: BaseModel, adapter: str, adapter_config: dict[str, Any], record: dict[str, Any] | None
+) -> str:
+    """The card of `appliance export`'s merged model: `base` with `adapter` merged in. The
+    training table is the run's when `record` (the adapter's run.json, completed) is given, and
+    the adapter's LoRA settings otherwise."""
+    targets = adapter_config.get("target_modules")
+    targets = ", ".join(targets) if isinstance(targets, list) else str(targets)
+    lora = [
+        ("base model", f"`{base.name}`" + (f" at {base.revision[:12]}" if base.revision else "")),
+        ("LoRA", f"r {adapter_config.get('r')}, alpha {adapter_config.get('lora_alpha')}, on "
+         f"{targets}"),
+    ]  # fmt: skip
+    rows = training_rows(record, base) if record else lora
+    return (
+        _front_matter(
+            base,
+            library_name="transformers",
+            base_model_relation="finetune",
+            tags=["lora", "appliance", "merged"],
+        )  # fmt: skip
+        + f"\n# {Path(adapter).name or adapter}, merged\n\n`{base.name}` with the LoRA adapter "
+        f"`{adapter}` merged into its weights (W + B·A·alpha/r, computed in fp32, stored in the "
+        "base model's dtype) by `appliance export`. It loads with transformers alone:\n\n"
+        "```python\nfrom transformers import AutoModelForCausalLM\n\n"
+        'model = AutoModelForCausalLM.from_pretrained("PATH_OR_ID_OF_THIS_DIRECTORY")\n```\n\n'
+        f"## Training\n\n{_table(rows)}"
+    )
+
+
+def write_adapter_card(record: dict[str, Any], base: BaseModel, output: str) -> str | None:
+    """Write the adapter's card into `output` (local or s3://). Returns a note for the user when
+    a README.md there is not appliance's: it is left as it is and no card is written."""
+    uri = storage.join(output, CARD)
+    if storage.exists(uri):
+        try:
+            old = storage.read_bytes(uri).decode()
+        except UnicodeDecodeError:
+            old = ""
+        if not is_ours(old):
+            return f"{uri} is not a card appliance wrote: left as it is (no model card written)"
+    storage.write_bytes(uri, adapter_card(record, base, output).encode())
+    return None
+
+
+def completed_record(adapter_dir: Path) -> dict[str, Any] | None:
+    """The run.json beside an adapter, when it records a completed run (whose adapter it is)."""
+    from .run_record import RUN_FILE
+
+    try:
+        record = json.loads((adapter_dir / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(record, dict) and record.get("status") == "complete"
+    return record if ok and isinstance(record.get("config"), dict) else None
+
+
+def today() -> str:
+    return datetime.date.today().isoformat()
+
+
+def appliance_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("appliance")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(source tree)"
