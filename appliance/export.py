@@ -171,6 +171,7 @@ def export_merged(
                 adapter_name,
                 json.loads((adapter_dir / ADAPTER_CONFIG).read_text()),
                 model_card.completed_record(adapter_dir),
+                str(output_dir),
             )
         )
         _check_output(output)  # someone may have written there meanwhile

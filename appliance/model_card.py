@@ -44,6 +44,9 @@ class BaseModel:
     revision: str | None = None  # the cached snapshot's commit
     metadata: dict[str, Any] = field(default_factory=dict)  # CARRIED keys of its card
 
+    def shown(self) -> str:
+        return f"`{self.name}`" + (f" at {self.revision[:12]}" if self.revision else "")
+
 
 def base_model(model: str, files: str | Path | None = None) -> BaseModel:
     """`model` as given (or resolved to its snapshot in the Hugging Face cache); `files`: a local
@@ -99,31 +102,42 @@ def _fmt(x: float) -> str:
     return f"{x:.4g}"
 
 
-def training_rows(record: dict[str, Any], base: BaseModel) -> list[tuple[str, str]]:
-    """The training table of a completed run, from its run.json `record`."""
+def _lora_row(adapter_config: dict[str, Any]) -> tuple[str, str]:
+    """The adapter's settings as its adapter_config.json gives them (the modules a pattern on
+    image-text models)."""
+    targets = adapter_config.get("target_modules")
+    targets = ", ".join(targets) if isinstance(targets, list) else f"`{targets}`"
+    r, alpha, dropout = (
+        _fmt(v) if isinstance(v, int | float) else "?"
+        for v in (adapter_config.get(k) for k in ("r", "lora_alpha", "lora_dropout"))
+    )
+    return "LoRA", f"r {r}, alpha {alpha}, dropout {dropout}, on {targets}"
+
+
+def training_rows(
+    record: dict[str, Any], base: BaseModel, adapter_config: dict[str, Any]
+) -> list[tuple[str, str]]:
+    """The training table of a completed run, from its run.json `record` and the
+    adapter_config.json of the adapter it wrote."""
     c, steps = record["config"], record.get("steps", 0)
     quant = c.get("base_quant", "none")
-    revision = f" at {base.revision[:12]}" if base.revision else ""
     quantized = (
         "" if quant == "none" else f"; base weights {quant}-quantized while training (QLoRA)"
     )
-    rows = [("base model", f"`{base.name}`{revision}{quantized}")]
+    rows = [("base model", base.shown() + quantized)]
     packing = {"documents": "packed by documents", "stream": "packed as one stream"}
     data = f"`{_data_name(str(c.get('data') or ''))}`"
     rows.append(("data", f"{data}, {packing.get(c.get('packing'), c.get('packing'))}"))
     trainers = record.get("trainers", 1)
     shape = (
         f"{c['micro_batches_per_step']} micro-batches of {c['micro_batch_size']} × "
-        f"{c['seq_len']} tokens per step" + (f" on each of {trainers} GPUs" if trainers > 1 else "")
+        f"{c['seq_len']} tokens per step"
+        + (f" on each of {trainers} trainers" if trainers > 1 else "")
     )
     tokens = record.get("target_tokens")
     trained = f"{steps} ({shape}" + (f"; {tokens:,} tokens trained on)" if tokens else ")")
     rows.append(("steps", trained))
-    targets = ", ".join(c["lora_targets"])
-    rows.append(
-        ("LoRA", f"r {c['lora_rank']}, alpha {_fmt(c['lora_alpha'])}, dropout "
-         f"{_fmt(c['lora_dropout'])}, on {targets}")
-    )  # fmt: skip
+    rows.append(_lora_row(adapter_config))
     schedule = (
         f"AdamW, lr {_fmt(c['lr'])}, {c['warmup_steps']} warm-up steps then cosine decay to "
         f"{_fmt(c['min_lr_ratio'])}× lr, weight decay {_fmt(c['weight_decay'])}, gradient clip "
@@ -143,7 +157,7 @@ def training_rows(record: dict[str, Any], base: BaseModel) -> list[tuple[str, st
             if c.get("eval_data")
             else f"{_fmt(100 * c['eval_split'])}% of the documents, held out"
             if c.get("eval_split")
-            else "the held-out set"
+            else "the demo's held-out set"
         )
         rows.append(("held-out loss", f"{_fmt(record['eval_loss'])} on {held}"))
     if record.get("finished"):
@@ -155,8 +169,11 @@ def _table(rows: list[tuple[str, str]]) -> str:
     return "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
 
 
-def adapter_card(record: dict[str, Any], base: BaseModel, adapter: str) -> str:
-    """The card of the adapter a completed run (run.json `record`) wrote into `adapter`."""
+def adapter_card(
+    record: dict[str, Any], base: BaseModel, adapter: str, adapter_config: dict[str, Any]
+) -> str:
+    """The card of the adapter a completed run (run.json `record`) wrote into `adapter`, whose
+    adapter_config.json is `adapter_config`."""
     tags = ["lora", "appliance"] + ([f"base_model:adapter:{base.repo_id}"] if base.repo_id else [])
     name = adapter.rstrip("/").rsplit("/", 1)[-1] or adapter
     return (
@@ -168,36 +185,34 @@ def adapter_card(record: dict[str, Any], base: BaseModel, adapter: str) -> str:
         f'model = PeftModel.from_pretrained(model, "{adapter}")\n```\n\n'
         "Or merged into the base model's weights, a checkpoint that loads without peft:\n\n"
         f"```sh\nappliance export --model {base.name} --adapter {adapter} --output merged\n```\n\n"
-        f"## Training\n\n{_table(training_rows(record, base))}"
+        f"## Training\n\n{_table(training_rows(record, base, adapter_config))}"
     )
 
 
 def merged_card(
-    base: BaseModel, adapter: str, adapter_config: dict[str, Any], record: dict[str, Any] | None
+    base: BaseModel,
+    adapter: str,
+    adapter_config: dict[str, Any],
+    record: dict[str, Any] | None,
+    output: str,
 ) -> str:
-    """The card of `appliance export`'s merged model: `base` with `adapter` merged in. The
-    training table is the run's when `record` (the adapter's run.json, completed) is given, and
-    the adapter's LoRA settings otherwise."""
-    targets = adapter_config.get("target_modules")
-    targets = ", ".join(targets) if isinstance(targets, list) else str(targets)
-    lora = [
-        ("base model", f"`{base.name}`" + (f" at {base.revision[:12]}" if base.revision else "")),
-        ("LoRA", f"r {adapter_config.get('r')}, alpha {adapter_config.get('lora_alpha')}, on "
-         f"{targets}"),
-    ]  # fmt: skip
-    rows = training_rows(record, base) if record else lora
+    """The card of `appliance export`'s merged model in `output`: `base` with `adapter` merged
+    in. The training table is the run's when `record` (the adapter's run.json, completed) is
+    given, and the adapter's LoRA settings otherwise."""
+    lora = [("base model", base.shown()), _lora_row(adapter_config)]
+    rows = training_rows(record, base, adapter_config) if record else lora
     return (
         _front_matter(
             base,
             library_name="transformers",
             base_model_relation="finetune",
             tags=["lora", "appliance", "merged"],
-        )  # fmt: skip
+        )
         + f"\n# {Path(adapter).name or adapter}, merged\n\n`{base.name}` with the LoRA adapter "
         f"`{adapter}` merged into its weights (W + B·A·alpha/r, computed in fp32, stored in the "
         "base model's dtype) by `appliance export`. It loads with transformers alone:\n\n"
         "```python\nfrom transformers import AutoModelForCausalLM\n\n"
-        'model = AutoModelForCausalLM.from_pretrained("PATH_OR_ID_OF_THIS_DIRECTORY")\n```\n\n'
+        f'model = AutoModelForCausalLM.from_pretrained("{output}")\n```\n\n'
         f"## Training\n\n{_table(rows)}"
     )
 
@@ -213,7 +228,10 @@ def write_adapter_card(record: dict[str, Any], base: BaseModel, output: str) -> 
             old = ""
         if not is_ours(old):
             return f"{uri} is not a card appliance wrote: left as it is (no model card written)"
-    storage.write_bytes(uri, adapter_card(record, base, output).encode())
+    from .lora import ADAPTER_CONFIG
+
+    adapter_config = json.loads(storage.read_bytes(storage.join(output, ADAPTER_CONFIG)))
+    storage.write_bytes(uri, adapter_card(record, base, output, adapter_config).encode())
     return None
 
 

@@ -104,6 +104,11 @@ def test_model_data_and_output_on_s3_survive_a_torn_checkpoint_write_and_resume_
     assert "resumed from step-000002" in err
     resumed = json.loads(storage.read_bytes(storage.join(out, "run.json")))
     assert resumed["status"] == "complete" and resumed["steps"] == 6
+    # its model card, on S3 too, tells the whole run (the losses before the resume included)
+    card = storage.read_bytes(storage.join(out, "README.md")).decode()
+    assert f"A LoRA adapter (PEFT format) for `s3://{s3_bucket}/models/tiny`" in card
+    assert "| data | `train.jsonl`, packed by documents |" in card
+    assert "| steps | 6 (" in card and "at step 1, " in card and " at step 6 |" in card
     # the model on S3 is fingerprinted from its local copy, as the same files on disk would be:
     # a resume may follow it to another prefix or to a local path
     assert resumed["model_fingerprint"] == model_fingerprint(str(model))
