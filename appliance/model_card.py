@@ -43,6 +43,7 @@ class BaseModel:
     repo_id: str | None = None  # a Hugging Face id (base_model metadata), when known
     revision: str | None = None  # the cached snapshot's commit
     metadata: dict[str, Any] = field(default_factory=dict)  # CARRIED keys of its card
+    loader: str = "AutoModelForCausalLM"  # the transformers class (an image-text model's own)
 
     def shown(self) -> str:
         return f"`{self.name}`" + (f" at {self.revision[:12]}" if self.revision else "")
@@ -52,14 +53,21 @@ def base_model(model: str, files: str | Path | None = None) -> BaseModel:
     """`model` as given (or resolved to its snapshot in the Hugging Face cache); `files`: a local
     directory holding its files, for its card's metadata (default: `model` itself)."""
     from .hub import cached_repo
+    from .models.multimodal import ARCHITECTURES
 
     repo = cached_repo(model)
     repo_id, revision = (repo.repo_id, repo.revision) if repo else (None, None)
+    files = Path(files if files is not None else model)
+    try:
+        arch = json.loads((files / "config.json").read_text())["architectures"][0]
+    except Exception:  # noqa: BLE001 - not readable from here (a --cluster node's path): a text model
+        arch = None
     return BaseModel(
         name=repo_id or model,
         repo_id=repo_id,
         revision=revision,
-        metadata=_carried_metadata(Path(files if files is not None else model) / CARD),
+        metadata=_carried_metadata(files / CARD),
+        loader=arch if arch in ARCHITECTURES else BaseModel.loader,
     )
 
 
@@ -82,7 +90,8 @@ def is_ours(text: str) -> bool:
 def _front_matter(base: BaseModel, **data: Any) -> str:
     from huggingface_hub import ModelCardData
 
-    meta = {"pipeline_tag": "text-generation", **base.metadata, **data}
+    task = "text-generation" if base.loader == BaseModel.loader else "image-text-to-text"
+    meta = {"pipeline_tag": task, **base.metadata, **data}
     if base.repo_id:
         meta["base_model"] = base.repo_id
     return f"---\n{ModelCardData(**meta).to_yaml()}\n---\n{MARKER}\n"
@@ -180,8 +189,8 @@ def adapter_card(
         _front_matter(base, library_name="peft", tags=tags)
         + f"\n# {name}\n\nA LoRA adapter (PEFT format) for `{base.name}`, trained with "
         "appliance.\n\n## Use\n\n```python\nfrom peft import PeftModel\n"
-        "from transformers import AutoModelForCausalLM\n\n"
-        f'model = AutoModelForCausalLM.from_pretrained("{base.name}")\n'
+        f"from transformers import {base.loader}\n\n"
+        f'model = {base.loader}.from_pretrained("{base.name}")\n'
         f'model = PeftModel.from_pretrained(model, "{adapter}")\n```\n\n'
         "Or merged into the base model's weights, a checkpoint that loads without peft:\n\n"
         f"```sh\nappliance export --model {base.name} --adapter {adapter} --output merged\n```\n\n"
@@ -211,8 +220,8 @@ def merged_card(
         + f"\n# {Path(adapter).name or adapter}, merged\n\n`{base.name}` with the LoRA adapter "
         f"`{adapter}` merged into its weights (W + B·A·alpha/r, computed in fp32, stored in the "
         "base model's dtype) by `appliance export`. It loads with transformers alone:\n\n"
-        "```python\nfrom transformers import AutoModelForCausalLM\n\n"
-        f'model = AutoModelForCausalLM.from_pretrained("{output}")\n```\n\n'
+        f"```python\nfrom transformers import {base.loader}\n\n"
+        f'model = {base.loader}.from_pretrained("{output}")\n```\n\n'
         f"## Training\n\n{_table(rows)}"
     )
 

@@ -13,6 +13,7 @@ import re
 import pytest
 import torch
 import transformers
+from huggingface_hub import ModelCard
 from peft import PeftModel
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -272,6 +273,9 @@ def test_export_keeps_the_vision_tower_every_name_and_every_file(variant, tmp_pa
     )
     assert not info["missing_keys"] and not info["unexpected_keys"]
     check_export_matches_peft(model_dir, tmp_path / "adapter", out)
+    card = ModelCard.load(out / "README.md")  # what the card says loads it: the model's own class
+    assert card.data.pipeline_tag == "image-text-to-text"
+    assert f"model = {args.language_model_of}.from_pretrained(" in card.text
 
 
 def test_a_processors_chat_template_json_is_the_models_template(tmp_path):
@@ -321,3 +325,7 @@ def test_a_chat_fine_tune_of_a_multimodal_model_end_to_end(ray_local, tmp_path):
     lora_keys = [n for n, _ in peft.named_parameters() if "lora_" in n]
     assert lora_keys and all(".language_model." in n for n in lora_keys)
     assert len(lora_keys) == 2 * 7 * 3  # A and B of the 7 projections of 3 blocks, nothing else
+    card = (out / "README.md").read_text()  # its card loads it that way, and names the pattern
+    assert "model = Mistral3ForConditionalGeneration.from_pretrained(" in card
+    pattern = json.loads((out / "adapter_config.json").read_text())["target_modules"]
+    assert f", on `{pattern}` |" in card
