@@ -175,7 +175,10 @@ def training_rows(
 
 
 def _table(rows: list[tuple[str, str]]) -> str:
-    return "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
+    """A Markdown table; a `|` in a cell (an image-text model's target pattern) is escaped, in a
+    code span too, as GitHub-flavoured Markdown wants it."""
+    escaped = [(k, v.replace("|", "\\|")) for k, v in rows]
+    return "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in escaped)
 
 
 def adapter_card(

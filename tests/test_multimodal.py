@@ -328,4 +328,5 @@ def test_a_chat_fine_tune_of_a_multimodal_model_end_to_end(ray_local, tmp_path):
     card = (out / "README.md").read_text()  # its card loads it that way, and names the pattern
     assert "model = Mistral3ForConditionalGeneration.from_pretrained(" in card
     pattern = json.loads((out / "adapter_config.json").read_text())["target_modules"]
-    assert f", on `{pattern}` |" in card
+    escaped = pattern.replace("|", "\\|")  # in a table cell, as Markdown wants it
+    assert f", on `{escaped}` |" in card
