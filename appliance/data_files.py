@@ -184,7 +184,7 @@ def json_array_items(path: Path, chunk_bytes: int = 1 << 20) -> Iterator[Any]:
                 try:
                     item, end = decoder.raw_decode(buf, pos)
                 except json.JSONDecodeError as e:
-                    if more():  # (a cut item and a malformed one fail alike: read on to tell)
+                    if _cut(e, buf) and more():
                         continue
                     raise malformed(e.msg, e.pos) from None
                 if end < len(buf) or not more():  # (a number at the end may go on)
@@ -199,6 +199,20 @@ def json_array_items(path: Path, chunk_bytes: int = 1 << 20) -> Iterator[Any]:
                 break
     if next_char():
         raise malformed("Extra data", pos)
+
+
+# the most text a cut value leaves after the position its decoding error names: `-Infinit`, the
+# `uXXXX` of an escape cut short, a number's `.` or `e`
+_CUT_TAIL = 9
+
+
+def _cut(e: json.JSONDecodeError, buf: str) -> bool:
+    """Whether the decoding error `e` of an item in `buf` (the text read so far) may be the end of
+    that text cutting the item short: read on and parse it again. A malformed item fails before
+    the end, and is named there and then, not after the rest of the file has been read into
+    memory. (A string that runs to the end of the text is taken as cut: only the end of the file
+    tells.)"""
+    return e.msg.startswith("Unterminated string") or len(buf) - e.pos <= _CUT_TAIL
 
 
 def _text_chunks(path: Path, size: int) -> Iterator[str]:

@@ -261,6 +261,7 @@ ITEMS = [
     [1, [2, [3]]],
     98765,
     {},
+    [float("inf"), float("-inf"), False, 1e5, 2.5e-3, "\\", "\u00e9"],
 ]
 
 
@@ -274,6 +275,27 @@ def test_a_json_array_is_parsed_item_by_item_across_any_chunk_boundary(tmp_path,
     for text in ("[]", " [ ] ", "[\n]\n"):
         f.write_text(text)
         assert list(json_array_items(f, chunk)) == []
+
+
+def test_a_malformed_item_is_named_before_the_rest_of_the_file_is_read(tmp_path):
+    """The parser reads on only while an item may have been cut by the end of the text read so
+    far: a malformed one near the start of a big array is named at once (the file's end, which
+    is not UTF-8, is never reached), and memory holds a chunk, not the file."""
+    f = tmp_path / "big.json"
+    for bad, problem in [
+        ('{"a": 1} {"b": 2}', "Expecting ',' delimiter at line 1 column 11"),
+        ('{"a": tru}', "Expecting value at line 1 column 8"),
+        ('{"a": "x\\q"}', "Invalid \\escape at line 1 column 10"),
+        (
+            '{"a": 1,, "b": 2}',
+            "Expecting property name enclosed in double quotes at line 1 column 10",
+        ),
+    ]:
+        body = "[" + bad + ", " + ", ".join(['{"text": "' + "x" * 100 + '"}'] * 2000)
+        f.write_bytes(body.encode() + b"\xff]")
+        with pytest.raises(DataError) as e:
+            list(json_array_items(f, 64))
+        assert str(e.value) == f"{f}: malformed JSON array: {problem}"
 
 
 @pytest.mark.parametrize(
