@@ -233,12 +233,12 @@ def eval_cmd(
     from .data_files import dataset_notes
     from .evaluate import check_device, evaluate
     from .hub import resolve_dataset, resolve_model
-    from .s3_cache import localize, localize_data
+    from .s3_cache import localize_adapter, localize_data, localize_model
     from .trainer import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
     check_device(dev)  # before resolve_dtype asks the GPU what it computes
-    model_dir = localize(resolve_model(model))  # the model's errors first, as train's
+    model_dir = localize_model(resolve_model(model))  # the model's errors first, as train's
     data_path = localize_data(resolve_dataset(data))
     for note in dataset_notes(data_path, "--data", data):  # files skipped, several splits
         click.echo(f"note: {note}", err=True)
@@ -246,7 +246,7 @@ def eval_cmd(
         model_dir,
         data_path,
         seq_len,
-        adapter_dir=localize(adapter) if adapter else None,
+        adapter_dir=localize_adapter(adapter) if adapter else None,
         device=dev,
         dtype=dtype_from_name(resolve_dtype(dtype, dev)),
         base_quant=base_quant,
@@ -271,10 +271,12 @@ def export(model: str, adapter: str, output: str) -> None:
     """Write base + adapter merged into a Hugging Face checkpoint."""
     from .export import export_merged
     from .hub import resolve_model
-    from .s3_cache import localize
+    from .s3_cache import localize_adapter, localize_model
 
     model = resolve_model(model)  # a hub id: its snapshot, which the model card names by the id
-    export_merged(localize(model), localize(adapter), output, shown_as=(model, adapter))
+    export_merged(
+        localize_model(model), localize_adapter(adapter), output, shown_as=(model, adapter)
+    )
     click.echo(f"merged checkpoint written to {output}")
 
 

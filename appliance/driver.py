@@ -46,7 +46,7 @@ from .run_record import (
     read_run_file,
     run_identity,
 )
-from .s3_cache import localize, localize_data
+from .s3_cache import localize, localize_data, localize_model
 from .trainer import resolve_device, resolve_dtype
 
 
@@ -97,7 +97,7 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
     if cfg.auto_resume:  # the run --output holds is continued; with none there, one starts
         cfg.resume = read_run_file(cfg.output) is not None
     try:
-        model_dir = localize(cfg.model)
+        model_dir = localize_model(cfg.model)
         data_path = localize_data(cfg.data)
     except StorageError as e:
         if cfg.resume and e.uri == cfg.model and e.kind == NOT_FOUND:

@@ -31,12 +31,12 @@ from safetensors.torch import save_file
 from . import hf_checkpoint, model_card
 from .errors import ModelError
 from .lora import ADAPTER_CONFIG, LoraWeights, load_adapter
+from .s3_cache import OTHER_WEIGHT_FILES
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
 # the base model's files that are weights (the export writes its own): every other file at the
 # top of the model directory is copied as it is
-WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt",
-                "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.gguf")  # fmt: skip
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", *OTHER_WEIGHT_FILES)
 _DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2}  # else 1
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 

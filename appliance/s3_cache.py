@@ -1,5 +1,6 @@
-"""Local copies of ``s3://`` models and datasets: ``localize`` (a local path is taken as it is),
-and ``localize_data`` for ``--data`` and ``--eval-data``, which may be glob patterns.
+"""Local copies of ``s3://`` models, adapters and datasets: ``localize`` (a local path is taken as
+it is), ``localize_model`` and ``localize_adapter``, which fetch only the files that are read, and
+``localize_data`` for ``--data`` and ``--eval-data``, which may be glob patterns.
 
 Downloads go to ``<cache root>/<bucket>/<key>`` (``APPLIANCE_S3_CACHE``, default
 ``~/.cache/appliance/s3``), with an index of the size and ETag each file was fetched with, so a
@@ -8,11 +9,13 @@ rerun fetches only what changed. Every failure is a ``StorageError`` naming the 
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,13 @@ from appliance.storage import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_ROOT = Path("~/.cache/appliance/s3")
+# weights in the formats other than safetensors, which a model directory may hold beside them
+OTHER_WEIGHT_FILES = ("*.bin", "*.bin.index.json", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack",
+                      "*.gguf")  # fmt: skip
+# an adapter directory's files that are read: lora.ADAPTER_CONFIG and ADAPTER_WEIGHTS, and for
+# the model card of an export, run_record.RUN_FILE and model_card.CARD (this module stays light:
+# the tokenizer workers import it, and torch is not theirs to load)
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "run.json", "README.md")
 _INDEX_DIR = ".etags"  # under the cache root: what each localized file was downloaded from
 
 
@@ -95,34 +105,66 @@ def localize_data(uri: str, cache_dir: str | os.PathLike[str] | None = None) -> 
         raise StorageError(
             f"{uri}: the bucket's name cannot be a pattern; name the bucket", uri, INVALID
         )
-    return _localize_s3(fixed, cache_dir, pattern=pattern, shown=uri) / pattern
+    none = (
+        f"nothing matches {uri}: no object under {fixed}/ has a name that matches {pattern}; "
+        f"check the pattern (`aws s3 ls --recursive {fixed}/`)"
+    )
+    return _localize_s3(fixed, cache_dir, lambda name: glob_match(pattern, name), none) / pattern
+
+
+def localize_model(uri: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """:func:`localize` for a model directory (``--model``): from S3, only the files at its top
+    (config, tokenizer, safetensors and their index, templates, licence), without the other
+    weight formats when it holds safetensors (Llama 2's repositories hold every weight twice, as
+    ``pytorch_model-*.bin`` too) and without its subdirectories (Llama 3's ``original/`` holds
+    Meta's ``consolidated.*.pth``): no model reads them, and they can double the download."""
+    if not is_s3(uri):
+        return localize(uri, cache_dir)
+    top = [o.name for o in list_objects(uri) if "/" not in o.name]
+    if not top:  # a file, or nothing at all: as `localize` says it
+        return localize(uri, cache_dir)
+    safetensors = any(n.endswith(".safetensors") for n in top)
+
+    def wanted(name: str) -> bool:
+        other = any(fnmatch.fnmatchcase(name, w) for w in OTHER_WEIGHT_FILES)
+        return "/" not in name and not (safetensors and other)
+
+    return _localize_s3(uri, cache_dir, wanted, f"no files at the top of {uri}/")
+
+
+def localize_adapter(uri: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """:func:`localize` for a LoRA adapter directory (``--adapter``): from S3, only the
+    adapter's files and, for its model card, the run's record and card beside them, never the
+    run's checkpoints (each as big as the adapter and its optimizer state)."""
+    if not is_s3(uri):
+        return localize(uri, cache_dir)
+    none = (
+        f"no adapter_config.json under {uri}/: pass a directory written by appliance train (or "
+        "PEFT)"
+    )
+    path = _localize_s3(uri, cache_dir, lambda name: name in ADAPTER_FILES, none)
+    if not (path / ADAPTER_FILES[0]).is_file():  # a run's output, say, before it completed
+        raise StorageError(none, uri, NOT_FOUND)
+    return path
 
 
 def _localize_s3(
     uri: str,
     cache_dir: str | os.PathLike[str] | None,
-    pattern: str | None = None,
-    shown: str | None = None,
+    wanted: Callable[[str], bool] | None = None,
+    none_wanted: str = "",
 ) -> Path:
-    """`localize` of an S3 URI; with `pattern`, only the objects under the prefix `uri` whose
-    names match it (`globs.glob_match`), `shown` being the URI the user gave."""
+    """`localize` of an S3 URI; with `wanted`, only the objects under the prefix `uri` whose
+    names (below it) it takes, and StorageError(`none_wanted`) when it takes none."""
     bucket, key = split_s3(uri)
     key = key.strip("/")
     root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
     objects = list_objects(uri)  # the prefix as a directory
 
-    def wanted(name: str) -> bool:
-        return pattern is None or glob_match(pattern, name)
-
-    if pattern is not None:
+    if wanted is not None:
         objects = [o for o in objects if wanted(o.name)]
         if not objects:
-            raise StorageError(
-                f"nothing matches {shown}: no object under {uri}/ has a name that matches "
-                f"{pattern}; check the pattern (`aws s3 ls --recursive {uri}/`)",
-                shown,
-                NOT_FOUND,
-            )
+            raise StorageError(none_wanted, uri, NOT_FOUND)
     is_dir = bool(objects) or not key
     if not is_dir:
         try:
@@ -159,7 +201,9 @@ def _localize_s3(
             todo.append(o)
     needed = sum(o.size for o in todo)
     # deleted from S3 since last time (of those the pattern names: the rest are not ours)
-    gone = sorted(name for name in set(index) - {o.name for o in objects} if wanted(name))
+    gone = sorted(
+        name for name in set(index) - {o.name for o in objects} if wanted is None or wanted(name)
+    )
     if todo or gone:  # (a cache that holds it all already is only read: it may be read-only)
         _check_cache_writable(root, uri)
     if todo:

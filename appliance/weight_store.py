@@ -42,7 +42,7 @@ from .errors import ModelError
 from .hf_checkpoint import ST_DTYPES, TensorLocation
 from .metrics import WeightStoreMetrics
 from .model import ModelArgs
-from .s3_cache import localize
+from .s3_cache import localize_model
 
 
 @dataclass
@@ -119,7 +119,7 @@ class WeightStore:
 
     def _load(self) -> WeightHandles:
         t0 = time.perf_counter()
-        model_dir = localize(self.model_dir)  # s3:// or a shared path, on this node
+        model_dir = localize_model(self.model_dir)  # s3:// or a shared path, on this node
         args = hf_checkpoint.read_model_args(model_dir)
         ckpt = hf_checkpoint.SafetensorsCheckpoint(model_dir)
         ckpt.check(args)  # every tensor present with its shape, from the headers

@@ -397,3 +397,53 @@ def test_localize_checks_free_space(
     assert f"need {total} bytes" in msg
     assert "100 bytes" in msg and "free" in msg
     assert not any(p.is_file() for p in cache.rglob("*"))  # nothing was downloaded
+
+
+def test_a_model_or_an_adapter_from_s3_fetches_only_the_files_that_are_read(
+    s3_bucket: str, s3_client: Any, tmp_path: Path
+) -> None:
+    """A model directory as the Hub holds Llama 2 and 3 (every weight also as .bin, Meta's own
+    checkpoint under original/) is fetched as its safetensors and the files beside them; a run's
+    output as its adapter, record and card, without the checkpoints."""
+    cache = tmp_path / "cache"
+
+    def put(prefix: str, names: list[str]) -> str:
+        for name in names:
+            s3_client.put_object(Bucket=s3_bucket, Key=f"{prefix}/{name}", Body=name.encode())
+        return f"s3://{s3_bucket}/{prefix}"
+
+    def files(path: Path) -> list[str]:
+        return sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
+
+    read = ["LICENSE", "config.json", "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json"]  # fmt: skip
+    skipped = ["pytorch_model-00001-of-00002.bin", "pytorch_model.bin.index.json",
+               "original/consolidated.00.pth", "original/params.json"]  # fmt: skip
+    assert files(s3_cache.localize_model(put("models/llama", read + skipped), cache)) == read
+    # weights in .bin alone are fetched: the error that says how to convert them needs them
+    old = put("models/old", ["config.json", "pytorch_model.bin", "original/x.pth"])
+    assert files(s3_cache.localize_model(old, cache)) == ["config.json", "pytorch_model.bin"]
+    local = tmp_path / "local-model"
+    local.mkdir()
+    assert s3_cache.localize_model(str(local)) == local
+    with pytest.raises(StorageError, match=r"^nothing at s3://\S+/models/none: no object"):
+        s3_cache.localize_model(f"s3://{s3_bucket}/models/none", cache)
+
+    adapter = ["README.md", "adapter_config.json", "adapter_model.safetensors", "run.json"]
+    checkpoint = ["checkpoints/latest", "checkpoints/step-000002/trainer_state.pt", "notes.txt"]
+    run = put("runs/a", adapter + checkpoint)
+    assert files(s3_cache.localize_adapter(run, cache)) == adapter
+    unfinished = put("runs/b", ["run.json", *checkpoint])
+    with pytest.raises(StorageError) as e:
+        s3_cache.localize_adapter(unfinished, cache)
+    assert str(e.value) == (
+        f"no adapter_config.json under {unfinished}/: pass a directory written by appliance "
+        "train (or PEFT)"
+    )
+    # the names s3_cache keeps to itself (it stays light) are those the modules use
+    from appliance.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from appliance.model_card import CARD
+    from appliance.run_record import RUN_FILE
+
+    assert set(s3_cache.ADAPTER_FILES) == {ADAPTER_CONFIG, ADAPTER_WEIGHTS, RUN_FILE, CARD}
+    assert s3_cache.ADAPTER_FILES[0] == ADAPTER_CONFIG
