@@ -109,7 +109,8 @@ def localize_data(uri: str, cache_dir: str | os.PathLike[str] | None = None) -> 
         f"nothing matches {uri}: no object under {fixed}/ has a name that matches {pattern}; "
         f"check the pattern (`aws s3 ls --recursive {fixed}/`)"
     )
-    return _localize_s3(fixed, cache_dir, lambda name: glob_match(pattern, name), none) / pattern
+    wanted = lambda name: glob_match(pattern, name)  # noqa: E731
+    return _localize_s3(fixed, cache_dir, wanted, none, shown=uri) / pattern
 
 
 def localize_model(uri: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -153,9 +154,11 @@ def _localize_s3(
     cache_dir: str | os.PathLike[str] | None,
     wanted: Callable[[str], bool] | None = None,
     none_wanted: str = "",
+    shown: str | None = None,
 ) -> Path:
     """`localize` of an S3 URI; with `wanted`, only the objects under the prefix `uri` whose
-    names (below it) it takes, and StorageError(`none_wanted`) when it takes none."""
+    names (below it) it takes, and StorageError(`none_wanted`) when it takes none, naming
+    `shown` (the URI the user gave: a pattern's, say) or `uri`."""
     bucket, key = split_s3(uri)
     key = key.strip("/")
     root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
@@ -164,7 +167,7 @@ def _localize_s3(
     if wanted is not None:
         objects = [o for o in objects if wanted(o.name)]
         if not objects:
-            raise StorageError(none_wanted, uri, NOT_FOUND)
+            raise StorageError(none_wanted, shown or uri, NOT_FOUND)
     is_dir = bool(objects) or not key
     if not is_dir:
         try:
