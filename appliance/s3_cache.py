@@ -109,7 +109,10 @@ def localize_data(uri: str, cache_dir: str | os.PathLike[str] | None = None) -> 
         f"nothing matches {uri}: no object under {fixed}/ has a name that matches {pattern}; "
         f"check the pattern (`aws s3 ls --recursive {fixed}/`)"
     )
-    wanted = lambda name: glob_match(pattern, name)  # noqa: E731
+
+    def wanted(name: str) -> bool:
+        return glob_match(pattern, name)
+
     return _localize_s3(fixed, cache_dir, wanted, none, shown=uri) / pattern
 
 
