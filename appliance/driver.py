@@ -265,9 +265,7 @@ def remove_previous_run(output: str) -> None:
     storage.delete(storage.join(checkpoints, LATEST_MARKER))
     storage.delete_prefix(checkpoints)
     card = storage.join(output, model_card.CARD)
-    if storage.exists(card) and model_card.is_ours(
-        storage.read_bytes(card).decode(errors="replace")
-    ):
+    if model_card.is_ours(card):
         storage.delete(card)
     storage.delete(storage.join(output, RUN_FILE))
 

@@ -42,11 +42,11 @@ def cached_repo(path: str | Path, repo_type: str = "model") -> CachedRepo | None
     """The repo whose cached snapshot holds `path` (`.../models--org--name/snapshots/<commit>/…`,
     `datasets--…` for a dataset): what `resolve_model` or `resolve_dataset` made of a hub id,
     named by its id again (model cards, adapter configs). None for any other path."""
-    parts = Path(path).parts
+    parts, prefix = Path(path).parts, f"{repo_type}s--"
     for i in range(len(parts) - 2):
-        owner, _, repo = parts[i].removeprefix(f"{repo_type}s--").partition("--")
+        owner, _, repo = parts[i].removeprefix(prefix).partition("--")
         if (
-            parts[i].startswith(f"{repo_type}s--")
+            parts[i].startswith(prefix)
             and owner
             and repo
             and parts[i + 1] == "snapshots"

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from . import storage
+from .hub import cached_repo
 
 CARD = "README.md"
 #: first line after the front matter of every card appliance writes; train rewrites only these
@@ -52,7 +53,6 @@ class BaseModel:
 def base_model(model: str, files: str | Path | None = None) -> BaseModel:
     """`model` as given (or resolved to its snapshot in the Hugging Face cache); `files`: a local
     directory holding its files, for its card's metadata (default: `model` itself)."""
-    from .hub import cached_repo
     from .models.multimodal import ARCHITECTURES
 
     repo = cached_repo(model)
@@ -83,8 +83,12 @@ def _carried_metadata(card: Path) -> dict[str, Any]:
     return {k: meta[k] for k in CARRIED if k in meta} if isinstance(meta, dict) else {}
 
 
-def is_ours(text: str) -> bool:
-    return MARKER in text
+def is_ours(uri: str) -> bool | None:
+    """Whether the README.md at `uri` is a card appliance wrote (its marker line); None when
+    there is no file there."""
+    if not storage.exists(uri):
+        return None
+    return MARKER in storage.read_bytes(uri).decode(errors="replace")
 
 
 def _front_matter(base: BaseModel, **data: Any) -> str:
@@ -99,8 +103,6 @@ def _front_matter(base: BaseModel, **data: Any) -> str:
 
 def _data_name(data: str) -> str:
     """A dataset by its Hub id (from a cached snapshot) or its last path component."""
-    from .hub import cached_repo
-
     repo = cached_repo(data, repo_type="dataset")
     if repo:
         return repo.repo_id + (f"/{repo.inside}" if repo.inside else "")
@@ -233,13 +235,8 @@ def write_adapter_card(record: dict[str, Any], base: BaseModel, output: str) -> 
     """Write the adapter's card into `output` (local or s3://). Returns a note for the user when
     a README.md there is not appliance's: it is left as it is and no card is written."""
     uri = storage.join(output, CARD)
-    if storage.exists(uri):
-        try:
-            old = storage.read_bytes(uri).decode()
-        except UnicodeDecodeError:
-            old = ""
-        if not is_ours(old):
-            return f"{uri} is not a card appliance wrote: left as it is (no model card written)"
+    if is_ours(uri) is False:
+        return f"{uri} is not a card appliance wrote: left as it is (no model card written)"
     from .lora import ADAPTER_CONFIG
 
     adapter_config = json.loads(storage.read_bytes(storage.join(output, ADAPTER_CONFIG)))
