@@ -149,6 +149,12 @@ class TrainConfig:
         "command for the first run and every rerun (Kubernetes, docker --restart).",
     )
     overwrite: bool = _f(False, "Replace an --output that holds a different run.")
+    allow_data_change: bool = _f(
+        False,
+        "With --resume or --auto-resume: continue although --data's files changed since the run "
+        "started (files added after the others are read after them; other changes shift what "
+        "the run reads next). Without it such a resume is refused, naming the files.",
+    )
     max_restarts: int = _f(3, "Trainer/worker restarts allowed before the run fails.")
     # ---- running
     cluster: str | None = _f(
@@ -237,6 +243,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         "resume",
         "auto_resume",
         "overwrite",
+        "allow_data_change",
         "max_restarts",
     ),
     "Output": ("log_format", "metrics_port"),
@@ -341,7 +348,15 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 
 # what a resumed run does not take from its run.json: how this invocation runs, not the run
-PER_INVOCATION = ("resume", "auto_resume", "overwrite", "cluster", "log_format", "metrics_port")
+PER_INVOCATION = (
+    "resume",
+    "auto_resume",
+    "overwrite",
+    "allow_data_change",
+    "cluster",
+    "log_format",
+    "metrics_port",
+)
 
 
 def build_config(
@@ -488,6 +503,8 @@ def validate(cfg: TrainConfig, label: Callable[[str], str] = flag) -> list[str]:
     for other in ("resume", "overwrite"):
         if cfg.auto_resume and getattr(cfg, other):
             errs.append(f"{label('auto_resume')} and {label(other)} are exclusive: give one")
+    if cfg.allow_data_change and not (cfg.resume or cfg.auto_resume):
+        errs.append(f"{label('allow_data_change')} goes with --resume or --auto-resume")
     if cfg.gpu_memory_budget is not None:
         try:
             parse_bytes(cfg.gpu_memory_budget)

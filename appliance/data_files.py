@@ -242,14 +242,14 @@ def find_data_files(path: str | Path) -> list[Path]:
         if others and not files:
             raise DataError(
                 f"empty dataset: no data files ({DATA_FILES}) match {path} (it matched "
-                f"{len(others)} other file(s): {_some([str(f) for f in others])})"
+                f"{len(others)} other file(s): {some_of([str(f) for f in others])})"
             )
         if not files:
             dirs = [p for p in glob.glob(str(root), recursive=True) if Path(p).is_dir()]
             raise DataError(
                 f"no file matches {path}: "
                 + (
-                    f"it names directories only ({_some(dirs, 3)}), and a pattern names files: "
+                    f"it names directories only ({some_of(dirs, 3)}), and a pattern names files: "
                     f"add /** for every file under them"
                     if dirs
                     else "check the pattern (* and ? match within a name, ** any directories)"
@@ -267,7 +267,11 @@ def find_data_files(path: str | Path) -> list[Path]:
             skipped = unreadable_files(root)
             raise DataError(
                 f"empty dataset: no data files ({DATA_FILES}) under {path}"
-                + (f" (skipped {len(skipped)} other file(s): {_some(skipped)})" if skipped else "")
+                + (
+                    f" (skipped {len(skipped)} other file(s): {some_of(skipped)})"
+                    if skipped
+                    else ""
+                )
             )
     if not has_documents(files):
         raise DataError(
@@ -292,7 +296,7 @@ def _matching(pattern: Path) -> tuple[list[Path], list[Path]]:
     return data, [f for f in files if data_format(f) is None]
 
 
-def _some(names: list[str], n: int = 5) -> str:
+def some_of(names: list[str], n: int = 5) -> str:
     """The first `n` of `names`, comma-separated, "..." after them if there are more."""
     return ", ".join(names[:n]) + (", ..." if len(names) > n else "")
 
@@ -313,11 +317,20 @@ def _others_under(root: Path) -> list[Path]:
     ]
 
 
+def dataset_root(path: str | Path) -> Path:
+    """The directory a dataset's file names are given relative to: a directory itself, a
+    pattern's part before its first wildcard, a file's directory."""
+    path = Path(path)
+    if is_pattern(path):
+        return Path(split_glob(str(path))[0] or ".")
+    return path if path.is_dir() else path.parent
+
+
 def _listing(path: Path) -> tuple[Path, list[Path], list[Path]]:
     """A dataset directory's or pattern's data files and other files, with the directory their
-    names are given relative to (the pattern's part before its first wildcard)."""
+    names are given relative to (`dataset_root`)."""
     if is_pattern(path):
-        return Path(split_glob(str(path))[0] or "."), *_matching(path)
+        return dataset_root(path), *_matching(path)
     if path.is_dir():
         return path, _files_under(path), _others_under(path)
     return path.parent, [], []
@@ -378,7 +391,7 @@ def dataset_notes(path: str | Path, flag: str, uri: str) -> list[str]:
     if skipped := _relative(others, root):
         notes.append(
             f"{flag} {uri}: skipped {len(skipped)} file(s) that are not data ({DATA_FILES}): "
-            + _some(skipped)
+            + some_of(skipped)
         )
     files = _relative(data, root)
     splits: dict[str, list[str]] = {}
@@ -387,7 +400,7 @@ def dataset_notes(path: str | Path, flag: str, uri: str) -> list[str]:
             splits.setdefault(split, []).append(f)
     if len(splits) > 1:
         named = "; ".join(  # train, validation, test
-            f"{len(splits[split])} {split}: {_some(splits[split], 1)}"
+            f"{len(splits[split])} {split}: {some_of(splits[split], 1)}"
             for split in SPLIT_WORDS
             if split in splits
         )
@@ -418,7 +431,7 @@ def not_held_out_notes(data: str | Path, eval_data: str | Path, eval_uri: str) -
         return []
     return [
         f"--eval-data {eval_uri}: {len(shared)} of its files are --data's too, so its loss is "
-        f"not held out ({_some([str(f) for f in shared], 3)}): give files the run does not train "
+        f"not held out ({some_of([str(f) for f in shared], 3)}): give files the run does not train "
         "on, or --eval-split"
     ]
 

@@ -42,6 +42,8 @@ from .run_record import (
     LOCK_FILE,
     RUN_FILE,
     OutputLock,
+    data_changes,
+    data_fingerprint,
     model_fingerprint,
     read_run_file,
     run_identity,
@@ -100,12 +102,13 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
         model_dir = localize_model(cfg.model)
         data_path = localize_data(cfg.data)
     except StorageError as e:
-        if cfg.resume and e.uri == cfg.model and e.kind == NOT_FOUND:
-            raise ConfigError(
-                f"--resume: the run's model {cfg.model} is not there any more. If it moved, "
-                f"give its new place: appliance train --output {cfg.output} --resume --model "
-                "NEW_PATH (its files are checked against the run's model)"
-            ) from None
+        for what, uri in (("model", cfg.model), ("data", cfg.data)):
+            if cfg.resume and e.uri == uri and e.kind == NOT_FOUND:
+                raise ConfigError(
+                    f"--resume: the run's {what} {uri} is not there any more. If it moved, give "
+                    f"its new place: appliance train --output {cfg.output} --resume --{what} "
+                    f"NEW_PATH (its files are checked against the run's {what})"
+                ) from None
         if where is None or storage.is_s3(e.uri or ""):
             raise
         raise ConfigError(
@@ -117,7 +120,8 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
     SafetensorsCheckpoint(model_dir).check(args)  # every tensor there, readable, right shape
     tok = tokenizer_path(model_dir)
     tokenizer = check_tokenizer_fits(tok, args.vocab_size, model_dir)  # ids past the embedding
-    check_dataset(data_path)  # errors here are clear; inside an actor they'd be wrapped
+    # errors here are clear; inside an actor they'd be wrapped
+    files = check_dataset(data_path)
     notes = dataset_notes(data_path, "--data", cfg.data)  # files skipped, several splits
     eval_data = None
     if cfg.eval_data:
@@ -144,9 +148,10 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
 
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda: no CUDA GPU is visible (use --device cpu or auto)")
-    # read once (check_output and run.json use it); an s3:// model's from its local copy
+    # read once (check_output and run.json use them); an s3:// model's from its local copy
     fingerprint = model_fingerprint(str(model_dir))
-    check_output(cfg, fingerprint)
+    data = data_fingerprint(data_path, files)
+    notes += check_output(cfg, fingerprint, data)
     return Inputs(
         cfg,
         model_dir,
@@ -159,6 +164,7 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
         chat_template=chat,
         notes=notes,
         model_fingerprint=fingerprint,
+        data_fingerprint=data,
     )
 
 
@@ -175,13 +181,16 @@ def check_box(cfg: TrainConfig, args: ModelArgs) -> None:
         raise ConfigError("\n".join(problems))
 
 
-def check_output(cfg: TrainConfig, fingerprint: str | None = None) -> None:
-    """Refuse an --output that holds something else, unless --overwrite (or --resume of it).
-    `fingerprint`: the model's `model_fingerprint` (of its local copy), when the caller has it
-    (else read here from cfg.model)."""
+def check_output(
+    cfg: TrainConfig, fingerprint: str | None = None, data: dict | None = None
+) -> list[str]:
+    """Refuse an --output that holds something else, unless --overwrite (or --resume of it);
+    returns notes for the user. `fingerprint`: the model's `model_fingerprint` (of its local
+    copy), when the caller has it (else read here from cfg.model); `data`: the data's
+    `data_fingerprint`, when the caller has it (else the data is known by its path alone)."""
     out = cfg.output
     if cfg.overwrite:  # remove_previous_run replaces whatever run is there, readable or not
-        return
+        return []
     previous = read_run_file(out)
     if previous is not None:
         previous["identity"] = {**LEGACY_IDENTITY, **previous.get("identity", {})}
@@ -193,8 +202,27 @@ def check_output(cfg: TrainConfig, fingerprint: str | None = None) -> None:
             fingerprint or model_fingerprint(cfg.model), previous
         ):
             was = {**was, "model": now["model"]}  # run.json records the new path from now on
+        data_was = previous.get("data_fingerprint")  # none in a run.json from before them
+        same_data = data is None or data_was is None or data["digest"] == data_was["digest"]
+        if was.get("data") != now["data"] and data is not None and data_was and same_data:
+            was = {**was, "data": now["data"]}  # the run's data, moved: followed like the model
         same = was == now
         resume = f"appliance train --output {out} --resume"
+        given = "--auto-resume" if cfg.auto_resume else "--resume"
+        if cfg.resume and same and not same_data:
+            assert data is not None and data_was is not None
+            what_changed = f"--data {cfg.data} changed since the run started: " + data_changes(
+                data_was, data
+            )
+            if not cfg.allow_data_change:
+                raise ConfigError(
+                    f"{given}: {what_changed}. The run's data cursors count documents in its files "
+                    "as they were: put them back to resume it as it was; or add "
+                    "--allow-data-change to continue on the data as it is now (a file whose name "
+                    "sorts after the others' is read after them; other changes shift what the "
+                    "run reads next); or start another run (another --output, or --overwrite)"
+                )
+            return [f"{what_changed}; continuing on it, as --allow-data-change asks"]
         if cfg.resume:
             if not same:
                 changed = [
@@ -202,7 +230,6 @@ def check_output(cfg: TrainConfig, fingerprint: str | None = None) -> None:
                     for k in IDENTITY_KEYS
                     if was.get(k) != now[k]
                 ]
-                given = "--auto-resume" if cfg.auto_resume else "--resume"
                 also = (
                     "; to start another run, give another --output (or --overwrite this one)"
                     if cfg.auto_resume
@@ -212,7 +239,7 @@ def check_output(cfg: TrainConfig, fingerprint: str | None = None) -> None:
                     f"{given}: {out} holds a run with different {'; '.join(changed)}: resuming "
                     f"would break it. To continue that run as it was: {resume}{also}"
                 )
-            return
+            return []
         what = "the same run" if same else "a different run"
         status = previous.get("status", "unknown")
         if status == "running":  # the driver holds the output's lock: no process writes it now
@@ -231,6 +258,7 @@ def check_output(cfg: TrainConfig, fingerprint: str | None = None) -> None:
             f"--output {out} is not empty and holds no appliance run; choose an "
             "empty directory or pass --overwrite"
         )
+    return []
 
 
 def _the_runs_model_moved_to(fingerprint: str | None, previous: dict) -> bool:

@@ -10,9 +10,11 @@ import json
 import os
 import socket
 from pathlib import Path
+from typing import BinaryIO
 
 from . import storage
 from .config import TrainConfig
+from .data_files import dataset_root, some_of
 from .errors import ConfigError
 
 RUN_FILE = "run.json"
@@ -64,23 +66,74 @@ def model_fingerprint(model: str | None) -> str | None:
             head = fh.read(8)
             header = int.from_bytes(head, "little") if len(head) == 8 else 0
             h.update(fh.read(min(header, 2**26)))
-            start = 8 + header
-            for i in range(16):
-                fh.seek(start + (size - start) * i // 16)
-                h.update(fh.read(4096))
+            _sample(fh, 8 + header, size, h)
     return h.hexdigest()
 
 
+def _sample(fh: BinaryIO, start: int, end: int, h: hashlib._Hash) -> None:
+    """Hash 4 KiB of `fh` at 16 evenly spaced places in [start, end) (all of it when shorter)."""
+    if end - start <= 16 * 4096:
+        fh.seek(start)
+        h.update(fh.read(end - start))
+        return
+    for i in range(16):
+        fh.seek(start + (end - start) * i // 16)
+        h.update(fh.read(4096))
+
+
+def data_fingerprint(path: str | Path, files: list[Path]) -> dict:
+    """What a dataset (`path`, its data `files` in document order) holds, cheaply: each file's
+    name (relative to `dataset_root`), size and a hash of 4 KiB at 16 places (the whole file when
+    under 64 KiB), and a digest of the sizes and hashes in order. The data cursors of a run count
+    documents in that order, so a resumed run checks its data against it: the same digest is the
+    same data (at a new path too, files renamed alike), another one is named by `data_changes`."""
+    root, entries, h = dataset_root(path), [], hashlib.sha256()
+    for f in files:
+        size, sampled = f.stat().st_size, hashlib.sha256()
+        with open(f, "rb") as fh:
+            _sample(fh, 0, size, sampled)
+        entries.append([f.relative_to(root).as_posix(), size, sampled.hexdigest()[:16]])
+        h.update(f"{size}\0{entries[-1][2]}\0".encode())
+    return {"digest": h.hexdigest(), "files": entries}
+
+
+def data_changes(was: dict, now: dict) -> str:
+    """How the dataset of fingerprint `now` differs from the run's (`was`), by file name."""
+    old = {name: (size, sampled) for name, size, sampled in was["files"]}
+    new = {name: (size, sampled) for name, size, sampled in now["files"]}
+    added = [name for name in new if name not in old]
+    removed = [name for name in old if name not in new]
+    changed = [
+        name
+        if new[name][0] == old[name][0]
+        else f"{name}: {old[name][0]:,} → {new[name][0]:,} bytes"
+        for name in new
+        if name in old and new[name] != old[name]
+    ]
+    said = [
+        f"{len(names)} file(s) {what} ({some_of(names, 3)})"
+        for what, names in (("added", added), ("removed", removed), ("changed", changed))
+        if names
+    ]
+    return "; ".join(said) or "its files are in another order"
+
+
 def write_run_file(
-    cfg: TrainConfig, status: str, extra: dict | None = None, fingerprint: str | None = None
+    cfg: TrainConfig,
+    status: str,
+    extra: dict | None = None,
+    fingerprint: str | None = None,
+    data: dict | None = None,
 ) -> None:
-    """Write `output`/run.json. `fingerprint`: the model's (model_fingerprint), computed once
-    per run by its caller (`Run.record`); None for a record that cannot follow a moved model."""
+    """Write `output`/run.json. `fingerprint`: the model's (model_fingerprint), `data`: the
+    data's (data_fingerprint), each computed once per run by its caller (`Run.record`); None
+    for a record that cannot follow a moved model or check its data on resume."""
     record = {
         "identity": run_identity(cfg),
         "config": cfg.to_dict(),
         "status": status,
         "model_fingerprint": fingerprint,
+        "data_fingerprint": data,
         **(extra or {}),
     }
     storage.write_bytes(storage.join(cfg.output, RUN_FILE), json.dumps(record, indent=2).encode())

@@ -361,6 +361,38 @@ def test_a_run_follows_its_model_to_a_new_path_and_no_other_model(tmp_path, mode
 
 
 @pytest.mark.integration
+def test_a_resume_on_changed_data_is_refused_by_name_or_goes_on_when_allowed(tmp_path, model):
+    """The run's data cursors count documents in its files: a file added to --data's directory
+    since the run started stops `--resume`, naming it; `--allow-data-change` goes on and
+    run.json records the data as it is now; a data directory that moved is named, with how to
+    give its new place."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.jsonl").write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(30)))
+    out = tmp_path / "o"
+    first = run_cli(*data_args(model, data, "--steps", "2"), "--output", out)
+    assert first.returncode == 0, first.stderr[-2000:]
+    (data / "b.jsonl").write_text(json.dumps({"text": "a document added later"}) + "\n")
+    code, text = train("--output", out, "--resume", "--steps", "3")
+    assert_one_user_error(
+        code, text, None, f"--resume: --data {data} changed since the run started: 1 file(s) "
+        "added (b.jsonl).", "--allow-data-change",
+    )  # fmt: skip
+    done = run_cli("--output", out, "--resume", "--steps", "3", "--allow-data-change")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "added (b.jsonl); continuing on it, as --allow-data-change asks" in done.stdout
+    record = json.loads((out / "run.json").read_text())
+    assert (record["status"], record["steps"]) == ("complete", 3)
+    assert [name for name, _, _ in record["data_fingerprint"]["files"]] == ["a.jsonl", "b.jsonl"]
+    data.rename(tmp_path / "moved")
+    code, text = train("--output", out, "--resume", "--steps", "4")
+    assert_one_user_error(
+        code, text, None, f"the run's data {data} is not there any more",
+        f"--output {out} --resume --data NEW_PATH",
+    )  # fmt: skip
+
+
+@pytest.mark.integration
 def test_malformed_jsonl_line_fails_naming_file_and_line(tmp_path, model):
     data = write_lines(tmp_path / "data.jsonl", {7: '{"text": "unterminated'})
     done = run_cli(*data_args(model, data, "--epochs", "1"), "--output", tmp_path / "o")

@@ -182,3 +182,67 @@ def test_a_run_recorded_before_packing_and_quantization_resumes_as_it_was(tmp_pa
         check_output(auto)
     assert str(e.value).startswith(f"--auto-resume: {out} holds a run with different --packing")
     assert str(e.value).endswith("give another --output (or --overwrite this one)")
+
+
+def test_a_resume_checks_its_data_follows_it_when_moved_and_names_what_changed(tmp_path):
+    """run.json's data fingerprint: a resume on the same files goes on, the same files at a new
+    path are followed, and an added, removed or edited file is refused by name unless
+    --allow-data-change (which is then said in a note). Without the flag nothing else passes."""
+    import json
+    import shutil
+
+    from appliance.data import check_dataset
+    from appliance.driver import check_output
+    from appliance.run_record import RUN_FILE, data_fingerprint, write_run_file
+
+    data, out = tmp_path / "data", tmp_path / "out"
+    (data / "sub").mkdir(parents=True)
+    (data / "a.jsonl").write_text('{"text": "one"}\n' * 3)
+    (data / "sub" / "b.jsonl").write_text('{"text": "two"}\n' * 20000)  # sampled, not read whole
+    out.mkdir()
+
+    def fingerprint(path):
+        return data_fingerprint(path, check_dataset(path))
+
+    def config(path, **flags):
+        return C.build_config({}, {"model": "m", "data": str(path), "output": str(out), **flags})
+
+    def resumed(path, **flags):
+        return check_output(config(path, resume=True, **flags), None, fingerprint(path))
+
+    write_run_file(config(data), "interrupted", data=fingerprint(data))
+    assert resumed(data) == []  # the same files
+    moved = shutil.move(data, tmp_path / "moved")
+    assert resumed(moved) == []  # followed: run.json records the new path from the next write
+    with pytest.raises(ConfigError, match=r"--data \S+ \(the run: \S+/data\)"):
+        resumed(moved / "a.jsonl")  # another path, other files: another run's data
+    shutil.move(moved, data)
+
+    (data / "c.jsonl").write_text('{"text": "three"}\n')
+    (data / "a.jsonl").write_text('{"text": "One"}\n' * 3)  # the same size, other bytes
+    big = (data / "sub" / "b.jsonl").read_bytes()
+    (data / "sub" / "b.jsonl").write_bytes(big[: len(big) // 2])
+    with pytest.raises(ConfigError) as e:
+        resumed(data)
+    assert str(e.value).startswith(
+        f"--resume: --data {data} changed since the run started: 1 file(s) added (c.jsonl); "
+        "2 file(s) changed (a.jsonl, sub/b.jsonl: 320,000 → 160,000 bytes). The run's data "
+        "cursors count documents in its files as they were"
+    )
+    assert "--allow-data-change" in str(e.value)
+    (data / "c.jsonl").unlink()
+    (data / "sub" / "b.jsonl").unlink()
+    with pytest.raises(ConfigError, match="1 file\\(s\\) removed \\(sub/b.jsonl\\)"):
+        resumed(data)
+    [note] = resumed(data, allow_data_change=True)
+    assert note == (
+        f"--data {data} changed since the run started: 1 file(s) removed (sub/b.jsonl); 1 "
+        "file(s) changed (a.jsonl); continuing on it, as --allow-data-change asks"
+    )
+    with pytest.raises(ConfigError, match="--allow-data-change goes with --resume or --auto"):
+        C.build_config({}, {"model": "m", "data": "d", "output": "o", "allow_data_change": True})
+    # a run.json from before data fingerprints: the data is known by its path alone
+    record = json.loads((out / RUN_FILE).read_text())
+    del record["data_fingerprint"]
+    (out / RUN_FILE).write_text(json.dumps(record))
+    assert resumed(data) == []
