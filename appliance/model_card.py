@@ -27,7 +27,7 @@ from . import storage
 from .hub import cached_repo
 
 CARD = "README.md"
-#: first line after the front matter of every card appliance writes; train rewrites only these
+#: first line after the front matter of an adapter's card: train rewrites only cards holding it
 MARKER = (
     "<!-- written by appliance; a later `appliance train` into this directory rewrites it: "
     "delete this line to keep your edits -->"
@@ -91,14 +91,15 @@ def is_ours(uri: str) -> bool | None:
     return MARKER in storage.read_bytes(uri).decode(errors="replace")
 
 
-def _front_matter(base: BaseModel, **data: Any) -> str:
+def _front_matter(base: BaseModel, marker: bool, **data: Any) -> str:
+    """The card's metadata block, then `MARKER` when `marker` (a card train may rewrite)."""
     from huggingface_hub import ModelCardData
 
     task = "text-generation" if base.loader == BaseModel.loader else "image-text-to-text"
     meta = {"pipeline_tag": task, **base.metadata, **data}
     if base.repo_id:
         meta["base_model"] = base.repo_id
-    return f"---\n{ModelCardData(**meta).to_yaml()}\n---\n{MARKER}\n"
+    return f"---\n{ModelCardData(**meta).to_yaml()}\n---\n" + (f"{MARKER}\n" if marker else "")
 
 
 def _data_name(data: str) -> str:
@@ -191,7 +192,7 @@ def adapter_card(
     tags = ["lora", "appliance"] + ([f"base_model:adapter:{base.repo_id}"] if base.repo_id else [])
     name = adapter.rstrip("/").rsplit("/", 1)[-1] or adapter
     return (
-        _front_matter(base, library_name="peft", tags=tags)
+        _front_matter(base, True, library_name="peft", tags=tags)
         + f"\n# {name}\n\nA LoRA adapter (PEFT format) for `{base.name}`, trained with "
         "appliance.\n\n## Use\n\n```python\nfrom peft import PeftModel\n"
         f"from transformers import {base.loader}\n\n"
@@ -216,8 +217,9 @@ def merged_card(
     lora = [("base model", base.shown()), _lora_row(adapter_config)]
     rows = training_rows(record, base, adapter_config) if record else lora
     return (
-        _front_matter(
+        _front_matter(  # no marker: export never writes into a directory that holds anything
             base,
+            False,
             library_name="transformers",
             base_model_relation="finetune",
             tags=["lora", "appliance", "merged"],

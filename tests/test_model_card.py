@@ -88,6 +88,7 @@ def test_the_adapter_card_says_what_the_run_did(tmp_path):
     }
     assert 'PeftModel.from_pretrained(model, "runs/a")' in text
     assert "appliance export --model /models/llama --adapter runs/a --output merged" in text
+    assert text.split("---\n")[2].startswith(model_card.MARKER)  # after the front matter
 
 
 def test_a_readme_that_is_not_appliances_is_never_overwritten_or_deleted(tmp_path):
@@ -135,6 +136,7 @@ def test_export_replaces_the_base_card_and_carries_its_licence(tmp_path):
     assert card.data.language == ["en"] and card.data.tags == ["lora", "appliance", "merged"]
     assert card.data.library_name == "transformers" and card.data.base_model is None
     assert "The base model's card." not in card.text
+    assert model_card.MARKER not in card.text  # nothing rewrites an export: no marker to keep
     assert (out / "LICENSE").read_text() == "the licence"  # the licence file itself, copied
     # an adapter that is not a run's output: the card gives its LoRA settings
     targets = ", ".join(json.loads((adapter / "adapter_config.json").read_text())["target_modules"])
