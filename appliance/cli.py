@@ -167,14 +167,59 @@ def train(config_file: str | None, **flags) -> None:
     run_train(cfg)
 
 
-@main.command("eval", short_help="Mean next-token loss of a model (and adapter) on a file.")
-@click.option(
-    "--model",
-    required=True,
-    help="Base model: a directory, an s3:// prefix, or a Hugging Face id (org/name) that is in "
-    "the local Hugging Face cache.",
+_MODEL_HELP = (
+    "Base model: a directory, an s3:// prefix, or a Hugging Face id (org/name) that is in the "
+    "local Hugging Face cache. Default with --adapter: the model its run trained on (run.json, "
+    "or a checkpoint's config.json), else the one its adapter_config.json names."
 )
-@click.option("--adapter", default=None, help="LoRA adapter directory (PEFT format).")
+_ADAPTER_HELP = (
+    "LoRA adapter directory (PEFT format): a run's --output, one of its checkpoints "
+    "(OUTPUT/checkpoints/step-N), or any PEFT adapter; local or s3://."
+)
+
+
+def adapter_defaults(adapter: str, adapter_dir, given: dict) -> dict:
+    """The options left out (None in `given`: model, seq_len, chat_template) filled from the run
+    that wrote the adapter (`adapter`, fetched into `adapter_dir`), and a note saying so; a
+    model from its adapter_config.json when it has no run. A missing --model or --seq-len with
+    nothing to take it from is an error naming the flag."""
+    from .errors import ConfigError
+    from .lora import ADAPTER_CONFIG
+    from .run_record import adapter_run_config
+
+    found, taken = adapter_run_config(adapter_dir), {}
+    config, source = found if found else ({}, None)
+    if source is None and given.get("model") is None:  # a PEFT adapter: the model it names
+        try:
+            named = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+        except (OSError, ValueError):
+            named = {}
+        base, revision = named.get("base_model_name_or_path"), named.get("revision")
+        if isinstance(base, str) and base:
+            config = {"model": f"{base}@{revision}" if revision else base}
+            source = f"{adapter}/{ADAPTER_CONFIG}"
+    for key, value in given.items():
+        if value is None and config.get(key) is not None:
+            given[key] = taken[key] = config[key]
+    if taken:
+        shown = " ".join(f"{C.flag(k)} {v}" for k, v in taken.items())
+        click.echo(f"note: {shown} (from {source})", err=True)
+    why = {
+        "model": f", nor does its {ADAPTER_CONFIG} name a base model",
+        "seq_len": " to take it from",
+    }
+    for key in ("model", "seq_len"):
+        if key in given and given[key] is None:
+            raise ConfigError(
+                f"{C.flag(key)} needed: {adapter} holds no run record (run.json, or a "
+                f"checkpoint's config.json){why[key]}"
+            )
+    return given
+
+
+@main.command("eval", short_help="Mean next-token loss of a model (and adapter) on a file.")
+@click.option("--model", default=None, help=_MODEL_HELP)
+@click.option("--adapter", default=None, help=_ADAPTER_HELP)
 @click.option(
     "--data",
     required=True,
@@ -182,7 +227,12 @@ def train(config_file: str | None, **flags) -> None:
     "them, a glob pattern, s3:// or a cached Hugging Face dataset id (text, prompt + "
     "completion, or conversations); scored on the targets training uses.",
 )
-@click.option("--seq-len", type=int, required=True, help="Truncate each record to N tokens.")
+@click.option(
+    "--seq-len",
+    type=int,
+    default=None,
+    help="Truncate each record to N tokens (default with --adapter: its run's --seq-len).",
+)
 @click.option(
     "--device",
     type=click.Choice(["auto", "cpu", "cuda"]),
@@ -207,7 +257,8 @@ def train(config_file: str | None, **flags) -> None:
 @click.option(
     "--chat-template",
     default=None,
-    help="Jinja chat template file for conversation records, instead of the model's.",
+    help="Jinja chat template file for conversation records, instead of the model's (default "
+    "with --adapter: its run's --chat-template).",
 )
 @click.option(
     "--on-bad-record",
@@ -218,10 +269,10 @@ def train(config_file: str | None, **flags) -> None:
 )
 @friendly_errors
 def eval_cmd(
-    model: str,
+    model: str | None,
     adapter: str | None,
     data: str,
-    seq_len: int,
+    seq_len: int | None,
     device: str,
     dtype: str,
     base_quant: str,
@@ -238,6 +289,17 @@ def eval_cmd(
 
     dev = resolve_device(device)
     check_device(dev)  # before resolve_dtype asks the GPU what it computes
+    adapter_dir = localize_adapter(adapter) if adapter else None
+    if adapter:
+        given = {"model": model, "seq_len": seq_len, "chat_template": chat_template}
+        model, seq_len, chat_template = adapter_defaults(adapter, adapter_dir, given).values()
+    elif model is None or seq_len is None:
+        missing = " and ".join(
+            f for f, v in (("--model", model), ("--seq-len", seq_len)) if v is None
+        )
+        raise click.UsageError(
+            f"{missing} needed (without --adapter there is no run to take it from)"
+        )
     model_dir = localize_model(resolve_model(model))  # the model's errors first, as train's
     data_path = localize_data(resolve_dataset(data))
     for note in dataset_notes(data_path, "--data", data):  # files skipped, several splits
@@ -246,7 +308,7 @@ def eval_cmd(
         model_dir,
         data_path,
         seq_len,
-        adapter_dir=localize_adapter(adapter) if adapter else None,
+        adapter_dir=adapter_dir,
         device=dev,
         dtype=dtype_from_name(resolve_dtype(dtype, dev)),
         base_quant=base_quant,
@@ -258,25 +320,20 @@ def eval_cmd(
 
 
 @main.command()
-@click.option(
-    "--model",
-    required=True,
-    help="Base model: a directory, an s3:// prefix, or a Hugging Face id (org/name) that is in "
-    "the local Hugging Face cache.",
-)
-@click.option("--adapter", required=True, help="LoRA adapter directory (PEFT format).")
+@click.option("--model", default=None, help=_MODEL_HELP)
+@click.option("--adapter", required=True, help=_ADAPTER_HELP)
 @click.option("--output", required=True, help="Directory for the merged checkpoint (new).")
 @friendly_errors
-def export(model: str, adapter: str, output: str) -> None:
+def export(model: str | None, adapter: str, output: str) -> None:
     """Write base + adapter merged into a Hugging Face checkpoint."""
     from .export import export_merged
     from .hub import resolve_model
     from .s3_cache import localize_adapter, localize_model
 
+    adapter_dir = localize_adapter(adapter)
+    model = adapter_defaults(adapter, adapter_dir, {"model": model})["model"]
     model = resolve_model(model)  # a hub id: its snapshot, which the model card names by the id
-    export_merged(
-        localize_model(model), localize_adapter(adapter), output, shown_as=(model, adapter)
-    )
+    export_merged(localize_model(model), adapter_dir, output, shown_as=(model, adapter))
     click.echo(f"merged checkpoint written to {output}")
 
 

@@ -455,8 +455,8 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
     if demo:
         root = Path(cfg.model).parent  # type: ignore[arg-type]
         progress.note(
-            f"try the adapter: appliance eval --model {cfg.model} --adapter {cfg.output} "
-            f"--data {run.inp.eval_data} --seq-len {cfg.seq_len}\n"
+            f"try the adapter: appliance eval --adapter {cfg.output} --data "
+            f"{run.inp.eval_data} (its run's model and --seq-len come with it)\n"
             f"(the demo's model and corpus are in {root}: delete it when done)"
         )
     return summary

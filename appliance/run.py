@@ -27,7 +27,7 @@ from typing import Any
 
 from . import model_card
 from .chat import ChatTemplate
-from .checkpoint import json_bytes, load_latest_checkpoint
+from .checkpoint import CONFIG_FILE, json_bytes, load_latest_checkpoint
 from .cluster import Slot, local_slots, on_node
 from .config import CHECKPOINT_MINUTES, TrainConfig, flag
 from .engine import lr_at
@@ -44,7 +44,6 @@ from .trainer import Trainer, TrainerSettings
 from .weight_store import WeightStore
 
 DRIVER_STATE = "driver_state.json"  # step, schedule position, worker cursors, losses
-CONFIG_FILE = "config.json"  # the run's resolved config
 
 
 @dataclass

@@ -139,6 +139,28 @@ def write_run_file(
     storage.write_bytes(storage.join(cfg.output, RUN_FILE), json.dumps(record, indent=2).encode())
 
 
+def adapter_run_config(adapter_dir: Path) -> tuple[dict, Path] | None:
+    """The resolved config of the run that wrote the adapter in `adapter_dir`, and the file it
+    was read from: run.json beside a run's adapter (its --output), or a checkpoint's config.json
+    (beside its manifest). None for an adapter from elsewhere (PEFT's) or a file that does not
+    parse: the adapter's own adapter_config.json is then all there is."""
+    from .checkpoint import CONFIG_FILE, MANIFEST
+
+    run_file, checkpoint_config = adapter_dir / RUN_FILE, adapter_dir / CONFIG_FILE
+    if run_file.is_file():
+        path, key = run_file, "config"
+    elif (adapter_dir / MANIFEST).is_file() and checkpoint_config.is_file():
+        path, key = checkpoint_config, None
+    else:
+        return None
+    try:
+        record = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    config = record.get(key) if key and isinstance(record, dict) else record
+    return (config, path) if isinstance(config, dict) else None
+
+
 def read_run_file(output: str) -> dict | None:
     """The record in `output`/run.json, or None when there is none. A record that is not a JSON
     object (a torn or hand-edited file) is a ConfigError saying what to do: it is never guessed

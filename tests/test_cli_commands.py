@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,6 +89,66 @@ def test_eval_prints_one_json_line_with_loss_and_tokens(model_and_adapter):
     assert result.exit_code == 0, result.output
     assert result.stderr == ""
     assert json.loads(result.stdout) == evaluate(model, data, 64)
+
+
+def test_eval_and_export_take_the_model_and_seq_len_from_the_adapters_run(
+    model_and_adapter, tmp_path
+):
+    """`--adapter` of a run's output (run.json) or of one of its checkpoints (config.json beside
+    the manifest) brings the run's --model and --seq-len, said in a note; a PEFT adapter brings
+    the base model its adapter_config.json names; with neither, the flag is asked for."""
+    import shutil
+
+    from appliance.config import build_config
+
+    model, adapter, data = model_and_adapter
+    config = build_config({}, {"model": str(model), "data": "d", "output": "o", "seq_len": 12})
+
+    def copy(name: str, **files: dict) -> Path:
+        to = shutil.copytree(adapter, tmp_path / name)
+        for file, content in files.items():
+            (to / file).write_text(json.dumps(content))
+        return to
+
+    def invoke(*argv) -> tuple[int, str, str]:
+        result = CliRunner().invoke(main, [*map(str, argv)])
+        return result.exit_code, result.stdout, result.stderr
+
+    expected = evaluate(model, data, 12, adapter_dir=adapter)
+    run = copy("run", **{"run.json": {"status": "complete", "config": config.to_dict()}})
+    step = copy("step", **{"config.json": config.to_dict(), "manifest.json": {"step": 2}})
+    for made, source in ((run, run / "run.json"), (step, step / "config.json")):
+        code, out, err = invoke("eval", "--adapter", made, "--data", data, "--device", "cpu")
+        assert code == 0, err
+        assert json.loads(out) == expected
+        assert err.startswith(f"note: --model {model} --seq-len 12 (from {source})\n"), err
+        code, _, err = invoke("export", "--adapter", made, "--output", tmp_path / f"m-{made.name}")
+        assert code == 0 and err == f"note: --model {model} (from {source})\n", err
+    merged = (tmp_path / "m-run" / "model.safetensors").read_bytes()
+    assert merged == (tmp_path / "m-step" / "model.safetensors").read_bytes()
+
+    peft = copy("peft")  # as PEFT saves it: adapter_config.json names the base model
+    named = json.loads((peft / "adapter_config.json").read_text())
+    named["base_model_name_or_path"] = str(model)
+    (peft / "adapter_config.json").write_text(json.dumps(named))
+    code, _, err = invoke("export", "--adapter", peft, "--output", tmp_path / "m")
+    assert code == 0, err
+    assert err == f"note: --model {model} (from {peft}/adapter_config.json)\n"
+    assert (tmp_path / "m" / "model.safetensors").read_bytes() == merged
+    code, _, err = invoke("eval", "--adapter", peft, "--data", data)
+    assert (code, err.splitlines()[-1]) == (1, (
+        f"error: --seq-len needed: {peft} holds no run record (run.json, or a checkpoint's "
+        "config.json) to take it from"
+    )), err  # fmt: skip
+    del named["base_model_name_or_path"]
+    (peft / "adapter_config.json").write_text(json.dumps(named))
+    code, _, err = invoke("eval", "--adapter", peft, "--data", data, "--seq-len", "12")
+    assert (code, err) == (1, (
+        f"error: --model needed: {peft} holds no run record (run.json, or a checkpoint's "
+        "config.json), nor does its adapter_config.json name a base model\n"
+    )), err  # fmt: skip
+    code, out, err = invoke("eval", "--data", data, "--seq-len", "12")
+    assert code == 2 and "--model needed (without --adapter there is no run to take it from)" in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")

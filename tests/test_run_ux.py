@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import stat
 import subprocess
@@ -26,6 +27,7 @@ from huggingface_hub import ModelCard
 
 from appliance.checkpoint import load_latest_checkpoint
 from appliance.config import build_config
+from appliance.evaluate import evaluate
 from appliance.run_record import write_run_file
 from tests.helpers_cli import cli, finish
 from tests.helpers_model import make_model
@@ -325,10 +327,24 @@ def test_a_hub_id_resume_without_checkpoint_flag_over_config_and_umask(inputs, t
     assert f"| data | `{data.name}`, packed by documents |" in card.text
     assert "| steps | 2 (4 micro-batches of 2 × 32 tokens per step; " in card.text
 
-    argv = ["eval", "--model", HUB_ID, "--adapter", str(out), "--data", str(data)]
-    rc, out_text, err = finish(start([*argv, "--seq-len", "32", "--device", "cpu"], env=hub))
+    # the run's model and --seq-len go with its adapter
+    argv = ["eval", "--adapter", str(out), "--data", str(data), "--device", "cpu"]
+    rc, out_text, err = finish(start(argv, env=hub))
     assert rc == 0, err[-3000:]
-    assert json.loads(out_text.strip().splitlines()[-1])["tokens"] > 0
+    assert f"note: --model {snapshot} --seq-len 32 (from {out}/run.json)" in err
+    assert json.loads(out_text.strip().splitlines()[-1]) == evaluate(
+        snapshot, data, 32, adapter_dir=out
+    )
+    # an adapter without its run, as PEFT saves one: the hub id and commit it names
+    peft = tmp_path / "peft"
+    peft.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copy(out / name, peft / name)
+    argv = ["export", "--adapter", str(peft), "--output", str(tmp_path / "m-peft")]
+    rc, out_text, err = finish(start(argv, env=hub))
+    assert rc == 0, err[-3000:]
+    assert f"note: --model {HUB_ID}@{COMMIT} (from {peft}/adapter_config.json)" in err
+    assert ModelCard.load(tmp_path / "m-peft" / "README.md").data.base_model == HUB_ID
 
     argv = ["export", "--model", HUB_ID, "--adapter", str(out), "--output", str(tmp_path / "m")]
     rc, out_text, err = finish(start(argv, env=hub))
