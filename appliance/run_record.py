@@ -70,15 +70,20 @@ def model_fingerprint(model: str | None) -> str | None:
     return h.hexdigest()
 
 
-def _sample(fh: BinaryIO, start: int, end: int, h: hashlib._Hash) -> None:
-    """Hash 4 KiB of `fh` at 16 evenly spaced places in [start, end) (all of it when shorter)."""
-    if end - start <= 16 * 4096:
+def _sample(fh: BinaryIO, start: int, end: int, h: hashlib._Hash, places: int = 16) -> None:
+    """Hash 4 KiB of `fh` at `places` evenly spaced places in [start, end) (all of it when
+    shorter)."""
+    if end - start <= places * 4096:
         fh.seek(start)
         h.update(fh.read(end - start))
         return
-    for i in range(16):
-        fh.seek(start + (end - start) * i // 16)
+    for i in range(places):
+        fh.seek(start + (end - start) * i // places)
         h.update(fh.read(4096))
+
+
+#: a dataset of more files is fingerprinted by 4 KiB of each, and its run.json names none of them
+NAMED_DATA_FILES = 1000
 
 
 def data_fingerprint(path: str | Path, files: list[Path]) -> dict:
@@ -86,19 +91,29 @@ def data_fingerprint(path: str | Path, files: list[Path]) -> dict:
     name (relative to `dataset_root`), size and a hash of 4 KiB at 16 places (the whole file when
     under 64 KiB), and a digest of the sizes and hashes in order. The data cursors of a run count
     documents in that order, so a resumed run checks its data against it: the same digest is the
-    same data (at a new path too, files renamed alike), another one is named by `data_changes`."""
+    same data (at a new path too, files renamed alike), another one is named by `data_changes`.
+    Past NAMED_DATA_FILES files (a corpus of one document per file), 4 KiB of each is hashed and
+    only their count is kept beside the digest: run.json stays small."""
     root, entries, h = dataset_root(path), [], hashlib.sha256()
+    places = 16 if len(files) <= NAMED_DATA_FILES else 1
     for f in files:
         size, sampled = f.stat().st_size, hashlib.sha256()
         with open(f, "rb") as fh:
-            _sample(fh, 0, size, sampled)
+            _sample(fh, 0, size, sampled, places)
         entries.append([f.relative_to(root).as_posix(), size, sampled.hexdigest()[:16]])
         h.update(f"{size}\0{entries[-1][2]}\0".encode())
-    return {"digest": h.hexdigest(), "files": entries}
+    named = entries if len(entries) <= NAMED_DATA_FILES else None
+    return {"digest": h.hexdigest(), "count": len(entries), "files": named}
 
 
 def data_changes(was: dict, now: dict) -> str:
-    """How the dataset of fingerprint `now` differs from the run's (`was`), by file name."""
+    """How the dataset of fingerprint `now` differs from the run's (`was`), by file name (by
+    their number where either is past NAMED_DATA_FILES)."""
+    if was.get("files") is None or now.get("files") is None:
+        then = was.get("count", len(was.get("files") or []))
+        if then == now["count"]:
+            return f"the same number of files ({then:,}), and some of them changed"
+        return f"{then:,} files then, {now['count']:,} now"
     old = {name: (size, sampled) for name, size, sampled in was["files"]}
     new = {name: (size, sampled) for name, size, sampled in now["files"]}
     added = [name for name in new if name not in old]

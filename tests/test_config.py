@@ -184,7 +184,9 @@ def test_a_run_recorded_before_packing_and_quantization_resumes_as_it_was(tmp_pa
     assert str(e.value).endswith("give another --output (or --overwrite this one)")
 
 
-def test_a_resume_checks_its_data_follows_it_when_moved_and_names_what_changed(tmp_path):
+def test_a_resume_checks_its_data_follows_it_when_moved_and_names_what_changed(
+    tmp_path, monkeypatch
+):
     """run.json's data fingerprint: a resume on the same files goes on, the same files at a new
     path are followed, and an added, removed or edited file is refused by name unless
     --allow-data-change (which is then said in a note). Without the flag nothing else passes."""
@@ -241,6 +243,21 @@ def test_a_resume_checks_its_data_follows_it_when_moved_and_names_what_changed(t
     )
     with pytest.raises(ConfigError, match="--allow-data-change goes with --resume or --auto"):
         C.build_config({}, {"model": "m", "data": "d", "output": "o", "allow_data_change": True})
+    # a corpus of more files than run.json names: their number, and 4 KiB of each
+    from appliance import run_record
+
+    monkeypatch.setattr(run_record, "NAMED_DATA_FILES", 1)
+    (data / "sub" / "b.jsonl").write_bytes(big)
+    write_run_file(config(data), "interrupted", data=fingerprint(data))
+    assert json.loads((out / RUN_FILE).read_text())["data_fingerprint"]["files"] is None
+    assert resumed(data) == []
+    (data / "c.jsonl").write_text('{"text": "three"}\n')
+    with pytest.raises(ConfigError, match="changed since the run started: 2 files then, 3 now"):
+        resumed(data)
+    (data / "c.jsonl").unlink()
+    (data / "a.jsonl").write_text('{"text": "one"}\n' * 3)  # within the 4 KiB hashed
+    with pytest.raises(ConfigError, match=r"the same number of files \(2\), and some of"):
+        resumed(data)
     # a run.json from before data fingerprints: the data is known by its path alone
     record = json.loads((out / RUN_FILE).read_text())
     del record["data_fingerprint"]
