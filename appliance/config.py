@@ -152,8 +152,8 @@ class TrainConfig:
     allow_data_change: bool = _f(
         False,
         "With --resume or --auto-resume: continue although --data's files changed since the run "
-        "started (files added after the others are read after them; other changes shift what "
-        "the run reads next). Without it such a resume is refused, naming the files.",
+        "started (a file whose name sorts after the others' is read after them; other changes "
+        "shift what the run reads next). Without it such a resume is refused, naming the files.",
     )
     max_restarts: int = _f(3, "Trainer/worker restarts allowed before the run fails.")
     # ---- running
