@@ -102,8 +102,9 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
         model_dir = localize_model(cfg.model)
         data_path = localize_data(cfg.data)
     except StorageError as e:
+        recorded = (read_run_file(cfg.output) or {}).get("config", {}) if cfg.resume else {}
         for what, uri in (("model", cfg.model), ("data", cfg.data)):
-            if cfg.resume and e.uri == uri and e.kind == NOT_FOUND:
+            if e.uri == uri == recorded.get(what) and e.kind == NOT_FOUND:  # not a new typo
                 raise ConfigError(
                     f"--resume: the run's {what} {uri} is not there any more. If it moved, give "
                     f"its new place: appliance train --output {cfg.output} --resume --{what} "

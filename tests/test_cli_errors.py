@@ -390,6 +390,9 @@ def test_a_resume_on_changed_data_is_refused_by_name_or_goes_on_when_allowed(tmp
         code, text, None, f"the run's data {data} is not there any more",
         f"--output {out} --resume --data NEW_PATH",
     )  # fmt: skip
+    typo = tmp_path / "mvoed"  # a new path given that is not there: not the run's data
+    code, text = train("--output", out, "--resume", "--data", typo)
+    assert_one_user_error(code, text, None, f"no such file or directory: {typo}: check the path")
 
 
 @pytest.mark.integration
