@@ -179,17 +179,19 @@ _ADAPTER_HELP = (
 
 
 def adapter_defaults(adapter: str, adapter_dir, given: dict) -> dict:
-    """The options left out (None in `given`: model, seq_len, chat_template) filled from the run
-    that wrote the adapter (`adapter`, fetched into `adapter_dir`), and a note saying so; a
-    model from its adapter_config.json when it has no run. A missing --model or --seq-len with
-    nothing to take it from is an error naming the flag."""
+    """The options left out (None in `given`: model, seq_len, chat_template, data) filled from
+    the run that wrote the adapter (`adapter`, fetched into `adapter_dir`), and a note saying so;
+    a model from its adapter_config.json when it has no run. `data` is the run's validation set:
+    its --eval-data, or its --data with `eval_split` and `seed` (the documents they held out)
+    added to `given`. A missing --model, --seq-len or --data with nothing to take it from is an error
+    naming the flag."""
     from .errors import ConfigError
     from .lora import ADAPTER_CONFIG
     from .run_record import adapter_run_config
 
     found, taken = adapter_run_config(adapter_dir), {}
     config, source = found if found else ({}, None)
-    if source is None and given.get("model") is None:  # a PEFT adapter: the model it names
+    if found is None and given.get("model") is None:  # a PEFT adapter: the model it names
         try:
             named = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
         except (OSError, ValueError):
@@ -198,22 +200,29 @@ def adapter_defaults(adapter: str, adapter_dir, given: dict) -> dict:
         if isinstance(base, str) and base:
             config = {"model": f"{base}@{revision}" if revision else base}
             source = f"{adapter}/{ADAPTER_CONFIG}"
-    for key, value in given.items():
-        if value is None and config.get(key) is not None:
-            given[key] = taken[key] = config[key]
+    split = None if config.get("eval_data") else config.get("eval_split")
+    known = {**config, "data": config.get("data") if split else config.get("eval_data")}
+    for key, value in list(given.items()):
+        if value is None and known.get(key) is not None:
+            given[key] = taken[key] = known[key]
+    if "data" in taken and split:
+        given["eval_split"], given["seed"] = split, config.get("seed", C.TrainConfig.seed)
+        taken["data"] += f" (the {split} of it that --seed {given['seed']} held out)"
+    no_run = f"{adapter} holds no run record (run.json, or a checkpoint's config.json)"
+    for key in ("model", "seq_len", "data"):
+        if key not in given or given[key] is not None:
+            continue
+        if key == "model":
+            why = f"{no_run}, nor does its {ADAPTER_CONFIG} name a base model"
+        elif key == "data" and found:
+            why = f"the run of {adapter} had no validation set (--eval-data or --eval-split)"
+            why += " to take it from"
+        else:
+            why = f"{no_run} to take it from"
+        raise ConfigError(f"{C.flag(key)} needed: {why}")
     if taken:
         shown = " ".join(f"{C.flag(k)} {v}" for k, v in taken.items())
         click.echo(f"note: {shown} (from {source})", err=True)
-    why = {
-        "model": f", nor does its {ADAPTER_CONFIG} name a base model",
-        "seq_len": " to take it from",
-    }
-    for key in ("model", "seq_len"):
-        if key in given and given[key] is None:
-            raise ConfigError(
-                f"{C.flag(key)} needed: {adapter} holds no run record (run.json, or a "
-                f"checkpoint's config.json){why[key]}"
-            )
     return given
 
 
@@ -222,10 +231,11 @@ def adapter_defaults(adapter: str, adapter_dir, given: dict) -> dict:
 @click.option("--adapter", default=None, help=_ADAPTER_HELP)
 @click.option(
     "--data",
-    required=True,
+    default=None,
     help="Data as train reads it: .jsonl/.json/.parquet/.arrow/.txt (compressed too), a dir of "
     "them, a glob pattern, s3:// or a cached Hugging Face dataset id (text, prompt + "
-    "completion, or conversations); scored on the targets training uses.",
+    "completion, or conversations); scored on the targets training uses. Default with "
+    "--adapter: its run's validation set (--eval-data, or the documents --eval-split held out).",
 )
 @click.option(
     "--seq-len",
@@ -271,7 +281,7 @@ def adapter_defaults(adapter: str, adapter_dir, given: dict) -> dict:
 def eval_cmd(
     model: str | None,
     adapter: str | None,
-    data: str,
+    data: str | None,
     seq_len: int | None,
     device: str,
     dtype: str,
@@ -281,6 +291,7 @@ def eval_cmd(
 ):
     """Print {"loss": mean next-token NLL, "tokens": target tokens} as one JSON line."""
     from .blocks import dtype_from_name
+    from .data import Holdout
     from .data_files import dataset_notes
     from .evaluate import check_device, evaluate
     from .hub import resolve_dataset, resolve_model
@@ -290,16 +301,21 @@ def eval_cmd(
     dev = resolve_device(device)
     check_device(dev)  # before resolve_dtype asks the GPU what it computes
     adapter_dir = localize_adapter(adapter) if adapter else None
+    holdout = None
     if adapter:
-        given = {"model": model, "seq_len": seq_len, "chat_template": chat_template}
-        model, seq_len, chat_template = adapter_defaults(adapter, adapter_dir, given).values()
-    elif model is None or seq_len is None:
-        missing = " and ".join(
-            f for f, v in (("--model", model), ("--seq-len", seq_len)) if v is None
-        )
-        raise click.UsageError(
-            f"{missing} needed (without --adapter there is no run to take it from)"
-        )
+        given = {"model": model, "seq_len": seq_len, "chat_template": chat_template, "data": data}
+        filled = adapter_defaults(adapter, adapter_dir, dict(given))
+        model, seq_len, chat_template, data = (filled[k] for k in given)
+        if "eval_split" in filled:  # the documents the run held out of its --data
+            holdout = Holdout(filled["eval_split"], filled["seed"], held_out=True)
+    else:
+        flags = (("--model", model), ("--data", data), ("--seq-len", seq_len))
+        missing = [flag for flag, value in flags if value is None]
+        if missing:
+            raise click.UsageError(
+                f"{' and '.join(missing)} needed (without --adapter there is no run to take "
+                f"{'them' if len(missing) > 1 else 'it'} from)"
+            )
     model_dir = localize_model(resolve_model(model))  # the model's errors first, as train's
     data_path = localize_data(resolve_dataset(data))
     for note in dataset_notes(data_path, "--data", data):  # files skipped, several splits
@@ -315,6 +331,7 @@ def eval_cmd(
         chat_template=chat_template,
         on_bad_record=on_bad_record,
         warn=lambda message: click.echo(f"warning: {message}", err=True),
+        holdout=holdout,
     )
     click.echo(json.dumps(result))
 

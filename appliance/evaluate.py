@@ -201,6 +201,7 @@ def evaluate(
     chat_template: str | Path | None = None,
     on_bad_record: str = "fail",
     warn: Callable[[str], None] | None = None,
+    holdout: Holdout | None = None,
 ) -> dict:
     """{"loss": summed next-token NLL / target tokens, "tokens": target tokens}.
 
@@ -208,7 +209,8 @@ def evaluate(
     `file:line` for a malformed record (unless `on_bad_record="skip"`) or a tokenizer that is not
     the model's. An empty result (no target token) is an error. `chat_template`: a jinja file
     that overrides the model's (--chat-template). `warn` is told, before the model runs, of
-    skipped records and of documents cut to `seq_len`.
+    skipped records and of documents cut to `seq_len`. `holdout`: only the documents a run's
+    --eval-split held out of `data_path` (its validation set).
     """
     check_device(device)
     if seq_len < 2:
@@ -236,6 +238,7 @@ def evaluate(
         int(args.eos_token_id),
         seq_len,
         chat,
+        holdout,
         on_bad_record=on_bad_record,
         warn=warn,
     )

@@ -9,7 +9,9 @@ import json
 import random
 
 import pytest
+from click.testing import CliRunner
 
+from appliance.cli import main
 from appliance.evaluate import evaluate
 from appliance.progress import Progress
 from tests.helpers_model import make_model, tiny_train_config
@@ -58,4 +60,9 @@ def test_chat_fine_tune_drops_held_out_assistant_loss(ray_local, tmp_path):
     assert after < 0.3 * before, (before, after)
     # the run's validation loss is appliance eval's on the same data, with the same targets
     assert abs(summary["eval_loss"] - after) / after < 1e-4
+    # which `appliance eval --adapter OUT` alone computes: the run's model, --seq-len and
+    # validation set (--eval-data) come with its adapter
+    result = CliRunner().invoke(main, ["eval", "--adapter", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["loss"] == pytest.approx(after, rel=1e-6)
     assert 0 < summary["packing_efficiency"] < 1  # prompts and user turns are no targets

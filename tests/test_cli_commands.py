@@ -15,6 +15,7 @@ from peft import PeftModel
 
 from appliance.bench import parser as bench_parser
 from appliance.cli import main
+from appliance.data import Holdout
 from appliance.evaluate import evaluate
 from appliance.hf_checkpoint import read_model_args
 from appliance.lora import LoraSpec
@@ -95,8 +96,9 @@ def test_eval_and_export_take_the_model_and_seq_len_from_the_adapters_run(
     model_and_adapter, tmp_path
 ):
     """`--adapter` of a run's output (run.json) or of one of its checkpoints (config.json beside
-    the manifest) brings the run's --model and --seq-len, said in a note; a PEFT adapter brings
-    the base model its adapter_config.json names; with neither, the flag is asked for."""
+    the manifest) brings the run's --model and --seq-len, and its validation set for --data, said
+    in a note; a PEFT adapter brings the base model its adapter_config.json names; with neither,
+    the flag is asked for."""
     import shutil
 
     from appliance.config import build_config
@@ -149,6 +151,25 @@ def test_eval_and_export_take_the_model_and_seq_len_from_the_adapters_run(
     )), err  # fmt: skip
     code, out, err = invoke("eval", "--data", data, "--seq-len", "12")
     assert code == 2 and "--model needed (without --adapter there is no run to take it from)" in err
+
+    # no --data: the run's validation set, here the documents its --eval-split held out
+    code, _, err = invoke("eval", "--adapter", run)
+    assert (code, err) == (1, (
+        f"error: --data needed: the run of {run} had no validation set (--eval-data or "
+        "--eval-split) to take it from\n"
+    )), err  # fmt: skip
+    split = build_config({}, {"model": str(model), "data": str(data), "output": "o",
+                              "seq_len": 12, "eval_split": 0.5, "seed": 7})  # fmt: skip
+    (run / "run.json").write_text(json.dumps({"status": "complete", "config": split.to_dict()}))
+    code, out, err = invoke("eval", "--adapter", run)
+    assert code == 0, err
+    assert err.startswith(
+        f"note: --model {model} --seq-len 12 --data {data} (the 0.5 of it that --seed 7 held out) "
+        f"(from {run}/run.json)\n"
+    ), err
+    held_out = Holdout(0.5, 7, held_out=True)
+    assert json.loads(out) == evaluate(model, data, 12, adapter_dir=adapter, holdout=held_out)
+    assert json.loads(out)["tokens"] < evaluate(model, data, 12, adapter_dir=adapter)["tokens"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
