@@ -179,17 +179,17 @@ _ADAPTER_HELP = (
 
 
 def adapter_defaults(adapter: str, adapter_dir, given: dict) -> dict:
-    """The options left out (None in `given`: model, seq_len, chat_template, data) filled from
+    """`given` with the options left out (None: model, seq_len, chat_template, data) filled from
     the run that wrote the adapter (`adapter`, fetched into `adapter_dir`), and a note saying so;
     a model from its adapter_config.json when it has no run. `data` is the run's validation set:
     its --eval-data, or its --data with `eval_split` and `seed` (the documents they held out)
-    added to `given`. A missing --model, --seq-len or --data with nothing to take it from is an error
+    added. A missing --model, --seq-len or --data with nothing to take it from is an error
     naming the flag."""
     from .errors import ConfigError
     from .lora import ADAPTER_CONFIG
     from .run_record import adapter_run_config
 
-    found, taken = adapter_run_config(adapter_dir), {}
+    given, found, taken = dict(given), adapter_run_config(adapter_dir), {}
     config, source = found if found else ({}, None)
     if found is None and given.get("model") is None:  # a PEFT adapter: the model it names
         try:
@@ -202,7 +202,7 @@ def adapter_defaults(adapter: str, adapter_dir, given: dict) -> dict:
             source = f"{adapter}/{ADAPTER_CONFIG}"
     split = None if config.get("eval_data") else config.get("eval_split")
     known = {**config, "data": config.get("data") if split else config.get("eval_data")}
-    for key, value in list(given.items()):
+    for key, value in given.items():
         if value is None and known.get(key) is not None:
             given[key] = taken[key] = known[key]
     if "data" in taken and split:
@@ -304,7 +304,7 @@ def eval_cmd(
     holdout = None
     if adapter:
         given = {"model": model, "seq_len": seq_len, "chat_template": chat_template, "data": data}
-        filled = adapter_defaults(adapter, adapter_dir, dict(given))
+        filled = adapter_defaults(adapter, adapter_dir, given)
         model, seq_len, chat_template, data = (filled[k] for k in given)
         if "eval_split" in filled:  # the documents the run held out of its --data
             holdout = Holdout(filled["eval_split"], filled["seed"], held_out=True)
