@@ -46,6 +46,7 @@ CHECKPOINTS_DIR = "checkpoints"
 LATEST_MARKER = "latest"
 MANIFEST = "manifest.json"
 CONFIG_FILE = "config.json"  # in every checkpoint: the run's resolved config
+DRIVER_STATE = "driver_state.json"  # step, schedule position, worker cursors, losses
 FORMAT = "appliance-checkpoint/1"
 _NAME_RE = re.compile(r"^step-(\d+)$")
 _TMP_PREFIX = ".tmp-"  # local temp step dirs: ".tmp-step-000123-<random>"

@@ -170,7 +170,8 @@ def export_merged(
                 base,
                 adapter_name,
                 json.loads((adapter_dir / ADAPTER_CONFIG).read_text()),
-                model_card.completed_record(adapter_dir),
+                model_card.completed_record(adapter_dir)
+                or model_card.checkpoint_record(adapter_dir),
                 str(output_dir),
             )
         )

@@ -258,6 +258,28 @@ def completed_record(adapter_dir: Path) -> dict[str, Any] | None:
     return record if ok and isinstance(record.get("config"), dict) else None
 
 
+def checkpoint_record(adapter_dir: Path) -> dict[str, Any] | None:
+    """For a checkpoint's adapter (`OUTPUT/checkpoints/step-N`), a record of the run up to that
+    step in run.json's form, from the checkpoint's config and driver state; None otherwise."""
+    from .checkpoint import CONFIG_FILE, DRIVER_STATE, MANIFEST
+
+    if not (adapter_dir / MANIFEST).is_file():
+        return None
+    try:
+        config = json.loads((adapter_dir / CONFIG_FILE).read_text())
+        state = json.loads((adapter_dir / DRIVER_STATE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(config, dict) and isinstance(state, dict)):
+        return None
+    record = {"config": config, "steps": state.get("step", 0), "losses": state.get("losses")}
+    record.update(target_tokens=state.get("target_tokens"), trainers=state.get("trainers", 1))
+    evals = state.get("eval_losses") or []
+    if evals and evals[-1][0] == record["steps"]:  # validated at this step
+        record["eval_loss"] = evals[-1][1]
+    return record
+
+
 def today() -> str:
     return datetime.date.today().isoformat()
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from . import model_card
 from .chat import ChatTemplate
-from .checkpoint import CONFIG_FILE, json_bytes, load_latest_checkpoint
+from .checkpoint import CONFIG_FILE, DRIVER_STATE, json_bytes, load_latest_checkpoint
 from .cluster import Slot, local_slots, on_node
 from .config import CHECKPOINT_MINUTES, TrainConfig, flag
 from .engine import lr_at
@@ -42,8 +42,6 @@ from .run_record import write_run_file
 from .tokenize_worker import ACTOR_OPTIONS, ShardWorker, default_num_workers
 from .trainer import Trainer, TrainerSettings
 from .weight_store import WeightStore
-
-DRIVER_STATE = "driver_state.json"  # step, schedule position, worker cursors, losses
 
 
 @dataclass

@@ -40,11 +40,12 @@ DEFAULT_CACHE_ROOT = Path("~/.cache/appliance/s3")
 OTHER_WEIGHT_FILES = ("*.bin", "*.bin.index.json", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack",
                       "*.gguf")  # fmt: skip
 # an adapter directory's files that are read: lora.ADAPTER_CONFIG and ADAPTER_WEIGHTS; the run's
-# settings (run_record.RUN_FILE beside a run's adapter, checkpoint.CONFIG_FILE and MANIFEST in a
-# checkpoint), eval's and export's defaults; and model_card.CARD (this module stays light: the
-# tokenizer workers import it, and torch is not theirs to load)
+# settings and record (run_record.RUN_FILE beside a run's adapter; checkpoint.CONFIG_FILE,
+# DRIVER_STATE and MANIFEST in a checkpoint), eval's and export's defaults and the card's table;
+# and model_card.CARD (this module stays light: the tokenizer workers import it, and torch is not
+# theirs to load)
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "run.json", "config.json",
-                 "manifest.json", "README.md")  # fmt: skip
+                 "driver_state.json", "manifest.json", "README.md")  # fmt: skip
 _INDEX_DIR = ".etags"  # under the cache root: what each localized file was downloaded from
 
 

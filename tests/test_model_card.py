@@ -158,3 +158,23 @@ def test_export_of_a_runs_output_gives_the_runs_training_table(tmp_path):
     (adapter / "run.json").write_text(json.dumps({**done, "status": "interrupted"}))
     text = (export_merged(model, adapter, tmp_path / "merged-2") / "README.md").read_text()
     assert "| steps |" not in text and "| LoRA | r 4" in text  # not the adapter's run: settings
+
+    # a checkpoint (OUTPUT/checkpoints/step-N): the run up to that step, from its config and
+    # driver state; a validation loss only when it was taken at that step
+    step = save_random_adapter(model, tmp_path / "step-000002")
+    state = {"step": 2, "losses": [2.5, 2.0], "target_tokens": 999, "trainers": 1,
+             "eval_losses": [[1, 2.25], [2, 1.75]]}  # fmt: skip
+    config = record(tmp_path, eval_split=0.05)["config"]
+    for name, content in (("config.json", config), ("driver_state.json", state),
+                          ("manifest.json", {"step": 2})):  # fmt: skip
+        (step / name).write_text(json.dumps(content))
+    text = (export_merged(model, step, tmp_path / "merged-3") / "README.md").read_text()
+    assert (
+        "| steps | 2 (4 micro-batches of 4 × 256 tokens per step; 999 tokens trained on) |" in text
+    )
+    assert "| training loss | 2.5 at step 1, 2 at step 2 |" in text
+    assert "| held-out loss | 1.75 on 5% of the documents, held out |" in text
+    state["eval_losses"] = [[1, 2.25]]  # validated before this step only: no held-out row
+    (step / "driver_state.json").write_text(json.dumps(state))
+    text = (export_merged(model, step, tmp_path / "merged-4") / "README.md").read_text()
+    assert "| held-out loss |" not in text and "| steps | 2 (" in text

@@ -433,11 +433,11 @@ def test_a_model_or_an_adapter_from_s3_fetches_only_the_files_that_are_read(
     checkpoint = ["checkpoints/latest", "checkpoints/step-000002/trainer_state.pt", "notes.txt"]
     run = put("runs/a", adapter + checkpoint)
     assert files(s3_cache.localize_adapter(run, cache)) == adapter
-    # a checkpoint: its adapter, and its config and manifest (the run's settings), no state
+    # a checkpoint: its adapter, config, driver state and manifest, not its trainer state
     step = put("runs/a/checkpoints/step-000002", adapter[1:3] + ["config.json", "manifest.json",
                "driver_state.json", "trainer_state.pt"])  # fmt: skip
     assert files(s3_cache.localize_adapter(step, cache)) == adapter[1:3] + [
-        "config.json", "manifest.json"
+        "config.json", "driver_state.json", "manifest.json"
     ]  # fmt: skip
     unfinished = put("runs/b", ["run.json", *checkpoint])
     with pytest.raises(StorageError) as e:
@@ -447,12 +447,12 @@ def test_a_model_or_an_adapter_from_s3_fetches_only_the_files_that_are_read(
         "train (or PEFT)"
     )
     # the names s3_cache keeps to itself (it stays light) are those the modules use
-    from appliance.checkpoint import CONFIG_FILE, MANIFEST
+    from appliance.checkpoint import CONFIG_FILE, DRIVER_STATE, MANIFEST
     from appliance.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
     from appliance.model_card import CARD
     from appliance.run_record import RUN_FILE
 
     assert set(s3_cache.ADAPTER_FILES) == {
-        ADAPTER_CONFIG, ADAPTER_WEIGHTS, RUN_FILE, CONFIG_FILE, MANIFEST, CARD
+        ADAPTER_CONFIG, ADAPTER_WEIGHTS, RUN_FILE, CONFIG_FILE, DRIVER_STATE, MANIFEST, CARD
     }  # fmt: skip
     assert s3_cache.ADAPTER_FILES[0] == ADAPTER_CONFIG
