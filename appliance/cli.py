@@ -187,15 +187,12 @@ def adapter_defaults(adapter: str, adapter_dir, given: dict) -> dict:
     naming the flag."""
     from .errors import ConfigError
     from .lora import ADAPTER_CONFIG
-    from .run_record import adapter_run_config
+    from .run_record import adapter_run_config, json_object
 
     given, found, taken = dict(given), adapter_run_config(adapter_dir), {}
     config, source = found if found else ({}, None)
     if found is None and given.get("model") is None:  # a PEFT adapter: the model it names
-        try:
-            named = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
-        except (OSError, ValueError):
-            named = {}
+        named = json_object(adapter_dir / ADAPTER_CONFIG) or {}
         base, revision = named.get("base_model_name_or_path"), named.get("revision")
         if isinstance(base, str) and base:
             config = {"model": f"{base}@{revision}" if revision else base}
@@ -316,7 +313,7 @@ def eval_cmd(
                 f"{' and '.join(missing)} needed (without --adapter there is no run to take "
                 f"{'them' if len(missing) > 1 else 'it'} from)"
             )
-    model_dir = localize_model(resolve_model(model))  # the model's errors first, as train's
+    model_dir = localize_model(resolve_model(model))  # the model's errors before the data's
     data_path = localize_data(resolve_dataset(data))
     for note in dataset_notes(data_path, "--data", data):  # files skipped, several splits
         click.echo(f"note: {note}", err=True)

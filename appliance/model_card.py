@@ -248,13 +248,10 @@ def write_adapter_card(record: dict[str, Any], base: BaseModel, output: str) -> 
 
 def completed_record(adapter_dir: Path) -> dict[str, Any] | None:
     """The run.json beside an adapter, when it records a completed run (whose adapter it is)."""
-    from .run_record import RUN_FILE
+    from .run_record import RUN_FILE, json_object
 
-    try:
-        record = json.loads((adapter_dir / RUN_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    ok = isinstance(record, dict) and record.get("status") == "complete"
+    record = json_object(adapter_dir / RUN_FILE)
+    ok = record is not None and record.get("status") == "complete"
     return record if ok and isinstance(record.get("config"), dict) else None
 
 
@@ -262,15 +259,13 @@ def checkpoint_record(adapter_dir: Path) -> dict[str, Any] | None:
     """For a checkpoint's adapter (`OUTPUT/checkpoints/step-N`), a record of the run up to that
     step in run.json's form, from the checkpoint's config and driver state; None otherwise."""
     from .checkpoint import CONFIG_FILE, DRIVER_STATE, MANIFEST
+    from .run_record import json_object
 
     if not (adapter_dir / MANIFEST).is_file():
         return None
-    try:
-        config = json.loads((adapter_dir / CONFIG_FILE).read_text())
-        state = json.loads((adapter_dir / DRIVER_STATE).read_text())
-    except (OSError, ValueError):
-        return None
-    if not (isinstance(config, dict) and isinstance(state, dict)):
+    config = json_object(adapter_dir / CONFIG_FILE)
+    state = json_object(adapter_dir / DRIVER_STATE)
+    if config is None or state is None:
         return None
     record = {"config": config, "steps": state.get("step", 0), "losses": state.get("losses")}
     record.update(target_tokens=state.get("target_tokens"), trainers=state.get("trainers", 1))

@@ -154,6 +154,16 @@ def write_run_file(
     storage.write_bytes(storage.join(cfg.output, RUN_FILE), json.dumps(record, indent=2).encode())
 
 
+def json_object(path: Path) -> dict | None:
+    """The JSON object in the file at `path`; None when the file is missing or unreadable, is
+    not JSON, or holds something other than an object."""
+    try:
+        found = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
 def adapter_run_config(adapter_dir: Path) -> tuple[dict, Path] | None:
     """The resolved config of the run that wrote the adapter in `adapter_dir`, and the file it
     was read from: run.json beside a run's adapter (its --output), or a checkpoint's config.json
@@ -163,16 +173,11 @@ def adapter_run_config(adapter_dir: Path) -> tuple[dict, Path] | None:
 
     run_file, checkpoint_config = adapter_dir / RUN_FILE, adapter_dir / CONFIG_FILE
     if run_file.is_file():
-        path, key = run_file, "config"
-    elif (adapter_dir / MANIFEST).is_file() and checkpoint_config.is_file():
-        path, key = checkpoint_config, None
+        path, config = run_file, (json_object(run_file) or {}).get("config")
+    elif (adapter_dir / MANIFEST).is_file():
+        path, config = checkpoint_config, json_object(checkpoint_config)
     else:
         return None
-    try:
-        record = json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return None
-    config = record.get(key) if key and isinstance(record, dict) else record
     return (config, path) if isinstance(config, dict) else None
 
 
