@@ -178,13 +178,16 @@ _ADAPTER_HELP = (
 )
 
 
+QUIET = ("base_quant", "dtype")  # taken from the run, but said only when not train's default
+
+
 def adapter_defaults(adapter: str, adapter_dir, given: dict) -> dict:
-    """`given` with the options left out (None: model, seq_len, chat_template, data) filled from
-    the run that wrote the adapter (`adapter`, fetched into `adapter_dir`), and a note saying so;
-    a model from its adapter_config.json when it has no run. `data` is the run's validation set:
-    its --eval-data, or its --data with `eval_split` and `seed` (the documents they held out)
-    added. A missing --model, --seq-len or --data with nothing to take it from is an error
-    naming the flag."""
+    """`given` with the options left out (None: model, seq_len, chat_template, data, base_quant,
+    dtype) filled from the run that wrote the adapter (`adapter`, fetched into `adapter_dir`),
+    and a note saying so; a model from its adapter_config.json when it has no run. `data` is the
+    run's validation set: its --eval-data, or its --data with `eval_split` and `seed` (the
+    documents they held out) added. A missing --model, --seq-len or --data with nothing to take
+    it from is an error naming the flag."""
     from .errors import ConfigError
     from .lora import ADAPTER_CONFIG
     from .run_record import adapter_run_config, json_object
@@ -217,8 +220,9 @@ def adapter_defaults(adapter: str, adapter_dir, given: dict) -> dict:
         else:
             why = f"{no_run} to take it from"
         raise ConfigError(f"{C.flag(key)} needed: {why}")
-    if taken:
-        shown = " ".join(f"{C.flag(k)} {v}" for k, v in taken.items())
+    said = {k: v for k, v in taken.items() if k not in QUIET or v != C.FIELDS[k].default}
+    if said:
+        shown = " ".join(f"{C.flag(k)} {v}" for k, v in said.items())
         click.echo(f"note: {shown} (from {source})", err=True)
     return given
 
@@ -250,16 +254,17 @@ def adapter_defaults(adapter: str, adapter_dir, given: dict) -> dict:
 @click.option(
     "--dtype",
     type=click.Choice(C.CHOICES["dtype"]),
-    default="auto",
-    show_default=True,
-    help="Compute dtype: auto is bfloat16 on GPU (float16 without bf16), float32 on CPU.",
+    default=None,
+    help="Compute dtype: auto is bfloat16 on GPU (float16 without bf16), float32 on CPU (default: "
+    "auto; with --adapter, its run's --dtype).",
 )
 @click.option(
     "--base-quant",
     type=click.Choice(C.CHOICES["base_quant"]),
-    default="none",
-    show_default=True,
-    help="Quantize the base model's linear weights (as `train --base-quant`).",
+    default=None,
+    help="Quantize the base model's linear weights, as `train --base-quant` (default: none; with "
+    "--adapter, its run's, so a QLoRA run's adapter is scored as it trained: give none for the "
+    "unquantized base).",
 )
 @click.option(
     "--chat-template",
@@ -281,8 +286,8 @@ def eval_cmd(
     data: str | None,
     seq_len: int | None,
     device: str,
-    dtype: str,
-    base_quant: str,
+    dtype: str | None,
+    base_quant: str | None,
     chat_template: str | None = None,
     on_bad_record: str = "fail",
 ):
@@ -300,9 +305,10 @@ def eval_cmd(
     adapter_dir = localize_adapter(adapter) if adapter else None
     holdout = None
     if adapter:
-        given = {"model": model, "seq_len": seq_len, "chat_template": chat_template, "data": data}
+        given = {"model": model, "seq_len": seq_len, "chat_template": chat_template, "data": data,
+                 "base_quant": base_quant, "dtype": dtype}  # fmt: skip
         filled = adapter_defaults(adapter, adapter_dir, given)
-        model, seq_len, chat_template, data = (filled[k] for k in given)
+        model, seq_len, chat_template, data, base_quant, dtype = (filled[k] for k in given)
         if "eval_split" in filled:  # the documents the run held out of its --data
             holdout = Holdout(filled["eval_split"], filled["seed"], held_out=True)
     else:
@@ -313,6 +319,7 @@ def eval_cmd(
                 f"{' and '.join(missing)} needed (without --adapter there is no run to take "
                 f"{'them' if len(missing) > 1 else 'it'} from)"
             )
+    base_quant, dtype = base_quant or C.TrainConfig.base_quant, dtype or C.TrainConfig.dtype
     model_dir = localize_model(resolve_model(model))  # the model's errors before the data's
     data_path = localize_data(resolve_dataset(data))
     for note in dataset_notes(data_path, "--data", data):  # files skipped, several splits

@@ -96,8 +96,8 @@ def test_eval_and_export_take_the_model_and_seq_len_from_the_adapters_run(
     model_and_adapter, tmp_path
 ):
     """`--adapter` of a run's output (run.json) or of one of its checkpoints (config.json beside
-    the manifest) brings the run's --model and --seq-len, and its validation set for --data, said
-    in a note; a PEFT adapter brings the base model its adapter_config.json names; with neither,
+    the manifest) brings the run's --model, --seq-len, --base-quant and --dtype, and its
+    validation set for --data, said in a note; a PEFT adapter brings the base model its adapter_config.json names; with neither,
     the flag is asked for."""
     import shutil
 
@@ -170,6 +170,22 @@ def test_eval_and_export_take_the_model_and_seq_len_from_the_adapters_run(
     held_out = Holdout(0.5, 7, held_out=True)
     assert json.loads(out) == evaluate(model, data, 12, adapter_dir=adapter, holdout=held_out)
     assert json.loads(out)["tokens"] < evaluate(model, data, 12, adapter_dir=adapter)["tokens"]
+
+    # a QLoRA run's adapter is scored on the base it trained on, unless told otherwise
+    qlora = build_config({}, {"model": str(model), "data": "d", "output": "o", "seq_len": 12,
+                              "base_quant": "int8", "dtype": "float32"})  # fmt: skip
+    (run / "run.json").write_text(json.dumps({"status": "complete", "config": qlora.to_dict()}))
+    code, out, err = invoke("eval", "--adapter", run, "--data", data)
+    assert code == 0, err
+    assert err.startswith(
+        f"note: --model {model} --seq-len 12 --base-quant int8 --dtype float32 "
+        f"(from {run}/run.json)\n"
+    ), err
+    quantized = evaluate(model, data, 12, adapter_dir=adapter, base_quant="int8")
+    assert json.loads(out) == quantized != expected
+    code, out, err = invoke("eval", "--adapter", run, "--data", data, "--base-quant", "none")
+    assert code == 0 and json.loads(out) == expected, err
+    assert err.startswith(f"note: --model {model} --seq-len 12 --dtype float32 (from"), err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")

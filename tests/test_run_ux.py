@@ -327,11 +327,11 @@ def test_a_hub_id_resume_without_checkpoint_flag_over_config_and_umask(inputs, t
     assert f"| data | `{data.name}`, packed by documents |" in card.text
     assert "| steps | 2 (4 micro-batches of 2 × 32 tokens per step; " in card.text
 
-    # the run's model and --seq-len go with its adapter
+    # the run's model, --seq-len and --dtype go with its adapter
     argv = ["eval", "--adapter", str(out), "--data", str(data), "--device", "cpu"]
     rc, out_text, err = finish(start(argv, env=hub))
     assert rc == 0, err[-3000:]
-    assert f"note: --model {snapshot} --seq-len 32 (from {out}/run.json)" in err
+    assert f"note: --model {snapshot} --seq-len 32 --dtype float32 (from {out}/run.json)" in err
     assert json.loads(out_text.strip().splitlines()[-1]) == evaluate(
         snapshot, data, 32, adapter_dir=out
     )
