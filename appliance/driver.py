@@ -52,27 +52,27 @@ from .s3_cache import localize, localize_data, localize_model
 from .trainer import resolve_device, resolve_dtype
 
 
-def apply_demo(cfg: TrainConfig) -> Path | None:
+def apply_demo(cfg: TrainConfig) -> None:
     """With no --model, make the built-in demo (model, corpus, held-out corpus) in a temp dir and
-    point `cfg` at it; returns the held-out corpus (None when not the demo). The demo's run
-    settings were already applied, as a layer below the user's, by config.build_config."""
+    point `cfg` at it: the held-out corpus is its --eval-data (unless the user chose a validation
+    set), so run.json records it and `appliance eval --adapter` takes it from there. The demo's
+    run settings were already applied, as a layer below the user's, by config.build_config."""
     if cfg.model is not None:
-        return None
+        return
     from .demo import make_demo
 
     made = make_demo(tempfile.mkdtemp(prefix="appliance-demo-"), seed=cfg.seed)
     cfg.model, cfg.data = made["model"], made["data"]
     cfg.output = cfg.output or made["output"]
-    return Path(made["eval_data"])
+    if cfg.eval_data is None and cfg.eval_split is None:
+        cfg.eval_data = made["eval_data"]
 
 
 def prepare(cfg: TrainConfig) -> Inputs:
     """Embedded Ray's setup: resolve the demo, then check every input in this process."""
-    eval_data = apply_demo(cfg)
+    apply_demo(cfg)
     _absolute_paths(cfg)
-    inp = resolve_inputs(cfg)
-    inp.eval_data = eval_data or inp.eval_data
-    return inp
+    return resolve_inputs(cfg)
 
 
 def _absolute_paths(cfg: TrainConfig) -> None:
@@ -413,8 +413,7 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
             for note in run.inp.notes:
                 progress.note(note)
             run.create_actors()
-            demo = run.inp.eval_data is not None and not cfg.eval_data  # the demo's held-out set
-            before = run.evaluate() if demo else None
+            before = run.evaluate() if demo and run.has_eval() else None  # the drop it makes
             # after ray.init, which sets its own SIGTERM handler. Ctrl-C/SIGTERM: checkpoint at
             # the next step boundary; once the last step is done, the run just finishes
             with GracefulStop() as stop:
@@ -456,8 +455,8 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
     if demo:
         root = Path(cfg.model).parent  # type: ignore[arg-type]
         progress.note(
-            f"try the adapter: appliance eval --adapter {cfg.output} --data "
-            f"{run.inp.eval_data} (its run's model and --seq-len come with it)\n"
+            f"try the adapter: appliance eval --adapter {cfg.output} (its run's model, "
+            "--seq-len and held-out data come with it)\n"
             f"(the demo's model and corpus are in {root}: delete it when done)"
         )
     return summary

@@ -478,8 +478,8 @@ class Run:
     # ------------------------------------------------------------ the end
 
     def has_eval(self) -> bool:
-        """Is there validation data: --eval-data, --eval-split, or the demo's held-out corpus?"""
-        return bool(self.cfg.eval_data or self.cfg.eval_split or self.inp.eval_data)
+        """Is there validation data: --eval-data (the demo's held-out corpus too), --eval-split?"""
+        return bool(self.cfg.eval_data or self.cfg.eval_split)
 
     def eval_due(self, step: int) -> bool:
         """Validate after `step`: every --eval-every steps, and after the last step."""
