@@ -9,13 +9,15 @@ rerun fetches only what changed. Every failure is a ``StorageError`` naming the 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import fnmatch
 import json
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -194,52 +196,74 @@ def _localize_s3(
 
     dest = root / bucket / key if key else root / bucket
     index_path = root / _INDEX_DIR / bucket / f"{key or '_'}.json"
-    index = _read_index(index_path)
+    todo, gone = _stale(objects, _read_index(index_path), dest, wanted)
+    if not (todo or gone):
+        return dest  # a cache that holds it all already is only read: it may be read-only
+    _check_cache_writable(root, uri)
+    needed = sum(o.size for o in todo)
+    free = shutil.disk_usage(_existing_ancestor(dest)).free
+    if needed > free:  # before anything is written
+        raise StorageError(
+            f"not enough disk space to localize {uri} into {dest}: need "
+            f"{_fmt_bytes(needed)}, {_fmt_bytes(free)} free; free space there or point "
+            "APPLIANCE_S3_CACHE at a bigger disk",
+            uri,
+            NO_SPACE,
+        )
+    # another process on this node fetching the same prefix (tokenizer workers, a trainer per
+    # GPU) waits here, then finds the files fetched instead of downloading them again
+    with _prefix_lock(index_path):
+        index = _read_index(index_path)
+        todo, gone = _stale(objects, index, dest, wanted)  # what is still missing
+        for name in gone:
+            stale = dest / name if name else dest
+            if stale.is_file():
+                stale.unlink()
+            del index[name]
+        if gone and not todo:
+            _write_index(index_path, index, uri)
+        if todo:
+            needed = sum(o.size for o in todo)
+            logger.info("localizing %s: %d files, %s", uri, len(todo), _fmt_bytes(needed))
+        for o in todo:
+            src = join(uri, o.name) if o.name else f"{S3_SCHEME}{bucket}/{key}"
+            download_file(src, dest / o.name if o.name else dest)
+            index[o.name] = {"size": o.size, "etag": o.etag}
+            _write_index(index_path, index, uri)  # after each file: an interrupted run resumes
+    return dest
 
-    def local_of(o: ObjectInfo) -> Path:
-        return dest / o.name if o.name else dest
 
+def _stale(
+    objects: list[ObjectInfo], index: dict, dest: Path, wanted: Callable[[str], bool] | None
+) -> tuple[list[ObjectInfo], list[str]]:
+    """What the cache lacks: the objects not fetched as they are now (size and ETag, and a
+    local file of that size), and the names fetched before that are gone from S3 (of those
+    `wanted` takes: the rest are another pattern's)."""
     todo = []
     for o in objects:
-        p = local_of(o)
-        seen = index.get(o.name)
-        fresh = (
-            seen == {"size": o.size, "etag": o.etag} and p.is_file() and p.stat().st_size == o.size
+        local = dest / o.name if o.name else dest
+        fresh = index.get(o.name) == {"size": o.size, "etag": o.etag} and (
+            local.is_file() and local.stat().st_size == o.size
         )
         if not fresh:
             todo.append(o)
-    needed = sum(o.size for o in todo)
-    # deleted from S3 since last time (of those the pattern names: the rest are not ours)
-    gone = sorted(
-        name for name in set(index) - {o.name for o in objects} if wanted is None or wanted(name)
-    )
-    if todo or gone:  # (a cache that holds it all already is only read: it may be read-only)
-        _check_cache_writable(root, uri)
-    if todo:
-        free = shutil.disk_usage(_existing_ancestor(dest)).free
-        if needed > free:
-            raise StorageError(
-                f"not enough disk space to localize {uri} into {dest}: need "
-                f"{_fmt_bytes(needed)}, {_fmt_bytes(free)} free; free space there or point "
-                "APPLIANCE_S3_CACHE at a bigger disk",
-                uri,
-                NO_SPACE,
-            )
-    for name in gone:
-        stale = dest / name if name else dest
-        if stale.is_file():
-            stale.unlink()
-        del index[name]
-    if gone and not todo:
-        _write_index(index_path, index, uri)
-    if todo:
-        logger.info("localizing %s: %d files, %s", uri, len(todo), _fmt_bytes(needed))
-    for o in todo:
-        src = join(uri, o.name) if o.name else f"{S3_SCHEME}{bucket}/{key}"
-        download_file(src, local_of(o))
-        index[o.name] = {"size": o.size, "etag": o.etag}
-        _write_index(index_path, index, uri)  # after each file: an interrupted run resumes
-    return dest
+    names = {o.name for o in objects}
+    gone = sorted(n for n in set(index) - names if wanted is None or wanted(n))
+    return todo, gone
+
+
+@contextlib.contextmanager
+def _prefix_lock(index_path: Path) -> Iterator[None]:
+    """An exclusive flock beside the prefix's index, held while its files are fetched (the
+    kernel lets go if the process dies)."""
+    lock = index_path.parent / f".{index_path.name}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o666)  # read-only: another uid's file will do
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _check_cache_writable(root: Path, uri: str) -> None:

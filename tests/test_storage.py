@@ -320,6 +320,38 @@ def test_localize_downloads_then_skips_unchanged(
     assert (path / "config.json").read_bytes() == b'{"hidden_size": 8}'
 
 
+def test_two_callers_localizing_one_prefix_at_once_fetch_each_file_once(
+    model_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tokenizer workers, or a trainer per GPU, on one node localize the same prefix at once
+    into a cold cache: one downloads, the other waits for it (a lock beside the prefix's index)
+    and finds the files there, instead of downloading the model a second time."""
+    import threading
+    import time
+
+    cache, fetched, real_download = tmp_path / "cache", [], storage.download_file
+
+    def slow_download(uri: str, local_path: object, **kw: object) -> None:
+        fetched.append(uri)
+        time.sleep(0.3)  # a download takes a while: the other caller arrives meanwhile
+        real_download(uri, local_path, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(s3_cache, "download_file", slow_download)
+    paths: list[Path] = []
+    callers = [
+        threading.Thread(target=lambda: paths.append(s3_cache.localize(model_prefix, cache)))
+        for _ in range(2)
+    ]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    names = ["config.json", "model-00001.safetensors", "tok/tokenizer.json"]
+    assert sorted(fetched) == [f"{model_prefix}/{n}" for n in names]  # each once
+    assert len(paths) == 2 and paths[0] == paths[1]
+    assert (paths[0] / "model-00001.safetensors").read_bytes() == b"A" * 1000
+
+
 def test_localize_single_file_and_default_cache(
     s3_bucket: str, s3_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
