@@ -181,12 +181,13 @@ _ADAPTER_HELP = (
 QUIET = ("base_quant", "dtype")  # taken from the run, but said only when not train's default
 
 
-def adapter_defaults(adapter: str, adapter_dir, given: dict) -> dict:
+def adapter_defaults(adapter: str, adapter_dir, given: dict, device: str | None = None) -> dict:
     """`given` with the options left out (None: model, seq_len, chat_template, data, base_quant,
     dtype) filled from the run that wrote the adapter (`adapter`, fetched into `adapter_dir`),
     and a note saying so; a model from its adapter_config.json when it has no run. `data` is the
     run's validation set: its --eval-data, or its --data with `eval_split` and `seed` (the
-    documents they held out) added. A missing --model, --seq-len or --data with nothing to take
+    documents they held out) added; `dtype` only when the run ran on `device`'s kind (a GPU run's
+    bfloat16 is no choice for a CPU). A missing --model, --seq-len or --data with nothing to take
     it from is an error naming the flag."""
     from .errors import ConfigError
     from .lora import ADAPTER_CONFIG
@@ -202,6 +203,8 @@ def adapter_defaults(adapter: str, adapter_dir, given: dict) -> dict:
             source = f"{adapter}/{ADAPTER_CONFIG}"
     split = None if config.get("eval_data") else config.get("eval_split")
     known = {**config, "data": config.get("data") if split else config.get("eval_data")}
+    if device is not None and config.get("device", "auto") not in ("auto", device):
+        known.pop("dtype", None)  # chosen for another kind of device: this one's auto instead
     for key, value in given.items():
         if value is None and known.get(key) is not None:
             given[key] = taken[key] = known[key]
@@ -307,7 +310,7 @@ def eval_cmd(
     if adapter:
         given = {"model": model, "seq_len": seq_len, "chat_template": chat_template, "data": data,
                  "base_quant": base_quant, "dtype": dtype}  # fmt: skip
-        filled = adapter_defaults(adapter, adapter_dir, given)
+        filled = adapter_defaults(adapter, adapter_dir, given, device=dev)
         model, seq_len, chat_template, data, base_quant, dtype = (filled[k] for k in given)
         if "eval_split" in filled:  # the documents the run held out of its --data
             holdout = Holdout(filled["eval_split"], filled["seed"], held_out=True)

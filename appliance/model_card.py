@@ -269,6 +269,8 @@ def checkpoint_record(adapter_dir: Path) -> dict[str, Any] | None:
         return None
     record = {"config": config, "steps": state.get("step", 0), "losses": state.get("losses")}
     record.update(target_tokens=state.get("target_tokens"), trainers=state.get("trainers", 1))
+    if config.get("dtype") not in (None, "auto"):  # resolved when the run started
+        record.update(dtype=config["dtype"], device=config.get("device"))
     evals = state.get("eval_losses") or []
     if evals and evals[-1][0] == record["steps"]:  # validated at this step
         record["eval_loss"] = evals[-1][1]

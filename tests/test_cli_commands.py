@@ -161,7 +161,7 @@ def test_eval_and_export_take_the_model_and_seq_len_from_the_adapters_run(
     split = build_config({}, {"model": str(model), "data": str(data), "output": "o",
                               "seq_len": 12, "eval_split": 0.5, "seed": 7})  # fmt: skip
     (run / "run.json").write_text(json.dumps({"status": "complete", "config": split.to_dict()}))
-    code, out, err = invoke("eval", "--adapter", run)
+    code, out, err = invoke("eval", "--adapter", run, "--device", "cpu")
     assert code == 0, err
     assert err.startswith(
         f"note: --model {model} --seq-len 12 --data {data} (the 0.5 of it that --seed 7 held out) "
@@ -175,7 +175,7 @@ def test_eval_and_export_take_the_model_and_seq_len_from_the_adapters_run(
     qlora = build_config({}, {"model": str(model), "data": "d", "output": "o", "seq_len": 12,
                               "base_quant": "int8", "dtype": "float32"})  # fmt: skip
     (run / "run.json").write_text(json.dumps({"status": "complete", "config": qlora.to_dict()}))
-    code, out, err = invoke("eval", "--adapter", run, "--data", data)
+    code, out, err = invoke("eval", "--adapter", run, "--data", data, "--device", "cpu")
     assert code == 0, err
     assert err.startswith(
         f"note: --model {model} --seq-len 12 --base-quant int8 --dtype float32 "
@@ -183,9 +183,17 @@ def test_eval_and_export_take_the_model_and_seq_len_from_the_adapters_run(
     ), err
     quantized = evaluate(model, data, 12, adapter_dir=adapter, base_quant="int8")
     assert json.loads(out) == quantized != expected
-    code, out, err = invoke("eval", "--adapter", run, "--data", data, "--base-quant", "none")
+    code, out, err = invoke(
+        "eval", "--adapter", run, "--data", data, "--base-quant", "none", "--device", "cpu"
+    )
     assert code == 0 and json.loads(out) == expected, err
     assert err.startswith(f"note: --model {model} --seq-len 12 --dtype float32 (from"), err
+    # a GPU run's bfloat16 is no choice for a CPU: its dtype is taken only on its kind of device
+    on_gpu = {**qlora.to_dict(), "base_quant": "none", "device": "cuda", "dtype": "bfloat16"}
+    (run / "run.json").write_text(json.dumps({"status": "complete", "config": on_gpu}))
+    code, out, err = invoke("eval", "--adapter", run, "--data", data, "--device", "cpu")
+    assert code == 0 and json.loads(out) == expected, err
+    assert err.startswith(f"note: --model {model} --seq-len 12 (from"), err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")

@@ -164,7 +164,7 @@ def test_export_of_a_runs_output_gives_the_runs_training_table(tmp_path):
     step = save_random_adapter(model, tmp_path / "step-000002")
     state = {"step": 2, "losses": [2.5, 2.0], "target_tokens": 999, "trainers": 1,
              "eval_losses": [[1, 2.25], [2, 1.75]]}  # fmt: skip
-    config = record(tmp_path, eval_split=0.05)["config"]
+    config = {**record(tmp_path, eval_split=0.05)["config"], "dtype": "bfloat16", "device": "cuda"}
     for name, content in (("config.json", config), ("driver_state.json", state),
                           ("manifest.json", {"step": 2})):  # fmt: skip
         (step / name).write_text(json.dumps(content))
@@ -174,7 +174,10 @@ def test_export_of_a_runs_output_gives_the_runs_training_table(tmp_path):
     )
     assert "| training loss | 2.5 at step 1, 2 at step 2 |" in text
     assert "| held-out loss | 1.75 on 5% of the documents, held out |" in text
+    assert "| precision | bfloat16 on cuda |" in text  # as the run resolved it (config.json)
     state["eval_losses"] = [[1, 2.25]]  # validated before this step only: no held-out row
     (step / "driver_state.json").write_text(json.dumps(state))
+    (step / "config.json").write_text(json.dumps({**config, "dtype": "auto"}))  # unresolved
     text = (export_merged(model, step, tmp_path / "merged-4") / "README.md").read_text()
     assert "| held-out loss |" not in text and "| steps | 2 (" in text
+    assert "| precision |" not in text
