@@ -57,16 +57,25 @@ def test_train_on_an_nf4_base_and_resume_keeps_its_quantization(
     ray_local, model_dir, data, tmp_path
 ):
     out = tmp_path / "out"
-    cfg = tiny_train_config(model_dir, data, out, steps=2, base_quant="nf4")
+    cfg = tiny_train_config(model_dir, data, out, steps=2, base_quant="nf4", eval_split=0.25)
     summary = train(cfg, Progress("json"))
     assert summary["steps"] == 2
     record = json.loads((out / RUN_FILE).read_text())
     assert record["identity"]["base_quant"] == "nf4"
     PeftModel.from_pretrained(load_hf(model_dir), out)  # the adapter loads on the plain base
+    # `appliance eval --adapter OUT` alone scores it as the run validated it: on the nf4 base
+    result = CliRunner().invoke(main, ["eval", "--adapter", str(out), "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "--base-quant nf4" in result.stderr.splitlines()[0], result.stderr
+    assert json.loads(result.stdout)["loss"] == pytest.approx(summary["eval_loss"], rel=1e-5)
+    argv = ["eval", "--adapter", str(out), "--device", "cpu", "--base-quant", "none"]
+    plain = CliRunner().invoke(main, argv)  # the unquantized base, as PEFT loads it
+    assert plain.exit_code == 0 and json.loads(plain.stdout)["loss"] != summary["eval_loss"]
 
-    check_output(tiny_train_config(model_dir, data, out, base_quant="nf4", resume=True))
+    same = {"eval_split": 0.25, "resume": True}
+    check_output(tiny_train_config(model_dir, data, out, base_quant="nf4", **same))
     with pytest.raises(ConfigError, match="different --base-quant"):
-        check_output(tiny_train_config(model_dir, data, out, resume=True))  # base_quant: none
+        check_output(tiny_train_config(model_dir, data, out, **same))  # base_quant: none
 
 
 def test_base_quant_is_a_checked_flag():
