@@ -188,8 +188,13 @@ def adapter_defaults(adapter: str, adapter_dir, given: dict, device: str | None 
     run's validation set: its --eval-data, or its --data with `eval_split` and `seed` (the
     documents they held out) added; `dtype` only when the run ran on `device`'s kind (a GPU run's
     bfloat16 is no choice for a CPU). A missing --model, --seq-len or --data with nothing to take
-    it from is an error naming the flag."""
+    it from, or a local path taken that is gone, is an error naming the flag."""
+    from pathlib import Path
+
+    from . import storage
     from .errors import ConfigError
+    from .globs import has_glob, split_glob
+    from .hub import is_hub_id
     from .lora import ADAPTER_CONFIG
     from .run_record import adapter_run_config, json_object
 
@@ -223,6 +228,14 @@ def adapter_defaults(adapter: str, adapter_dir, given: dict, device: str | None 
         else:
             why = f"{no_run} to take it from"
         raise ConfigError(f"{C.flag(key)} needed: {why}")
+    for key in ("model", "data"):  # a local path taken from the run, moved since
+        value = given[key] if key in taken else None
+        if value and not storage.is_s3(value) and not is_hub_id(value):
+            if not Path(split_glob(value)[0] if has_glob(value) else value).exists():
+                raise ConfigError(
+                    f"{C.flag(key)} {value} (from {source}) is not there any more: if it moved, "
+                    f"give its new place with {C.flag(key)} PATH"
+                )
     said = {k: v for k, v in taken.items() if k not in QUIET or v != C.FIELDS[k].default}
     if said:
         shown = " ".join(f"{C.flag(k)} {v}" for k, v in said.items())

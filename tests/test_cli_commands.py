@@ -195,6 +195,19 @@ def test_eval_and_export_take_the_model_and_seq_len_from_the_adapters_run(
     assert code == 0 and json.loads(out) == expected, err
     assert err.startswith(f"note: --model {model} --seq-len 12 (from"), err
 
+    # a path the run recorded that is gone (moved since) is said to be, naming the flag to give
+    moved = {**qlora.to_dict(), "model": str(tmp_path / "gone"), "eval_data": str(tmp_path / "e")}
+    (run / "run.json").write_text(json.dumps({"status": "complete", "config": moved}))
+    for argv in (["eval", "--device", "cpu"], ["export", "--output", tmp_path / "m-gone"]):
+        code, _, err = invoke(*argv, "--adapter", run)
+        assert (code, err) == (1, (
+            f"error: --model {tmp_path / 'gone'} (from {run}/run.json) is not there any more: "
+            "if it moved, give its new place with --model PATH\n"
+        )), err  # fmt: skip
+    code, _, err = invoke("eval", "--device", "cpu", "--adapter", run, "--model", model)
+    assert err.endswith(f"error: --data {tmp_path / 'e'} (from {run}/run.json) is not there any "
+                        "more: if it moved, give its new place with --data PATH\n"), err  # fmt: skip
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_eval_on_cuda_without_a_gpu_is_one_error_line(model_and_adapter):
