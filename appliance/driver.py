@@ -124,10 +124,10 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
     # errors here are clear; inside an actor they'd be wrapped
     files = check_dataset(data_path)
     notes = dataset_notes(data_path, "--data", cfg.data)  # files skipped, several splits
-    eval_data = None
+    eval_data = eval_fingerprint = None
     if cfg.eval_data:
         eval_data = localize_data(cfg.eval_data)
-        check_dataset(eval_data)
+        eval_fingerprint = data_fingerprint(eval_data, check_dataset(eval_data))
         notes += dataset_notes(eval_data, "--eval-data", cfg.eval_data)
         notes += not_held_out_notes(data_path, eval_data, cfg.eval_data)
     chat = load_chat_template(model_dir, localize(cfg.chat_template) if cfg.chat_template else None)
@@ -152,7 +152,7 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
     # read once (check_output and run.json use them); an s3:// model's from its local copy
     fingerprint = model_fingerprint(str(model_dir))
     data = data_fingerprint(data_path, files)
-    notes += check_output(cfg, fingerprint, data)
+    notes += check_output(cfg, fingerprint, data, eval_fingerprint)
     return Inputs(
         cfg,
         model_dir,
@@ -166,7 +166,23 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
         notes=notes,
         model_fingerprint=fingerprint,
         data_fingerprint=data,
+        eval_data_fingerprint=eval_fingerprint,
     )
+
+
+def _eval_data_notes(cfg: TrainConfig, previous: dict, now: dict | None) -> list[str]:
+    """A note when the run's --eval-data (the same path) holds other files than when it started:
+    the validation set may change (it is not what the run trains on), but its losses then
+    compare with the earlier ones no more."""
+    was = previous.get("eval_data_fingerprint")  # none in a run.json from before them
+    same_path = previous.get("config", {}).get("eval_data") == cfg.eval_data
+    if not (was and now and same_path) or was["digest"] == now["digest"]:
+        return []
+    return [
+        f"--eval-data {cfg.eval_data} changed since the run started: {data_changes(was, now)}; "
+        "validation losses from here on are on the files as they are now, not comparable with "
+        "the run's earlier ones"
+    ]
 
 
 def check_box(cfg: TrainConfig, args: ModelArgs) -> None:
@@ -183,12 +199,16 @@ def check_box(cfg: TrainConfig, args: ModelArgs) -> None:
 
 
 def check_output(
-    cfg: TrainConfig, fingerprint: str | None = None, data: dict | None = None
+    cfg: TrainConfig,
+    fingerprint: str | None = None,
+    data: dict | None = None,
+    eval_data: dict | None = None,
 ) -> list[str]:
     """Refuse an --output that holds something else, unless --overwrite (or --resume of it);
     returns notes for the user. `fingerprint`: the model's `model_fingerprint` (of its local
     copy), when the caller has it (else read here from cfg.model); `data`: the data's
-    `data_fingerprint`, when the caller has it (else the data is known by its path alone)."""
+    `data_fingerprint`, when the caller has it (else the data is known by its path alone);
+    `eval_data`: --eval-data's, for a note when the run's validation set changed."""
     out = cfg.output
     if cfg.overwrite:  # remove_previous_run replaces whatever run is there, readable or not
         return []
@@ -210,6 +230,7 @@ def check_output(
         same = was == now
         resume = f"appliance train --output {out} --resume"
         given = "--auto-resume" if cfg.auto_resume else "--resume"
+        notes = _eval_data_notes(cfg, previous, eval_data) if cfg.resume and same else []
         if cfg.resume and same and not same_data:
             assert data is not None and data_was is not None
             what_changed = f"--data {cfg.data} changed since the run started: " + data_changes(
@@ -223,7 +244,7 @@ def check_output(
                     "sorts after the others' is read after them; other changes shift what the "
                     "run reads next); or start another run (another --output, or --overwrite)"
                 )
-            return [f"{what_changed}; continuing on it, as --allow-data-change asks"]
+            return [f"{what_changed}; continuing on it, as --allow-data-change asks", *notes]
         if cfg.resume:
             if not same:
                 changed = [
@@ -240,7 +261,7 @@ def check_output(
                     f"{given}: {out} holds a run with different {'; '.join(changed)}: resuming "
                     f"would break it. To continue that run as it was: {resume}{also}"
                 )
-            return []
+            return notes
         what = "the same run" if same else "a different run"
         status = previous.get("status", "unknown")
         if status == "running":  # the driver holds the output's lock: no process writes it now

@@ -61,6 +61,7 @@ class Inputs:
     notes: list[str] = field(default_factory=list)  # for the user, e.g. files the data skipped
     model_fingerprint: str | None = None  # of model_dir (run_record), for run.json
     data_fingerprint: dict | None = None  # of data_path (run_record), for run.json
+    eval_data_fingerprint: dict | None = None  # of eval_data, likewise
 
 
 @dataclass
@@ -560,9 +561,9 @@ class Run:
 
     def record(self, status: str, extra: dict | None = None) -> None:
         """run.json: the run's identity, resolved config and `status` (with `extra`)."""
-        write_run_file(
-            self.cfg, status, extra, self.inp.model_fingerprint, self.inp.data_fingerprint
-        )
+        inp = self.inp
+        fingerprints = (inp.model_fingerprint, inp.data_fingerprint, inp.eval_data_fingerprint)
+        write_run_file(self.cfg, status, extra, *fingerprints)
 
     def stop(self) -> None:
         """End this run's actors (the driver's ray.shutdown does it too; tests share one Ray)."""

@@ -139,16 +139,19 @@ def write_run_file(
     extra: dict | None = None,
     fingerprint: str | None = None,
     data: dict | None = None,
+    eval_data: dict | None = None,
 ) -> None:
-    """Write `output`/run.json. `fingerprint`: the model's (model_fingerprint), `data`: the
-    data's (data_fingerprint), each computed once per run by its caller (`Run.record`); None
-    for a record that cannot follow a moved model or check its data on resume."""
+    """Write `output`/run.json. `fingerprint`: the model's (model_fingerprint), `data` and
+    `eval_data`: the data's and --eval-data's (data_fingerprint), each computed once per run by
+    its caller (`Run.record`); None for a record that cannot follow a moved model or check its
+    data on resume."""
     record = {
         "identity": run_identity(cfg),
         "config": cfg.to_dict(),
         "status": status,
         "model_fingerprint": fingerprint,
         "data_fingerprint": data,
+        "eval_data_fingerprint": eval_data,
         **(extra or {}),
     }
     storage.write_bytes(storage.join(cfg.output, RUN_FILE), json.dumps(record, indent=2).encode())

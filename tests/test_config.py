@@ -263,3 +263,40 @@ def test_a_resume_checks_its_data_follows_it_when_moved_and_names_what_changed(
     del record["data_fingerprint"]
     (out / RUN_FILE).write_text(json.dumps(record))
     assert resumed(data) == []
+
+
+def test_a_resume_on_a_changed_eval_data_goes_on_and_says_so(tmp_path):
+    """--eval-data is not what the run trains on: a resume with its files changed goes on, and
+    a note says the validation losses from then on compare with the earlier ones no more."""
+    from appliance.data import check_dataset
+    from appliance.driver import check_output
+    from appliance.run_record import data_fingerprint, write_run_file
+
+    data, held_out, out = tmp_path / "d.jsonl", tmp_path / "eval", tmp_path / "out"
+    data.write_text('{"text": "one"}\n')
+    held_out.mkdir()
+    (held_out / "a.jsonl").write_text('{"text": "two"}\n')
+    out.mkdir()
+
+    def fingerprint(path):
+        return data_fingerprint(path, check_dataset(path))
+
+    cfg = {"model": "m", "data": str(data), "output": str(out), "eval_data": str(held_out)}
+    write_run_file(C.build_config({}, cfg), "interrupted", None, None, fingerprint(data),
+                   fingerprint(held_out))  # fmt: skip
+
+    def resumed(**flags):
+        resume = C.build_config({}, {**cfg, "resume": True, **flags})
+        return check_output(resume, None, fingerprint(data), fingerprint(held_out))
+
+    assert resumed() == []
+    (held_out / "b.jsonl").write_text('{"text": "three"}\n')
+    assert resumed() == [
+        f"--eval-data {held_out} changed since the run started: 1 file(s) added (b.jsonl); "
+        "validation losses from here on are on the files as they are now, not comparable with "
+        "the run's earlier ones"
+    ]
+    data.write_text('{"text": "One"}\n')  # with the training data changed too, both are said
+    notes = resumed(allow_data_change=True)
+    assert len(notes) == 2 and notes[1].startswith(f"--eval-data {held_out} changed"), notes
+    assert resumed(eval_data=str(held_out / "b.jsonl"), allow_data_change=True)[1:] == []
