@@ -28,6 +28,7 @@ from appliance.storage import (
     ObjectInfo,
     atomic_local_write,
     download_file,
+    exists,
     is_s3,
     join,
     list_objects,
@@ -92,8 +93,15 @@ def localize_data(uri: str, cache_dir: str | os.PathLike[str] | None = None) -> 
     (``data/train-*.jsonl``, ``s3://bucket/corpus/**/*.parquet``; the rule is in ``globs``). A
     local pattern is returned as it is once the directory before its first wildcard is found
     (``data_files`` lists what it names); from S3 only the objects that match are downloaded, and
-    the pattern over their local copies is returned."""
-    if not has_glob(uri) or (not is_s3(uri) and to_local(uri).exists()):
+    the pattern over their local copies is returned. A path that exists under its own name is
+    never a pattern, on S3 too (a key may hold `[`: `s3://b/d/part[1].jsonl`)."""
+    if not has_glob(uri):
+        return localize(uri, cache_dir)
+    if is_s3(uri) and has_glob(split_s3(uri)[0]):
+        raise StorageError(
+            f"{uri}: the bucket's name cannot be a pattern; name the bucket", uri, INVALID
+        )
+    if exists(uri):  # a file, a directory, or an S3 object or prefix, named as it is
         return localize(uri, cache_dir)
     fixed, pattern = split_glob(uri)
     if not is_s3(uri):
@@ -106,10 +114,6 @@ def localize_data(uri: str, cache_dir: str | os.PathLike[str] | None = None) -> 
                 NOT_FOUND,
             )
         return to_local(uri)
-    if has_glob(split_s3(uri)[0]):
-        raise StorageError(
-            f"{uri}: the bucket's name cannot be a pattern; name the bucket", uri, INVALID
-        )
     none = (
         f"nothing matches {uri}: no object under {fixed}/ has a name that matches {pattern}; "
         f"check the pattern (`aws s3 ls --recursive {fixed}/`)"

@@ -256,6 +256,27 @@ def test_an_s3_pattern_downloads_only_what_it_matches(s3_bucket, s3_client, tmp_
         localize_data("s3://buck*/d/x.jsonl", cache_dir=cache)
 
 
+def test_an_s3_key_that_holds_wildcards_is_read_under_its_own_name(s3_bucket, s3_client, tmp_path):
+    # `[1]` as a pattern matches `part1.jsonl`; the object named `part[1].jsonl` is the one meant
+    for key in ["d/part[1].jsonl", "d/part1.jsonl", "e*/a.jsonl"]:
+        s3_client.put_object(Bucket=s3_bucket, Key=key, Body=key.encode())
+    cache = tmp_path / "cache"
+    path = localize_data(f"s3://{s3_bucket}/d/part[1].jsonl", cache_dir=cache)
+    assert path == cache / s3_bucket / "d" / "part[1].jsonl"
+    assert path.read_bytes() == b"d/part[1].jsonl"
+    assert find_data_files(path) == [path]
+    assert not (cache / s3_bucket / "d" / "part1.jsonl").exists()
+    # a prefix too: `e*` is a "directory" of that name
+    path = localize_data(f"s3://{s3_bucket}/e*", cache_dir=cache)
+    assert path == cache / s3_bucket / "e*"
+    assert find_data_files(path) == [path / "a.jsonl"]
+    # what does not exist under its name is still a pattern: `[1]` matches `1`
+    path = localize_data(f"s3://{s3_bucket}/d/part[1]*", cache_dir=cache)
+    assert find_data_files(path) == [cache / s3_bucket / "d" / "part1.jsonl"]
+    with pytest.raises(StorageError, match="nothing matches"):
+        localize_data(f"s3://{s3_bucket}/d/part[2-9]*", cache_dir=cache)
+
+
 @pytest.mark.integration
 def test_train_on_s3_patterns_reads_only_the_files_they_name(s3_endpoint, s3_bucket, tmp_path):
     model = make_model(tmp_path / "model", "llama-mha")
