@@ -326,6 +326,30 @@ def dataset_root(path: str | Path) -> Path:
     return path if path.is_dir() else path.parent
 
 
+def file_names(path: str | Path, files: list[Path]) -> list[str]:
+    """`files` of the dataset `path` by their names relative to its `dataset_root`: what
+    `named_files` takes back, on any node that has the dataset under another root."""
+    root = dataset_root(path)
+    return [f.relative_to(root).as_posix() for f in files]
+
+
+def named_files(path: str | Path, names: list[str]) -> list[Path]:
+    """The files of the dataset `path` that `file_names` named when the run started, in that
+    order, whatever the directory or pattern names now: a file added since (a shard written into
+    the directory mid-run) would move the documents the workers' cursors count. DataError naming
+    the first one that is gone."""
+    root = dataset_root(path)
+    files = [root / name for name in names]
+    for f in files:
+        if not f.is_file():
+            raise DataError(
+                f"{path}: {f} was one of its data files when the run started and is not there "
+                "now: put it back, or resume the run on the data as it is now (--resume "
+                "--allow-data-change)"
+            )
+    return files
+
+
 def _listing(path: Path) -> tuple[Path, list[Path], list[Path]]:
     """A dataset directory's or pattern's data files and other files, with the directory their
     names are given relative to (`dataset_root`)."""

@@ -26,7 +26,7 @@ from .checkpoint import LATEST_MARKER, checkpoints_uri
 from .cluster import check_shared_output, on_node, start_ray, trainer_slots, weight_store_bytes
 from .config import TrainConfig, flag
 from .data import Holdout, check_dataset, check_has_targets, check_tokenizer_fits
-from .data_files import dataset_notes, not_held_out_notes
+from .data_files import dataset_notes, file_names, not_held_out_notes
 from .errors import NOT_FOUND, ConfigError, StorageError, cause_chain
 from .hf_checkpoint import SafetensorsCheckpoint, read_model_args, seq_len_problems, tokenizer_path
 from .hub import resolve_dataset, resolve_model
@@ -166,6 +166,7 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
         notes=notes,
         model_fingerprint=fingerprint,
         data_fingerprint=data,
+        data_files=file_names(data_path, files),
         eval_data_fingerprint=eval_fingerprint,
     )
 

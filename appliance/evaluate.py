@@ -37,7 +37,7 @@ from .data import (
     skipped_message,
     with_skip_hint,
 )
-from .data_files import find_data_files, is_pattern
+from .data_files import find_data_files, is_pattern, named_files
 from .engine import MicroBatch, StreamedEngine
 from .errors import ConfigError
 from .lora import load_adapter
@@ -58,15 +58,18 @@ def read_documents(
     holdout: Holdout | None = None,
     on_bad_record: str = "fail",
     warn: Callable[[str], None] | None = None,
+    files: list[str] | None = None,
 ) -> list[Document]:
     """Every document of `data_path`, encoded as training encodes it and truncated to `seq_len`
     tokens; documents left without a target are dropped. DataError naming `file:line` (or
     `file:row N`) for a bad record, unless `on_bad_record="skip"` (then it is left out).
     `holdout`: only the documents --eval-split holds out. `warn` is told of skipped records and
-    of truncated documents (how many, the tokens not scored)."""
-    files = find_data_files(data_path)
+    of truncated documents (how many, the tokens not scored). `files`: the data files by name,
+    as the run listed them when it started (`data_files.file_names`; None: what `data_path`
+    names now): --eval-split's documents are counted over those, as the workers count them."""
+    found = find_data_files(data_path) if files is None else named_files(data_path, files)
     records, skipped = [], []
-    for raw in ShardReader(files, 0, 1, holdout=holdout):
+    for raw in ShardReader(found, 0, 1, holdout=holdout):
         try:
             records.append(parse_document(raw, chat))
         except DataError as e:
@@ -144,12 +147,12 @@ def validation_batches(cfg, inp, warn: Callable[[str], None] | None = None) -> l
     from . import storage
     from .s3_cache import localize, localize_data
 
-    holdout = None
+    holdout = files = None
     if cfg.eval_data:
         path = localize_data(cfg.eval_data)
-    elif cfg.eval_split:
+    elif cfg.eval_split:  # the documents the workers skip: counted over the same files
         path = localize_data(cfg.data)
-        holdout = Holdout(cfg.eval_split, cfg.seed, held_out=True)
+        holdout, files = Holdout(cfg.eval_split, cfg.seed, held_out=True), inp.data_files
     else:
         path = inp.eval_data  # the demo's held-out corpus
     # from the model's URI, as the tokenizer workers do: with --cluster this runs in the
@@ -164,6 +167,7 @@ def validation_batches(cfg, inp, warn: Callable[[str], None] | None = None) -> l
         holdout,
         cfg.on_bad_record,
         warn=warn,
+        files=files,
     )
     if not docs:
         what = f"--eval-split {cfg.eval_split}" if holdout else f"eval data {path}"

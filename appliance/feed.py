@@ -33,6 +33,7 @@ def worker_kwargs(
         packing=cfg.packing,
         chat_template=inp.chat_template,
         holdout=Holdout(cfg.eval_split, cfg.seed) if cfg.eval_split else None,
+        files=inp.data_files,  # as listed at the start: a restart reads the same documents
     )
 
 

@@ -61,6 +61,7 @@ class Inputs:
     notes: list[str] = field(default_factory=list)  # for the user, e.g. files the data skipped
     model_fingerprint: str | None = None  # of model_dir (run_record), for run.json
     data_fingerprint: dict | None = None  # of data_path (run_record), for run.json
+    data_files: list[str] | None = None  # data_path's files when the run started, by name
     eval_data_fingerprint: dict | None = None  # of eval_data, likewise
 
 

@@ -51,7 +51,7 @@ from appliance.data import (
     parse_document,
     with_skip_hint,
 )
-from appliance.data_files import find_data_files
+from appliance.data_files import find_data_files, named_files
 from appliance.metrics import TokenizerMetrics
 from appliance.packing import fill_rows, split_document
 from appliance.s3_cache import localize, localize_data
@@ -105,9 +105,13 @@ class TokenizeWorker:
         packing: str = "documents",
         chat_template: ChatTemplate | None = None,
         holdout: Holdout | None = None,
+        files: list[str] | None = None,
     ):
         """`chat_template`: renders conversation records (None: they are refused). `holdout`:
-        the documents of `--eval-split` this worker skips (or, for evaluation, only reads)."""
+        the documents of `--eval-split` this worker skips (or, for evaluation, only reads).
+        `files`: the data files by name (`data_files.file_names`), as the run listed them when it
+        started: a worker restarted mid-run reads those, whatever the directory holds by then
+        (None: the files `data_path` names now)."""
         if num_workers < 1 or not 0 <= worker_index < num_workers:
             raise ValueError(f"worker_index {worker_index} not in [0, num_workers={num_workers})")
         if seq_len < 1 or micro_batch_size < 1:
@@ -131,7 +135,7 @@ class TokenizeWorker:
         self.epochs = epochs
         self.on_bad_record = on_bad_record
 
-        self.files = find_data_files(data_path)
+        self.files = find_data_files(data_path) if files is None else named_files(data_path, files)
         self.tokenizer = load_tokenizer(tokenizer_path)
         vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
         pad_id = eos_id if pad_id is None else pad_id  # padding is masked: any valid id works

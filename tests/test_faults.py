@@ -204,9 +204,16 @@ def test_trainer_killed_mid_run_is_recreated_and_the_run_is_unchanged(inputs, re
 
 
 def test_tokenizer_worker_killed_mid_run_resumes_from_its_cursor(inputs, reference, tmp_path):
+    """... on the files the run started with: a shard written into its --data directory since,
+    sorting before them, would move every document the worker's cursor counts."""
+    model, data = inputs
+    directory = tmp_path / "data"
+    directory.mkdir()
+    (directory / "b.jsonl").write_bytes(data.read_bytes())  # the reference's documents
     out = tmp_path / "out"
-    proc = Proc(args(inputs, out))
+    proc = Proc(args((model, directory), out))
     proc.wait_for_step(5)
+    (directory / "a.jsonl").write_text(json.dumps({"text": "a shard that came later"}) + "\n")
     proc.descendant("ray::ShardWorker").send_signal(signal.SIGKILL)
     rc, _, err = proc.finish()
     assert rc == 0, err[-3000:]

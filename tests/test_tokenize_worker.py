@@ -12,7 +12,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from appliance.data import IGNORE_INDEX, SKIP_HINT, Batch, DataError, check_dataset
-from appliance.data_files import DATA_FILES
+from appliance.data_files import DATA_FILES, file_names
 from appliance.tokenize_worker import ACTOR_OPTIONS, TokenizeWorker, default_num_workers
 from tests.helpers_ray import ray_session
 from tests.helpers_tokenizer import make_tokenizer, sentences
@@ -234,6 +234,38 @@ def test_resume_from_any_cursor_reproduces_the_rest(data, tok, w, n):
         assert_same_batches(
             all_batches(new_worker(root, tok, **kw, cursor=cursor)), batches[k + 1 :]
         )
+
+
+def test_a_worker_given_the_runs_files_resumes_on_them_when_a_file_joined_the_directory(
+    data, tok, tmp_path
+):
+    root, _ = data
+    names = file_names(root, check_dataset(root))
+    assert names == ["a.jsonl", "b/doc.txt", "c/d.jsonl"]
+    kw = dict(w=1, n=2, seq_len=6, mbs=2)
+    batches = all_batches(new_worker(root, tok, **kw))
+    cursor = json.loads(json.dumps(batches[2].cursor))
+    # a shard written into the directory mid-run, sorting before the others: it would move every
+    # document the cursor counts
+    write_jsonl(root / "0-new.jsonl", [{"text": s} for s in sentences(5, seed=9)])
+    assert_same_batches(
+        all_batches(new_worker(root, tok, **kw, cursor=cursor, files=names)), batches[3:]
+    )
+    moved = all_batches(new_worker(root, tok, **kw, cursor=cursor))  # the directory as it is now
+    assert [b.input_ids.tolist() for b in moved] != [b.input_ids.tolist() for b in batches[3:]]
+    # a pattern's files by name relative to its fixed part, a file's relative to its directory
+    pattern = root / "*" / "*.jsonl"
+    assert file_names(pattern, check_dataset(pattern)) == ["c/d.jsonl"]
+    assert file_names(root / "a.jsonl", [root / "a.jsonl"]) == ["a.jsonl"]
+    # one of the run's files gone: named, with what to do
+    (root / "c" / "d.jsonl").unlink()
+    with pytest.raises(DataError) as e:
+        new_worker(root, tok, **kw, files=names)
+    assert str(e.value) == (
+        f"{root}: {root / 'c' / 'd.jsonl'} was one of its data files when the run started and is "
+        "not there now: put it back, or resume the run on the data as it is now (--resume "
+        "--allow-data-change)"
+    )
 
 
 def test_seek_repositions_a_running_worker(data, tok):

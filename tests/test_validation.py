@@ -58,6 +58,41 @@ def test_holdout_is_deterministic_disjoint_and_never_trained_on(tmp_path):
     assert [d[0].tolist() for d in other] != [d[0].tolist() for d in held]  # --seed picks them
 
 
+def test_the_held_out_documents_stay_those_of_the_runs_files_when_one_joins_mid_run(tmp_path):
+    """--eval-split holds documents out by their index over the data files; the validation set,
+    built at the first eval, counts them over the files the run started with, as the workers do:
+    a shard written into the directory since would otherwise move trained documents into it."""
+    from appliance.data_files import file_names
+    from appliance.evaluate import validation_batches
+    from appliance.run import Inputs
+
+    tok, _, eos, pad = make_tokenizer(tmp_path / "model")
+    data = tmp_path / "data"
+    data.mkdir()
+    texts = sentences(120, seed=4, min_words=2)
+    (data / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    names = file_names(data, [data / "b.jsonl"])
+    cfg = build_config(
+        {},
+        {
+            "model": str(tmp_path / "model"),
+            "data": str(data),
+            "output": str(tmp_path / "out"),
+            "eval_split": "0.25",
+            "seq_len": "64",
+            "micro_batch_size": "2",
+        },
+    )
+    inp = Inputs(cfg, tmp_path / "model", data, eos, pad, "cpu", "f32", data_files=names)
+    before = validation_batches(cfg, inp)
+    new = sentences(30, seed=5, min_words=2)
+    (data / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in new))
+    after = validation_batches(cfg, inp)
+    assert [b.input_ids.tolist() for b in after] == [b.input_ids.tolist() for b in before]
+    now = validation_batches(cfg, Inputs(cfg, tmp_path / "model", data, eos, pad, "cpu", "f32"))
+    assert [b.input_ids.tolist() for b in now] != [b.input_ids.tolist() for b in before]
+
+
 def test_a_dataset_without_any_target_token_is_refused(tmp_path):
     from tests.helpers_tokenizer import make_chat_tokenizer
 
