@@ -139,8 +139,9 @@ def eval_batches(
 
 
 def validation_batches(cfg, inp, warn: Callable[[str], None] | None = None) -> list[Batch]:
-    """The run's validation set (`run.Inputs` `inp` of config `cfg`): --eval-data, the documents
-    --eval-split holds out of --data, or the demo's held-out corpus, as `eval_batches`. Each
+    """The run's validation set (`run.Inputs` `inp` of config `cfg`, which has one: `Run.has_eval`):
+    --eval-data (the demo's held-out corpus is its --eval-data) or the documents --eval-split
+    holds out of --data, as `eval_batches`. Each
     document is encoded as training encodes it, truncated to --seq-len and scored alone (the
     semantics of `appliance eval`); DataError if none has a target token. `warn`: as in
     `read_documents` (skipped records, documents cut to --seq-len)."""
@@ -150,11 +151,9 @@ def validation_batches(cfg, inp, warn: Callable[[str], None] | None = None) -> l
     holdout = files = None
     if cfg.eval_data:
         path = localize_data(cfg.eval_data)
-    elif cfg.eval_split:  # the documents the workers skip: counted over the same files
+    else:  # --eval-split: the documents the workers skip, counted over the same files
         path = localize_data(cfg.data)
         holdout, files = Holdout(cfg.eval_split, cfg.seed, held_out=True), inp.data_files
-    else:
-        path = inp.eval_data  # the demo's held-out corpus
     # from the model's URI, as the tokenizer workers do: with --cluster this runs in the
     # driver, on the head, and inp's paths are the trainer node's (its S3 cache)
     tokenizer = data.load_tokenizer(localize(storage.join(cfg.model, "tokenizer.json")))

@@ -14,7 +14,7 @@ from typing import BinaryIO
 
 from . import storage
 from .config import TrainConfig
-from .data_files import dataset_root, some_of
+from .data_files import file_names, some_of
 from .errors import ConfigError
 
 RUN_FILE = "run.json"
@@ -94,13 +94,13 @@ def data_fingerprint(path: str | Path, files: list[Path]) -> dict:
     same data (at a new path too, files renamed alike), another one is named by `data_changes`.
     Past NAMED_DATA_FILES files (a corpus of one document per file), 4 KiB of each is hashed and
     only their count is kept beside the digest: run.json stays small."""
-    root, entries, h = dataset_root(path), [], hashlib.sha256()
+    entries, h = [], hashlib.sha256()
     places = 16 if len(files) <= NAMED_DATA_FILES else 1
-    for f in files:
+    for name, f in zip(file_names(path, files), files, strict=True):  # the names workers get
         size, sampled = f.stat().st_size, hashlib.sha256()
         with open(f, "rb") as fh:
             _sample(fh, 0, size, sampled, places)
-        entries.append([f.relative_to(root).as_posix(), size, sampled.hexdigest()[:16]])
+        entries.append([name, size, sampled.hexdigest()[:16]])
         h.update(f"{size}\0{entries[-1][2]}\0".encode())
     named = entries if len(entries) <= NAMED_DATA_FILES else None
     return {"digest": h.hexdigest(), "count": len(entries), "files": named}
