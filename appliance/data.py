@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from .chat import ChatError, ChatTemplate, messages_of, render_with_spans, target_mask
+from .chat import ChatError, ChatTemplate, messages_of, render_with_spans, target_mask, tools_of
 from .data_files import (
     TABLES,
     data_format,
@@ -94,13 +94,15 @@ class Batch:
 @dataclass(frozen=True)
 class Record:
     """A parsed document: `text`, or `prompt` + `completion` (then `text` is None), or a
-    conversation: `messages`, rendered into `text` with `spans` (the assistant turns' characters,
-    see chat.py) once a chat template is applied."""
+    conversation: `messages` (and the record's `tools`, for the template), rendered into `text`
+    with `spans` (the trained assistant turns' characters, see chat.py) once a chat template is
+    applied."""
 
     text: str | None = None
     prompt: str | None = None
     completion: str | None = None
     messages: list[dict] | None = None
+    tools: list[dict] | None = None
     spans: tuple[tuple[int, int], ...] | None = None
 
 
@@ -127,8 +129,10 @@ class RawDocument:
     doc: int  # index within the worker's shard
     where: str  # "file:line" for .jsonl, "file:[N]" for a .json array, "file:row N" for a table,
     # "file" for .txt
-    data: bytes  # a table's row (null columns dropped) or an array's item arrives as JSON
-    kind: str  # "jsonl" | "txt"
+    data: Any  # bytes ("jsonl", "txt"), or the value itself ("object": a table's row as a dict,
+    # null columns dropped, or a .json array's item): never turned back into JSON, so a column
+    # JSON cannot hold (a date, bytes) is only a problem if the record's text is in it
+    kind: str  # "jsonl" | "txt" | "object"
 
 
 class ShardReader:
@@ -175,9 +179,8 @@ class ShardReader:
                 if any(self._mine(i, first) for i in range(g, g + n)):
                     for row, obj in enumerate(table_rows(f)):
                         if self._mine(g, first):
-                            data = json.dumps(obj).encode()
                             yield RawDocument(
-                                g // self.num_workers, f"{f}:row {row}", data, "jsonl"
+                                g // self.num_workers, f"{f}:row {row}", obj, "object"
                             )
                         g += 1
                 else:
@@ -187,8 +190,7 @@ class ShardReader:
             if kind == "json" and is_json_array(f):
                 for i, obj in enumerate(json_array_items(f)):
                     if self._mine(g, first):
-                        data = json.dumps(obj).encode()
-                        yield RawDocument(g // self.num_workers, f"{f}:[{i}]", data, "jsonl")
+                        yield RawDocument(g // self.num_workers, f"{f}:[{i}]", obj, "object")
                     g += 1
                 self.total_documents = g
                 continue
@@ -210,8 +212,25 @@ def _decode_utf8(data: bytes, where: str) -> str:
 
 
 def _type_name(value: Any) -> str:
+    """How an error names a value's type: JSON's words, and a table column's Python type."""
+    if value is None:
+        return "null"
     names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
-    return names.get(type(value), "null" if value is None else "a number")
+    names |= {int: "a number", float: "a number", bytes: "bytes (a binary column)"}
+    return names.get(type(value), f"a {type(value).__name__} value")
+
+
+def _json_line(text: str, where: str) -> Any:
+    """A .jsonl line's value; BadRecord naming `where` and the column when it is not JSON."""
+    try:
+        # without its line break, or a line cut short is reported at the next line's column 1
+        return json.loads(text.rstrip("\r\n"))
+    except json.JSONDecodeError as e:
+        # json's C scanner says "Invalid control character at": one "at" is enough
+        problem = f"{e.msg.removesuffix(' at')} at column {e.colno}"
+        if e.msg.startswith("Invalid control character"):
+            problem += " (a tab or other control character inside a string must be escaped: \\t)"
+        raise BadRecord(f"{where}: malformed JSON: {problem}") from None
 
 
 def parse_document(raw: RawDocument, chat: ChatTemplate | None = None) -> Record:
@@ -219,17 +238,13 @@ def parse_document(raw: RawDocument, chat: ChatTemplate | None = None) -> Record
 
     A conversation is rendered with `chat` (the model's template) into `text` + `spans`;
     without a template it is an error that says to pass --chat-template."""
-    text = _decode_utf8(raw.data, raw.where)
-    if raw.kind == "txt":
-        return Record(text=text)
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        # json's C scanner says "Invalid control character at": one "at" is enough
-        problem = f"{e.msg.removesuffix(' at')} at column {e.colno}"
-        if e.msg.startswith("Invalid control character"):
-            problem += " (a tab or other control character inside a string must be escaped: \\t)"
-        raise BadRecord(f"{raw.where}: malformed JSON: {problem}") from None
+    if raw.kind == "object":
+        obj = raw.data
+    else:
+        text = _decode_utf8(raw.data, raw.where)
+        if raw.kind == "txt":
+            return Record(text=text)
+        obj = _json_line(text, raw.where)
     if not isinstance(obj, dict):
         raise BadRecord(f"{raw.where}: expected a JSON object, found {_type_name(obj)}")
     if "text" in obj:
@@ -254,8 +269,9 @@ def parse_document(raw: RawDocument, chat: ChatTemplate | None = None) -> Record
                     "(no chat_template in tokenizer_config.json, no chat_template.jinja): "
                     "pass --chat-template FILE"
                 )
-            text, spans = render_with_spans(chat, messages, raw.where)
-            return Record(text=text, messages=messages, spans=tuple(spans))
+            tools = tools_of(obj, raw.where)
+            text, spans = render_with_spans(chat, messages, raw.where, tools)
+            return Record(text=text, messages=messages, tools=tools, spans=tuple(spans))
     except ChatError as e:
         raise BadRecord(str(e)) from None
     keys = sorted(obj)
@@ -322,14 +338,21 @@ def encode_records(
     """Encode documents in batches; returns (ids int64, loss mask bool) per record, EOS appended
     (not to a conversation: its template ends each turn itself).
 
-    The mask is False on prompt tokens: those are never targets. A conversation's rendered text
+    The mask is False on prompt tokens: those are never targets. An empty or blank text gives no
+    tokens (packing and evaluation drop a document under 2 tokens). A conversation's rendered text
     is encoded without special tokens (the template places them); its mask is chat.target_mask.
     """
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # no offsets needed
     text_idx = [i for i, r in enumerate(records) if r.text is not None and r.spans is None]
+    # An empty (or blank) text is no document: no tokens at all, not BOS + EOS, which would teach
+    # the model to stop at once (wikitext-style data holds thousands of empty rows).
+    empty = {i for i in text_idx if not records[i].text.strip()}  # type: ignore[union-attr]
+    text_idx = [i for i in text_idx if i not in empty]
     pc_idx = [i for i, r in enumerate(records) if r.text is None]
     chat_idx = [i for i, r in enumerate(records) if r.spans is not None]
     out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(records)
+    for i in empty:
+        out[i] = (np.empty(0, dtype=np.int64), np.empty(0, dtype=bool))
     if chat_idx:
         encs = tokenizer.encode_batch([records[i].text for i in chat_idx], add_special_tokens=False)
         for i, enc in zip(chat_idx, encs, strict=True):
@@ -367,20 +390,34 @@ def check_has_targets(
     `tokenizer`: the one `load_tokenizer` (or `check_tokenizer_fits`) returned."""
     records: list[Record] = []
     reader = iter(ShardReader(find_data_files(data_path), 0, 1, holdout=holdout))
+    read, bad = 0, []  # documents read; the bad ones' errors
     while True:
         raw = next(reader, None)
         if raw is not None:
+            read += 1
             try:
                 records.append(parse_document(raw, chat))
             except DataError as e:
                 if on_bad_record != "skip":
                     raise with_skip_hint(e) from None
+                bad.append(str(e))
         if records and (raw is None or len(records) == chunk):
             if any(mask[1:].any() for _, mask in encode_records(tokenizer, records, eos_id)):
                 return
             records = []
         if raw is None:
-            raise DataError(
-                f"{data_path}: no record has a target token, so there is nothing to learn "
-                "(completions, assistant turns: check the records and the chat template)"
-            )
+            break
+    if read == 0 and holdout is not None:  # (find_data_files found documents)
+        raise DataError(
+            f"{data_path}: --eval-split {holdout.fraction} holds out every document, so there is "
+            "nothing to train on: give a smaller --eval-split"
+        )
+    if bad and len(bad) == read:
+        raise DataError(
+            f"{data_path}: every record ({read}) is bad, and --on-bad-record skip skipped them "
+            f"all, so there is nothing to learn; the first: {bad[0]}"
+        )
+    raise DataError(
+        f"{data_path}: no record has a target token, so there is nothing to learn "
+        "(completions, assistant turns: check the records and the chat template)"
+    )

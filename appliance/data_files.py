@@ -264,14 +264,17 @@ def find_data_files(path: str | Path) -> list[Path]:
     else:
         files = _files_under(root)
         if not files:
-            skipped = unreadable_files(root)
+            skipped = [
+                f"{len(names)} {what} file(s): {some_of(names)}"
+                for what, names in (
+                    ("other", unreadable_files(root)),
+                    ("hidden", _relative(_files_under(root, hidden=True), root)),
+                )
+                if names
+            ]
             raise DataError(
                 f"empty dataset: no data files ({DATA_FILES}) under {path}"
-                + (
-                    f" (skipped {len(skipped)} other file(s): {some_of(skipped)})"
-                    if skipped
-                    else ""
-                )
+                + (f" (skipped {'; '.join(skipped)})" if skipped else "")
             )
     if not has_documents(files):
         raise DataError(
@@ -301,10 +304,21 @@ def some_of(names: list[str], n: int = 5) -> str:
     return ", ".join(names[:n]) + (", ..." if len(names) > n else "")
 
 
-def _files_under(root: Path) -> list[Path]:
-    """The data files under a directory, sorted by relative POSIX path: the document order is
-    the same on every machine."""
-    files = [f for f in root.rglob("*") if data_format(f) is not None and f.is_file()]
+def _hidden(f: Path, root: Path) -> bool:
+    """Is `f` hidden under `root`: its name, or a directory's on the way, starts with "."
+    (`.ipynb_checkpoints/`, macOS's `._` copies, `.git/`)? A directory's hidden files are not
+    its data, as a pattern's `*` does not match them."""
+    return any(part.startswith(".") for part in f.relative_to(root).parts)
+
+
+def _files_under(root: Path, hidden: bool = False) -> list[Path]:
+    """The data files under a directory (or, `hidden`, its hidden ones), sorted by relative
+    POSIX path: the document order is the same on every machine."""
+    files = [
+        f
+        for f in root.rglob("*")
+        if data_format(f) is not None and _hidden(f, root) == hidden and f.is_file()
+    ]
     return sorted(files, key=lambda f: f.relative_to(root).as_posix())
 
 
@@ -313,7 +327,7 @@ def _others_under(root: Path) -> list[Path]:
     return [
         f
         for f in root.rglob("*")
-        if f.is_file() and data_format(f) is None and not f.name.startswith(".")
+        if data_format(f) is None and not _hidden(f, root) and f.is_file()
     ]
 
 
@@ -417,6 +431,9 @@ def dataset_notes(path: str | Path, flag: str, uri: str) -> list[str]:
             f"{flag} {uri}: skipped {len(skipped)} file(s) that are not data ({DATA_FILES}): "
             + some_of(skipped)
         )
+    is_dir = not is_pattern(Path(path)) and Path(path).is_dir()
+    if is_dir and (hidden := _relative(_files_under(root, hidden=True), root)):
+        notes.append(f"{flag} {uri}: skipped {len(hidden)} hidden file(s): " + some_of(hidden))
     files = _relative(data, root)
     splits: dict[str, list[str]] = {}
     for f in files:
@@ -503,20 +520,30 @@ def table_num_rows(f: Path) -> int:
     return sum(batch.num_rows for batch in _record_batches(f))
 
 
-def has_documents(files: Sequence[Path]) -> bool:
-    """True as soon as one document is found (cheap: stops at the first)."""
+def count_documents(files: Sequence[Path], limit: int) -> int:
+    """The documents in `files`, counted up to `limit` (cheap: reads no further). A .txt file
+    is one document; a table's rows are counted from its footer."""
+    n = 0
     for f in files:
         kind = data_format(f)
         if kind == "txt":
-            return True
-        if kind in TABLES:
-            if table_num_rows(f) > 0:
-                return True
-            continue
-        if kind == "json" and is_json_array(f):
-            if any(True for _ in json_array_items(f)):  # (stops at the first item)
-                return True
-            continue
-        if any(line.strip() for line in read_lines(f)):
-            return True
-    return False
+            n += 1
+        elif kind in TABLES:
+            n += table_num_rows(f)
+        else:
+            if kind == "json" and is_json_array(f):
+                documents: Iterator = json_array_items(f)
+            else:  # JSON Lines: a blank line is no document
+                documents = (line for line in read_lines(f) if line.strip())
+            for _ in documents:
+                n += 1
+                if n >= limit:
+                    break
+        if n >= limit:
+            return limit
+    return n
+
+
+def has_documents(files: Sequence[Path]) -> bool:
+    """True as soon as one document is found (cheap: stops at the first)."""
+    return count_documents(files, 1) > 0

@@ -22,11 +22,11 @@ from pathlib import Path
 
 from . import model_card, storage
 from .chat import load_chat_template
-from .checkpoint import LATEST_MARKER, checkpoints_uri
+from .checkpoint import LATEST_MARKER, checkpoints_uri, list_checkpoints
 from .cluster import check_shared_output, on_node, start_ray, trainer_slots, weight_store_bytes
 from .config import TrainConfig, flag
 from .data import Holdout, check_dataset, check_has_targets, check_tokenizer_fits
-from .data_files import dataset_notes, file_names, not_held_out_notes
+from .data_files import count_documents, dataset_notes, file_names, not_held_out_notes
 from .errors import NOT_FOUND, ConfigError, StorageError, cause_chain
 from .hf_checkpoint import SafetensorsCheckpoint, read_model_args, seq_len_problems, tokenizer_path
 from .hub import resolve_dataset, resolve_model
@@ -49,6 +49,7 @@ from .run_record import (
     run_identity,
 )
 from .s3_cache import localize, localize_data, localize_model
+from .tokenize_worker import MAX_DEFAULT_WORKERS
 from .trainer import resolve_device, resolve_dtype
 
 
@@ -167,6 +168,7 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
         model_fingerprint=fingerprint,
         data_fingerprint=data,
         data_files=file_names(data_path, files),
+        documents=count_documents(files, MAX_DEFAULT_WORKERS),  # a default worker count's cap
         eval_data_fingerprint=eval_fingerprint,
     )
 
@@ -184,6 +186,16 @@ def _eval_data_notes(cfg: TrainConfig, previous: dict, now: dict | None) -> list
         "validation losses from here on are on the files as they are now, not comparable with "
         "the run's earlier ones"
     ]
+
+
+def _nothing_kept(out: str, previous: dict) -> bool:
+    """Did the run recorded in `out` (its run.json `previous`) end before its first checkpoint,
+    leaving nothing a new run in its place would lose? Not a complete run, nor one that may be
+    running now: on S3 nothing locks an output (a local one is locked by its driver)."""
+    status = previous.get("status")
+    if status == "complete" or (status == "running" and storage.is_s3(out)):
+        return False
+    return not list_checkpoints(out) and not storage.exists(storage.join(out, ADAPTER_CONFIG))
 
 
 def check_box(cfg: TrainConfig, args: ModelArgs) -> None:
@@ -237,15 +249,17 @@ def check_output(
             what_changed = f"--data {cfg.data} changed since the run started: " + data_changes(
                 data_was, data
             )
-            if not cfg.allow_data_change:
-                raise ConfigError(
-                    f"{given}: {what_changed}. The run's data cursors count documents in its files "
-                    "as they were: put them back to resume it as it was; or add "
-                    "--allow-data-change to continue on the data as it is now (a file whose name "
-                    "sorts after the others' is read after them; other changes shift what the "
-                    "run reads next); or start another run (another --output, or --overwrite)"
-                )
-            return [f"{what_changed}; continuing on it, as --allow-data-change asks", *notes]
+            if cfg.allow_data_change:
+                return [f"{what_changed}; continuing on it, as --allow-data-change asks", *notes]
+            if _nothing_kept(out, previous):  # no cursor to keep: the run starts on it afresh
+                return [f"{what_changed}; the run has no checkpoint yet: it starts on it", *notes]
+            raise ConfigError(
+                f"{given}: {what_changed}. The run's data cursors count documents in its files "
+                "as they were: put them back to resume it as it was; or add "
+                "--allow-data-change to continue on the data as it is now (a file whose name "
+                "sorts after the others' is read after them; other changes shift what the "
+                "run reads next); or start another run (another --output, or --overwrite)"
+            )
         if cfg.resume:
             if not same:
                 changed = [
@@ -265,6 +279,12 @@ def check_output(
             return notes
         what = "the same run" if same else "a different run"
         status = previous.get("status", "unknown")
+        if _nothing_kept(out, previous):  # the same command again, once its data is fixed
+            cfg.overwrite = True  # so `train` clears run.json before the new run writes
+            return [
+                f"--output {out} held {what} that ended ({status}) before its first "
+                "checkpoint: nothing of it to keep, starting this run in its place"
+            ]
         if status == "running":  # the driver holds the output's lock: no process writes it now
             status = "stopped before it finished" if not storage.is_s3(out) else status
         raise ConfigError(
@@ -391,8 +411,9 @@ def resolve_micro_batches(inp: Inputs, progress: Progress) -> None:
 def _record_failure(run: Run, error: BaseException) -> None:
     """run.json says a run that raised failed, and why, so the next `appliance train` into its
     output does not show it as running. Its checkpoints stay: `--resume` continues it."""
+    cause = cause_chain(error)[-1]  # an actor's DataError, not Ray's wrapper with its traceback
     try:
-        run.record("failed", {"error": f"{type(error).__name__}: {error}"[:2000]})
+        run.record("failed", {"error": f"{type(cause).__name__}: {cause}"[:2000]})
     except Exception:  # noqa: BLE001 - the output itself may be what failed; the error is raised
         pass
 
@@ -435,6 +456,8 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
             for note in run.inp.notes:
                 progress.note(note)
             run.create_actors()
+            if run.has_eval():  # built now: a validation set with nothing to score fails here,
+                run.eval_refs()  # not at the first eval, after hours of training
             before = run.evaluate() if demo and run.has_eval() else None  # the drop it makes
             # after ray.init, which sets its own SIGTERM handler. Ctrl-C/SIGTERM: checkpoint at
             # the next step boundary; once the last step is done, the run just finishes

@@ -157,23 +157,28 @@ def validation_batches(cfg, inp, warn: Callable[[str], None] | None = None) -> l
     # from the model's URI, as the tokenizer workers do: with --cluster this runs in the
     # driver, on the head, and inp's paths are the trainer node's (its S3 cache)
     tokenizer = data.load_tokenizer(localize(storage.join(cfg.model, "tokenizer.json")))
-    docs = read_documents(
-        path,
-        tokenizer,
-        inp.eos_id,
-        cfg.seq_len,
-        inp.chat_template,
-        holdout,
-        cfg.on_bad_record,
-        warn=warn,
-        files=files,
+    what = (
+        f"--eval-split {cfg.eval_split} (the documents held out of --data)"
+        if holdout
+        else f"--eval-data {cfg.eval_data}"
     )
-    if not docs:
-        what = f"--eval-split {cfg.eval_split}" if holdout else f"eval data {path}"
-        raise DataError(
-            f"{what}: no held-out document has a target token; nothing to validate on "
-            "(raise --eval-split, or check the data)"
+    try:
+        docs = read_documents(
+            path,
+            tokenizer,
+            inp.eos_id,
+            cfg.seq_len,
+            inp.chat_template,
+            holdout,
+            cfg.on_bad_record,
+            warn=warn,
+            files=files,
         )
+    except DataError as e:  # a record of the validation set: say which set it is
+        raise DataError(f"{what}: {e}") from None
+    if not docs:
+        fix = "raise --eval-split, or check the data" if holdout else "check the data"
+        raise DataError(f"{what}: no document has a target token; nothing to validate on ({fix})")
     pad = inp.pad_id if inp.pad_id is not None else inp.eos_id
     return eval_batches(docs, cfg.seq_len, cfg.micro_batch_size, pad)
 

@@ -62,6 +62,7 @@ class Inputs:
     model_fingerprint: str | None = None  # of model_dir (run_record), for run.json
     data_fingerprint: dict | None = None  # of data_path (run_record), for run.json
     data_files: list[str] | None = None  # data_path's files when the run started, by name
+    documents: int | None = None  # data_path's documents, counted up to MAX_DEFAULT_WORKERS
     eval_data_fingerprint: dict | None = None  # of eval_data, likewise
 
 
@@ -176,7 +177,7 @@ class Run:
             before.get("tokenize_workers"),
             "its data cursors are per worker",
         )
-        self.num_workers = W or default_num_workers(cpus - (R - 1))
+        self.num_workers = W or default_num_workers(cpus - (R - 1), inp.documents)
         if self.num_workers + R > cpus:  # an actor without a CPU would wait forever
             if cfg.tokenize_workers:
                 raise ConfigError(

@@ -70,14 +70,21 @@ PACKING = ("documents", "stream")
 PACK_GROUP_ROWS = 32  # best fit packs this many rows' worth of tokens at a time (bounded buffer)
 
 
-def default_num_workers(cpus_available: int, max_workers: int = 4) -> int:
+MAX_DEFAULT_WORKERS = 4
+
+
+def default_num_workers(
+    cpus_available: int, documents: int | None = None, max_workers: int = MAX_DEFAULT_WORKERS
+) -> int:
     """Tokenizer workers for a node with `cpus_available` CPUs.
 
     Leaves one CPU for the trainer and never goes below one worker. Capped at `max_workers`: one
     core tokenizes far more tokens per second than one GPU trains on, and each worker is a
-    process with its own memory.
+    process with its own memory. Never more than the data's `documents` (when known): each
+    worker needs one (a single .txt file is one document).
     """
-    return max(1, min(max_workers, cpus_available - 1))
+    cap = max_workers if documents is None else min(max_workers, documents)
+    return max(1, min(cap, cpus_available - 1))
 
 
 class TokenizeWorker:

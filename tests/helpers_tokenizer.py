@@ -74,3 +74,44 @@ def make_chat_tokenizer(directory: str | Path, template: str | None = CHAT_TEMPL
         config["chat_template"] = template
     (Path(directory) / "tokenizer_config.json").write_text(json.dumps(config))
     return {t: tok.token_to_id(t) for t in [IM_START, IM_END, *ROLE_WORDS]}
+
+
+# A "### Role: text" template whose generation prompt ends with a space, as Llama-2-era and many
+# fine-tunes' templates do: a subword tokenizer joins that space to the answer's first word.
+SPACE_PROMPT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}### Assistant: {{ m['content'] }}</s>\n"
+    "{% else %}### {{ m['role'] }}: {{ m['content'] }}\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}### Assistant: {% endif %}"
+)
+
+
+def make_subword_chat_tokenizer(directory: str | Path, kind: str) -> None:
+    """A small BPE tokenizer whose tokens carry the space before a word, as real models' do:
+    `kind` "byte-level" (GPT-2, Llama 3, Qwen: `Ġword`) or "metaspace" (SentencePiece, Llama 2,
+    Mistral: `▁word`), trained on `SPACE_PROMPT_TEMPLATE` conversations, with `</s>` special; and
+    a tokenizer_config.json holding that template. Writes `directory/tokenizer.json`."""
+    tok = Tokenizer(models.BPE(unk_token=None if kind == "byte-level" else UNK))
+    if kind == "byte-level":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        alphabet = pre_tokenizers.ByteLevel.alphabet()  # every byte: any text encodes
+    elif kind == "metaspace":
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+        alphabet = []
+    else:
+        raise ValueError(kind)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=[PAD, BOS, EOS, UNK], initial_alphabet=alphabet
+    )
+    said = sentences(400)
+    corpus = [
+        f"### user: {a}\n### Assistant: {b}{EOS}\n"
+        for a, b in zip(said[::2], said[1::2], strict=True)
+    ]
+    tok.train_from_iterator(corpus, trainer=trainer)
+    path = Path(directory) / "tokenizer.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    config = {"bos_token": BOS, "eos_token": EOS, "chat_template": SPACE_PROMPT_TEMPLATE}
+    (Path(directory) / "tokenizer_config.json").write_text(json.dumps(config))

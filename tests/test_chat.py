@@ -16,13 +16,19 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from appliance.chat import ChatError, load_chat_template
+from appliance.chat import ChatError, load_chat_template, messages_of, target_mask
+from appliance.data import SKIP_HINT, ShardReader, encode_records, load_tokenizer, parse_document
 from appliance.data_files import find_data_files, unreadable_files
 from appliance.errors import DataError
 from appliance.evaluate import evaluate
 from appliance.tokenize_worker import TokenizeWorker
 from tests.helpers_model import load_hf, make_model
-from tests.helpers_tokenizer import CHAT_TEMPLATE, make_chat_tokenizer
+from tests.helpers_tokenizer import (
+    CHAT_TEMPLATE,
+    SPACE_PROMPT_TEMPLATE,
+    make_chat_tokenizer,
+    make_subword_chat_tokenizer,
+)
 
 RTOL = 1e-5
 
@@ -94,7 +100,8 @@ def reference_loss(model_dir, conversations, seq_len) -> tuple[float, int]:
                 spans.append((len(start), len(end)))
         enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = enc["input_ids"][:seq_len]
-        target = [any(a <= s < b for a, b in spans) for s, _ in enc["offset_mapping"]][:seq_len]
+        target = [any(s < b and a < e for a, b in spans) for s, e in enc["offset_mapping"]]
+        target = target[:seq_len]
         labels = torch.tensor(
             [t if ok else -100 for t, ok in zip(ids[1:], target[1:], strict=True)]
         )
@@ -239,12 +246,58 @@ def test_a_template_that_does_not_compile_names_its_source_and_line(tmp_path):
     [
         (
             {"messages": "hi"},
-            '"messages" must be a list of {"role": ..., "content": "..."} objects (found str)',
+            '"messages" must be a list of {"role": ..., "content": "..."} objects (found a string)',
+        ),
+        (
+            {"messages": []},
+            '"messages" is empty: a conversation needs at least one assistant turn',
         ),
         ({"messages": [{"role": "user"}]}, '"messages"[0] must be {"role", "content"}'),
         (
             {"messages": [{"role": "user", "content": 3}]},
-            '"messages"[0].content must be a string (found int)',
+            '"messages"[0].content must be a string (found a number)',
+        ),
+        (
+            {"messages": [{"role": "user", "content": None}]},
+            '"messages"[0].content must be a string (found null)',
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "assistant", "tool_calls": []},
+                ]
+            },
+            '"messages"[1] must be {"role", "content"}',
+        ),
+        (
+            {"messages": CONVERSATIONS[1], "tools": {"name": "weather"}},
+            '"tools" must be a list of objects (found an object)',
+        ),
+        (
+            {"messages": CONVERSATIONS[1], "tools": ["weather"]},
+            '"tools"[0] must be an object (found a string)',
+        ),
+        (
+            {"messages": CONVERSATIONS[1], "tools": "[{oops"},
+            '"tools" is a string that is not JSON (Expecting property name enclosed in double '
+            "quotes: line 1 column 3 (char 2))",
+        ),
+        (
+            {"messages": [CONVERSATIONS[1][0], {**CONVERSATIONS[1][1], "weight": 0.5}]},
+            '"messages"[1].weight must be 0 or 1 (found 0.5)',
+        ),
+        (
+            {"messages": [CONVERSATIONS[1][0], {**CONVERSATIONS[1][1], "weight": True}]},
+            '"messages"[1].weight must be 0 or 1 (found true)',
+        ),
+        (
+            {"messages": [{**CONVERSATIONS[1][0], "weight": 1}, CONVERSATIONS[1][1]]},
+            '"messages"[0].weight is 1 on a user message: only assistant turns are trained',
+        ),
+        (
+            {"messages": [CONVERSATIONS[1][0], {**CONVERSATIONS[1][1], "weight": 0}]},
+            "every assistant turn has weight 0: nothing to learn",
         ),
         (
             {"messages": [{"role": "robot", "content": "a"}]},
@@ -310,3 +363,208 @@ def test_parquet_errors_name_file_and_row_and_other_files_are_named(model_dir, t
         DataError, match=r"p.parquet:row 1: record has no \"text\".*keys found: \"body\""
     ):
         worker_batches(tmp_path / "d", model_dir)
+
+
+def test_a_token_is_a_target_when_it_shares_a_character_with_a_span():
+    spans = [(5, 10), (20, 30)]
+    offsets = [(0, 4), (4, 6), (6, 10), (10, 12), (9, 11), (5, 5), (7, 7), (10, 10), (19, 21)]
+    # (4, 6): the prompt's last character and the answer's first; (5, 5) and (10, 10): no
+    # character, at a span's edge; (7, 7): no character, inside one
+    expected = [False, True, True, False, True, False, True, False, True]
+    assert target_mask(offsets, spans) == expected
+
+
+def with_generation(template: str, turn: str) -> str:
+    """`template` with the assistant `turn` in transformers' {% generation %} tags: the reference
+    template that `apply_chat_template(..., return_assistant_tokens_mask=True)` masks."""
+    assert template.count(turn) == 1
+    return template.replace(turn, "{% generation %}" + turn + "{% endgeneration %}")
+
+
+def ours_and_transformers(model_dir, record, reference_template, our_template=None):
+    """(ids, targets) of `record` as the appliance encodes it (its template: the model's, or the
+    file `our_template`), and as transformers' apply_chat_template gives them with its assistant
+    mask (`reference_template`: the same one, its trained turns in {% generation %} tags)."""
+    raw = ShardReader([write_jsonl(model_dir / "r.jsonl", [record])], 0, 1)
+    [parsed] = [parse_document(r, load_chat_template(model_dir, our_template)) for r in raw]
+    [(ids, mask)] = encode_records(load_tokenizer(model_dir), [parsed], eos_id=2)
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))
+    out = tok.apply_chat_template(
+        record["messages"],
+        tools=record.get("tools"),
+        chat_template=reference_template,
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+    )
+    return (ids.tolist(), mask.tolist()), (
+        out["input_ids"],
+        [m == 1 for m in out["assistant_masks"]],
+    )
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
+def test_targets_are_transformers_assistant_mask_when_the_prompt_space_starts_the_answer(
+    tmp_path, kind
+):
+    # "### Assistant: the dog": the answer's first token is "Ġthe" (or "▁the"), its space the
+    # generation prompt's: it is trained, as transformers' assistant mask has it
+    make_subword_chat_tokenizer(tmp_path, kind)
+    reference = with_generation(SPACE_PROMPT_TEMPLATE, "{{ m['content'] }}</s>\n")
+    for messages in CONVERSATIONS:
+        ours, theirs = ours_and_transformers(tmp_path, {"messages": messages}, reference)
+        assert ours == theirs
+        assert sum(ours[1]) > len([m for m in messages if m["role"] == "assistant"]) * 2
+
+
+def test_an_assistant_turn_of_weight_0_is_rendered_but_not_trained(tmp_path):
+    make_subword_chat_tokenizer(tmp_path, "byte-level")
+    turn = "{{ m['content'] }}</s>\n"
+    reference = SPACE_PROMPT_TEMPLATE.replace(
+        turn,
+        "{% if m.weight == 0 %}"
+        + turn
+        + "{% else %}{% generation %}"
+        + turn
+        + "{% endgeneration %}{% endif %}",
+    )
+    messages = [dict(m) for m in CONVERSATIONS[0]]
+    messages[2]["weight"] = 0  # OpenAI's fine-tuning format: this turn is not learned
+    messages[4]["weight"] = 1
+    ours, theirs = ours_and_transformers(tmp_path, {"messages": messages}, reference)
+    assert ours == theirs
+    unweighted = [{k: v for k, v in m.items() if k != "weight"} for m in messages]
+    every_turn, _ = ours_and_transformers(tmp_path, {"messages": unweighted}, reference)
+    assert every_turn[0] == ours[0] and sum(every_turn[1]) > sum(ours[1])
+
+
+# A template that reads what OpenAI-style tool use records carry beyond role and content
+TOOL_TURN = (
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{% if m.content %}{{ m.content }}{% endif %}"
+    "{% for c in m.tool_calls or [] %}"
+    "<call>{{ c.function.name }}({{ c.function.arguments }})</call>"
+    "{% endfor %}</s>\n"
+)
+TOOL_TEMPLATE = (
+    "{% if tools %}### tools:{% for t in tools %} {{ t.function.name }}{% endfor %}.\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' %}### Assistant: " + TOOL_TURN + "{% elif m.role == 'tool' %}"
+    "### tool {{ m.tool_call_id }} {{ m.name }}: {{ m.content }}\n"
+    "{% else %}### {{ m.role }}: {{ m.content }}\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}### Assistant: {% endif %}"
+)
+TOOL_RECORD = {
+    "tools": [
+        {
+            "type": "function",
+            "function": {
+                "name": "weather",
+                "parameters": {"type": "object", "properties": {"day": {"type": "integer"}}},
+            },
+        }
+    ],
+    "messages": [
+        {"role": "user", "content": "rain"},
+        {
+            "role": "assistant",
+            "content": None,  # OpenAI's form of a turn that only calls tools
+            "reasoning_content": "the sun",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": '{"day": 1}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "name": "weather", "content": "snow"},
+        {"role": "assistant", "content": "snow", "weight": 1},
+    ],
+}
+
+
+def test_message_keys_and_record_tools_reach_the_template_as_transformers_passes_them(tmp_path):
+    make_subword_chat_tokenizer(tmp_path, "byte-level")
+    (tmp_path / "tools.jinja").write_text(TOOL_TEMPLATE)
+    reference = with_generation(TOOL_TEMPLATE, TOOL_TURN)
+    no_content = json.loads(json.dumps(TOOL_RECORD))
+    del no_content["messages"][1]["content"]  # content missing, not null: the same
+    for record in (TOOL_RECORD, no_content):
+        ours, theirs = ours_and_transformers(tmp_path, record, reference, tmp_path / "tools.jinja")
+        assert ours == theirs
+    chat = load_chat_template(tmp_path, tmp_path / "tools.jinja")
+    [parsed] = [parse_document(r, chat) for r in ShardReader([tmp_path / "r.jsonl"], 0, 1)]
+    assert parsed.text.startswith("### tools: weather.\n### user: rain\n### Assistant: <think>")
+    assert '<call>weather({"day": 1})</call>' in parsed.text
+    assert parsed.tools == TOOL_RECORD["tools"]
+    # a parquet table gives every message every key of its column, null where it had none
+    (tmp_path / "pq").mkdir()
+    write_parquet(tmp_path / "pq" / "0.parquet", [TOOL_RECORD])
+    [row] = [parse_document(r, chat) for r in ShardReader([tmp_path / "pq" / "0.parquet"], 0, 1)]
+    assert (row.text, row.spans) == (parsed.text, parsed.spans)
+    # tools stored as a JSON string (ShareGPT function-calling sets): decoded, the same text
+    as_string = {**TOOL_RECORD, "tools": json.dumps(TOOL_RECORD["tools"])}
+    (tmp_path / "s.jsonl").write_text(json.dumps(as_string) + "\n")
+    [decoded] = [parse_document(r, chat) for r in ShardReader([tmp_path / "s.jsonl"], 0, 1)]
+    assert (decoded.text, decoded.spans, decoded.tools) == (parsed.text, parsed.spans, parsed.tools)
+
+
+def test_sharegpt_conversations_keep_their_mapping_and_their_other_keys():
+    record = {
+        "conversations": [
+            {"from": "human", "value": "rain"},
+            {"from": "gpt", "value": "snow", "name": "bot", "weight": 1},
+        ]
+    }
+    assert messages_of(record, "s.jsonl:1") == [
+        {"role": "user", "content": "rain"},
+        {"role": "assistant", "content": "snow", "name": "bot", "weight": 1},
+    ]
+
+
+def test_an_error_the_template_raises_names_the_record(model_dir, tmp_path):
+    # as Mistral's and Gemma's templates refuse a system turn
+    (tmp_path / "t.jinja").write_text(
+        "{% if messages[0]['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}" + CHAT_TEMPLATE
+    )
+    data = write_jsonl(
+        tmp_path / "c.jsonl", [{"messages": CONVERSATIONS[1]}, {"messages": CONVERSATIONS[0]}]
+    )
+    with pytest.raises(DataError) as e:
+        evaluate(model_dir, data, seq_len=32, chat_template=tmp_path / "t.jinja")
+    assert str(e.value) == (
+        f"{data}:2: chat template {tmp_path / 't.jinja'} failed: System role not supported "
+        f"({SKIP_HINT})"
+    )
+    # a template that cannot take what the record gives (content null, beside tool_calls)
+    record = {"messages": [CONVERSATIONS[1][0], TOOL_RECORD["messages"][1]]}
+    data = write_jsonl(tmp_path / "d.jsonl", [record])
+    with pytest.raises(DataError) as e:
+        worker_batches(data, model_dir)
+    assert str(e.value).startswith(
+        f"{data}:1: chat template {model_dir / 'tokenizer_config.json'} chat_template failed: "
+        "TypeError: "
+    )
+
+
+def test_chat_template_flag_takes_a_json_file_that_holds_one(model_dir, tmp_path):
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    chat = load_chat_template(model_dir, tmp_path / "tokenizer_config.json")
+    assert (chat.source, chat.template) == (
+        f"{tmp_path / 'tokenizer_config.json'} chat_template",
+        CHAT_TEMPLATE,
+    )
+    named = {"chat_template": [{"name": "default", "template": CHAT_TEMPLATE}]}
+    (tmp_path / "chat_template.json").write_text(json.dumps(named))
+    assert load_chat_template(model_dir, tmp_path / "chat_template.json").template == CHAT_TEMPLATE
+    (tmp_path / "other.json").write_text('{"eos_token": "</s>"}')
+    with pytest.raises(ChatError) as e:
+        load_chat_template(model_dir, tmp_path / "other.json")
+    assert str(e.value) == (
+        f'--chat-template {tmp_path / "other.json"}: a JSON file without "chat_template"; pass a '
+        "jinja template file, or a tokenizer_config.json or chat_template.json that holds one"
+    )

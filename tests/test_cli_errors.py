@@ -333,8 +333,34 @@ def test_a_run_that_fails_after_it_started_records_why_in_run_json(tmp_path, mod
     assert_cli_user_error(failed, out, "--tokenize-workers 64 needs 65 CPUs")
     record = json.loads((out / "run.json").read_text())
     assert record["status"] == "failed" and "--tokenize-workers 64" in record["error"]
-    code, text = train(*data_args(model, data), "--output", out)
-    assert_one_user_error(code, text, out, "already holds the same run (failed)", "--resume")
+    # it failed before its first checkpoint: the command, fixed, just runs (nothing to resume)
+    code, text = train(*data_args(model, data, "--steps", "2"), "--output", out)
+    assert code == 0, text
+    assert f"--output {out} held the same run that ended (failed) before its first" in text
+    assert json.loads((out / "run.json").read_text())["status"] == "complete"
+    # ... while a run with a checkpoint is kept: continue it, or --overwrite it
+    code, text = train(*data_args(model, data, "--steps", "2"), "--output", out)
+    assert_one_user_error(code, text, None, "already holds the same run (complete)", "--resume")
+
+
+@pytest.mark.integration
+def test_a_validation_set_with_nothing_to_score_fails_before_the_first_step(tmp_path, model):
+    """--eval-split so small that it holds out no document: refused before any training (not
+    at the first eval, with the run's steps lost and a resume that fails the same way); the
+    command with a larger split then starts afresh in the same --output."""
+    data = write_lines(tmp_path / "data.jsonl", {})
+    out = tmp_path / "o"
+    args = [*data_args(model, data, "--steps", "2", "--checkpoint-every", "1"), "--output", out]
+    failed = run_cli(*args, "--eval-split", "0.001")
+    assert_cli_user_error(
+        failed,
+        out,
+        "--eval-split 0.001 (the documents held out of --data): no document has a target token",
+    )
+    assert "step 1" not in failed.stdout and not (out / "checkpoints").exists()
+    code, text = train(*args, "--eval-split", "0.3")
+    assert code == 0, text
+    assert "held a different run that ended (failed) before its first checkpoint" in text
 
 
 @pytest.mark.integration
@@ -400,6 +426,27 @@ def test_malformed_jsonl_line_fails_naming_file_and_line(tmp_path, model):
     data = write_lines(tmp_path / "data.jsonl", {7: '{"text": "unterminated'})
     done = run_cli(*data_args(model, data, "--epochs", "1"), "--output", tmp_path / "o")
     assert_cli_user_error(done, tmp_path / "o", f"{data}:8: malformed JSON")
+
+
+@pytest.mark.integration
+def test_a_bad_record_the_epoch_count_meets_is_recorded_and_the_fixed_command_runs(tmp_path, model):
+    """A bad record past what the driver samples fails --epochs' counting pass (a Ray task):
+    run.json says it as the CLI does, not as Ray's wrapper (a traceback); fixed, the same
+    command runs: the run had no checkpoint, so no data cursor to keep."""
+    texts = sentences(100)
+    lines = [json.dumps({"text": t}) for t in texts]
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(lines[:89] + ['{"text": 3}'] + lines[90:]) + "\n")
+    out = tmp_path / "o"
+    args = [*data_args(model, data, "--epochs", "1", "--seq-len", "64"), "--output", out]
+    assert_cli_user_error(run_cli(*args), out, f'{data}:90: "text" must be a string')
+    error = json.loads((out / "run.json").read_text())["error"]
+    assert error.startswith(f'DataError: {data}:90: "text" must be a string'), error
+    assert "ray::" not in error and "Traceback" not in error
+    data.write_text("\n".join(lines) + "\n")
+    code, text = train(*args)
+    assert code == 0, text
+    assert "changed since the run started" not in text  # a new run, on the data as it is
 
 
 @pytest.mark.integration

@@ -10,6 +10,7 @@ import pytest
 from appliance.data import (
     SKIP_HINT,
     DataError,
+    Holdout,
     RawDocument,
     Record,
     ShardReader,
@@ -85,6 +86,8 @@ def test_parse_text_and_prompt_completion():
     "data, message",
     [
         (b'{"text": "a"', "d.jsonl:7: malformed JSON: Expecting ',' delimiter at column 13"),
+        # a line cut short is reported where it ends, not at its line break
+        (b'{"text": "a"\n', "d.jsonl:7: malformed JSON: Expecting ',' delimiter at column 13"),
         (b"[1, 2]", "d.jsonl:7: expected a JSON object, found an array"),
         (
             b'{"txt": "a", "meta": 1}',
@@ -123,6 +126,44 @@ def test_bad_records_name_file_line_and_problem(data, message):
     assert str(e.value) == message
 
 
+def test_a_table_column_json_cannot_hold_is_ignored_unless_it_holds_the_text(tmp_path):
+    """A parquet row arrives as its values, not as JSON: a date, bytes or decimal column beside
+    the text (a crawl's `timestamp`, an image's bytes) is left alone, and one in the text's place
+    is named with its type."""
+    import datetime
+    import decimal
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    day, raw_bytes = datetime.datetime(2024, 1, 2, 3, 4), b"\x89PNG"
+    f = tmp_path / "t.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "text": ["the cat", "the dog"],
+                "created": [day, day],
+                "image": [raw_bytes, None],
+                "price": [decimal.Decimal("1.50"), decimal.Decimal("2")],
+            }
+        ),
+        f,
+    )
+    docs = list(ShardReader([f], 0, 1))
+    assert [parse_document(d) for d in docs] == [Record(text="the cat"), Record(text="the dog")]
+    assert docs[0].where == f"{f}:row 0"
+
+    g = tmp_path / "u.parquet"
+    pq.write_table(pa.table({"text": [day], "prompt": [raw_bytes], "completion": ["a"]}), g)
+    (doc,) = ShardReader([g], 0, 1)
+    with pytest.raises(DataError, match=rf'^{g}:row 0: "text" must be a string, found a datetime'):
+        parse_document(doc)
+    h = tmp_path / "v.parquet"
+    pq.write_table(pa.table({"prompt": [raw_bytes], "completion": ["a"]}), h)
+    with pytest.raises(DataError, match=r'"prompt" must be a string, found bytes \(a binary'):
+        parse_document(next(iter(ShardReader([h], 0, 1))))
+
+
 def test_malformed_json_says_at_once_and_how_to_write_a_control_character():
     with pytest.raises(DataError) as e:
         parse_document(raw(b'{"id": 1, "text": "a\tb"}'))  # a raw tab inside a string
@@ -144,6 +185,26 @@ def test_a_bad_record_that_fails_the_run_says_how_to_skip_it(tmp_path, tok):
     assert SKIP_HINT == "fix the record, or pass --on-bad-record skip to skip bad records"
     # skipped: the good record teaches
     check_has_targets(data, load_tokenizer(path), eos, on_bad_record="skip")
+
+
+def test_a_dataset_with_nothing_to_learn_says_why(tmp_path, tok):
+    """Every record bad (and skipped), or every one held out: said so, not "no target token"."""
+    path, _, eos, _ = tok
+    t = load_tokenizer(path)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"txt": "the cat"}, {"txt": "the dog"}])
+    with pytest.raises(DataError) as e:
+        check_has_targets(data, t, eos, on_bad_record="skip")
+    assert str(e.value) == (
+        f"{data}: every record (2) is bad, and --on-bad-record skip skipped them all, so there "
+        f'is nothing to learn; the first: {data}:1: record has no "text" (nor "prompt" + '
+        '"completion", "messages", "conversations"); keys found: "txt"'
+    )
+    data = write_jsonl(tmp_path / "e.jsonl", [{"text": "the cat"}])
+    with pytest.raises(DataError, match=r"--eval-split 0.999 holds out every document"):
+        check_has_targets(data, t, eos, holdout=Holdout(0.999, seed=0))
+    data = write_jsonl(tmp_path / "f.jsonl", [{"text": ""}, {"text": " "}])
+    with pytest.raises(DataError, match=r"f\.jsonl: no record has a target token"):
+        check_has_targets(data, t, eos)
 
 
 def test_non_utf8_txt_names_the_file():
@@ -193,15 +254,18 @@ def test_encode_records_appends_eos_and_masks_prompts(tok):
         Record(text="the cat sat"),
         Record(prompt="the dog", completion="ran far away"),
         Record(text=""),
+        Record(text=" \n "),
     ]
-    (ids0, m0), (ids1, m1), (ids2, m2) = encode_records(t, records, eos)
+    (ids0, m0), (ids1, m1), (ids2, m2), (ids3, m3) = encode_records(t, records, eos)
     assert ids0.tolist() == t.encode("the cat sat").ids + [eos] and ids0[0] == bos
     assert m0.all() and ids0.dtype == np.int64
     p = t.encode("the dog").ids
     c = t.encode("ran far away", add_special_tokens=False).ids
     assert ids1.tolist() == p + c + [eos]
     assert m1.tolist() == [False] * len(p) + [True] * (len(c) + 1)
-    assert ids2.tolist() == [bos, eos] and m2.all()
+    # an empty or blank text is no document (not BOS + EOS: that would teach the model to stop)
+    assert ids2.tolist() == ids3.tolist() == m2.tolist() == m3.tolist() == []
+    assert ids2.dtype == np.int64 and m3.dtype == bool
     assert encode_records(t, [], eos) == []
 
 

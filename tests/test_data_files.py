@@ -11,6 +11,7 @@ import pytest
 
 from appliance.data import Record, ShardReader, parse_document
 from appliance.data_files import (
+    count_documents,
     dataset_notes,
     find_data_files,
     has_documents,
@@ -58,6 +59,32 @@ def test_find_data_files_is_recursive_sorted_and_ignores_other_files(tmp_path):
     ]
 
 
+def test_a_directorys_hidden_files_are_not_its_data(tmp_path):
+    """A notebook's checkpoint copy, macOS's `._` files, a `.cache/`: skipped and named, as a
+    pattern's `*` skips them."""
+    for rel in [
+        "train.jsonl",
+        ".ipynb_checkpoints/train-checkpoint.jsonl",
+        "._train.jsonl",
+        ".cache/x/part.jsonl",
+        ".git/HEAD",
+    ]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text('{"text": "x"}\n')
+    assert find_data_files(tmp_path) == [tmp_path / "train.jsonl"]
+    assert find_data_files(tmp_path / "*") == [tmp_path / "train.jsonl"]
+    assert unreadable_files(tmp_path) == []  # (.git/HEAD is not named as skipped data either)
+    assert dataset_notes(tmp_path, "--data", "d") == [
+        "--data d: skipped 3 hidden file(s): ._train.jsonl, .cache/x/part.jsonl, "
+        ".ipynb_checkpoints/train-checkpoint.jsonl"
+    ]
+    (tmp_path / "train.jsonl").unlink()
+    with pytest.raises(DataError, match=r"\(skipped 3 hidden file\(s\): \._train\.jsonl, "):
+        find_data_files(tmp_path)
+    # a directory given by a hidden path is read as any other
+    assert find_data_files(tmp_path / ".cache") == [tmp_path / ".cache" / "x" / "part.jsonl"]
+
+
 def test_find_data_files_single_file(tmp_path):
     f = write_jsonl(tmp_path / "d.jsonl", [{"text": "a"}])
     assert find_data_files(f) == [f]
@@ -95,6 +122,13 @@ def test_has_documents(tmp_path):
     assert has_documents([empty, write_jsonl(tmp_path / "f.jsonl", [{"text": "a"}])])
     (tmp_path / "t.txt").write_text("")
     assert has_documents([tmp_path / "t.txt"])  # a .txt file is a document even if empty
+    # counted up to a limit (a default tokenizer-worker count's cap): no further is read
+    more = write_jsonl(tmp_path / "g.jsonl", [{"text": str(i)} for i in range(9)])
+    (tmp_path / "h.json").write_text(json.dumps([{"text": "a"}, {"text": "b"}]))
+    assert count_documents([empty, tmp_path / "t.txt", tmp_path / "h.json"], 10) == 3
+    assert count_documents([more, tmp_path / "t.txt"], 4) == 4
+    assert count_documents([more, tmp_path / "t.txt"], 100) == 10
+    assert count_documents([empty], 4) == 0
 
 
 def test_split_names_as_datasets_reads_them():

@@ -110,6 +110,22 @@ def new_worker(data_path, tok, w=0, n=1, seq_len=8, mbs=3, **kw) -> TokenizeWork
 # -- packing ---------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("packing", ["stream", "documents"])
+def test_empty_and_blank_texts_are_not_trained_on(tmp_path, tok, packing):
+    """wikitext-style rows ("", " \\n") between the documents: the batches are those of the
+    documents alone (no BOS -> EOS pairs teaching the model to stop at once)."""
+    texts = sentences(12, seed=4)
+    with_empty = [x for t in texts for x in ({"text": t}, {"text": ""}, {"text": " \n "})]
+    write_jsonl(tmp_path / "a" / "d.jsonl", with_empty)
+    write_jsonl(tmp_path / "b" / "d.jsonl", [{"text": t} for t in texts])
+    got = all_batches(new_worker(tmp_path / "a", tok, packing=packing))
+    want = all_batches(new_worker(tmp_path / "b", tok, packing=packing))
+    assert len(got) == len(want) > 1
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g.input_ids, w.input_ids)
+        np.testing.assert_array_equal(g.labels, w.labels)
+
+
 @pytest.mark.parametrize("seq_len, mbs", [(8, 3), (1, 1), (16, 4), (1000, 2)])
 def test_rows_follow_the_packing_rule_exactly(data, tok, seq_len, mbs):
     root, docs = data
@@ -512,6 +528,11 @@ def test_default_num_workers():
     assert default_num_workers(4) == 3
     assert default_num_workers(64) == 4
     assert default_num_workers(64, max_workers=16) == 16
+    # never more workers than documents (each needs one): a single .txt file is one
+    assert default_num_workers(64, documents=1) == 1
+    assert default_num_workers(64, documents=3) == 3
+    assert default_num_workers(3, documents=3) == 2
+    assert default_num_workers(64, documents=0) == 1  # (an empty dataset is refused before)
 
 
 # -- through Ray -----------------------------------------------------------------------------

@@ -93,6 +93,30 @@ def test_the_held_out_documents_stay_those_of_the_runs_files_when_one_joins_mid_
     assert [b.input_ids.tolist() for b in now] != [b.input_ids.tolist() for b in before]
 
 
+def test_a_validation_sets_problems_name_the_set(tmp_path):
+    """A bad record of --eval-data, or one with nothing to score, is named as the validation
+    set's (the run builds it before its first step)."""
+    from appliance.evaluate import validation_batches
+    from appliance.run import Inputs
+
+    tok, _, eos, pad = make_tokenizer(tmp_path / "model")
+    data, held = tmp_path / "d.jsonl", tmp_path / "v.jsonl"
+    data.write_text(json.dumps({"text": "the cat sat"}) + "\n")
+    held.write_text(json.dumps({"text": "the dog"}) + "\n" + json.dumps({"txt": "a"}) + "\n")
+    flags = {"model": str(tmp_path / "model"), "data": str(data), "output": str(tmp_path / "o")}
+    cfg = build_config({}, {**flags, "eval_data": str(held)})
+    inp = Inputs(cfg, tmp_path / "model", data, eos, pad, "cpu", "f32")
+    with pytest.raises(DataError, match=rf'^--eval-data {held}: {held}:2: record has no "text"'):
+        validation_batches(cfg, inp)
+    held.write_text(json.dumps({"text": ""}) + "\n")  # an empty text scores nothing
+    with pytest.raises(DataError) as e:
+        validation_batches(cfg, inp)
+    assert str(e.value) == (
+        f"--eval-data {held}: no document has a target token; nothing to validate on "
+        "(check the data)"
+    )
+
+
 def test_a_dataset_without_any_target_token_is_refused(tmp_path):
     from tests.helpers_tokenizer import make_chat_tokenizer
 
