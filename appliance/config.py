@@ -277,6 +277,35 @@ def base_type(name: str) -> type:
     return typing.get_origin(hint) or hint
 
 
+def optional(name: str) -> bool:
+    """Whether a field admits None ("not set": its annotation is Optional, its default None)."""
+    return type(None) in typing.get_args(typing.get_type_hints(TrainConfig)[name])
+
+
+def _expected(name: str) -> str:
+    """What a field takes, for messages: 'a number', 'one of fail | skip', ..."""
+    if name == "micro_batches_per_step":
+        return f"an integer or {AUTO}"
+    if name in CHOICES:
+        return "one of " + " | ".join(CHOICES[name])
+    kind = base_type(name)
+    return {
+        bool: "true or false",
+        int: "an integer",
+        float: "a number",
+        tuple: "a list (a,b or [a, b])",
+    }.get(kind, "a string")
+
+
+def _shown(value: Any) -> str:
+    """A value as a config file or flag spells it: 0.0002, true, q,k,v, auto."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (tuple, list)):
+        return ",".join(map(str, value))
+    return str(value)
+
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 
 
@@ -380,6 +409,7 @@ def build_config(
     }
     from_file: dict[str, Any] = {}
     file_key: dict[str, str] = {}  # field name -> the key as the file spells it
+    nulls: list[str] = []  # keys the file gives null although they have a value
     for key, value in (file_values or {}).items():
         name = str(key).replace("-", "_")
         if name not in FIELDS:
@@ -388,6 +418,12 @@ def build_config(
             errors.append(f"{source}: unknown key {key!r}{hint}")
             continue
         file_key[name] = str(key)
+        # `key: null` (or a bare `key:`) is the key left out; for a key that has a value (not
+        # Optional) it is an error, reported below with what leaving it out gives
+        if value is None:
+            if not optional(name):
+                nulls.append(name)
+            continue
         from_file[name] = _coerce(name, value, errors, f"{source}: {key}")
     from_flags = {
         name: _coerce(name, value, errors, flag(name))
@@ -404,6 +440,15 @@ def build_config(
         values.update(DEMO_SETTINGS)
         if any(k in chosen for k in RUN_LENGTH):
             values.pop("steps")
+    for name in nulls:
+        if name in from_run:
+            left_out = f"{run_source}'s value ({_shown(from_run[name])})"
+        else:
+            left_out = f"the default ({_shown(values.get(name, FIELDS[name].default))})"
+        errors.append(
+            f"{source}: {file_key[name]}: null is not a value; give {_expected(name)}, "
+            f"or leave the key out for {left_out}"
+        )
     values.update(chosen)
 
     def label(name: str) -> str:
@@ -503,6 +548,8 @@ def validate(cfg: TrainConfig, label: Callable[[str], str] = flag) -> list[str]:
     for other in ("resume", "overwrite"):
         if cfg.auto_resume and getattr(cfg, other):
             errs.append(f"{label('auto_resume')} and {label(other)} are exclusive: give one")
+    if cfg.resume and cfg.output is None:  # (not the demo's fresh temp dir)
+        errs.append(f"{label('resume')} needs --output DIR: the output of the run to continue")
     if cfg.allow_data_change and not (cfg.resume or cfg.auto_resume):
         errs.append(f"{label('allow_data_change')} goes with --resume or --auto-resume")
     if cfg.gpu_memory_budget is not None:

@@ -173,6 +173,37 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
     )
 
 
+# settings a resume may change that change how the steps from there on train (the schedule, the
+# optimizer, the numerics): said when they differ from the run's, so no change goes unnoticed
+TRAINING_SETTINGS = (
+    "lr",
+    "warmup_steps",
+    "min_lr_ratio",
+    "weight_decay",
+    "grad_clip",
+    "lora_dropout",
+    "dtype",
+    "on_bad_record",
+)
+
+
+def _changed_settings_notes(cfg: TrainConfig, previous: dict) -> list[str]:
+    """A note naming the training settings given now that differ from the run's (run.json's
+    config): the steps from here on use them, and run.json and the model card say so."""
+    was = previous.get("config", {})
+    changed = [
+        f"{flag(k)} {_shown(getattr(cfg, k))} (the run's: {_shown(was[k])})"
+        for k in TRAINING_SETTINGS
+        if k in was and was[k] != getattr(cfg, k) and not (k == "dtype" and cfg.dtype == "auto")
+    ]
+    if not changed:
+        return []
+    return [
+        f"--resume with {'; '.join(changed)}: the steps from here on train with "
+        f"{'these' if len(changed) > 1 else 'it'}, and the run's record and model card say so"
+    ]
+
+
 def _eval_data_notes(cfg: TrainConfig, previous: dict, now: dict | None) -> list[str]:
     """A note when the run's --eval-data (the same path) holds other files than when it started:
     the validation set may change (it is not what the run trains on), but its losses then
@@ -243,7 +274,11 @@ def check_output(
         same = was == now
         resume = f"appliance train --output {out} --resume"
         given = "--auto-resume" if cfg.auto_resume else "--resume"
-        notes = _eval_data_notes(cfg, previous, eval_data) if cfg.resume and same else []
+        notes = (
+            _eval_data_notes(cfg, previous, eval_data) + _changed_settings_notes(cfg, previous)
+            if cfg.resume and same
+            else []
+        )
         if cfg.resume and same and not same_data:
             assert data is not None and data_was is not None
             what_changed = f"--data {cfg.data} changed since the run started: " + data_changes(
@@ -279,14 +314,14 @@ def check_output(
             return notes
         what = "the same run" if same else "a different run"
         status = previous.get("status", "unknown")
+        if status == "running":  # the driver holds the output's lock: no process writes it now
+            status = "stopped before it finished" if not storage.is_s3(out) else status
         if _nothing_kept(out, previous):  # the same command again, once its data is fixed
             cfg.overwrite = True  # so `train` clears run.json before the new run writes
             return [
                 f"--output {out} held {what} that ended ({status}) before its first "
                 "checkpoint: nothing of it to keep, starting this run in its place"
             ]
-        if status == "running":  # the driver holds the output's lock: no process writes it now
-            status = "stopped before it finished" if not storage.is_s3(out) else status
         raise ConfigError(
             f"--output {out} already holds {what} ({status}); continue it with `{resume}`, "
             "or pass --overwrite to replace it"
@@ -451,6 +486,9 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
             cfg = run.cfg
             if cfg.overwrite:
                 remove_previous_run(cfg.output)  # before the new run writes anything
+            if (nothing := run.nothing_left_to_train()) is not None:
+                progress.note(nothing)
+                return {"steps": 0, "output": cfg.output, "nothing_left_to_train": True}
             run.record("running")
             recorded = True
             for note in run.inp.notes:

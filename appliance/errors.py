@@ -32,6 +32,10 @@ class DataError(ApplianceError):
     """
 
 
+class TrainingError(ApplianceError):
+    """Training that went wrong in a way no restart mends: a loss that is not finite."""
+
+
 # Error kinds carried by StorageError.kind, for callers that branch on them.
 NOT_FOUND = "not_found"
 NO_BUCKET = "no_bucket"

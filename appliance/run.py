@@ -27,11 +27,17 @@ from typing import Any
 
 from . import model_card
 from .chat import ChatTemplate
-from .checkpoint import CONFIG_FILE, DRIVER_STATE, json_bytes, load_latest_checkpoint
+from .checkpoint import (
+    CONFIG_FILE,
+    DRIVER_STATE,
+    json_bytes,
+    list_checkpoints,
+    load_latest_checkpoint,
+)
 from .cluster import Slot, local_slots, on_node
 from .config import CHECKPOINT_MINUTES, TrainConfig, flag
 from .engine import lr_at
-from .errors import ConfigError, cause_chain
+from .errors import ConfigError, TrainingError, cause_chain
 from .failures import RestartsExhausted, gather, unrecoverable
 from .feed import count_batches, schedule, skipped_warning, worker_kwargs
 from .hub import cached_repo
@@ -147,6 +153,32 @@ class Run:
 
     # ------------------------------------------------------------ setup
 
+    def nothing_left_to_train(self) -> str | None:
+        """--resume of a run whose latest checkpoint already reaches its length (--steps, or the
+        steps its --epochs came to): the note that says so, before anything loads or is written,
+        so run.json and the model card keep the flags the run trained with. None otherwise (and
+        for --epochs other than the checkpoint's, which only counting them can tell)."""
+        cfg = self.cfg
+        if not cfg.resume:
+            return None
+        ckpt = load_latest_checkpoint(cfg.output, only=(DRIVER_STATE,))
+        if ckpt is None:
+            return None
+        before = json.loads(ckpt.files[DRIVER_STATE])
+        if cfg.steps:
+            total, length = int(cfg.steps), f"--steps {cfg.steps}"
+        elif "total_steps" in before and before.get("epochs") == (cfg.epochs or 1):
+            total, length = int(before["total_steps"]), f"--epochs {before['epochs']}"
+        else:
+            return None
+        if before["step"] < total:
+            return None
+        return (
+            f"--resume: the run is at step {before['step']}, which {length} ({total} steps in "
+            "all) already reaches: nothing is left to train, and the run is left as it is. "
+            "--steps counts the run's steps from its start: give more to train further"
+        )
+
     def create_actors(self) -> None:
         """Trainer and worker counts (a resumed run keeps its own), one weight store per trainer
         node, the data schedule, then the trainers (in one group) and, from the resumed state if
@@ -179,10 +211,17 @@ class Run:
         )
         self.num_workers = W or default_num_workers(cpus - (R - 1), inp.documents)
         if self.num_workers + R > cpus:  # an actor without a CPU would wait forever
-            if cfg.tokenize_workers:
+            if cfg.tokenize_workers and W > 1 and cpus > R:
                 raise ConfigError(
                     f"--tokenize-workers {W} needs {W + R} CPUs (one per worker and one per "
                     f"trainer); Ray has {cpus}: pass a smaller --tokenize-workers"
+                )
+            if R > 1:  # the trainers take the CPUs: fewer of them is the fix
+                asked = f"--trainers {R}" if cfg.trainers else f"{R} trainers (one per GPU)"
+                raise ConfigError(
+                    f"{asked} and {self.num_workers} tokenizer worker(s) need "
+                    f"{R + self.num_workers} CPUs (one each); Ray has {cpus}: pass --trainers "
+                    f"{max(cpus - 1, 1)} or fewer, or run where Ray has more CPUs"
                 )
             raise ConfigError(
                 f"training needs at least {R + 1} CPUs (one per trainer and one tokenizer "
@@ -283,6 +322,8 @@ class Run:
             **self.state.to_json(),
             "trainers": self.num_trainers,
             "tokenize_workers": self.num_workers,
+            "epochs": self.epochs,  # with total_steps: a resume knows the run's length up front
+            "total_steps": self.total_steps,
         }
         files = {DRIVER_STATE: json_bytes(driver), CONFIG_FILE: json_bytes(self.cfg.to_dict())}
         cfg, step = self.cfg, self.state.step
@@ -423,6 +464,7 @@ class Run:
             )
             try:
                 stats = self._step(refs, lr)
+                self._check_finite(st.step + 1, stats, lr)
                 st.step += 1
                 st.consumed += len(refs)
                 st.cursors.update({int(w): c for w, c in stats["cursors"].items()})
@@ -459,6 +501,22 @@ class Run:
             self.progress.note(skipped_warning(skipped, self.workers, self.state.cursors))
         self.trained = True
         return self.state
+
+    def _check_finite(self, step: int, stats: dict, lr: float) -> None:
+        """TrainingError when step `step`'s loss is not finite: its update made the adapter NaN
+        (or will), and every step after it would train on that; a run that went on would publish
+        an adapter of NaNs as complete. float16's overflowed steps (no update) are the loss
+        scaler's to skip, not errors. The last checkpoint stays, before the bad step."""
+        loss = stats["loss"]
+        if math.isfinite(loss) or stats.get("skipped_step"):
+            return
+        saved = list_checkpoints(self.cfg.output)
+        kept = f"its last checkpoint, step {saved[-1].step}, is kept" if saved else "no checkpoint"
+        raise TrainingError(
+            f"step {step}: the loss is {loss}: the base model's weights or the data hold values "
+            f"that are not finite, or --lr {lr:g} is too high for them. The run stops here ("
+            f"{kept}): check the model (appliance doctor --model), or resume with a lower --lr"
+        )
 
     def _step(self, refs: list, lr: float) -> dict:
         """One optimizer step on every rank; rank 0's stats (loss, grad norm and target tokens

@@ -272,6 +272,14 @@ def test_a_run_left_running_is_shown_as_stopped_before_it_finished(tmp_path):
     out.mkdir()
     cfg = C.build_config({}, {"model": "m", "data": "d", "output": str(out)})
     write_run_file(cfg, "running")
+    # before its first checkpoint it left nothing to keep: the new run takes its place
+    assert check_output(cfg) == [
+        f"--output {out} held the same run that ended (stopped before it finished) before its "
+        "first checkpoint: nothing of it to keep, starting this run in its place"
+    ]
+    cfg.overwrite = False  # (check_output set it, for `train` to clear the old run.json)
+    (out / "checkpoints" / "step-000004").mkdir(parents=True)
+    (out / "checkpoints" / "step-000004" / "adapter_model.safetensors").write_bytes(b"")
     with pytest.raises(C.ConfigError, match=r"holds the same run \(stopped before it finished\)"):
         check_output(cfg)
 
@@ -574,3 +582,26 @@ def test_shipped_configs_are_valid_and_give_the_command_in_their_header(path):
     assert cfg.seq_len >= 2048
     header = path.read_text().split("\n\n")[0]
     assert f"appliance train --config appliance/configs/{path.name}" in header
+
+
+@pytest.mark.integration
+def test_a_loss_that_is_not_finite_stops_the_run_before_an_adapter_of_nans(tmp_path, model, data):
+    """One NaN in the base weights (a damaged download): the run fails at its first step,
+    naming the loss and what to check, and publishes no adapter, rather than completing with
+    every adapter value NaN."""
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "model"
+    shutil.copytree(model, bad)
+    weights = load_file(bad / "model.safetensors")
+    name = next(k for k in weights if k.endswith("layers.1.mlp.down_proj.weight"))
+    weights[name][0, 0] = float("nan")
+    save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "o"
+    done = run_cli(*data_args(bad, data, "--steps", "2"), "--output", out)
+    assert_cli_user_error(
+        done, out, "step 1: the loss is nan", "no checkpoint", "appliance doctor --model"
+    )
+    assert "step 1/2" not in done.stdout  # (the failing step is not shown as done)
+    record = json.loads((out / "run.json").read_text())
+    assert record["status"] == "failed" and record["error"].startswith("TrainingError: step 1")

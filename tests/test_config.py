@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from appliance import config as C
@@ -15,7 +17,8 @@ def test_defaults_are_valid_and_file_then_flags_override():
 
 def test_yaml_keys_may_use_hyphens_and_values_are_coerced_to_the_field_type():
     cfg = C.build_config(
-        {"micro-batch-size": "2", "lr": "1e-3", "resume": "yes", "lora_targets": "q, v"}
+        {"micro-batch-size": "2", "lr": "1e-3", "resume": "yes", "lora_targets": "q, v"},
+        {"output": "/o"},
     )
     assert cfg.micro_batch_size == 2 and cfg.lr == 1e-3 and cfg.resume is True
     assert cfg.lora_targets == ("q", "v")
@@ -69,6 +72,9 @@ def test_steps_and_epochs_are_exclusive_and_model_needs_data_and_output():
         C.build_config({}, {"model": "/m", "output": "/o"})
     with pytest.raises(ConfigError, match="--resume and --overwrite are exclusive"):
         C.build_config({}, {"resume": True, "overwrite": True})
+    # a resume names the run's output: not the demo's new temp dir, which holds no run
+    with pytest.raises(ConfigError, match=r"^--resume needs --output DIR: the output of the run"):
+        C.build_config({}, {"resume": True})
     for other in ("resume", "overwrite"):
         with pytest.raises(ConfigError, match=f"--auto-resume and --{other} are exclusive"):
             C.build_config({}, {"auto_resume": True, other: True})
@@ -114,6 +120,55 @@ def test_sizes_parse_with_binary_and_decimal_units(text, expected):
 def test_a_bad_size_names_the_flag():
     with pytest.raises(ConfigError, match="--gpu-memory-budget: 'lots' is not a size"):
         C.build_config({}, {"gpu_memory_budget": "lots"})
+
+
+PATHS = {"model": "/m", "data": "/d", "output": "/o"}
+NOT_OPTIONAL = [f.name for f in dataclasses.fields(C.TrainConfig) if f.default is not None]
+
+
+@pytest.mark.parametrize("name", NOT_OPTIONAL)
+def test_null_in_the_file_for_a_key_that_has_a_value_is_one_error_naming_file_and_key(name):
+    """`lr: null` (YAML's null, or an empty `lr:`) is no value for a key whose default is one:
+    one line naming the file and key, what to give, and that leaving it out gives the default;
+    not a TypeError from validate or the type conversion, not None used silently."""
+    with pytest.raises(ConfigError) as e:
+        C.build_config({name: None}, PATHS, source="--config c.yaml")
+    (line,) = str(e.value).splitlines()
+    assert line.startswith(f"--config c.yaml: {name}: null is not a value; give ")
+    assert line.endswith(", or leave the key out for the default (" + _shown(name) + ")")
+
+
+def _shown(name: str) -> str:
+    default = C.FIELDS[name].default
+    if isinstance(default, bool):
+        return str(default).lower()
+    return ",".join(default) if isinstance(default, tuple) else str(default)
+
+
+def test_a_null_names_the_value_leaving_the_key_out_gives_and_what_to_give():
+    with pytest.raises(ConfigError) as e:  # the demo's defaults, the key as the file spells it
+        C.build_config({"lr": None, "seq-len": None, "log_format": None}, {}, source="--config c")
+    assert str(e.value).splitlines() == [
+        "--config c: lr: null is not a value; give a number, or leave the key out for the "
+        "default (0.003)",
+        "--config c: seq-len: null is not a value; give an integer, or leave the key out for "
+        "the default (64)",
+        "--config c: log_format: null is not a value; give one of auto | rich | json | plain, "
+        "or leave the key out for the default (auto)",
+    ]
+    with pytest.raises(ConfigError) as e:  # resuming: the recorded run's value
+        C.build_config({"lr": None}, PATHS, run_values={"lr": 1e-3}, run_source="o/run.json")
+    assert str(e.value) == (
+        "config file: lr: null is not a value; give a number, or leave the key out for "
+        "o/run.json's value (0.001)"
+    )
+
+
+def test_null_for_an_optional_key_is_the_key_left_out():
+    cfg = C.build_config({"steps": None, "eval_data": None, "chat_template": None}, {})
+    assert (cfg.steps, cfg.eval_data, cfg.chat_template) == (300, None, None)  # the demo's
+    cfg = C.build_config({"eval_data": None}, PATHS, run_values={"eval_data": "/held"})
+    assert cfg.eval_data == "/held"
 
 
 def test_every_field_has_help_text_for_the_cli():
@@ -201,7 +256,8 @@ def test_a_resume_checks_its_data_follows_it_when_moved_and_names_what_changed(
     (data / "sub").mkdir(parents=True)
     (data / "a.jsonl").write_text('{"text": "one"}\n' * 3)
     (data / "sub" / "b.jsonl").write_text('{"text": "two"}\n' * 20000)  # sampled, not read whole
-    out.mkdir()
+    (out / "checkpoints" / "step-000002").mkdir(parents=True)  # (without one, no cursor to keep)
+    (out / "checkpoints" / "step-000002" / "manifest.json").write_text("{}")
 
     def fingerprint(path):
         return data_fingerprint(path, check_dataset(path))
@@ -300,3 +356,30 @@ def test_a_resume_on_a_changed_eval_data_goes_on_and_says_so(tmp_path):
     notes = resumed(allow_data_change=True)
     assert len(notes) == 2 and notes[1].startswith(f"--eval-data {held_out} changed"), notes
     assert resumed(eval_data=str(held_out / "b.jsonl"), allow_data_change=True)[1:] == []
+
+
+def test_a_resume_with_other_training_settings_says_so(tmp_path):
+    """--lr, --dtype, ... may change on a resume (they are not what the run is), but never
+    silently: a note names each, with the run's value."""
+    import json
+
+    from appliance.driver import check_output
+    from appliance.run_record import write_run_file
+
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = {"model": "m", "data": "d", "output": str(out), "dtype": "float32"}
+    write_run_file(C.build_config({}, cfg), "interrupted")
+    run = json.loads((out / "run.json").read_text())["config"]
+
+    def resumed(**flags):
+        return check_output(
+            C.build_config({}, {"output": str(out), "resume": True, **flags}, run_values=run)
+        )
+
+    assert resumed() == []
+    assert resumed(lr="0.5", dtype="bfloat16") == [
+        "--resume with --lr 0.5 (the run's: 0.0002); --dtype bfloat16 (the run's: float32): the "
+        "steps from here on train with these, and the run's record and model card say so"
+    ]
+    assert resumed(steps="9", log_format="json") == []  # not how the steps train

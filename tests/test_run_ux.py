@@ -191,12 +191,15 @@ def test_ctrl_c_and_sigterm_checkpoint_and_resume_by_output_alone(inputs, tmp_pa
         ports.add(metrics_port(err))
     assert len(ports) == 2 and min(ports) >= 8080
 
-    # a finished run resumed with no more --steps: said so, and nothing of it changes
-    rc, out, err = finish(start(["train", "--output", str(ref_out), "--resume"]))
+    # a finished run resumed with no more --steps: said so, and nothing of it changes, not even
+    # the flags run.json and the model card say it trained with (no weight is loaded either)
+    was, card = record(ref_out), (ref_out / "README.md").read_bytes()
+    rc, out, err = finish(start(["train", "--output", str(ref_out), "--resume", "--lr", "0.5"]))
     assert rc == 0, err[-3000:]
     assert f"--resume: the run is at step {STEPS}, which --steps {STEPS}" in out
-    assert "nothing is left to train" in out
-    assert record(ref_out)["status"] == "complete" and record(ref_out)["losses"] == reference
+    assert "nothing is left to train" in out and "base weights loaded" not in out + err
+    assert record(ref_out) == was and (ref_out / "README.md").read_bytes() == card
+    assert was["status"] == "complete" and was["losses"] == reference
 
 
 def test_sigterm_before_the_step_loop_stops_at_once_as_ctrl_c_does(inputs, tmp_path):
