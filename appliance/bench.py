@@ -44,7 +44,7 @@ from dataclasses import asdict
 import torch
 
 from . import quant
-from .bench_table import print_table, write_json
+from .bench_table import check_json_path, print_table, write_json
 from .blocks import dtype_from_name
 from .engine import StreamedEngine
 from .errors import ConfigError, first_line
@@ -62,6 +62,7 @@ from .measure import (
 )
 from .model import ModelArgs
 from .models import block_shapes, linear_weight_names, resolve_targets
+from .plan import gpu_budget_problem
 from .planner import blocks_uploaded_per_step, streaming_budget
 from .presets import PRESETS, Shape
 from .streaming import with_index
@@ -543,15 +544,32 @@ def run_from_args(a: argparse.Namespace) -> dict:
     ConfigError for a bad option value (naming the flag)."""
     from .config import parse_bytes
 
+    if a.json_path:  # before the bench runs, not after it (its results then lost)
+        check_json_path(a.json_path)
     device = resolve_device(a.device)
     try:
         budget = parse_bytes(a.gpu_memory_budget) if a.gpu_memory_budget else None
     except ValueError as e:
         raise ConfigError(f"--gpu-memory-budget {a.gpu_memory_budget!r}: {e}") from None
+    problem = None if budget is None else gpu_budget_problem(a.gpu_memory_budget, budget)
+    if problem:  # 0, or 24 read as 24 bytes: plan's rule
+        raise ConfigError(problem)
     names = ("micro_batch_size", "seq_len", "micro_batches", "steps", "warmup")
     shape = {k: getattr(a, k) for k in names if getattr(a, k) is not None}
     dtype = dtype_from_name(a.dtype) if a.dtype != "auto" else None
     modes = tuple(m.strip() for m in a.modes.split(",") if m.strip())
+    unwritten: list[str] = []
+
+    def write_rows(partial: dict) -> None:  # a failed write (a full disk) ends no bench
+        try:
+            write_json(partial, a.json_path)
+            unwritten.clear()  # the file holds every row so far
+        except OSError as e:
+            unwritten[:] = [
+                f"--json {a.json_path}: not written ({e.strerror or e}); the table above holds "
+                "the results"
+            ]
+
     result = run_bench(
         a.preset,
         device,
@@ -561,12 +579,14 @@ def run_from_args(a: argparse.Namespace) -> dict:
         base_quant=a.base_quant,
         profile=a.profile,
         modes=modes,
-        on_row=(lambda partial: write_json(partial, a.json_path)) if a.json_path else None,
+        on_row=write_rows if a.json_path else None,
     )
     print_table(result)
     for row in result["modes"]:
         if row.get("profile"):
             print(f"\n{row['mode']}: one step under torch.profiler\n{row['profile']}")
+    if unwritten:
+        raise ConfigError(unwritten[0])
     return result
 
 

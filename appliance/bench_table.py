@@ -3,9 +3,12 @@ JSON."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from pathlib import Path
 
+from .errors import ConfigError
 from .measure import GiB
 
 
@@ -82,10 +85,36 @@ def print_table(result: dict) -> None:
     print(format_table(result))
 
 
+def check_json_path(path: str | Path, flag: str = "--json") -> None:
+    """Before the bench runs: ConfigError naming `flag` unless write_json can write `path`. Its
+    missing parent directories are no error: write_json makes them, as export makes its
+    --output's."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(
+            f"{flag} {path} is a directory; give a file name, e.g. {flag} {path / 'bench.json'}"
+        )
+    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ConfigError(
+            f"{flag} {path}: {blocker} is a file, not a directory; give a path under a directory"
+        )
+    there = next(p for p in path.parents if p.exists())  # "." or "/" at worst
+    if not os.access(there, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: {there} is not writable; choose another path")
+
+
 def write_json(result: dict, path: str | Path) -> None:
     """Write `result` whole or not at all (a temp file renamed): a bench killed while writing
-    keeps the previous rows' file."""
+    keeps the previous rows' file. Missing parent directories are made; the temp file never
+    stays behind, whatever fails."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise

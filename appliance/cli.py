@@ -403,7 +403,7 @@ PLAN_DTYPES = tuple(d for d in C.CHOICES["dtype"] if d != "auto")  # plan.DTYPES
 @click.option(
     "--gpu",
     "gpu",
-    type=click.Choice(list(GPU_CLASSES)),
+    type=click.Choice(list(GPU_CLASSES), case_sensitive=False),
     required=True,
     help="GPU class: its memory, host link, FLOP rate and instance (docs/plan.md's table).",
 )

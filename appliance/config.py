@@ -553,10 +553,15 @@ def validate(cfg: TrainConfig, label: Callable[[str], str] = flag) -> list[str]:
     if cfg.allow_data_change and not (cfg.resume or cfg.auto_resume):
         errs.append(f"{label('allow_data_change')} goes with --resume or --auto-resume")
     if cfg.gpu_memory_budget is not None:
+        from .plan import gpu_budget_problem  # (plan.py imports this module)
+
         try:
-            parse_bytes(cfg.gpu_memory_budget)
+            budget = parse_bytes(cfg.gpu_memory_budget)
         except ValueError as e:
             errs.append(f"{label('gpu_memory_budget')}: {e}")
+        else:  # 0, or `24` (bytes): the plan's rule, so train refuses what plan refuses
+            if problem := gpu_budget_problem(cfg.gpu_memory_budget, budget):
+                errs.append(problem.replace("--gpu-memory-budget", label("gpu_memory_budget"), 1))
     if cfg.object_store_memory is not None:
         try:
             parse_bytes(cfg.object_store_memory)

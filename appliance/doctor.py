@@ -446,8 +446,15 @@ def check_speed() -> list[Check]:
 
 
 def check_port(port: int) -> Check:
-    from .metrics_endpoint import port_is_free
+    from .metrics_endpoint import is_tcp_port, port_is_free
 
+    if not is_tcp_port(port):  # train refuses it: 0 would be any port, 65536 up none at all
+        return Check(
+            "metrics_port",
+            "fail",
+            f"port {port} is not a TCP port (1 to 65535)",
+            "give --metrics-port a port from 1 to 65535, as train takes",
+        )
     if port_is_free(port):
         return Check("metrics_port", "ok", f"port {port} is free")
     return Check(
@@ -591,6 +598,10 @@ def run_doctor(
         raise ConfigError("give --model or --preset, not both")
     if base_quant not in ("none", "int8", "nf4"):
         raise ConfigError(f"--base-quant {base_quant!r} must be one of none | int8 | nf4")
+    from .metrics_endpoint import is_tcp_port, port_range_error
+
+    if not is_tcp_port(metrics_port):  # train's rule: refused before any check runs
+        raise ConfigError(port_range_error(metrics_port))
     checks = run_checks(model, preset, base_quant, device, metrics_port)
     failed = any(c.status == "fail" for c in checks)
     if as_json:

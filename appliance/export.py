@@ -17,19 +17,23 @@ complete; a crash leaves no half-written checkpoint under the output's name.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
 import re
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from . import hf_checkpoint, model_card
-from .errors import ModelError
+from .errors import NO_SPACE, OTHER, ModelError, StorageError, first_line
 from .lora import ADAPTER_CONFIG, LoraWeights, load_adapter
 from .s3_cache import OTHER_WEIGHT_FILES
 
@@ -53,6 +57,44 @@ def _check_output(output: Path) -> None:
             f"--output {output} already exists and is not empty; choose a new directory "
             "(export never overwrites)"
         )
+
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# how safetensors' Rust writer words a full disk (its error carries no errno)
+_DISK_FULL_WORDS = ("No space left on device", "StorageFull", "Disk quota exceeded")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+@contextlib.contextmanager
+def _writing(output: Path, needed: int) -> Iterator[None]:
+    """An OSError or SafetensorError while writing the export becomes one StorageError naming
+    --output and the cause (a full disk said as such, with the bytes the export needs), as
+    `train`'s checkpoint writes say theirs (storage._local_error)."""
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        full = getattr(e, "errno", None) in _DISK_FULL or any(w in str(e) for w in _DISK_FULL_WORDS)
+        if full:
+            raise StorageError(
+                f"--output {output}: no space left on device while writing the merged "
+                f"checkpoint (it needs about {_size(needed)}); free space there or give "
+                "--output on a bigger disk (nothing half-written is left)",
+                str(output),
+                NO_SPACE,
+            ) from e
+        cause = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
+        name = str(getattr(e, "filename", None) or "")
+        partial = str(output.parent / f".{output.name}.partial-")  # removed: not worth naming
+        where = f" ({name})" if name and not name.startswith(partial) else ""
+        raise StorageError(
+            f"--output {output}: writing the merged checkpoint failed: {cause}{where}; "
+            "fix that or give another --output (nothing half-written is left)",
+            str(output),
+            OTHER,
+        ) from e
 
 
 def _tensor_bytes(ckpt: hf_checkpoint.SafetensorsCheckpoint) -> dict[str, int]:
@@ -128,12 +170,15 @@ def export_merged(
     args = hf_checkpoint.read_model_args(model_dir)
     ckpt = hf_checkpoint.SafetensorsCheckpoint(model_dir)
     lora = load_adapter(adapter_dir, args)
-    shards = plan_shards(_tensor_bytes(ckpt), max_shard_bytes)
+    sizes = _tensor_bytes(ckpt)
+    shards = plan_shards(sizes, max_shard_bytes)
+    needed = sum(sizes.values())  # about what the export writes: the merged weights
 
-    output.parent.mkdir(parents=True, exist_ok=True)
-    # beside the output (same filesystem, so the final rename is atomic); mkdir honours the umask
-    tmp = output.parent / f".{output.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    with _writing(output, needed):
+        output.parent.mkdir(parents=True, exist_ok=True)
+        # beside the output (same filesystem, so the final rename is atomic); mkdir honours umask
+        tmp = output.parent / f".{output.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
     try:
         weight_map: dict[str, str] = {}
         total_bytes, merged = 0, 0
@@ -146,39 +191,39 @@ def export_merged(
             tensors = ckpt.read(names, dtype=None)  # as stored: merged weights keep their dtype
             merged += _merge(tensors, lora)
             tensors = {ckpt.stored_name(n): t.contiguous() for n, t in tensors.items()}
-            save_file(tensors, tmp / fname, metadata={"format": "pt"})
+            with _writing(output, needed):
+                save_file(tensors, tmp / fname, metadata={"format": "pt"})
             total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
             weight_map.update(dict.fromkeys(tensors, fname))
             del tensors
         expected = sum(len(b) for b in lora.blocks)
         if merged != expected:  # load_adapter checked shapes, so this means missing weights
             raise ModelError(f"{model_dir}: only {merged} of {expected} adapted weights found")
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        for f in sorted(model_dir.iterdir()):
-            if (
-                f.is_file()
-                and not any(f.match(w) for w in WEIGHT_FILES)
-                and f.name != model_card.CARD
-            ):
-                shutil.copy2(f, tmp / f.name)
         model_name, adapter_name = shown_as or (str(model_dir), str(adapter_dir))
         base = model_card.base_model(model_name, files=model_dir)
-        (tmp / model_card.CARD).write_text(
-            model_card.merged_card(
-                base,
-                adapter_name,
-                json.loads((adapter_dir / ADAPTER_CONFIG).read_text()),
-                model_card.completed_record(adapter_dir)
-                or model_card.checkpoint_record(adapter_dir),
-                str(output_dir),
-            )
+        card = model_card.merged_card(
+            base,
+            adapter_name,
+            json.loads((adapter_dir / ADAPTER_CONFIG).read_text()),
+            model_card.completed_record(adapter_dir) or model_card.checkpoint_record(adapter_dir),
+            str(output_dir),
         )
-        _check_output(output)  # someone may have written there meanwhile
-        if output.exists():
-            output.rmdir()  # empty: replace it
-        os.rename(tmp, output)
+        with _writing(output, needed):
+            if len(shards) > 1:
+                index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+                (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+            for f in sorted(model_dir.iterdir()):
+                if (
+                    f.is_file()
+                    and not any(f.match(w) for w in WEIGHT_FILES)
+                    and f.name != model_card.CARD
+                ):
+                    shutil.copy2(f, tmp / f.name)
+            (tmp / model_card.CARD).write_text(card)
+            _check_output(output)  # someone may have written there meanwhile
+            if output.exists():
+                output.rmdir()  # empty: replace it
+            os.rename(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

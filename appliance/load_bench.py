@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from . import quant
+from .bench_table import check_json_path, write_json
 from .blocks import entry_nbytes
 from .cluster import SHM_DIR
 from .doctor import tmpfs_huge_policy
@@ -383,13 +384,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m appliance.load_be
             raise ConfigError(f"--quant {a.quant!r}: each one of {', '.join(quant.KINDS)}")
         if a.in_driver == 1 or a.in_driver < 0:
             raise ConfigError(f"--in-driver {a.in_driver}: 0 (none) or at least 2 loads")
+        if a.json_path:
+            check_json_path(a.json_path)  # before minutes of loading, not after
         result = run(a.model, kinds, a.read_passes, a.threads, a.in_driver)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(format_table(result))
     if a.json_path:
-        Path(a.json_path).write_text(json.dumps(result, indent=2))
+        write_json(result, a.json_path)
     return 0
 
 

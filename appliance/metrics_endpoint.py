@@ -31,8 +31,8 @@ def ray_init_kwargs(
     Raises ConfigError when the port is taken: Ray would otherwise time out after ~30 s with
     "The current node timed out during startup".
     """
-    if not 0 < metrics_port < 65536:
-        raise ConfigError(f"--metrics-port must be a TCP port (got {metrics_port})")
+    if not is_tcp_port(metrics_port):
+        raise ConfigError(port_range_error(metrics_port))
     if not port_is_free(metrics_port):
         raise ConfigError(
             f"--metrics-port {metrics_port} is already in use (another appliance run, or another "
@@ -44,11 +44,25 @@ def ray_init_kwargs(
     }
 
 
+def is_tcp_port(port: int) -> bool:
+    """train's rule for --metrics-port (config.validate's too): 1-65535. 0 is refused: the kernel
+    would pick some port that nothing scrapes."""
+    return 0 < port < 65536
+
+
+def port_range_error(port: int) -> str:
+    """The one-line error for a --metrics-port outside 1-65535 (train's and doctor's)."""
+    return f"--metrics-port must be a TCP port, 1 to 65535 (got {port}): give a free one"
+
+
 def port_is_free(port: int) -> bool:
     """Whether a TCP port can be bound on all interfaces the way Ray's metrics agent binds it
     (a wsgiref server: SO_REUSEADDR set, so connections of a previous run still in TIME_WAIT do
-    not make the port look taken)."""
+    not make the port look taken). A port outside 1-65535 is never free (is_tcp_port)."""
     import socket
+
+    if not is_tcp_port(port):
+        return False
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -84,7 +98,9 @@ def choose_metrics_port(given: int | None, default: int = 8080, tries: int = 100
     """The port for the embedded Ray's metrics endpoint: `given` (--metrics-port) when it is free,
     else a one-line ConfigError; with none given, `default` or the next free port after it."""
     if given is not None:
-        if not (0 < given < 65536 and port_is_free(given) and _claim(given)):
+        if not is_tcp_port(given):
+            raise ConfigError(port_range_error(given))
+        if not (port_is_free(given) and _claim(given)):
             raise ConfigError(
                 f"--metrics-port {given} is already in use (another appliance run, or another "
                 "service): stop it, pick another port, or leave --metrics-port out to take the "

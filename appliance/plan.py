@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -39,6 +40,7 @@ from .errors import ConfigError
 from .hf_checkpoint import block_shapes, read_model_args
 from .model import TARGET_MODULES, ModelArgs
 from .planner import (
+    CUDA_MARGIN_BYTES,
     MemoryPlan,
     blocks_uploaded_per_step,
     device_saved_bytes,
@@ -48,7 +50,7 @@ from .planner import (
 )
 from .quant import is_linear_weight, quantized_nbytes
 
-GiB = 2**30
+GiB, MiB = 2**30, 2**20
 BASE_QUANTS = ("none", "int8", "nf4")  # largest to smallest
 DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}  # --dtype: bytes per value
 TRAIN = TrainConfig()  # train's defaults: the shape plan assumes unless told otherwise
@@ -59,6 +61,25 @@ AUTO_SLACK = 1.10  # `auto`: within 10 % of compute-bound
 TRAINER_PROCESS_BYTES = 3 * GiB
 TOKENIZER_WORKER_BYTES = GiB // 2
 TOKENIZER_WORKERS = 4  # the default's upper bound (tokenize_worker.default_num_workers)
+
+
+def gpu_budget_problem(text: str, n: int) -> str | None:
+    """What is wrong with `--gpu-memory-budget TEXT` (`n`: its bytes, config.parse_bytes), or
+    None: a bare number under 1 MiB (`24` is 24 bytes: a unit left out, said when `24GiB` would
+    do), or a budget not above planner.CUDA_MARGIN_BYTES, which the engine keeps off every
+    budget (0 included), so that nothing would be left to plan."""
+    text = str(text).strip()
+    bare = re.fullmatch(r"\d+(\.\d+)?", text) and n < MiB  # and TEXT GiB would do:
+    if bare and float(text) * GiB > CUDA_MARGIN_BYTES:
+        unit = "byte" if n == 1 else "bytes"
+        return f"--gpu-memory-budget {text} is {n} {unit}: did you mean {text}GiB?"
+    if n <= CUDA_MARGIN_BYTES:
+        return (
+            f"--gpu-memory-budget {text} leaves nothing to plan: the engine keeps "
+            f"{CUDA_MARGIN_BYTES // MiB} MiB of any budget for cuBLAS, NCCL and fragmentation; "
+            "give more (e.g. 20GiB), or leave it out for 90% of the card"
+        )
+    return None
 
 
 def smaller_quants(base_quant: str) -> tuple[str, ...]:
@@ -184,6 +205,7 @@ def plan_input(
     from .config import parse_bytes
 
     errors = []
+    gpu = gpu.strip().lower()  # A10 is a10 (the table's keys are lower case)
     if gpu not in hardware.GPUS:
         errors.append(f"--gpu {gpu!r} is unknown; one of {'|'.join(hardware.GPUS)}")
     if base_quant not in BASE_QUANTS:
@@ -223,6 +245,10 @@ def plan_input(
             budget = parse_bytes(gpu_memory_budget)
         except ValueError as e:
             errors.append(f"--gpu-memory-budget: {e}")
+        else:
+            problem = gpu_budget_problem(gpu_memory_budget, budget)
+            if problem:
+                errors.append(problem)
     if errors:
         raise ConfigError("\n".join(errors))
     args, label = load_args(model, preset)

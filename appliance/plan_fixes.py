@@ -67,9 +67,9 @@ Change = dict
 
 
 def _apply(p: PlanInput, m: int, change: Change) -> tuple[PlanInput, int]:
+    """The plan with `change` made. A `--gpu` change keeps the budget given unless the change
+    drops it too (and then says so: `_says`)."""
     fields = {k: v for k, v in change.items() if k != "micro_batches_per_step"}
-    if "gpu" in fields:
-        fields["gpu_memory_budget"] = None  # the new card's default
     return replace(p, **fields), change.get("micro_batches_per_step", m)
 
 
@@ -78,12 +78,15 @@ def _says(change: Change) -> str:
     parts = []
     for key, v in change.items():
         flag = "--" + key.replace("_", "-")
+        if key == "gpu_memory_budget" and "gpu" in change:
+            continue  # said with the GPU: `--gpu l40s without --gpu-memory-budget`
         if key == "gpu_memory_budget":
             parts.append(f"drop {flag} (the default is 90% of the card)")
         elif key == "gpu":
             g = hardware.GPUS[v]
+            without = " without --gpu-memory-budget" if "gpu_memory_budget" in change else ""
             parts.append(
-                f"{flag} {v} ({g.memory_bytes / GiB:.0f} GiB GPU, on a host with "
+                f"{flag} {v}{without} ({g.memory_bytes / GiB:.0f} GiB GPU, on a host with "
                 f"{_gib(g.instance.host_ram_bytes)} of RAM)"
             )
         elif not parts and key in ("seq_len", "micro_batch_size", "micro_batches_per_step"):
@@ -113,8 +116,9 @@ def _changes(p: PlanInput, m: int) -> list[list[Change]]:
         [{"micro_batches_per_step": v} for v in _halvings(m, 1)],
         [{"base_quant": q} for q in smaller_quants(p.base_quant)],
     ]
-    if p.gpu_memory_budget and p.gpu_memory_budget < p.card.memory_bytes:
-        groups.append([{"gpu_memory_budget": None}])
+    drop: Change = {"gpu_memory_budget": None}
+    if p.gpu_memory_budget is not None and p.gpu_memory_budget < p.card.memory_bytes:
+        groups.append([drop])
     here = p.card
     others = sorted(
         (g.memory_bytes, g.instance.host_ram_bytes, k)
@@ -122,7 +126,16 @@ def _changes(p: PlanInput, m: int) -> list[list[Change]]:
         if g.memory_bytes > here.memory_bytes
         or g.instance.host_ram_bytes > here.instance.host_ram_bytes
     )
-    groups.append([{"gpu": k} for _, _, k in others])
+    # another card keeps the budget given; one without it too only when dropping the budget on
+    # this card is not already the fix (else "--gpu l4" would pass for what the drop did)
+    also_drop = p.gpu_memory_budget is not None and not evaluate(*_apply(p, m, drop))["fits"]
+    groups.append(
+        [
+            change
+            for _, _, k in others
+            for change in ({"gpu": k}, *([{"gpu": k, **drop}] if also_drop else []))
+        ]
+    )
     return groups
 
 
@@ -144,6 +157,8 @@ def _gpu_then_host(p: PlanInput, m: int, options: list[Change]) -> str | None:
         more = _first_that_fits(p, m, [{**change, **h} for h in _host_changes(q, k)])
         if more is not None:
             return more
+        if "gpu" in change and q.card.memory_bytes <= p.card.memory_bytes:
+            continue  # a card with no more GPU memory: offered only where it fits, host too
         return (
             f"{_says(change)}: the GPU then fits, but host RAM still needs "
             f"{_gib(e['host_bytes']['ram_needed'])} of {_gib(e['host_ram_bytes'])}"

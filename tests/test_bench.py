@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import io
 import json
 import math
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from appliance import bench as B
-from appliance.bench_table import format_table
+from appliance.bench_table import format_table, write_json
 from appliance.engine import StreamedEngine
 from appliance.errors import ConfigError
 from appliance.hf_checkpoint import block_names, read_model_args
@@ -180,6 +181,16 @@ def test_a_bad_gpu_memory_budget_is_one_line_naming_the_flag(capsys):
     assert err == ["error: --gpu-memory-budget 'lots': 'lots' is not a size like 24GiB"]
 
 
+def test_a_budget_that_leaves_nothing_is_refused_as_plan_refuses_it(capsys):
+    for budget, error in (
+        ("24", "--gpu-memory-budget 24 is 24 bytes: did you mean 24GiB?"),
+        ("0", "--gpu-memory-budget 0 leaves nothing to plan: the engine keeps 768 MiB"),
+    ):
+        assert B.main(["--preset", "tiny", "--device", "cpu", "--gpu-memory-budget", budget]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {error}")
+
+
 def test_micro_batches_per_step_is_trains_spelling_and_the_old_one_still_works(capsys):
     for flag in ("--micro-batches-per-step", "--micro-batches"):
         assert B.parser().parse_args([flag, "3"]).micro_batches == 3
@@ -209,6 +220,62 @@ def test_the_json_holds_each_row_as_soon_as_it_is_measured(tmp_path, monkeypatch
     assert [r["mode"] for r in kept["modes"]] == ["streamed"]
     assert kept["shape"]["tokens_per_step"] == kept["modes"][0]["tokens_per_step"] > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]  # no temp file left
+
+
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_bench_runs(
+    tmp_path, monkeypatch, capsys
+):
+    """A --json under a file or naming a directory ran the whole bench, then raised a traceback
+    (its results lost, a .NAME.tmp left beside a directory): now one error line first."""
+
+    def no_bench(*args, **kwargs):
+        raise AssertionError("the bench ran")
+
+    monkeypatch.setattr(B, "run_bench", no_bench)
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "somedir").mkdir()
+    argv = ["--preset", "tiny", "--device", "cpu", "--json"]
+    for path, why in (
+        (tmp_path / "afile" / "x.json", f"{tmp_path / 'afile'} is a file, not a directory"),
+        (tmp_path / "somedir", "is a directory; give a file name, e.g. --json "),
+    ):
+        assert B.main([*argv, str(path)]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: --json {path}") and why in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "somedir"]
+    assert not any((tmp_path / "somedir").iterdir())
+
+
+def test_write_json_makes_missing_directories_and_never_leaves_its_temp_file(tmp_path, capsys):
+    """A missing parent is made (as export makes its --output's); a write that fails leaves no
+    .NAME.tmp behind; a bench whose --json stops being writable still prints its table, then
+    says so in one line."""
+    deep = tmp_path / "new" / "dir" / "x.json"
+    write_json({"a": 1}, deep)
+    assert json.loads(deep.read_text()) == {"a": 1}
+    (tmp_path / "somedir").mkdir()
+    with pytest.raises(IsADirectoryError):
+        write_json({"a": 1}, tmp_path / "somedir")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "somedir"]
+
+    path = tmp_path / "made" / "bench.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0"]
+    assert B.main([*argv, "--modes", "streamed", "--json", str(path)]) == 0
+    assert [r["mode"] for r in json.loads(path.read_text())["modes"]] == ["streamed"]
+    capsys.readouterr()
+
+    def disk_full(result, path):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(B, "write_json", disk_full)
+        assert B.main([*argv, "--modes", "streamed", "--json", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert "| streamed |" in out  # the results are printed all the same
+    assert err.strip().splitlines() == [
+        f"error: --json {path}: not written (No space left on device); the table above holds "
+        "the results"
+    ]
 
 
 def test_modes_runs_only_the_rows_asked_for(tmp_path, capsys):

@@ -383,3 +383,18 @@ def test_a_resume_with_other_training_settings_says_so(tmp_path):
         "steps from here on train with these, and the run's record and model card say so"
     ]
     assert resumed(steps="9", log_format="json") == []  # not how the steps train
+
+
+@pytest.mark.parametrize(
+    "budget, message",
+    [
+        ("0", "--gpu-memory-budget 0 leaves nothing to plan"),
+        ("24", "--gpu-memory-budget 24 is 24 bytes: did you mean 24GiB?"),
+    ],
+)
+def test_train_refuses_the_budget_plan_refuses(budget, message):
+    """`train --gpu-memory-budget 0` was no cap at all, and `24` 24 bytes: refused as plan
+    refuses them, naming the flag."""
+    with pytest.raises(ConfigError, match=message):
+        C.build_config({}, {"model": "m", "data": "d", "output": "o", "gpu_memory_budget": budget})
+    C.build_config({}, {"model": "m", "data": "d", "output": "o", "gpu_memory_budget": "20GiB"})

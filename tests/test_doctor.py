@@ -21,8 +21,10 @@ import pytest
 from click.testing import CliRunner
 
 from appliance.cli import main
-from appliance.doctor import blocking_problems
+from appliance.config import TrainConfig, validate
+from appliance.doctor import blocking_problems, check_port
 from appliance.measure import host_memory_available
+from appliance.metrics_endpoint import port_is_free
 from appliance.presets import PRESETS
 from tests.helpers_model import config_only_7b
 from tests.helpers_net import free_port
@@ -120,6 +122,22 @@ def test_a_busy_port_fails_the_port_check():
     assert "fix: stop what holds it, or pick another with --metrics-port" in text.output
     rc, checks = doctor_here("--metrics-port", str(port))  # released: fine again
     assert rc == 0 and checks["metrics_port"]["status"] == "ok"
+
+
+@pytest.mark.parametrize("port", ["70000", "-1", "0"])
+def test_a_port_train_refuses_is_one_error_line_naming_the_flag(port):
+    """70000 and -1 crashed in bind() with a traceback; 0 was "free" although train refuses it:
+    doctor takes train's rule (1 to 65535), before any check runs."""
+    out = CliRunner().invoke(main, ["doctor", "--metrics-port", port])
+    assert out.exit_code == 1 and isinstance(out.exception, SystemExit)
+    assert out.output.splitlines() == [
+        f"error: --metrics-port must be a TCP port, 1 to 65535 (got {port}): give a free one"
+    ]
+    c = check_port(int(port))  # the check itself, called with no flag parsing before it
+    assert (c.status, c.detail) == ("fail", f"port {port} is not a TCP port (1 to 65535)")
+    assert not port_is_free(int(port))
+    cfg = TrainConfig(metrics_port=int(port))  # train's rule, the one doctor now follows
+    assert any("--metrics-port must be a TCP port" in e for e in validate(cfg))
 
 
 def test_a_small_shm_fails_the_shm_check(monkeypatch):

@@ -5,15 +5,20 @@ Tolerance: 1e-5 relative error (fp32, CPU), as for the engine's parity tests.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import subprocess
 
 import pytest
 import torch
+from click.testing import CliRunner
 from peft import PeftModel
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from appliance import export as E
-from appliance.errors import ModelError
+from appliance.cli import main
+from appliance.errors import NO_SPACE, ModelError, StorageError
 from appliance.hf_checkpoint import read_model_args
 from appliance.lora import LoraSpec
 from tests.helpers_model import (
@@ -152,10 +157,66 @@ def test_a_crash_mid_export_leaves_nothing_behind(tmp_path, monkeypatch):
         real(tensors, path, metadata=metadata)
 
     monkeypatch.setattr(E, "save_file", failing_save)
-    with pytest.raises(OSError, match="disk full"):
-        E.export_merged(model_dir, adapter, tmp_path / "out", max_shard_bytes=1)
+    out = tmp_path / "out"
+    with pytest.raises(StorageError, match=f"--output {out}: writing the merged .* disk full;"):
+        E.export_merged(model_dir, adapter, out, max_shard_bytes=1)
     assert len(calls) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "model"]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
+        # what safetensors' writer raises on a full disk (tmpfs, measured): no errno, words only
+        SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        ),
+    ],
+)
+def test_a_full_disk_is_one_error_line_naming_the_output(tmp_path, monkeypatch, error):
+    """A full disk while writing was a SafetensorError traceback: now one `error:` line naming
+    --output, the cause and what to do, as train's full disk (a StorageError); nothing left."""
+    model_dir = make_model(tmp_path / "model", "llama-mha")
+    adapter = save_random_adapter(model_dir, tmp_path / "adapter")
+
+    def disk_full(tensors, path, metadata=None):
+        raise error
+
+    monkeypatch.setattr(E, "save_file", disk_full)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        main, ["export", "--model", str(model_dir), "--adapter", str(adapter), "--output", str(out)]
+    )
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert result.output.splitlines() == [
+        f"error: --output {out}: no space left on device while writing the merged checkpoint "
+        "(it needs about 0.5 MiB); free space there or give --output on a bigger disk (nothing "
+        "half-written is left)"
+    ]
+    with pytest.raises(StorageError) as e:
+        E.export_merged(model_dir, adapter, out)
+    assert e.value.kind == NO_SPACE and e.value.uri == str(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "model"]
+
+
+def test_a_really_full_disk_is_said_so(tmp_path):
+    """The same on a real full disk: a 256 KiB tmpfs, smaller than the merged model."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    model_dir = make_model(tmp_path / "model", "llama-mha")
+    adapter = save_random_adapter(model_dir, tmp_path / "adapter")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)]).returncode:
+        pytest.skip("mount -t tmpfs refused here")
+    try:
+        with pytest.raises(StorageError, match="no space left on device") as e:
+            E.export_merged(model_dir, adapter, disk / "out")
+        assert e.value.kind == NO_SPACE
+        assert list(disk.iterdir()) == []  # the partial copy removed
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
 
 
 def test_adapter_of_another_model_is_refused(tmp_path):

@@ -26,6 +26,7 @@ from appliance.plan import (
     globals_bytes,
     lora_param_count,
     make_plan,
+    plan_input,
 )
 from appliance.planner import CUDA_MARGIN_BYTES, effective_budget, plan_memory, streaming_budget
 from appliance.presets import PRESETS
@@ -298,6 +299,81 @@ def test_host_ram_that_does_not_fit_is_said_and_every_fix_fits_gpu_and_host():
     for fix in r["fixes"][:-1]:
         out = CliRunner().invoke(main, [*argv, *fix_flags(fix)])
         assert out.exit_code == 0 and "fits: yes" in out.output, (fix, out.output)
+
+
+@pytest.mark.parametrize(
+    "budget, error",
+    [
+        ("0", "--gpu-memory-budget 0 leaves nothing to plan: the engine keeps 768 MiB of any "
+         "budget for cuBLAS, NCCL and fragmentation; give more (e.g. 20GiB), or leave it out "
+         "for 90% of the card"),
+        ("768MiB", "--gpu-memory-budget 768MiB leaves nothing to plan: the engine keeps 768 MiB"),
+        ("24", "--gpu-memory-budget 24 is 24 bytes: did you mean 24GiB?"),
+    ],
+)  # fmt: skip
+def test_a_budget_that_leaves_nothing_is_one_error_line(budget, error):
+    """0 printed "budget -0.75 GiB" and offered `--gpu l4`; 24 was read as 24 bytes."""
+    argv = ["plan", "--preset", "7b", "--gpu", "a10", "--gpu-memory-budget", budget]
+    out = CliRunner().invoke(main, argv)
+    assert out.exit_code == 1 and isinstance(out.exception, SystemExit), out.output
+    lines = out.output.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {error}"), out.output
+
+
+def without_budget(argv: list[str], fix: str) -> list[str]:
+    """`argv` changed as `fix` says: its flags set, the budget dropped when it says to."""
+    if "without --gpu-memory-budget" in fix or fix.startswith("drop --gpu-memory-budget"):
+        i = argv.index("--gpu-memory-budget")
+        argv = argv[:i] + argv[i + 2 :]
+    flags = [] if fix.startswith("drop ") else fix_flags(fix)
+    for flag, value in zip(flags[::2], flags[1::2], strict=True):
+        if flag in argv:
+            argv = [*argv]
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv = [*argv, flag, value]
+    return argv
+
+
+@pytest.mark.parametrize(
+    "argv, gpu_fix",
+    [
+        # the budget alone is what does not fit: dropping it is the fix, no other card
+        (["--preset", "7b", "--gpu-memory-budget", "2GiB"], None),
+        # another card that keeps the budget (more host RAM)
+        (["--preset", "70b", "--gpu-memory-budget", "12GiB"], "--gpu 4090 (24 GiB GPU"),
+        # no budget on this card fits: another card, without it, said so
+        (
+            ["--preset", "70b", "--gpu-memory-budget", "6GiB", "--seq-len", "4096",
+             "--micro-batch-size", "1", "--micro-batches-per-step", "64"],
+            "--gpu a100 without --gpu-memory-budget (40 GiB GPU",
+        ),
+    ],
+)  # fmt: skip
+def test_a_gpu_fix_keeps_the_budget_or_says_it_drops_it(argv, gpu_fix):
+    """`--gpu a10 --gpu-memory-budget 2GiB` offered `--gpu l4`, which fitted only because the
+    budget was silently dropped. Each fix, followed as it reads, fits (a card with no more GPU
+    memory than the one given included: it is offered only so)."""
+    argv = ["plan", "--gpu", "a10", *argv]
+    r = json.loads(CliRunner().invoke(main, [*argv, "--json"]).output)
+    assert not r["fits"]
+    gpu_fixes = [f for f in r["fixes"] if f.startswith("--gpu ")]
+    if gpu_fix is None:
+        assert gpu_fixes == [] and "drop --gpu-memory-budget" in r["fixes"][-1]
+    else:
+        assert len(gpu_fixes) == 1 and gpu_fixes[0].startswith(gpu_fix), r["fixes"]
+    for fix in r["fixes"]:
+        if fix.startswith("a host with"):
+            continue
+        out = CliRunner().invoke(main, without_budget(argv, fix))
+        assert out.exit_code == 0 and "fits: yes" in out.output, (fix, out.output)
+
+
+def test_gpu_names_are_taken_in_any_case():
+    p = plan_input(None, "7b", "A10", "4", None)
+    assert p.gpu == "a10" and p.card is hardware.GPUS["a10"]
+    p = plan_input(None, "7b", "L40S", "4", "20GiB")
+    assert p.gpu == "l40s" and p.gpu_memory_budget == 20 * 2**30
 
 
 def test_plan_assumes_trains_shape_and_prints_it(tmp_path):
