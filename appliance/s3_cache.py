@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from appliance.checkpoint import LATEST_MARKER, list_checkpoints
 from appliance.errors import INVALID, NO_SPACE, NOT_FOUND, StorageError
 from appliance.globs import glob_match, has_glob, split_glob
 from appliance.s3 import S3_SCHEME, s3_client, s3_error
@@ -150,15 +151,45 @@ def localize_adapter(uri: str, cache_dir: str | os.PathLike[str] | None = None) 
     adapter's files and, for its model card, the run's record and card beside them, never the
     run's checkpoints (each as big as the adapter and its optimizer state)."""
     if not is_s3(uri):
-        return localize(uri, cache_dir)
-    none = (
-        f"no adapter_config.json under {uri}/: pass a directory written by appliance train (or "
-        "PEFT)"
-    )
+        path = localize(uri, cache_dir)
+        if path.is_file() and path.name == LATEST_MARKER:  # a run's checkpoints/latest: the
+            path = path.parent / path.read_text(encoding="utf-8").strip()  # checkpoint it names
+        if path.is_dir() and not (path / ADAPTER_FILES[0]).is_file():
+            raise StorageError(_no_adapter(str(path)), uri, NOT_FOUND)
+        return path
+    none = _no_adapter(uri)
     path = _localize_s3(uri, cache_dir, lambda name: name in ADAPTER_FILES, none)
     if not (path / ADAPTER_FILES[0]).is_file():  # a run's output, say, before it completed
         raise StorageError(none, uri, NOT_FOUND)
     return path
+
+
+def _no_adapter(uri: str) -> str:
+    """What to say of an --adapter `uri` without adapter_config.json: a run's output before its
+    run completed (interrupted, failed, running) names its latest checkpoint, an adapter too."""
+    from .errors import ApplianceError
+    from .run_record import read_run_file  # (it imports config, which is heavier)
+
+    none = f"no adapter_config.json under {uri}/: pass a directory written by appliance train (or PEFT)"
+    try:
+        record = read_run_file(uri)
+        saved = list_checkpoints(uri) if record is not None else []
+    except ApplianceError:  # an unreadable run.json: nothing more to say than `none`
+        return none
+    if record is None:
+        return none
+    status = record.get("status", "unknown")
+    latest = [c for c in saved if c.complete]
+    use = (
+        f"pass its latest checkpoint, --adapter {latest[-1].uri}, or finish the run "
+        f"(appliance train --output {uri} --resume)"
+        if latest
+        else "it has no checkpoint yet either: finish the run first "
+        f"(appliance train --output {uri} --resume)"
+    )
+    return (
+        f"{uri} holds an appliance run ({status}) whose adapter is written when it completes; {use}"
+    )
 
 
 def _localize_s3(

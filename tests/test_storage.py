@@ -477,7 +477,28 @@ def test_a_model_or_an_adapter_from_s3_fetches_only_the_files_that_are_read(
     assert str(e.value) == (
         f"no adapter_config.json under {unfinished}/: pass a directory written by appliance "
         "train (or PEFT)"
+    )  # (its run.json is not one: nothing more to say)
+    # a run's output before its run completed: its latest complete checkpoint is named
+    s3_client.put_object(Bucket=s3_bucket, Key="runs/c/run.json", Body=b'{"status": "interrupted"}')
+    put("runs/c", ["checkpoints/step-000002/manifest.json", "checkpoints/step-000004/x"])
+    with pytest.raises(StorageError) as e:
+        s3_cache.localize_adapter(f"s3://{s3_bucket}/runs/c", cache)
+    assert str(e.value) == (
+        f"s3://{s3_bucket}/runs/c holds an appliance run (interrupted) whose adapter is written "
+        f"when it completes; pass its latest checkpoint, --adapter s3://{s3_bucket}/runs/c/"
+        f"checkpoints/step-000002, or finish the run (appliance train --output "
+        f"s3://{s3_bucket}/runs/c --resume)"
     )
+    # ... and locally, where `checkpoints/latest` (the marker file) stands for what it names
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step-000003").mkdir(parents=True)
+    (out / "run.json").write_text('{"status": "failed"}')
+    with pytest.raises(StorageError, match=r"run \(failed\) .*it has no checkpoint yet either"):
+        s3_cache.localize_adapter(str(out))
+    (out / "checkpoints" / "step-000003" / "adapter_config.json").write_text("{}")
+    (out / "checkpoints" / "latest").write_text("step-000003\n")
+    named = s3_cache.localize_adapter(str(out / "checkpoints" / "latest"))
+    assert named == out / "checkpoints" / "step-000003"
     # the names s3_cache keeps to itself (it stays light) are those the modules use
     from appliance.checkpoint import CONFIG_FILE, DRIVER_STATE, MANIFEST
     from appliance.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
