@@ -64,7 +64,24 @@ def _version() -> str:
         return "unknown"
 
 
-class GroupedHelp(click.Command):
+class PatternHint(click.Command):
+    """A command taking --data: "unexpected extra arguments" after it is, nearly always, a glob
+    pattern left unquoted that the shell expanded into file names; the error says so."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        given = any(a == "--data" or a.startswith("--data=") for a in args)
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as e:
+            if given and "unexpected extra argument" in e.message:
+                e.message += (
+                    ": if --data is a pattern, quote it, or the shell expands it into file names "
+                    "(--data 'data/*.jsonl')"
+                )
+            raise
+
+
+class GroupedHelp(PatternHint):
     """A command whose --help lists its options in the sections of config.HELP_GROUPS (in that
     order), then whatever no group names under "Other options"."""
 
@@ -243,7 +260,9 @@ def adapter_defaults(adapter: str, adapter_dir, given: dict, device: str | None 
     return given
 
 
-@main.command("eval", short_help="Mean next-token loss of a model (and adapter) on a file.")
+@main.command(
+    "eval", cls=PatternHint, short_help="Mean next-token loss of a model (and adapter) on a file."
+)
 @click.option("--model", default=None, help=_MODEL_HELP)
 @click.option("--adapter", default=None, help=_ADAPTER_HELP)
 @click.option(

@@ -605,3 +605,17 @@ def test_a_loss_that_is_not_finite_stops_the_run_before_an_adapter_of_nans(tmp_p
     assert "step 1/2" not in done.stdout  # (the failing step is not shown as done)
     record = json.loads((out / "run.json").read_text())
     assert record["status"] == "failed" and record["error"].startswith("TrainingError: step 1")
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_an_unquoted_data_pattern_the_shell_expanded_is_said_to_need_quotes(tmp_path, command):
+    """`--data data/*.jsonl` unquoted reaches appliance as several file names: click's "extra
+    arguments" error says what happened and how to write it."""
+    files = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    result = CliRunner().invoke(main, [command, "--model", "m", "--data", *map(str, files)])
+    assert result.exit_code == 2
+    assert f"Got unexpected extra argument ({files[1]}): if --data is a pattern, quote it" in (
+        result.output
+    )
+    other = CliRunner().invoke(main, ["plan", "--gpu", "a10", "--preset", "7b", "stray"])
+    assert other.exit_code == 2 and "quote it" not in other.output  # (no --data: no hint)
