@@ -332,6 +332,7 @@ def eval_cmd(
     from .data_files import dataset_notes
     from .evaluate import check_device, evaluate
     from .hub import resolve_dataset, resolve_model
+    from .run_record import other_model_note
     from .s3_cache import localize_adapter, localize_data, localize_model
     from .trainer import resolve_device, resolve_dtype
 
@@ -356,6 +357,8 @@ def eval_cmd(
             )
     base_quant, dtype = base_quant or C.TrainConfig.base_quant, dtype or C.TrainConfig.dtype
     model_dir = localize_model(resolve_model(model))  # the model's errors before the data's
+    if adapter_dir is not None and (note := other_model_note(adapter_dir, model_dir, model)):
+        click.echo(f"note: {note}", err=True)
     data_path = localize_data(resolve_dataset(data))
     for note in dataset_notes(data_path, "--data", data):  # files skipped, several splits
         click.echo(f"note: {note}", err=True)
@@ -384,12 +387,16 @@ def export(model: str | None, adapter: str, output: str) -> None:
     """Write base + adapter merged into a Hugging Face checkpoint."""
     from .export import export_merged
     from .hub import resolve_model
+    from .run_record import other_model_note
     from .s3_cache import localize_adapter, localize_model
 
     adapter_dir = localize_adapter(adapter)
     model = adapter_defaults(adapter, adapter_dir, {"model": model})["model"]
     model = resolve_model(model)  # a hub id: its snapshot, which the model card names by the id
-    export_merged(localize_model(model), adapter_dir, output, shown_as=(model, adapter))
+    model_dir = localize_model(model)
+    if note := other_model_note(adapter_dir, model_dir, model):
+        click.echo(f"note: {note}", err=True)
+    export_merged(model_dir, adapter_dir, output, shown_as=(model, adapter))
     click.echo(f"merged checkpoint written to {output}")
 
 

@@ -61,6 +61,11 @@ def _refusal(arch: str, cfg: dict) -> str | None:
 def read_model_args(model_dir: str | Path) -> ModelArgs:
     """Parse and check `config.json`; refuse anything the engine does not implement, by name."""
     model_dir = Path(model_dir)
+    if model_dir.is_file():  # model.safetensors or config.json given for the directory
+        raise ModelError(
+            f"--model {model_dir} is a file: pass the directory that holds config.json and the "
+            f"weights (--model {model_dir.parent}?)"
+        )
     if not model_dir.is_dir():
         raise ModelError(f"model directory {model_dir} does not exist (pass --model DIR)")
     cfg = _read_json(model_dir / "config.json", "config.json")

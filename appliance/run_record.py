@@ -184,6 +184,29 @@ def adapter_run_config(adapter_dir: Path) -> tuple[dict, Path] | None:
     return (config, path) if isinstance(config, dict) else None
 
 
+def other_model_note(adapter_dir: Path, model_dir: Path, model: str) -> str | None:
+    """A note when `model` (its local copy `model_dir`), given to eval or export with the adapter
+    in `adapter_dir`, is not the model the adapter's run trained: its files differ from the
+    fingerprint in the run's run.json (beside the adapter, or two levels up from a checkpoint).
+    One of the same shapes loads without a word otherwise, and scores or merges as another
+    model's. None when they match, or when no fingerprint was recorded (a PEFT adapter)."""
+    from .checkpoint import MANIFEST
+
+    run_file = adapter_dir / RUN_FILE
+    if not run_file.is_file() and (adapter_dir / MANIFEST).is_file():
+        run_file = adapter_dir.parent.parent / RUN_FILE  # OUTPUT/checkpoints/step-N
+    record = json_object(run_file) if run_file.is_file() else None
+    recorded = (record or {}).get("model_fingerprint")
+    if not recorded or model_fingerprint(str(model_dir)) == recorded:
+        return None
+    trained = (record or {}).get("config", {}).get("model", "another model")
+    return (
+        f"--model {model} is not the model the adapter's run trained ({trained}): their files "
+        "differ (config, tokenizer or weights), so the adapter meets other weights than it "
+        "learned on"
+    )
+
+
 def read_run_file(output: str) -> dict | None:
     """The record in `output`/run.json, or None when there is none. A record that is not a JSON
     object (a torn or hand-edited file) is a ConfigError saying what to do: it is never guessed

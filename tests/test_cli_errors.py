@@ -90,6 +90,14 @@ def test_missing_model_directory(tmp_path, data):
     )
 
 
+def test_a_model_file_given_for_its_directory_is_named(tmp_path, model, data):
+    weights = model / "model.safetensors"
+    code, out = train("--model", weights, "--data", data, "--output", tmp_path / "o")
+    assert_one_user_error(
+        code, out, tmp_path / "o", f"--model {weights} is a file: pass the directory", str(model)
+    )
+
+
 def test_model_directory_without_config(tmp_path, data):
     (tmp_path / "empty").mkdir()
     code, out = train("--model", tmp_path / "empty", "--data", data, "--output", tmp_path / "o")

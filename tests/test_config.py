@@ -398,3 +398,32 @@ def test_train_refuses_the_budget_plan_refuses(budget, message):
     with pytest.raises(ConfigError, match=message):
         C.build_config({}, {"model": "m", "data": "d", "output": "o", "gpu_memory_budget": budget})
     C.build_config({}, {"model": "m", "data": "d", "output": "o", "gpu_memory_budget": "20GiB"})
+
+
+def test_eval_or_export_with_another_model_than_the_runs_says_so(tmp_path):
+    """The adapter's run recorded its model's fingerprint: a --model of the same shapes but
+    other weights (another seed: a base model and its chat fine-tune) gets a note; the run's
+    own model, moved, none; a checkpoint finds the run's record two levels up."""
+    import json
+    import shutil
+
+    from appliance.run_record import model_fingerprint, other_model_note
+    from tests.helpers_model import make_model
+
+    trained = make_model(tmp_path / "a", "llama-mha", seed=0)
+    other = make_model(tmp_path / "b", "llama-mha", seed=1)
+    out = tmp_path / "out"
+    step = out / "checkpoints" / "step-000002"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text("{}")
+    record = {"config": {"model": str(trained)}, "model_fingerprint": model_fingerprint(trained)}
+    (out / "run.json").write_text(json.dumps(record))
+    moved = shutil.copytree(trained, tmp_path / "moved")
+    for adapter in (out, step):
+        assert other_model_note(adapter, moved, str(moved)) is None
+        assert other_model_note(adapter, other, str(other)) == (
+            f"--model {other} is not the model the adapter's run trained ({trained}): their "
+            "files differ (config, tokenizer or weights), so the adapter meets other weights "
+            "than it learned on"
+        )
+    assert other_model_note(tmp_path / "peft", other, str(other)) is None  # nothing recorded
