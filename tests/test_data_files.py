@@ -24,6 +24,14 @@ from appliance.data_files import (
 from appliance.errors import DataError
 from tests.helpers_data import write_jsonl
 
+
+def write_files(root: Path, names: list[str], text: str = "x") -> None:
+    """Files `names` (relative paths) under `root`, each holding `text`."""
+    for rel in names:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
 # -- discovery -------------------------------------------------------------------------------
 
 
@@ -33,9 +41,7 @@ def test_find_data_files_is_recursive_sorted_and_ignores_other_files(tmp_path):
         *("d.jsonl.gz", "e.csv.gz", "f.parquet.gz", "a/dataset_info.json", "t.txt.zst"),
         *("g.arrow", "h.arrow.gz", "a/state.json"),
     ]
-    for rel in names:
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text("x")
+    write_files(tmp_path, names)
     files = find_data_files(tmp_path)
     assert [f.relative_to(tmp_path).as_posix() for f in files] == [
         "0.txt",
@@ -62,15 +68,8 @@ def test_find_data_files_is_recursive_sorted_and_ignores_other_files(tmp_path):
 def test_a_directorys_hidden_files_are_not_its_data(tmp_path):
     """A notebook's checkpoint copy, macOS's `._` files, a `.cache/`: skipped and named, as a
     pattern's `*` skips them."""
-    for rel in [
-        "train.jsonl",
-        ".ipynb_checkpoints/train-checkpoint.jsonl",
-        "._train.jsonl",
-        ".cache/x/part.jsonl",
-        ".git/HEAD",
-    ]:
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text('{"text": "x"}\n')
+    hidden = [".ipynb_checkpoints/train-checkpoint.jsonl", "._train.jsonl", ".cache/x/part.jsonl"]
+    write_files(tmp_path, ["train.jsonl", *hidden, ".git/HEAD"], '{"text": "x"}\n')
     assert find_data_files(tmp_path) == [tmp_path / "train.jsonl"]
     assert find_data_files(tmp_path / "*") == [tmp_path / "train.jsonl"]
     assert unreadable_files(tmp_path) == []  # (.git/HEAD is not named as skipped data either)
@@ -143,14 +142,15 @@ def test_split_names_as_datasets_reads_them():
 
 def test_dataset_notes_name_skipped_files_and_several_splits(tmp_path):
     hub = tmp_path / "hub"  # as `hf download --repo-type dataset` leaves a dataset
-    for rel in [
-        "README.md",
-        "data/train-00000-of-00002.parquet",
-        "data/train-00001-of-00002.parquet",
-        "data/test-00000-of-00001.parquet",
-    ]:
-        (hub / rel).parent.mkdir(parents=True, exist_ok=True)
-        (hub / rel).write_text("x")
+    write_files(
+        hub,
+        [
+            "README.md",
+            "data/train-00000-of-00002.parquet",
+            "data/train-00001-of-00002.parquet",
+            "data/test-00000-of-00001.parquet",
+        ],
+    )
     assert dataset_notes(hub, "--data", "s3://b/hub") == [
         "--data s3://b/hub: skipped 1 file(s) that are not data (.jsonl, .json, .parquet, "
         ".arrow or .txt; .jsonl, .json and .txt also .gz, .bz2, .xz or .zst): README.md",
