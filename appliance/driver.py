@@ -35,7 +35,7 @@ from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .model import ModelArgs
 from .models import resolve_targets
 from .progress import Progress
-from .run import Inputs, Run
+from .run import Run
 from .run_record import (
     IDENTITY_KEYS,
     LEGACY_IDENTITY,
@@ -48,6 +48,7 @@ from .run_record import (
     read_run_file,
     run_identity,
 )
+from .run_state import Inputs
 from .s3_cache import localize, localize_data, localize_model
 from .tokenize_worker import MAX_DEFAULT_WORKERS
 from .trainer import resolve_device, resolve_dtype

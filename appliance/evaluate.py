@@ -139,7 +139,7 @@ def eval_batches(
 
 
 def validation_batches(cfg, inp, warn: Callable[[str], None] | None = None) -> list[Batch]:
-    """The run's validation set (`run.Inputs` `inp` of config `cfg`, which has one: `Run.has_eval`):
+    """The run's validation set (`run_state.Inputs` `inp` of config `cfg`, which has one: `Run.has_eval`):
     --eval-data (the demo's held-out corpus is its --eval-data) or the documents --eval-split
     holds out of --data, as `eval_batches`. Each
     document is encoded as training encodes it, truncated to --seq-len and scored alone (the

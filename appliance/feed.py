@@ -11,7 +11,7 @@ from .data import SKIP_EXAMPLES, Holdout, skipped_message
 from .tokenize_worker import ShardWorker
 
 if TYPE_CHECKING:
-    from .run import Inputs
+    from .run_state import Inputs
 
 
 def worker_kwargs(

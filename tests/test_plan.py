@@ -445,8 +445,8 @@ def test_config_accepts_auto_and_still_checks_numbers(tmp_path):
 def test_auto_on_a_cpu_means_4_and_run_json_records_it(tmp_path):
     from appliance.driver import resolve_micro_batches
     from appliance.progress import Progress
-    from appliance.run import Inputs
     from appliance.run_record import write_run_file
+    from appliance.run_state import Inputs
 
     cfg = _cfg(tmp_path, micro_batches_per_step="auto")
     inp = Inputs(cfg, tmp_path, tmp_path, 2, None, "cpu", "float32")

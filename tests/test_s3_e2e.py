@@ -169,7 +169,7 @@ def test_validation_on_a_cluster_fetches_the_tokenizer_where_the_driver_runs(
     workers do."""
     from appliance.config import build_config
     from appliance.evaluate import validation_batches
-    from appliance.run import Inputs
+    from appliance.run_state import Inputs
     from tests.helpers_tokenizer import make_tokenizer
 
     _, _, eos, pad = make_tokenizer(tmp_path / "model")

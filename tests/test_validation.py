@@ -64,7 +64,7 @@ def test_the_held_out_documents_stay_those_of_the_runs_files_when_one_joins_mid_
     a shard written into the directory since would otherwise move trained documents into it."""
     from appliance.data_files import file_names
     from appliance.evaluate import validation_batches
-    from appliance.run import Inputs
+    from appliance.run_state import Inputs
 
     tok, _, eos, pad = make_tokenizer(tmp_path / "model")
     data = tmp_path / "data"
@@ -97,7 +97,7 @@ def test_a_validation_sets_problems_name_the_set(tmp_path):
     """A bad record of --eval-data, or one with nothing to score, is named as the validation
     set's (the run builds it before its first step)."""
     from appliance.evaluate import validation_batches
-    from appliance.run import Inputs
+    from appliance.run_state import Inputs
 
     tok, _, eos, pad = make_tokenizer(tmp_path / "model")
     data, held = tmp_path / "d.jsonl", tmp_path / "v.jsonl"
