@@ -199,9 +199,9 @@ class WeightStore:
             index, size = layout(in_file_order)
             span = _file_span(sources, index, size)
             if span is not None:
-                return _BufferPlan(sources, index, size, self.dtype, span)
+                return _BufferPlan(sources, index, size, self.dtype, span, names)
         index, size = layout(entries)
-        return _BufferPlan(sources, index, size, self.dtype, None)
+        return _BufferPlan(sources, index, size, self.dtype, None, names)
 
     def stats(self) -> dict:
         return {
@@ -232,6 +232,7 @@ class _BufferPlan:
     size: int
     dtype: str  # the dtype kept (quantized entries say their kind in the index)
     span: tuple[Path, int] | None
+    names: dict[str, str]  # short name → the checkpoint's, for errors
 
 
 def _kept_as_stored(
@@ -275,7 +276,8 @@ def _read_buffer(plan: _BufferPlan, out: np.ndarray | None = None) -> np.ndarray
             continue
         t = readonly_tensor(raw).view(src).view(shape)
         if kind in quant.KINDS:  # coded straight into its place
-            quant.quantize(t, kind, short, out=quantized_view(flat, off, shape, kind))
+            name = plan.names[short]  # (an error names model.layers.1.mlp..., not mlp...)
+            quant.quantize(t, kind, name, out=quantized_view(flat, off, shape, kind))
         else:
             n = t.numel() * dtype.itemsize
             flat[off : off + n].view(dtype).copy_(t.reshape(-1))

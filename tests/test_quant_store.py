@@ -104,6 +104,23 @@ def test_eval_cli_with_base_quant_refuses_an_integer_weight_naming_it(tmp_path):
     ]
 
 
+def test_a_nan_in_a_weight_the_store_quantizes_names_the_checkpoint_tensor(tmp_path):
+    """The store codes each block's weights under their short names: the error names the
+    checkpoint's tensor, layer included (a damaged download is found by its name)."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = make_model(tmp_path / "model", "llama-mha")
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name][0, 5] = float("nan")
+    save_file(tensors, path, metadata={"format": "pt"})
+    from appliance.errors import ModelError
+
+    with pytest.raises(ModelError, match=rf"^{name}: values 0\.\.63 \(flattened\) holds inf or"):
+        WeightStore(model_dir, "float32", "nf4").handles()
+
+
 def test_the_load_bench_checkpoint_is_a_valid_sharded_model(tmp_path):
     from appliance.hf_checkpoint import SafetensorsCheckpoint, read_model_args
     from appliance.load_bench import LLAMA_1B, read_files, write_checkpoint
