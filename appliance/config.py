@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError
+from .metrics_endpoint import is_tcp_port
 from .model import TARGET_MODULES
 from .models import TARGETS
 
@@ -297,8 +298,8 @@ def _expected(name: str) -> str:
     }.get(kind, "a string")
 
 
-def _shown(value: Any) -> str:
-    """A value as a config file or flag spells it: 0.0002, true, q,k,v, auto."""
+def shown(value: Any) -> str:
+    """A value as a config file or flag spells it, for messages: 0.0002, true, q,k,v, auto."""
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, (tuple, list)):
@@ -442,9 +443,9 @@ def build_config(
             values.pop("steps")
     for name in nulls:
         if name in from_run:
-            left_out = f"{run_source}'s value ({_shown(from_run[name])})"
+            left_out = f"{run_source}'s value ({shown(from_run[name])})"
         else:
-            left_out = f"the default ({_shown(values.get(name, FIELDS[name].default))})"
+            left_out = f"the default ({shown(values.get(name, FIELDS[name].default))})"
         errors.append(
             f"{source}: {file_key[name]}: null is not a value; give {_expected(name)}, "
             f"or leave the key out for {left_out}"
@@ -567,7 +568,7 @@ def validate(cfg: TrainConfig, label: Callable[[str], str] = flag) -> list[str]:
             parse_bytes(cfg.object_store_memory)
         except ValueError as e:
             errs.append(f"{label('object_store_memory')}: {e}")
-    if cfg.metrics_port is not None and not 0 < cfg.metrics_port < 65536:
+    if cfg.metrics_port is not None and not is_tcp_port(cfg.metrics_port):
         errs.append(f"{label('metrics_port')} must be a TCP port (got {cfg.metrics_port})")
     if cfg.model is None:  # the built-in demo: it brings its own model and corpus
         if cfg.data is not None:

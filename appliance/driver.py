@@ -24,7 +24,7 @@ from . import model_card, storage
 from .chat import load_chat_template
 from .checkpoint import LATEST_MARKER, checkpoints_uri, list_checkpoints
 from .cluster import check_shared_output, on_node, start_ray, trainer_slots, weight_store_bytes
-from .config import TrainConfig, flag
+from .config import TrainConfig, flag, shown
 from .data import Holdout, check_dataset, check_has_targets, check_tokenizer_fits
 from .data_files import count_documents, dataset_notes, file_names, not_held_out_notes
 from .errors import NOT_FOUND, ConfigError, StorageError, cause_chain
@@ -193,7 +193,7 @@ def _changed_settings_notes(cfg: TrainConfig, previous: dict) -> list[str]:
     config): the steps from here on use them, and run.json and the model card say so."""
     was = previous.get("config", {})
     changed = [
-        f"{flag(k)} {_shown(getattr(cfg, k))} (the run's: {_shown(was[k])})"
+        f"{flag(k)} {shown(getattr(cfg, k))} (the run's: {shown(was[k])})"
         for k in TRAINING_SETTINGS
         if k in was and was[k] != getattr(cfg, k) and not (k == "dtype" and cfg.dtype == "auto")
     ]
@@ -299,7 +299,7 @@ def check_output(
         if cfg.resume:
             if not same:
                 changed = [
-                    f"{flag(k)} {_shown(now[k])} (the run: {_shown(was.get(k))})"
+                    f"{flag(k)} {shown(now[k])} (the run: {shown(was.get(k))})"
                     for k in IDENTITY_KEYS
                     if was.get(k) != now[k]
                 ]
@@ -347,10 +347,6 @@ def _the_runs_model_moved_to(fingerprint: str | None, previous: dict) -> bool:
     its path alone."""
     recorded = previous.get("model_fingerprint")
     return recorded is not None and fingerprint == recorded
-
-
-def _shown(value: object) -> str:
-    return ",".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
 
 
 def recorded_config(output: str) -> dict | None:

@@ -139,11 +139,11 @@ def eval_batches(
 
 
 def validation_batches(cfg, inp, warn: Callable[[str], None] | None = None) -> list[Batch]:
-    """The run's validation set (`run_state.Inputs` `inp` of config `cfg`, which has one: `Run.has_eval`):
-    --eval-data (the demo's held-out corpus is its --eval-data) or the documents --eval-split
-    holds out of --data, as `eval_batches`. Each
-    document is encoded as training encodes it, truncated to --seq-len and scored alone (the
-    semantics of `appliance eval`); DataError if none has a target token. `warn`: as in
+    """The run's validation set (`run_state.Inputs` `inp` of config `cfg`, which has one:
+    `Run.has_eval`): --eval-data (the demo's held-out corpus is its --eval-data) or the documents
+    --eval-split holds out of --data, as `eval_batches`. Each document is encoded as training
+    encodes it, truncated to --seq-len and scored alone (the semantics of `appliance eval`);
+    DataError naming the set if a record is bad or none has a target token. `warn`: as in
     `read_documents` (skipped records, documents cut to --seq-len)."""
     from . import storage
     from .s3_cache import localize, localize_data

@@ -49,6 +49,7 @@ from .planner import (
     step_flops,
 )
 from .quant import is_linear_weight, quantized_nbytes
+from .tokenize_worker import MAX_DEFAULT_WORKERS
 
 GiB, MiB = 2**30, 2**20
 BASE_QUANTS = ("none", "int8", "nf4")  # largest to smallest
@@ -60,7 +61,7 @@ AUTO_SLACK = 1.10  # `auto`: within 10 % of compute-bound
 # CUDA context's host side, Ray worker) and a tokenizer worker (tokenizers + Ray worker).
 TRAINER_PROCESS_BYTES = 3 * GiB
 TOKENIZER_WORKER_BYTES = GiB // 2
-TOKENIZER_WORKERS = 4  # the default's upper bound (tokenize_worker.default_num_workers)
+TOKENIZER_WORKERS = MAX_DEFAULT_WORKERS  # the default count's upper bound
 
 
 def gpu_budget_problem(text: str, n: int) -> str | None:

@@ -195,11 +195,11 @@ def other_model_note(adapter_dir: Path, model_dir: Path, model: str) -> str | No
     run_file = adapter_dir / RUN_FILE
     if not run_file.is_file() and (adapter_dir / MANIFEST).is_file():
         run_file = adapter_dir.parent.parent / RUN_FILE  # OUTPUT/checkpoints/step-N
-    record = json_object(run_file) if run_file.is_file() else None
-    recorded = (record or {}).get("model_fingerprint")
+    record = (json_object(run_file) if run_file.is_file() else None) or {}
+    recorded = record.get("model_fingerprint")
     if not recorded or model_fingerprint(str(model_dir)) == recorded:
         return None
-    trained = (record or {}).get("config", {}).get("model", "another model")
+    trained = record.get("config", {}).get("model", "another model")
     return (
         f"--model {model} is not the model the adapter's run trained ({trained}): their files "
         "differ (config, tokenizer or weights), so the adapter meets other weights than it "

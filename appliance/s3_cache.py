@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.checkpoint import LATEST_MARKER, list_checkpoints
-from appliance.errors import INVALID, NO_SPACE, NOT_FOUND, StorageError
+from appliance.errors import INVALID, NO_SPACE, NOT_FOUND, ApplianceError, StorageError
 from appliance.globs import glob_match, has_glob, split_glob
 from appliance.s3 import S3_SCHEME, s3_client, s3_error
 from appliance.storage import (
@@ -167,7 +167,6 @@ def localize_adapter(uri: str, cache_dir: str | os.PathLike[str] | None = None) 
 def _no_adapter(uri: str) -> str:
     """What to say of an --adapter `uri` without adapter_config.json: a run's output before its
     run completed (interrupted, failed, running) names its latest checkpoint, an adapter too."""
-    from .errors import ApplianceError
     from .run_record import read_run_file  # (it imports config, which is heavier)
 
     none = f"no adapter_config.json under {uri}/: pass a directory written by appliance train (or PEFT)"
