@@ -64,7 +64,7 @@ from .model import ModelArgs
 from .models import block_shapes, linear_weight_names, resolve_targets
 from .plan import gpu_budget_problem
 from .planner import blocks_uploaded_per_step, streaming_budget
-from .presets import PRESETS, Shape
+from .presets import PRESETS, Shape, presets_help
 from .streaming import with_index
 from .synthetic import SyntheticBlockSource
 from .trainer import resolve_device, resolve_dtype
@@ -445,21 +445,7 @@ def _dequant_kernels(base_quant: str, device: torch.device, dtype: torch.dtype) 
     return "triton" if quant.gpu_dequantizers(device, dtype) is not None else "pytorch"
 
 
-# ---------------------------------------------------------------- output
-
-
-def presets_help() -> str:
-    """One line per preset: its shape and the step it times (for --help)."""
-    lines = ["presets (random weights in memory, nothing downloaded):"]
-    for name, p in PRESETS.items():
-        a, g = p.args, p.gpu
-        where = "also on CPU" if p.cpu else "GPU only"
-        lines.append(
-            f"  {name:11} {a.architecture}: {a.num_layers} blocks, hidden {a.hidden_size}, "
-            f"vocab {a.vocab_size}; GPU step {g.micro_batches}x{g.micro_batch_size}x{g.seq_len} "
-            f"tokens; {where}"
-        )
-    return "\n".join(lines)
+# ---------------------------------------------------------------- command line
 
 
 def parser(prog: str = "python -m appliance.bench") -> argparse.ArgumentParser:

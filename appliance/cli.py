@@ -541,20 +541,7 @@ def doctor_cmd(model, preset, base_quant, device, metrics_port, as_json) -> None
     sys.exit(run_doctor(model, preset, base_quant, device, metrics_port, as_json))
 
 
-def entry() -> None:
-    """The `appliance` executable: `main`, then an exit that is safe with Ray's threads still
-    running (appliance/exit.py says why)."""
-    from . import exit as E
-    from .interrupt import stop_at_once_on_sigterm
-
-    E.install()  # before Ray is imported, so that it runs after Ray's own exit hook
-    stop_at_once_on_sigterm()  # `docker stop` ends a container's PID 1 before the step loop too
-    try:
-        main()
-    except SystemExit as e:
-        E.set_exit_code(E.exit_code_of(e))
-        raise
-
-
 if __name__ == "__main__":
+    from .__main__ import entry
+
     entry()

@@ -408,7 +408,8 @@ def resolve_micro_batches(inp: Inputs, progress: Progress) -> None:
     cfg = inp.cfg
     if cfg.micro_batches_per_step != AUTO:
         return
-    from .plan import CPU_AUTO_M, auto_micro_batches, load_args, measure_this_gpu
+    from .plan import load_args
+    from .plan_auto import CPU_AUTO_M, auto_micro_batches, measure_this_gpu
 
     if inp.device != "cuda":
         cfg.micro_batches_per_step = CPU_AUTO_M

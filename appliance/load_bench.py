@@ -40,8 +40,7 @@ import torch
 from . import quant
 from .bench_table import check_json_path, write_json
 from .blocks import entry_nbytes
-from .cluster import SHM_DIR
-from .doctor import tmpfs_huge_policy
+from .cluster import SHM_DIR, tmpfs_huge_policy
 from .errors import ConfigError
 from .weight_store import WeightStore
 

@@ -139,3 +139,17 @@ PRESETS: dict[str, Preset] = {
         gpu=_GPU_SHAPE, cpu=None,
     ),
 }  # fmt: skip
+
+
+def presets_help() -> str:
+    """One line per preset: its shape and the step it times (for --help)."""
+    lines = ["presets (random weights in memory, nothing downloaded):"]
+    for name, p in PRESETS.items():
+        a, g = p.args, p.gpu
+        where = "also on CPU" if p.cpu else "GPU only"
+        lines.append(
+            f"  {name:11} {a.architecture}: {a.num_layers} blocks, hidden {a.hidden_size}, "
+            f"vocab {a.vocab_size}; GPU step {g.micro_batches}x{g.micro_batch_size}x{g.seq_len} "
+            f"tokens; {where}"
+        )
+    return "\n".join(lines)

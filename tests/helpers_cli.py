@@ -10,9 +10,9 @@ import sys
 
 
 def cli(*args: str, env: dict) -> subprocess.Popen:
-    """`python -m appliance.cli <args>` with exactly `env` as its environment."""
+    """`python -m appliance <args>` with exactly `env` as its environment."""
     return subprocess.Popen(
-        [sys.executable, "-m", "appliance.cli", *args],
+        [sys.executable, "-m", "appliance", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

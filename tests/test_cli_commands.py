@@ -310,7 +310,7 @@ def test_train_names_the_records_skipped_and_the_held_out_documents_cut(
              "--micro-batch-size", "1", "--tokenize-workers", "1", "--epochs", "1",
              "--on-bad-record", "skip", "--log-format", "plain", "--metrics-port", free_port()]  # fmt: skip
     done = subprocess.run(
-        [sys.executable, "-m", "appliance.cli", "train", *map(str, flags)],
+        [sys.executable, "-m", "appliance", "train", *map(str, flags)],
         capture_output=True,
         text=True,
         timeout=300,

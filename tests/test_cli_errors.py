@@ -297,7 +297,7 @@ def run_cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
         [
             sys.executable,
             "-m",
-            "appliance.cli",
+            "appliance",
             "train",
             *map(str, argv),
             "--metrics-port",

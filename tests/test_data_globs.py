@@ -290,7 +290,7 @@ def test_train_on_s3_patterns_reads_only_the_files_they_name(s3_endpoint, s3_buc
     home = tmp_path / "home"  # the S3 cache goes under $HOME/.cache/appliance/s3
     out = tmp_path / "out"
     argv = [
-        *(sys.executable, "-m", "appliance.cli", "train", "--model", str(model)),
+        *(sys.executable, "-m", "appliance", "train", "--model", str(model)),
         *("--data", f"s3://{s3_bucket}/ds/train-*", "--eval-data", f"s3://{s3_bucket}/ds/val*"),
         *("--output", str(out), "--steps", "4", "--seq-len", "16", "--micro-batch-size", "2"),
         *("--lora-rank", "4", "--tokenize-workers", "1", "--on-bad-record", "fail"),

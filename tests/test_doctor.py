@@ -271,7 +271,7 @@ tmpfs /mnt/big\\040shm/inner tmpfs rw,huge=always 0 0
 
 
 def test_the_huge_page_policy_is_the_mount_holding_the_path():
-    from appliance.doctor import tmpfs_huge_policy
+    from appliance.cluster import tmpfs_huge_policy
 
     plain = "always within_size advise [never] deny force"
     assert tmpfs_huge_policy(Path("/dev/shm"), MOUNTS, plain) == "never"  # not said: never
@@ -288,7 +288,7 @@ def test_the_huge_page_policy_is_the_mount_holding_the_path():
 
 @pytest.mark.parametrize("huge, status", [("never", "warn"), ("within_size", "ok")])
 def test_shm_pages_reads_the_real_mount(monkeypatch, huge, status):
-    from appliance.doctor import SHMEM_ENABLED
+    from appliance.cluster import SHMEM_ENABLED
 
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")

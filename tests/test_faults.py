@@ -59,7 +59,7 @@ def args(inputs, output: Path, *extra: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "appliance.cli",
+        "appliance",
         "train",
         "--model",
         str(model),

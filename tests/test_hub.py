@@ -26,7 +26,7 @@ from tests.helpers_tokenizer import sentences
 
 def appliance(*argv: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "appliance.cli", *argv],
+        [sys.executable, "-m", "appliance", *argv],
         capture_output=True,
         text=True,
         timeout=300,

@@ -90,7 +90,7 @@ def test_a_training_job_stops_at_a_step_with_a_checkpoint_and_a_stubborn_one_is_
     ):
         client = JobSubmissionClient(address)
         train = [
-            *(sys.executable, "-m", "appliance.cli", "train", "--cluster", "auto"),
+            *(sys.executable, "-m", "appliance", "train", "--cluster", "auto"),
             *("--model", str(model), "--data", str(data), "--output", str(output)),
             *("--steps", "100000", "--seq-len", "32", "--micro-batch-size", "2"),
             *("--lora-rank", "4", "--tokenize-workers", "1", "--log-format", "json"),

@@ -465,7 +465,7 @@ def test_auto_on_a_cpu_means_4_and_run_json_records_it(tmp_path):
 
 
 def test_auto_on_a_gpu_uses_plans_rule_with_the_measured_figures():
-    from appliance.plan import auto_micro_batches
+    from appliance.plan_auto import auto_micro_batches
 
     measured = {  # what an A10 would measure if it matched the table
         "h2d_bytes_per_second": A10_B,
@@ -490,7 +490,7 @@ def test_auto_on_a_gpu_uses_plans_rule_with_the_measured_figures():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_measure_this_gpu_gives_plausible_figures():
-    from appliance.plan import measure_this_gpu
+    from appliance.plan_auto import measure_this_gpu
 
     m = measure_this_gpu()
     assert 1e9 < m["h2d_bytes_per_second"] < 1e12 and 1e12 < m["flops_per_second"] < 1e16

@@ -208,7 +208,7 @@ def test_prometheus_scrapes_a_training_run_and_sees_every_dashboard_series(prome
     server, metrics_port = prometheus
     start = time.time()
     rc, stdout, stderr = train_killing_a_worker(
-        [sys.executable, "-c", "from appliance.cli import entry; entry()", "train"]
+        [sys.executable, "-c", "from appliance.__main__ import entry; entry()", "train"]
         + ["--steps", str(STEPS), "--log-format", "json", "--metrics-port", str(metrics_port)]
         + ["--output", str(tmp_path / "out"), "--checkpoint-every", str(CHECKPOINT_EVERY)]
         + demo_inputs_with_bad_records(tmp_path),

@@ -70,7 +70,7 @@ def train_argv(inputs, output: Path, *extra: str) -> list[str]:
 def start(argv: list[str], prefix: str = "", env: dict | None = None) -> subprocess.Popen:
     """`appliance <argv>` with stdout and stderr piped (not a terminal). `prefix`: shell
     commands run before it (`umask 027`); `env`: added to the environment."""
-    cmd = [sys.executable, "-m", "appliance.cli", *argv]
+    cmd = [sys.executable, "-m", "appliance", *argv]
     if prefix:
         cmd = ["sh", "-c", f'{prefix}; exec "$@"', "sh", *cmd]
     return subprocess.Popen(
@@ -239,7 +239,7 @@ if sys.argv[1] == "node":
 else:
     node.Node.start_ray_processes = then_sigterm(node.Node.start_ray_processes)
 sys.argv = ["appliance", *sys.argv[2:]]
-from appliance.cli import entry
+from appliance.__main__ import entry
 entry()
 """
 
@@ -265,6 +265,39 @@ def test_sigterm_inside_ray_init_stops_as_it_does_around_it(inputs, tmp_path, po
     assert "Traceback" not in err
     assert err.rstrip().endswith("interrupted")
     wait_gone(session_processes(p.pid))  # no GCS or raylet left behind
+
+
+# The signal delivered while the executable imports torch (appliance.cli imports it, a second or
+# more), the moment a Ctrl-C right after Enter lands.
+SIGNAL_WHILE_TORCH_IMPORTS = """
+import importlib.abc, os, signal, sys
+SIGNAL = getattr(signal, sys.argv[1])
+class SignalOnTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), SIGNAL)
+        return None
+sys.meta_path.insert(0, SignalOnTorch())
+sys.argv = ["appliance", "plan"]
+from appliance.__main__ import entry
+entry()
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_while_the_executable_imports_is_interrupted_not_a_traceback(tmp_path, sig):
+    """A Ctrl-C in the first second of `appliance train` printed a KeyboardInterrupt traceback
+    from inside torch's import: the executable's module imported torch before any handler of
+    ours ran. `appliance/__main__.py` imports nothing heavy, so the command ends as a Ctrl-C
+    ends it later: `interrupted`, exit 130."""
+    script = tmp_path / "signal_while_torch_imports.py"
+    script.write_text(SIGNAL_WHILE_TORCH_IMPORTS)
+    p = subprocess.run(
+        [sys.executable, str(script), sig], capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 130, p.stderr[-3000:]
+    assert p.stderr.strip() == "interrupted"
 
 
 def hub_cache(hf_home: Path) -> Path:
@@ -362,7 +395,7 @@ def test_ray_that_cannot_start_is_one_line_and_the_demo_cleans_up(tmp_path):
     temp = tmp_path / "tmp"
     temp.mkdir()
     p = subprocess.Popen(
-        [sys.executable, "-m", "appliance.cli", "train", "--steps", "2"],
+        [sys.executable, "-m", "appliance", "train", "--steps", "2"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

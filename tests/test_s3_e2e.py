@@ -56,7 +56,7 @@ def test_model_data_and_output_on_s3_survive_a_torn_checkpoint_write_and_resume_
         return [
             sys.executable,
             "-m",
-            "appliance.cli",
+            "appliance",
             "train",
             "--model",
             f"s3://{s3_bucket}/models/tiny",
@@ -143,7 +143,7 @@ def test_a_missing_bucket_is_named_in_one_line(s3_endpoint, tmp_path):
     argv = [
         sys.executable,
         "-m",
-        "appliance.cli",
+        "appliance",
         "train",
         "--model",
         "s3://no-such-bucket/m",
