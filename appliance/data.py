@@ -130,7 +130,7 @@ class RawDocument:
     where: str  # "file:line" for .jsonl, "file:[N]" for a .json array, "file:row N" for a table,
     # "file" for .txt
     data: Any  # bytes ("jsonl", "txt"), or the value itself ("object": a table's row as a dict,
-    # null columns dropped, or a .json array's item): never turned back into JSON, so a column
+    # or a .json array's item): never turned back into JSON, so a column
     # JSON cannot hold (a date, bytes) is only a problem if the record's text is in it
     kind: str  # "jsonl" | "txt" | "object"
 
@@ -247,6 +247,10 @@ def parse_document(raw: RawDocument, chat: ChatTemplate | None = None) -> Record
         obj = _json_line(text, raw.where)
     if not isinstance(obj, dict):
         raise BadRecord(f"{raw.where}: expected a JSON object, found {_type_name(obj)}")
+    # a null is a key left out: a table's column where this row has no value, or what
+    # `datasets`' to_json writes for it ({"text": null, "messages": [...]} is a chat record)
+    nulls = sorted(k for k, v in obj.items() if v is None)
+    obj = {k: v for k, v in obj.items() if v is not None}
     if "text" in obj:
         if not isinstance(obj["text"], str):
             raise BadRecord(
@@ -275,7 +279,9 @@ def parse_document(raw: RawDocument, chat: ChatTemplate | None = None) -> Record
     except ChatError as e:
         raise BadRecord(str(e)) from None
     keys = sorted(obj)
-    shown = ", ".join(json.dumps(k) for k in keys[:10]) + (", ..." if len(keys) > 10 else "")
+    shown = _names(keys) or "none"
+    if nulls:
+        shown += f"; null: {_names(nulls)}"
     hint = ""
     if {"instruction", "output"} <= set(keys):  # Alpaca: its prompt template is the user's to pick
         hint = (
@@ -284,8 +290,13 @@ def parse_document(raw: RawDocument, chat: ChatTemplate | None = None) -> Record
         )
     raise BadRecord(
         f'{raw.where}: record has no "text" (nor "prompt" + "completion", "messages", '
-        f'"conversations"); keys found: {shown or "none"}{hint}'
+        f'"conversations"); keys found: {shown}{hint}'
     )
+
+
+def _names(keys: list[str]) -> str:
+    """Up to ten keys, quoted and comma-separated."""
+    return ", ".join(json.dumps(k) for k in keys[:10]) + (", ..." if len(keys) > 10 else "")
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -502,10 +502,10 @@ def _record_batches(f: Path) -> Iterator[Any]:
 
 
 def table_rows(f: Path) -> Iterator[dict]:
-    """Each row of a .parquet or .arrow file as a dict, columns whose value is null left out."""
+    """Each row of a .parquet or .arrow file as a dict, nulls included (parse_document leaves
+    them out, and names them when the row has no text)."""
     for batch in _record_batches(f):
-        for row in batch.to_pylist():
-            yield {k: v for k, v in row.items() if v is not None}
+        yield from batch.to_pylist()
 
 
 def table_num_rows(f: Path) -> int:

@@ -360,7 +360,8 @@ def test_parquet_errors_name_file_and_row_and_other_files_are_named(model_dir, t
     assert unreadable_files(tmp_path / "d") == ["notes.csv"]
     assert find_data_files(tmp_path / "d") == [tmp_path / "d" / "p.parquet"]
     with pytest.raises(
-        DataError, match=r"p.parquet:row 1: record has no \"text\".*keys found: \"body\""
+        DataError,
+        match=r"p.parquet:row 1: record has no \"text\".*keys found: \"body\"; null: \"text\" \(",
     ):
         worker_batches(tmp_path / "d", model_dir)
 
@@ -509,6 +510,14 @@ def test_message_keys_and_record_tools_reach_the_template_as_transformers_passes
     (tmp_path / "s.jsonl").write_text(json.dumps(as_string) + "\n")
     [decoded] = [parse_document(r, chat) for r in ShardReader([tmp_path / "s.jsonl"], 0, 1)]
     assert (decoded.text, decoded.spans, decoded.tools) == (parsed.text, parsed.spans, parsed.tools)
+    # a text column beside the messages, null in this row (a table of mixed records, or the
+    # JSON lines `datasets`' to_json writes of one): the record is still the conversation
+    (tmp_path / "mixed").mkdir()
+    write_parquet(tmp_path / "mixed" / "0.parquet", [{"text": "plain"}, TOOL_RECORD])
+    (tmp_path / "n.jsonl").write_text(json.dumps({"text": None, **TOOL_RECORD}) + "\n")
+    for f in (tmp_path / "mixed" / "0.parquet", tmp_path / "n.jsonl"):
+        *_, last = [parse_document(r, chat) for r in ShardReader([f], 0, 1)]
+        assert (last.text, last.spans) == (parsed.text, parsed.spans), f
 
 
 def test_sharegpt_conversations_keep_their_mapping_and_their_other_keys():

@@ -112,7 +112,13 @@ def test_parse_text_and_prompt_completion():
         (b'{"text": 5}', 'd.jsonl:7: "text" must be a string, found a number'),
         (
             b'{"prompt": "a", "completion": null}',
-            'd.jsonl:7: "completion" must be a string, found null',
+            'd.jsonl:7: record has no "text" (nor "prompt" + "completion", "messages", '
+            '"conversations"); keys found: "prompt"; null: "completion"',
+        ),
+        (
+            b'{"text": null, "id": 3}',
+            'd.jsonl:7: record has no "text" (nor "prompt" + "completion", "messages", '
+            '"conversations"); keys found: "id"; null: "text"',
         ),
         (
             b'{"text": "\xff"}',
