@@ -35,6 +35,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -337,6 +338,7 @@ def set_run_label(label: str) -> None:
     with _objects_lock:
         for metric in _objects.values():
             metric.set_default_tags({RUN_TAG: label})
+        _gauge_values.clear()  # an earlier run's last values are not this run's
 
 
 def current_run_label() -> str:
@@ -379,6 +381,49 @@ def _ray_metric(spec: MetricSpec) -> Any:
     return metric
 
 
+#: How often each process sets its gauges again to the value it last gave them. Ray 2.60's
+#: metrics agent drops a gauge from /metrics a few report intervals after its last set (about
+#: 3 s at the embedded Ray's 1 s, 20 s at Ray's default 10 s; counters and histograms stay), so
+#: a gauge set once (the weight store's bytes, an eval's loss) or once per step of a model whose
+#: steps take longer than that (a 70B step on an A10: ~75 s) would be missing from most scrapes
+#: and from the dashboards. Half of Ray's shortest interval: no setting of it lets one lapse.
+GAUGE_REFRESH_S = 0.5
+
+# (metric name, tags) -> (the Ray gauge, its last value, tags): what the refresher sets again
+_gauge_values: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[Any, float, dict]] = {}
+_refresher: threading.Thread | None = None
+
+
+def _set_gauge(metric: Any, name: str, value: float, tags: dict[str, str]) -> None:
+    """Set a gauge, and keep setting it to this value until it is given another
+    (GAUGE_REFRESH_S says why)."""
+    global _refresher
+    metric.set(value, tags=tags)
+    with _objects_lock:
+        _gauge_values[(name, tuple(sorted(tags.items())))] = (metric, value, tags)
+        if _refresher is None:
+            _refresher = threading.Thread(
+                target=_refresh_gauges, name="appliance-gauges", daemon=True
+            )
+            _refresher.start()
+
+
+def _refresh_gauges() -> None:
+    """The refresher thread: every GAUGE_REFRESH_S, each gauge again to its last value, while
+    this process is connected to Ray."""
+    while True:
+        time.sleep(GAUGE_REFRESH_S)
+        if not ray_metrics_enabled():
+            continue
+        with _objects_lock:
+            gauges = list(_gauge_values.values())
+        for metric, value, tags in gauges:
+            try:
+                metric.set(value, tags=tags)
+            except Exception:  # noqa: BLE001 - Ray shutting down under us: the next round skips
+                break
+
+
 class _Recorder:
     """Shared plumbing: fixed tags, skip when Ray is off, skip absent (None) values."""
 
@@ -400,7 +445,7 @@ class _Recorder:
 
     def _set(self, spec: MetricSpec, value: float | None, **extra: str) -> None:
         if value is not None:
-            _ray_metric(spec).set(float(value), tags=self._tags(spec, extra))
+            _set_gauge(_ray_metric(spec), spec.name, float(value), self._tags(spec, extra))
 
     def _observe(self, spec: MetricSpec, value: float | None, **extra: str) -> None:
         if value is not None:

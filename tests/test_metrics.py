@@ -281,6 +281,8 @@ def fake_ray(monkeypatch) -> list:
     log: list = []
     monkeypatch.setattr(M, "ray_metrics_enabled", lambda: True)
     monkeypatch.setattr(M, "_ray_metric", lambda spec: FakeMetric(spec, log))
+    # each set once in the log (the refresher's sets again are the real-Ray test's to see)
+    monkeypatch.setattr(M, "_set_gauge", lambda metric, name, value, tags: metric.set(value, tags))
     return log
 
 
@@ -512,6 +514,36 @@ def test_actor_metrics_reach_rays_prometheus_endpoint(ray_metrics_port, recorded
     while 'kind="tokenizer"' not in scrape(ray_metrics_port):
         assert time.monotonic() < deadline, "the driver's restart never reached the endpoint"
         time.sleep(0.5)
+
+
+class RecordGaugesOnce:
+    """An actor that sets every gauge it sets once and then lives on, as a weight store does."""
+
+    def record(self) -> None:
+        M.TrainerMetrics(rank=0, peak_flops=1e12).record_step(full_trainer_stats())
+        M.WeightStoreMetrics().record(987654321)
+
+
+@pytest.mark.integration
+def test_a_gauge_set_once_stays_served_while_its_process_lives(ray_metrics_port):
+    """Ray's agent drops a gauge a few report intervals after its last set: the weight store's
+    bytes (set once, at load) and the validation loss (set once per eval) were missing from
+    /metrics and the dashboards for most of a run. Each process now sets its gauges again to
+    their last values until it ends. Counters and histograms need nothing (Ray keeps them)."""
+    import ray
+
+    actor = ray.remote(num_cpus=0)(RecordGaugesOnce).remote()
+    ray.get(actor.record.remote())
+    M.DriverMetrics().eval_loss(1.25)  # the driver's gauge
+    gauges = {"ray_appliance_weight_store_bytes", "ray_appliance_eval_loss", "ray_appliance_loss"}
+    scrape_until(ray_metrics_port, gauges)
+    time.sleep(25)  # unset since, the driver's was gone after about 20 s
+    got = {(n, lb.get("rank")): v for n, lb, v in samples(scrape(ray_metrics_port))}
+    assert got[("ray_appliance_weight_store_bytes", None)] == 987654321
+    assert got[("ray_appliance_eval_loss", None)] == 1.25
+    assert got[("ray_appliance_loss", "0")] == 2.5
+    assert got[("ray_appliance_gpu_busy_ratio", "0")] == 0.8
+    ray.kill(actor)
 
 
 @pytest.mark.integration
