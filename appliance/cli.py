@@ -526,9 +526,9 @@ def plan_cmd(model, preset, gpu, micro_batches_per_step, gpu_memory_budget, as_j
 @click.option(
     "--metrics-port",
     type=int,
-    default=C.DEFAULT_METRICS_PORT,
-    show_default=True,
-    help="The metrics port train would bind: checked to be free.",
+    default=None,
+    help="The metrics port train would be given: checked to be free. Without it, the port train "
+    f"takes by default ({C.DEFAULT_METRICS_PORT}, or the next free one).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @friendly_errors

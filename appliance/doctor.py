@@ -30,6 +30,7 @@ from pathlib import Path
 
 from . import s3_cache, storage
 from .cluster import HUGE_POLICIES, tmpfs_huge_policy
+from .config import DEFAULT_METRICS_PORT
 from .errors import ApplianceError, ConfigError, first_line
 from .model import ModelArgs
 
@@ -403,23 +404,45 @@ def check_speed() -> list[Check]:
     return out
 
 
-def check_port(port: int) -> Check:
-    from .metrics_endpoint import is_tcp_port, port_is_free
+def check_port(port: int | None) -> Check:
+    """The metrics port train would bind: `port` (--metrics-port) must be free, as train refuses
+    one in use; with none given, train takes 8080 or the next free port, so a busy 8080 is only
+    a warning (a Prometheus that scrapes 8080 would miss the run)."""
+    from .metrics_endpoint import default_candidates, is_tcp_port, port_is_free
 
-    if not is_tcp_port(port):  # train refuses it: 0 would be any port, 65536 up none at all
+    if port is not None and not is_tcp_port(port):  # 0 would be any port, 65536 up none
         return Check(
             "metrics_port",
             "fail",
             f"port {port} is not a TCP port (1 to 65535)",
             "give --metrics-port a port from 1 to 65535, as train takes",
         )
-    if port_is_free(port):
-        return Check("metrics_port", "ok", f"port {port} is free")
+    if port is not None:
+        if port_is_free(port):
+            return Check("metrics_port", "ok", f"port {port} is free")
+        return Check(
+            "metrics_port",
+            "fail",
+            f"port {port} is already in use",
+            "pick another with --metrics-port, or leave it out to take the next free one",
+        )
+    ports = default_candidates(DEFAULT_METRICS_PORT)
+    free = next((p for p in ports if port_is_free(p)), None)
+    if free == DEFAULT_METRICS_PORT:
+        return Check("metrics_port", "ok", f"port {free} is free")
+    if free is None:
+        return Check(
+            "metrics_port",
+            "fail",
+            f"ports {ports.start}-{ports.stop - 1} are all in use",
+            "pass a free one with --metrics-port",
+        )
     return Check(
         "metrics_port",
-        "fail",
-        f"port {port} is already in use",
-        "stop what holds it, or pick another with --metrics-port",
+        "warn",
+        f"port {DEFAULT_METRICS_PORT} is in use: train will serve metrics on {free}, the next "
+        "free one",
+        f"point Prometheus at {free}, or free {DEFAULT_METRICS_PORT} for the run",
     )
 
 
@@ -502,7 +525,7 @@ def run_checks(
     preset: str | None = None,
     base_quant: str = "none",
     device: str = "auto",
-    metrics_port: int = 8080,
+    metrics_port: int | None = None,
 ) -> list[Check]:
     """Every check, in order. Reads the model's config.json only."""
     checks = [check_python(), check_torch(), check_gpus(device)]
@@ -548,7 +571,7 @@ def run_doctor(
     preset: str | None,
     base_quant: str,
     device: str,
-    metrics_port: int,
+    metrics_port: int | None,
     as_json: bool,
 ) -> int:
     """Print the checks; returns the exit status (1 when any check fails)."""
@@ -558,7 +581,7 @@ def run_doctor(
         raise ConfigError(f"--base-quant {base_quant!r} must be one of none | int8 | nf4")
     from .metrics_endpoint import is_tcp_port, port_range_error
 
-    if not is_tcp_port(metrics_port):  # train's rule: refused before any check runs
+    if metrics_port is not None and not is_tcp_port(metrics_port):  # train's rule, up front
         raise ConfigError(port_range_error(metrics_port))
     checks = run_checks(model, preset, base_quant, device, metrics_port)
     failed = any(c.status == "fail" for c in checks)

@@ -94,6 +94,11 @@ def _claim(port: int) -> bool:
     return True
 
 
+def default_candidates(default: int = 8080, tries: int = 100) -> range:
+    """The ports train tries, in order, when --metrics-port is not given."""
+    return range(default, min(default + tries, 65536))
+
+
 def choose_metrics_port(given: int | None, default: int = 8080, tries: int = 100) -> int:
     """The port for the embedded Ray's metrics endpoint: `given` (--metrics-port) when it is free,
     else a one-line ConfigError; with none given, `default` or the next free port after it."""
@@ -107,7 +112,7 @@ def choose_metrics_port(given: int | None, default: int = 8080, tries: int = 100
                 "next free one"
             )
         return given
-    for port in range(default, min(default + tries, 65536)):
+    for port in default_candidates(default, tries):
         if port_is_free(port) and _claim(port):
             return port
     raise ConfigError(

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import appliance.doctor as doctor_module
 from appliance.cli import main
 from appliance.config import TrainConfig, validate
 from appliance.doctor import blocking_problems, check_port
@@ -119,9 +120,30 @@ def test_a_busy_port_fails_the_port_check():
     assert "--metrics-port" in checks["metrics_port"]["fix"]
     assert text.exit_code == 1
     assert f"fail  metrics_port  port {port} is already in use\n" in text.output
-    assert "fix: stop what holds it, or pick another with --metrics-port" in text.output
+    assert "fix: pick another with --metrics-port, or leave it out" in text.output
     rc, checks = doctor_here("--metrics-port", str(port))  # released: fine again
     assert rc == 0 and checks["metrics_port"]["status"] == "ok"
+
+
+def test_a_busy_default_port_is_a_warning_naming_the_port_train_will_take(monkeypatch):
+    """Without --metrics-port train takes 8080 or the next free port, so a busy 8080 (another
+    user's Ray on a shared box) does not stop a run: doctor failed it and exited 1, and told
+    the operator to stop what holds it. It warns, and names the port train will serve on."""
+    import appliance.metrics_endpoint as endpoint
+
+    base = free_port()
+    while not endpoint.port_is_free(base + 1):
+        base = free_port()
+    monkeypatch.setattr(doctor_module, "DEFAULT_METRICS_PORT", base)
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", base))
+        s.listen()
+        c = check_port(None)
+    assert (c.status, c.detail) == (
+        "warn",
+        f"port {base} is in use: train will serve metrics on {base + 1}, the next free one",
+    )
+    assert check_port(None).status == "ok"  # released
 
 
 @pytest.mark.parametrize("port", ["70000", "-1", "0"])
