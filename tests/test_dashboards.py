@@ -21,6 +21,7 @@ from tests.test_metrics import embedded_ray, record_everything_and_scrape, sampl
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARDS = ROOT / "helm" / "appliance" / "dashboards"
+CHART_VALUES = yaml.safe_load((ROOT / "helm" / "appliance" / "values.yaml").read_text())
 COMPOSE_DIR = ROOT / "deploy" / "compose"
 DASHBOARD_FILES = sorted(DASHBOARDS.glob("*.json"))
 
@@ -344,6 +345,12 @@ def compose() -> dict:
     return yaml.safe_load((COMPOSE_DIR / "docker-compose.yml").read_text())
 
 
+def compose_comment() -> str:
+    """The compose file's leading comment (how to run your own job with it)."""
+    lines = (COMPOSE_DIR / "docker-compose.yml").read_text().splitlines()
+    return "\n".join(line for line in lines if line.startswith("#"))
+
+
 def bind_mounts(service: dict) -> list[tuple[Path, str]]:
     """(host path resolved against the compose dir, container path) of a service's bind mounts."""
     mounts = []
@@ -361,6 +368,11 @@ def test_compose_services_gpu_and_shm(compose):
     devices = app["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
     assert app["shm_size"]
+    # SIGTERM's step and checkpoint get the chart's grace, not compose's 10 s; an init reaps
+    grace = re.fullmatch(r"(\d+)m", app["stop_grace_period"])
+    assert grace and int(grace.group(1)) * 60 >= CHART_VALUES["gracefulStopSeconds"]
+    assert app["init"] is True
+    assert "--auto-resume" in compose_comment()  # the documented own run survives a stop
     assert (COMPOSE_DIR / app["build"]["context"] / app["build"]["dockerfile"]).is_file()
     named = set(compose.get("volumes", {}))
     for service in services.values():
