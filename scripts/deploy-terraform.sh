@@ -4,8 +4,16 @@
 
 # One state per GPU class: the terraform workspace named after it (state in
 # terraform/terraform.tfstate.d/<class>/), so the a10 and 4090 stacks never plan over each other.
+# The state is a file in this checkout (terraform/terraform.tfstate.d/<class>/terraform.tfstate,
+# ignored by git): keep it, as docs/deploy.md says; `make destroy` needs it.
 tf_workspace() {
-  run terraform -chdir="$TF_DIR" init -input=false
+  if ! run terraform -chdir="$TF_DIR" init -input=false; then
+    if [[ "$ACTION" == destroy && ! -e "$TF_DIR/terraform.tfstate.d/$GPU_CLASS" ]]; then
+      echo "Nothing deployed for GPU class $GPU_CLASS from this checkout (no terraform state in $TF_DIR/terraform.tfstate.d/$GPU_CLASS): nothing to destroy."
+      exit 0
+    fi
+    die "terraform init failed (above): it fetches the AWS, Kubernetes and Helm providers from registry.terraform.io, so this machine needs to reach it (check its network or proxy), or a provider mirror (TF_CLI_CONFIG_FILE)"
+  fi
   run terraform -chdir="$TF_DIR" workspace select -or-create=true "$GPU_CLASS"
 }
 

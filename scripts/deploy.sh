@@ -480,10 +480,22 @@ EOF
   if [[ -n "$JOB_NAME" ]]; then print_uploads; fi
 }
 
+# The AWS account the credentials here reach, before terraform asks AWS anything: without working
+# credentials terraform fails deep in its plan, with the provider's long error.
+aws_account() {
+  local account
+  if ! account="$(query aws sts get-caller-identity --query Account --output text)"; then
+    [[ -n "$DRY_RUN" ]] && return 0
+    die "no working AWS credentials here (aws sts get-caller-identity failed, above): run aws configure or aws sso login, or set AWS_PROFILE (or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY); DRY_RUN=1 renders the deployment without AWS"
+  fi
+  echo "AWS account $account"
+}
+
 deploy() {
   require_tools terraform aws kubectl
   [[ -n "${IMAGE:-}" ]] || require_tools docker
   helm version >/dev/null # fail early when there is no helm
+  aws_account
   mkdir -p "$OUT_DIR"
   print_reused_settings
   echo "== terraform (workspace $GPU_CLASS): VPC, EKS with the $GPU_CLASS GPU node group (${GPU_INSTANCE_TYPE:-$DEFAULT_INSTANCE_TYPE}), S3, IRSA, ECR"
@@ -594,6 +606,7 @@ best_effort() {
 destroy() {
   require_tools terraform aws
   helm version >/dev/null
+  aws_account
   echo "== terraform state of GPU class $GPU_CLASS (workspace $GPU_CLASS)"
   tf_vars
   tf_workspace

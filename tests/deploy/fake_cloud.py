@@ -17,6 +17,9 @@ and answered the way the real tool answers, from a small state kept in files und
     bucket-objects               the bucket holds objects: destroy fails without force_destroy
     ecr-tags                     image tags in the (IMMUTABLE) ECR repository, one a line
     clusters-gone                cluster names that no longer exist, one a line
+    no-credentials               `aws sts get-caller-identity` fails as it does without them
+    offline                      `terraform init` fails as it does when the registry is out of
+                                 reach (no network, a proxy)
     user-kubeconfig              contexts written into the user's own kubeconfig (~/.kube/config):
                                  update-kubeconfig without --kubeconfig
     rayjob-checksum              the live RayJob's checksum/job annotation (absent: no RayJob)
@@ -162,6 +165,12 @@ def terraform(args: list[str]) -> None:
     command, rest = args[0], args[1:]
     ws = workspace_dir()
     if command == "init":
+        if (STATE / "offline").exists():
+            fail(
+                "Error: Failed to query available provider packages\n\nCould not retrieve the "
+                "list of available versions for provider hashicorp/aws: could not connect to "
+                "registry.terraform.io: dial tcp: lookup registry.terraform.io: no such host"
+            )
         return
     if command == "workspace" and rest[0] == "select":
         (STATE / "workspace").write_text(rest[-1])
@@ -246,6 +255,15 @@ def terraform(args: list[str]) -> None:
 
 def aws(args: list[str]) -> None:
     service, command = args[0], args[1]
+    if (service, command) == ("sts", "get-caller-identity"):
+        if (STATE / "no-credentials").exists():
+            fail(
+                "\nUnable to locate credentials. You can configure credentials by running "
+                '"aws configure".',
+                253,
+            )
+        print(ACCOUNT)
+        return
     if (service, command) == ("eks", "update-kubeconfig"):
         name = option(args, "--name")
         if name in lines("clusters-gone"):

@@ -305,10 +305,37 @@ def test_destroying_a_class_that_was_never_deployed_does_nothing(cloud) -> None:
     assert "nothing to destroy" in result.stdout
     assert cloud.calls() == [
         "helm version",
+        "aws sts get-caller-identity --query Account --output text",
         "terraform -chdir=terraform init -input=false",
         "terraform -chdir=terraform workspace select -or-create=true 4090",
         "terraform -chdir=terraform state list",
     ]
+
+
+@pytest.mark.integration
+def test_without_credentials_or_the_registry_each_target_says_so_in_one_line(cloud) -> None:
+    """Without AWS credentials `make deploy` went on to terraform, and without the provider
+    registry it ended in three pages of terraform's errors with no word of its own; `make
+    destroy` of a class never deployed from this checkout failed the same way."""
+    (cloud.state / "no-credentials").touch()
+    for target in ("deploy", "destroy"):
+        result = cloud.make(target, "GPU_CLASS=a10")
+        assert result.returncode != 0
+        assert "deploy.sh: no working AWS credentials here" in result.stdout
+        assert "aws configure" in result.stdout
+        assert not starting(cloud.calls(), "terraform"), cloud.calls()
+    (cloud.state / "no-credentials").unlink()
+    (cloud.state / "offline").touch()
+    result = cloud.make("deploy", "GPU_CLASS=a10")
+    assert result.returncode != 0
+    *_, last = [line for line in result.stdout.splitlines() if line.startswith("deploy.sh:")]
+    assert last.startswith("deploy.sh: terraform init failed (above)")
+    assert "registry.terraform.io" in last
+    assert not starting(cloud.calls(), "terraform -chdir=terraform apply")
+    result = cloud.make("destroy", "GPU_CLASS=a10")  # no state in this checkout: nothing to do
+    assert result.returncode == 0, result.stdout
+    assert "Nothing deployed for GPU class a10 from this checkout" in result.stdout
+    assert not starting(cloud.calls(), "terraform -chdir=terraform destroy")
 
 
 @pytest.mark.integration
