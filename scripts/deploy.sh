@@ -92,8 +92,13 @@ fi
 RELEASE="${RELEASE:-}"
 GIVEN[RELEASE]="$RELEASE"
 RELEASE="${RELEASE:-appliance}"
-[[ "$RELEASE" =~ ^[a-z0-9]([-a-z0-9]*[a-z0-9])?$ && ${#RELEASE} -le 53 ]] \
-  || die "RELEASE=$RELEASE is not a Helm release name (lower-case letters, digits and '-', at most 53)"
+# The chart names its objects RELEASE, or RELEASE-appliance when the release name lacks the
+# chart's: a DNS label of at most 40 characters (helm/appliance/templates/_helpers.tpl), checked
+# here too so that a deploy stops before terraform, not at the chart
+FULLNAME="$RELEASE"
+[[ "$RELEASE" == *appliance* ]] || FULLNAME="$RELEASE-appliance"
+[[ "$RELEASE" =~ ^[a-z]([-a-z0-9]*[a-z0-9])?$ && ${#FULLNAME} -le 40 ]] \
+  || die "RELEASE=$RELEASE: the chart's objects would be named $FULLNAME: a release name is lower-case letters, digits and '-', starting with a letter, and its objects' name at most 40 characters"
 if [[ "$ACTION" == deploy ]]; then
   load_settings "$(release_settings_file "$RELEASE")" "${RELEASE_SETTINGS[@]}"
 fi

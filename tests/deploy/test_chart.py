@@ -452,6 +452,51 @@ def test_an_unknown_gpu_class_is_refused_naming_the_known_ones() -> None:
     assert 'gpuClass "h100" is not one of: 4090, a10' in result.stderr
 
 
+@pytest.mark.parametrize(
+    "value, refusal",
+    [
+        ("job.steps=abc", "at '/job/steps': got string, want null or integer"),  # was --steps 0
+        ("job.steps=-5", "at '/job/steps': minimum: got -5, want 1"),
+        ("job.step=5", "at '/job': additional properties 'step' not allowed"),  # a typo: ignored
+        ("worker.nodeSelectors.a=b", "at '/worker': additional properties 'nodeSelectors'"),
+        ("worker.resources.limits.cpu=8", "at '/worker': additional properties 'resources'"),
+        ("worker.replicas=0", "at '/worker/replicas': minimum: got 0, want 1"),  # waited forever
+        ("gpuClassOverrides.gpusPerNode=0", "at '/gpuClassOverrides/gpusPerNode': minimum"),
+        ("gpuClassOverrides.gpusPerNode=1.5", "at '/gpuClassOverrides/gpusPerNode': got"),
+        ("gpuClassOverrides.cpu=lots", "at '/gpuClassOverrides/cpu': 'lots' does not match"),
+        ("job.output=runs/a", "at '/job/output': 'runs/a' does not match pattern"),  # pod-local
+    ],
+)
+def test_values_of_the_wrong_kind_or_unknown_keys_are_refused_naming_them(value, refusal) -> None:
+    """values.schema.json: each of these rendered with exit 0, into a job that trained 0 steps,
+    a cluster with no trainer, an output in a pod's own file system, or a value ignored."""
+    key, _, setting = value.partition("=")
+    result = helm_template(CI_VALUES["a10"], sets={key: setting}, check=False)
+    assert result.returncode != 0
+    assert refusal in result.stderr
+
+
+@pytest.mark.parametrize(
+    "release, refusal",
+    [
+        ("exp.1", 'the objects\' name "exp.1-appliance" is not a DNS label'),
+        ("a-very-long-release-name-for-the-appliance-x", "is 44 characters: at most 40"),
+        ("thirty-one-characters-release-x", "is 41 characters: at most 40"),
+    ],
+)
+def test_a_release_whose_objects_name_is_no_dns_label_or_would_be_cut_is_refused(
+    release, refusal
+) -> None:
+    """Names were cut to 40 characters, so two releases sharing their first 40 named the same
+    objects; a dot gave a head service KubeRay cannot create."""
+    result = helm_template(CI_VALUES["a10"], release=release, check=False)
+    assert result.returncode != 0
+    assert refusal in result.stderr
+    assert one(render(CI_VALUES["a10"], release="a" * 30), "RayCluster")["metadata"]["name"] == (
+        "a" * 30 + "-appliance"
+    )
+
+
 def test_worker_memory_must_leave_room_beside_shm() -> None:
     result = helm_template(
         CI_VALUES["a10"],
@@ -470,10 +515,10 @@ def test_a_shm_size_not_in_gi_is_refused() -> None:
     assert "must be a whole number of Gi" in result.stderr
 
 
-def test_long_release_names_keep_kuberay_names_short() -> None:
-    docs = render(CI_VALUES["a10"], release="a-very-long-release-name-for-a-training-cluster-x")
-    name = one(docs, "RayCluster")["metadata"]["name"]
-    assert len(name) <= 40
+def test_the_longest_release_name_keeps_kuberay_names_short() -> None:
+    release = "appliance-" + "x" * 30  # 40 characters: the objects' name, as it is
+    name = one(render(CI_VALUES["a10"], release=release), "RayCluster")["metadata"]["name"]
+    assert name == release
     assert len(f"{name}-head-svc") <= 63
 
 

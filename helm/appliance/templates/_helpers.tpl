@@ -5,19 +5,26 @@
 
 {{/*
 Full name: the RayCluster's name. 40 characters at most, so that KubeRay's derived names
-(`<name>-head-svc`, `<name>-<group>-worker-xxxxx`) stay valid DNS labels.
+(`<name>-head-svc`, `<name>-<group>-worker-xxxxx`) stay valid DNS labels. A longer one is
+refused, not cut: two releases whose names share their first 40 characters would otherwise
+name the same objects. So is one that is no DNS label (a dot, a capital): KubeRay's service
+for it could not be created.
 */}}
 {{- define "appliance.fullname" -}}
+{{- $full := "" }}
 {{- if .Values.fullnameOverride }}
-{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- $full = .Values.fullnameOverride }}
 {{- else }}
 {{- $name := default .Chart.Name .Values.nameOverride }}
-{{- if contains $name .Release.Name }}
-{{- .Release.Name | trunc 40 | trimSuffix "-" }}
-{{- else }}
-{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- $full = ternary .Release.Name (printf "%s-%s" .Release.Name $name) (contains $name .Release.Name) }}
 {{- end }}
+{{- if gt (len $full) 40 }}
+{{- fail (printf "the objects' name %q (release name%s) is %d characters: at most 40 (KubeRay derives longer names from it); give a shorter release name or fullnameOverride" $full (ternary "" " + \"-appliance\"" (contains (default .Chart.Name .Values.nameOverride) $full)) (len $full)) }}
 {{- end }}
+{{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $full) }}
+{{- fail (printf "the objects' name %q is not a DNS label (lowercase letters, digits and '-', starting with a letter): KubeRay could not create its head service; give another release name or fullnameOverride" $full) }}
+{{- end }}
+{{- $full }}
 {{- end }}
 
 {{- define "appliance.selectorLabels" -}}
