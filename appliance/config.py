@@ -156,6 +156,12 @@ class TrainConfig:
         "started (a file whose name sorts after the others' is read after them; other changes "
         "shift what the run reads next). Without it such a resume is refused, naming the files.",
     )
+    allow_model_change: bool = _f(
+        False,
+        "With --resume or --auto-resume: continue although --model's files (config.json, "
+        "tokenizer, weights) changed since the run started, or it is another model: the steps "
+        "from here train on it as it is now. Without it such a resume is refused.",
+    )
     max_restarts: int = _f(3, "Trainer/worker restarts allowed before the run fails.")
     # ---- running
     cluster: str | None = _f(
@@ -245,6 +251,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         "auto_resume",
         "overwrite",
         "allow_data_change",
+        "allow_model_change",
         "max_restarts",
     ),
     "Output": ("log_format", "metrics_port"),
@@ -383,6 +390,7 @@ PER_INVOCATION = (
     "auto_resume",
     "overwrite",
     "allow_data_change",
+    "allow_model_change",
     "cluster",
     "log_format",
     "metrics_port",
@@ -553,6 +561,8 @@ def validate(cfg: TrainConfig, label: Callable[[str], str] = flag) -> list[str]:
         errs.append(f"{label('resume')} needs --output DIR: the output of the run to continue")
     if cfg.allow_data_change and not (cfg.resume or cfg.auto_resume):
         errs.append(f"{label('allow_data_change')} goes with --resume or --auto-resume")
+    if cfg.allow_model_change and not (cfg.resume or cfg.auto_resume):
+        errs.append(f"{label('allow_model_change')} goes with --resume or --auto-resume")
     if cfg.gpu_memory_budget is not None:
         from .plan import gpu_budget_problem  # (plan.py imports this module)
 

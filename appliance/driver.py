@@ -264,9 +264,13 @@ def check_output(
         if cfg.resume and cfg.micro_batches_per_step == "auto" and recorded is not None:
             cfg.micro_batches_per_step = recorded  # auto was resolved when the run started
         was, now = previous["identity"], run_identity(cfg)
-        if was.get("model") != now["model"] and _the_runs_model_moved_to(
-            fingerprint or model_fingerprint(cfg.model), previous
-        ):
+        model_now, model_was = (
+            fingerprint or model_fingerprint(cfg.model),
+            previous.get("model_fingerprint"),
+        )  # none in a run.json from before them: the model is known by its path alone
+        same_model = model_now is None or model_was is None or model_now == model_was
+        moved = was.get("model") != now["model"]
+        if moved and (_the_runs_model_moved_to(model_now, previous) or cfg.allow_model_change):
             was = {**was, "model": now["model"]}  # run.json records the new path from now on
         data_was = previous.get("data_fingerprint")  # none in a run.json from before them
         same_data = data is None or data_was is None or data["digest"] == data_was["digest"]
@@ -280,6 +284,22 @@ def check_output(
             if cfg.resume and same
             else []
         )
+        if cfg.resume and same and not same_model:  # changed where it is, or another one
+            what_changed = (
+                f"--model {cfg.model} changed since the run started: its files (config.json, "
+                "tokenizer or weights) differ from the run's record of them"
+                if not moved
+                else f"--model {cfg.model} is not the run's model ({previous['identity']['model']})"
+            )
+            if cfg.allow_model_change:
+                notes = [f"{what_changed}; continuing on it, as --allow-model-change asks", *notes]
+            elif not _nothing_kept(out, previous):
+                raise ConfigError(
+                    f"{given}: {what_changed}, so its adapter would go on learning against other "
+                    "weights than it began on. Put the model back as it was to resume the run; "
+                    "or add --allow-model-change to continue on the model as it is now; or "
+                    "start another run (another --output, or --overwrite)"
+                )
         if cfg.resume and same and not same_data:
             assert data is not None and data_was is not None
             what_changed = f"--data {cfg.data} changed since the run started: " + data_changes(

@@ -321,6 +321,54 @@ def test_a_resume_checks_its_data_follows_it_when_moved_and_names_what_changed(
     assert resumed(data) == []
 
 
+def test_a_resume_on_a_model_changed_in_place_is_refused_unless_allowed(tmp_path):
+    """run.json's model fingerprint was only read when the model's path changed: a model
+    rewritten at the same path (a new revision downloaded over it, a re-uploaded s3:// prefix)
+    was resumed on without a word, and the adapter went on learning against other weights (and
+    run.json then recorded the new ones, so eval and export said nothing either)."""
+    from safetensors.torch import load_file, save_file
+
+    from appliance.driver import check_output
+    from appliance.run_record import model_fingerprint, write_run_file
+    from tests.helpers_model import make_model
+
+    model, out, other = make_model(tmp_path / "m", "llama-mha"), tmp_path / "out", tmp_path / "o"
+    (out / "checkpoints" / "step-000002").mkdir(parents=True)  # a checkpoint to keep
+    (out / "checkpoints" / "step-000002" / "manifest.json").write_text("{}")
+
+    def config(path, **flags):
+        return C.build_config({}, {"model": str(path), "data": "d", "output": str(out), **flags})
+
+    def resumed(path, **flags):
+        return check_output(config(path, resume=True, **flags), model_fingerprint(str(path)))
+
+    write_run_file(config(model), "interrupted", fingerprint=model_fingerprint(str(model)))
+    assert resumed(model) == []  # as it was
+    weights = model / "model.safetensors"  # every weight × 1.5: the same names and shapes
+    save_file({k: v * 1.5 for k, v in load_file(weights).items()}, weights, {"format": "pt"})
+    with pytest.raises(ConfigError) as e:
+        resumed(model)
+    assert str(e.value).startswith(
+        f"--resume: --model {model} changed since the run started: its files (config.json, "
+        "tokenizer or weights) differ from the run's record of them, so its adapter would go on"
+    )
+    assert "--allow-model-change" in str(e.value)
+    assert resumed(model, allow_model_change=True) == [
+        f"--model {model} changed since the run started: its files (config.json, tokenizer or "
+        "weights) differ from the run's record of them; continuing on it, as "
+        "--allow-model-change asks"
+    ]
+    make_model(other, "llama-mha", seed=1)  # another model, at another path
+    with pytest.raises(ConfigError, match=r"holds a run with different --model"):
+        resumed(other)
+    assert resumed(other, allow_model_change=True) == [
+        f"--model {other} is not the run's model ({model}); continuing on it, as "
+        "--allow-model-change asks"
+    ]
+    with pytest.raises(ConfigError, match="--allow-model-change goes with --resume"):
+        config(model, allow_model_change=True)
+
+
 def test_a_resume_on_a_changed_eval_data_goes_on_and_says_so(tmp_path):
     """--eval-data is not what the run trains on: a resume with its files changed goes on, and
     a note says the validation losses from then on compare with the earlier ones no more."""
