@@ -538,14 +538,16 @@ def seq_len_problems(args: ModelArgs, seq_len: int) -> list[str]:
     if seq_len > args.max_position_embeddings:
         problems.append(
             f"--seq-len {seq_len} exceeds the model's max_position_embeddings "
-            f"({args.max_position_embeddings})"
+            f"({args.max_position_embeddings}): give --seq-len {args.max_position_embeddings} "
+            "or less"
         )
     # sliding windows are implemented by every family but Llama's (model.attention: Mistral)
     llama = models.FAMILIES[args.architecture] is models.llama
     if llama and args.sliding_window and seq_len > args.sliding_window:
         problems.append(
             f"--seq-len {seq_len} exceeds the model's sliding_window ({args.sliding_window}); "
-            f"sliding-window attention is not implemented for {args.architecture}"
+            f"sliding-window attention is not implemented for {args.architecture}: give "
+            f"--seq-len {args.sliding_window} or less"
         )
     return problems
 

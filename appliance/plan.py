@@ -37,7 +37,7 @@ from pathlib import Path
 from . import hardware, storage
 from .config import TrainConfig
 from .errors import ConfigError
-from .hf_checkpoint import block_shapes, read_model_args
+from .hf_checkpoint import block_shapes, read_model_args, seq_len_problems
 from .model import TARGET_MODULES, ModelArgs
 from .planner import (
     CUDA_MARGIN_BYTES,
@@ -253,6 +253,9 @@ def plan_input(
     if errors:
         raise ConfigError("\n".join(errors))
     args, label = load_args(model, preset)
+    problems = seq_len_problems(args, seq_len)  # what train refuses, plan refuses alike
+    if problems:
+        raise ConfigError("\n".join(problems))
     return PlanInput(
         args,
         label,
