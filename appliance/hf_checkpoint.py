@@ -26,6 +26,19 @@ from .models import multimodal
 # the text architectures, then the multimodal ones whose language model is trained (see
 # models/multimodal.py: the vision tower is left as it is)
 SUPPORTED_ARCHITECTURES = models.SUPPORTED_ARCHITECTURES + multimodal.ARCHITECTURES
+# the architecture of a config.json that names none, by its model_type (transformers'
+# AutoModelForCausalLM mapping, for the families supported here)
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "phi3": "Phi3ForCausalLM",
+    "mistral3": "Mistral3ForConditionalGeneration",
+}
 # what a safetensors file that cannot be read raises: a missing or unreadable file (OSError), a
 # truncated or garbled header (SafetensorError), a tensor past the end of the file (RuntimeError)
 _UNREADABLE = (OSError, RuntimeError, SafetensorError)
@@ -71,6 +84,8 @@ def read_model_args(model_dir: str | Path) -> ModelArgs:
     cfg = _read_json(model_dir / "config.json", "config.json")
     where = model_dir / "config.json"
     archs = cfg.get("architectures") or []
+    if not archs and cfg.get("model_type") in MODEL_TYPES:  # as AutoModelForCausalLM reads it
+        archs = [MODEL_TYPES[cfg["model_type"]]]
     name = archs or cfg.get("model_type")
     why = _refusal(archs[0] if len(archs) == 1 else "", cfg)
     if why:
@@ -376,6 +391,12 @@ class SafetensorsCheckpoint:
                 files = {name: single for name in f.keys()}
         elif any(self.dir.glob("pytorch_model*.bin")):
             raise ModelError(pytorch_bin_message(self.dir))
+        elif shards := sorted(f.name for f in self.dir.glob("model-*-of-*.safetensors")):
+            raise ModelError(
+                f"{self.dir}: {len(shards)} safetensors shards ({shards[0]}, ...) but no "
+                "model.safetensors.index.json, which says which tensor is in which shard: "
+                "download it again with the shards"
+            )
         else:
             raise ModelError(
                 f"{self.dir}: no model.safetensors or model.safetensors.index.json; "

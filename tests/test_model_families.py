@@ -32,6 +32,35 @@ def test_every_tensor_of_the_checkpoint_is_read_with_the_shape_config_json_impli
     assert set(linear) == two_d
 
 
+@pytest.mark.parametrize("variant", ["llama-mha", *(v for v in FAMILY_VARIANTS if "vlm" not in v)])
+def test_a_config_without_architectures_is_read_by_its_model_type(variant, tmp_path):
+    """A config.json with `model_type` but no `architectures` (older exports, hand-written ones)
+    loads in transformers' AutoModelForCausalLM; it was refused as "architecture 'llama' is not
+    supported"."""
+    import json
+
+    model_dir = make_model(tmp_path / "model", variant, with_tokenizer=False)
+    named = read_model_args(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    del config["architectures"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    assert read_model_args(model_dir) == named
+
+
+def test_shards_without_their_index_are_named_as_that(tmp_path):
+    """Shards whose index is missing were told to save with safe_serialization=True."""
+    model_dir = make_model(tmp_path / "model", "llama-mha", shards=True, with_tokenizer=False)
+    shards = sorted(model_dir.glob("model-*-of-*.safetensors"))
+    (model_dir / "model.safetensors.index.json").unlink()
+    with pytest.raises(ModelError) as e:
+        SafetensorsCheckpoint(model_dir)
+    assert str(e.value) == (
+        f"{model_dir}: {len(shards)} safetensors shards ({shards[0].name}, ...) but no "
+        "model.safetensors.index.json, which says which tensor is in which shard: download it "
+        "again with the shards"
+    )
+
+
 def test_phi3_fused_modules_are_the_llama_targets_they_stand_for(tmp_path):
     args = read_model_args(make_model(tmp_path / "model", "phi3-partial-longrope"))
     assert args.partial_rotary_factor == 0.5
