@@ -443,12 +443,25 @@ class Run:
         loss = stats["loss"]
         if math.isfinite(loss) or stats.get("skipped_step"):
             return
+        import ray
+
         saved = list_checkpoints(self.cfg.output)
         kept = f"its last checkpoint, step {saved[-1].step}, is kept" if saved else "no checkpoint"
+        try:  # which weight, if one is: what to fix differs
+            bad = ray.get(next(iter(self.stores.values())).first_non_finite.remote())
+        except Exception:  # noqa: BLE001 - the error below is the one to raise either way
+            bad = "?"
+        if bad not in (None, "?"):
+            raise TrainingError(
+                f"step {step}: the loss is {loss}: the base model's weight {bad} holds inf or NaN "
+                f"(a damaged download, or a model saved from a run that diverged). The run stops "
+                f"here ({kept}): fetch the model again, or give another"
+            )
+        again = "resume with" if saved else "run it again with"
+        cause = "the data or" if bad is None else "the base model's weights or the data hold"
         raise TrainingError(
-            f"step {step}: the loss is {loss}: the base model's weights or the data hold values "
-            f"that are not finite, or --lr {lr:g} is too high for them. The run stops here ("
-            f"{kept}): check the model (appliance doctor --model), or resume with a lower --lr"
+            f"step {step}: the loss is {loss}: {cause} values that are not finite, or --lr "
+            f"{lr:g} is too high for them. The run stops here ({kept}): {again} a lower --lr"
         )
 
     def _step(self, refs: list, lr: float) -> dict:

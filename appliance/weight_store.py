@@ -203,6 +203,19 @@ class WeightStore:
         index, size = layout(entries)
         return _BufferPlan(sources, index, size, self.dtype, None, names)
 
+    def first_non_finite(self) -> str | None:
+        """The checkpoint's name of the first weight that holds inf or NaN, or None when every
+        one is finite: asked when a step's loss is not finite, to say which (it reads every
+        weight, in this node's shared memory: seconds per GB, and only then)."""
+        source = self.handles().source()
+        parts = [("", source.globals())]
+        parts += [(f"model.layers.{i}.", source.block(i)) for i in range(source.num_blocks)]
+        for prefix, tensors in parts:
+            for name, t in tensors.items():
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    return prefix + name
+        return None
+
     def stats(self) -> dict:
         return {
             "load_count": self.load_count,

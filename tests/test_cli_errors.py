@@ -608,7 +608,12 @@ def test_a_loss_that_is_not_finite_stops_the_run_before_an_adapter_of_nans(tmp_p
     out = tmp_path / "o"
     done = run_cli(*data_args(bad, data, "--steps", "2"), "--output", out)
     assert_cli_user_error(
-        done, out, "step 1: the loss is nan", "no checkpoint", "appliance doctor --model"
+        done,
+        out,
+        "step 1: the loss is nan: the base model's weight model.layers.1.mlp.down_proj.weight "
+        "holds inf or NaN",
+        "no checkpoint",
+        "fetch the model again",
     )
     assert "step 1/2" not in done.stdout  # (the failing step is not shown as done)
     record = json.loads((out / "run.json").read_text())

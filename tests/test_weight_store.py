@@ -151,3 +151,18 @@ def test_the_load_bench_refuses_one_load_in_the_driver(capsys):
 
     assert main(["--in-driver", "1"]) == 1
     assert "--in-driver 1: 0 (none) or at least 2 loads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", ["model.layers.1.mlp.down_proj.weight", "model.norm.weight"])
+def test_the_store_names_the_first_weight_that_is_not_finite(tmp_path, bad):
+    """Asked when a step's loss is not finite: the run's error names the weight (it sent the
+    user to `appliance doctor`, which reads no weight), or, all finite, points at the data and
+    --lr."""
+    from safetensors.torch import load_file, save_file
+
+    model = make_model(tmp_path / "m", "llama-mha", with_tokenizer=False)
+    assert WeightStore(model).first_non_finite() is None
+    weights = load_file(model / "model.safetensors")
+    weights[bad].view(-1)[-1] = float("inf")
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    assert WeightStore(model).first_non_finite() == bad
