@@ -215,6 +215,10 @@ def adapter_defaults(adapter: str, adapter_dir, given: dict, device: str | None 
     from .lora import ADAPTER_CONFIG
     from .run_record import adapter_run_config, json_object
 
+    if adapter_dir.is_file():  # adapter_model.safetensors, say, rather than its directory
+        hint = f": did you mean {adapter_dir.parent}?"
+        hint = hint if (adapter_dir.parent / ADAPTER_CONFIG).is_file() else ""
+        raise ConfigError(f"--adapter must be a directory (the one holding {ADAPTER_CONFIG}){hint}")
     given, found, taken = dict(given), adapter_run_config(adapter_dir), {}
     config, source = found if found else ({}, None)
     if found is None and given.get("model") is None:  # a PEFT adapter: the model it names

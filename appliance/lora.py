@@ -170,9 +170,62 @@ def adapter_config(
 
 
 _MODULE_BY_NAME = {m.split(".")[-1]: short for short, m in TARGETS.items()}
+MERGE_FIRST = "merge the adapter into its base model with PEFT first (merge_and_unload)"
 
 
-def read_spec(adapter_dir: str | Path) -> LoraSpec:
+def _some(names: list[str], n: int = 3) -> str:
+    """The first `n` of `names`, and how many more: an error names a few, not hundreds."""
+    more = f" and {len(names) - n} more" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
+def _refuse_unsupported_features(path: Path, cfg: dict) -> None:
+    """PEFT options that change what the adapter computes beyond `B @ A * alpha / r` on whole
+    projections of every block, refused by name before any tensor is read."""
+    flags = [f"{key}=true" for key in ("use_dora", "use_rslora", "lora_bias") if cfg.get(key)]
+    saved = cfg.get("modules_to_save")
+    if saved:
+        flags.append(f"modules_to_save ({_some(list(saved))})")
+    if cfg.get("layers_to_transform") is not None:
+        flags.append("layers_to_transform")
+    flags += [key for key in ("rank_pattern", "alpha_pattern") if cfg.get(key)]
+    if flags:
+        raise ModelError(f"{path}: {flags[0]} is not supported: {MERGE_FIRST}")
+
+
+def _check_every_block(path: Path, names: list[str], args: ModelArgs) -> None:
+    """PEFT adapts a module whose name is a target or ends in "." + a target: `q_proj` adapts
+    every block's, `model.layers.0.self_attn.q_proj` (current PEFT writes such names for
+    target_modules="all-linear") block 0's only. Each projection must be adapted in every block
+    of the language model (an adapter on some blocks only is what layers_to_transform makes)."""
+    layers, blocks = peft_layers(args), range(args.num_layers)
+    covered: dict[str, set[int]] = {}
+    outside = []
+    for name in names:
+        module = TARGETS[_MODULE_BY_NAME[name.split(".")[-1]]]
+        keys = {i: f"{layers}.{i}.{module}" for i in blocks}
+        hit = {i for i, key in keys.items() if key == name or key.endswith("." + name)}
+        covered.setdefault(module, set()).update(hit)
+        if not hit:
+            outside.append(name)
+    if outside:
+        raise ModelError(
+            f"{path}: target modules {_some(outside)} are not in this model's blocks "
+            f"({layers}.0 to {layers}.{args.num_layers - 1}): not supported"
+        )
+    for module, hit in covered.items():
+        if len(hit) < args.num_layers:
+            missing = min(set(blocks) - hit)
+            raise ModelError(
+                f"{path}: target_modules adapts {module} in some layers only (not in "
+                f"{layers}.{missing}), as layers_to_transform does, which is not supported: "
+                f"{MERGE_FIRST}"
+            )
+
+
+def read_spec(adapter_dir: str | Path, args: ModelArgs | None = None) -> LoraSpec:
+    """The LoraSpec of the adapter in `adapter_dir` (its adapter_config.json); with `args`, also
+    checked to adapt every block of that model."""
     path = Path(adapter_dir) / ADAPTER_CONFIG
     try:
         cfg = json.loads(path.read_text())
@@ -184,6 +237,7 @@ def read_spec(adapter_dir: str | Path) -> LoraSpec:
         raise ModelError(f"{path}: cannot read adapter config: {e}") from None
     if cfg.get("peft_type") != "LORA":
         raise ModelError(f"{path}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    _refuse_unsupported_features(path, cfg)
     names = cfg.get("target_modules") or []
     if isinstance(names, str):  # a pattern: only the one written for multimodal models
         names = multimodal.names_of_pattern(names)
@@ -192,12 +246,17 @@ def read_spec(adapter_dir: str | Path) -> LoraSpec:
                 f"{path}: target_modules as a regex is not supported (only a list of module "
                 "names, or the language-model pattern appliance train writes)"
             )
-    unknown = [n for n in names if n not in _MODULE_BY_NAME]
+    # PEFT matches by suffix: `q_proj`, `self_attn.q_proj`, `model.layers.0.self_attn.q_proj`
+    unknown = [n for n in names if n.split(".")[-1] not in _MODULE_BY_NAME]
     if unknown:
-        raise ModelError(f"{path}: target modules {unknown} are not supported")
-    if cfg.get("use_rslora"):
-        raise ModelError(f"{path}: use_rslora=true is not supported")
-    targets = tuple(t for t in TARGETS if TARGETS[t].split(".")[-1] in names)
+        raise ModelError(
+            f"{path}: target modules {_some(unknown)} are not supported (supported: "
+            f"{', '.join(_MODULE_BY_NAME)})"
+        )
+    if args is not None:
+        _check_every_block(path, names, args)
+    projections = {n.split(".")[-1] for n in names}
+    targets = tuple(t for t in TARGETS if TARGETS[t].split(".")[-1] in projections)
     return LoraSpec(
         int(cfg["r"]), float(cfg["lora_alpha"]), float(cfg.get("lora_dropout", 0.0)), targets
     )
@@ -206,7 +265,7 @@ def read_spec(adapter_dir: str | Path) -> LoraSpec:
 def load_adapter(
     adapter_dir: str | Path, args: ModelArgs, device: torch.device | str = "cpu"
 ) -> LoraWeights:
-    spec = read_spec(adapter_dir)
+    spec = read_spec(adapter_dir, args)
     path = Path(adapter_dir) / ADAPTER_WEIGHTS
     if not path.is_file():
         raise ModelError(f"{path}: adapter weights are missing")

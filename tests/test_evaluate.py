@@ -219,3 +219,120 @@ def test_eval_runs_where_ray_and_boto3_are_not_installed(model_dir, texts, tmp_p
     assert run.returncode == 0, run.stderr[-4000:]
     there = json.loads(run.stdout.strip().splitlines()[-1])
     assert there == {"loss": here["loss"], "tokens": here["tokens"]}
+
+
+MERGE_FIRST = "merge the adapter into its base model with PEFT first (merge_and_unload)"
+
+
+def peft_adapter(model_dir, out, seed=1, **config):
+    """An adapter saved by PEFT itself (LoraConfig(r=4, lora_alpha=8, **config)), B non-zero."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(load_hf(model_dir), LoraConfig(r=4, lora_alpha=8, **config))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_layers(tmp_path_factory):
+    """Few modules: PEFT writes "all-linear" as full module names (from 20 on, as suffixes)."""
+    return make_model(tmp_path_factory.mktemp("eval") / "model", "llama-mha", num_hidden_layers=2)
+
+
+def test_an_all_linear_peft_adapter_scores_as_peft_does(two_layers, texts, tmp_path):
+    """Current PEFT writes target_modules="all-linear" as every module's full name
+    (`model.layers.0.self_attn.q_proj`); PEFT matches names by suffix, and so does the loader."""
+    model_dir = two_layers
+    adapter = peft_adapter(model_dir, tmp_path / "all", target_modules="all-linear")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert "model.layers.1.mlp.down_proj" in config["target_modules"]  # the case at hand
+    data = write_jsonl(tmp_path / "eval.jsonl", [{"text": t} for t in texts])
+
+    ours = evaluate(model_dir, data, seq_len=16, adapter_dir=adapter)
+    peft = PeftModel.from_pretrained(load_hf(model_dir), adapter).eval()
+    loss, n = reference(peft, model_dir / "tokenizer.json", texts, seq_len=16)
+    assert ours["tokens"] == n
+    assert abs(ours["loss"] - loss) / loss < RTOL
+    assert abs(loss - evaluate(model_dir, data, seq_len=16)["loss"]) / loss > 10 * RTOL  # teeth
+    # the same tensors with the projections listed by their short names: the same loss
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    (listed / "adapter_model.safetensors").write_bytes(
+        (adapter / "adapter_model.safetensors").read_bytes()
+    )
+    projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    (listed / "adapter_config.json").write_text(
+        json.dumps({**config, "target_modules": projections})
+    )
+    assert evaluate(model_dir, data, seq_len=16, adapter_dir=listed) == ours
+
+
+def test_full_module_names_on_some_layers_only_are_refused_as_layers_to_transform(
+    two_layers, tmp_path
+):
+    model_dir = two_layers
+    adapter = peft_adapter(model_dir, tmp_path / "all", target_modules="all-linear")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    layer_1 = ["model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.v_proj"]
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "target_modules": layer_1}))
+    data = write_jsonl(tmp_path / "one.jsonl", [{"text": "the cat"}])
+    with pytest.raises(ModelError) as e:
+        evaluate(model_dir, data, seq_len=8, adapter_dir=adapter)
+    assert str(e.value) == (
+        f"{adapter}/adapter_config.json: target_modules adapts self_attn.q_proj in some layers "
+        "only (not in model.layers.0), as layers_to_transform does, which is not supported: "
+        f"{MERGE_FIRST}"
+    )
+    # names no block of this model has (an adapter for a deeper model): named, a few of them
+    deeper = [f"model.layers.{i}.self_attn.q_proj" for i in range(6)]
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "target_modules": deeper}))
+    with pytest.raises(ModelError) as e:
+        evaluate(model_dir, data, seq_len=8, adapter_dir=adapter)
+    assert str(e.value) == (
+        f"{adapter}/adapter_config.json: target modules model.layers.2.self_attn.q_proj, "
+        "model.layers.3.self_attn.q_proj, model.layers.4.self_attn.q_proj and 1 more are not in "
+        "this model's blocks (model.layers.0 to model.layers.1): not supported"
+    )
+
+
+def test_unsupported_target_modules_are_named_a_few_at_a_time(model_dir, tmp_path):
+    adapter = peft_adapter(model_dir, tmp_path / "a", target_modules=["q_proj"])
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    names = [f"model.layers.{i}.mlp.fc{j}" for i in range(2) for j in (1, 2)]
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "target_modules": names}))
+    data = write_jsonl(tmp_path / "one.jsonl", [{"text": "the cat"}])
+    with pytest.raises(ModelError) as e:
+        evaluate(model_dir, data, seq_len=8, adapter_dir=adapter)
+    assert str(e.value) == (
+        f"{adapter}/adapter_config.json: target modules model.layers.0.mlp.fc1, "
+        "model.layers.0.mlp.fc2, model.layers.1.mlp.fc1 and 1 more are not supported (supported: "
+        "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, qkv_proj, gate_up_proj)"
+    )
+
+
+@pytest.mark.parametrize(
+    "config, feature",
+    [
+        ({"use_dora": True}, "use_dora=true"),
+        ({"use_rslora": True}, "use_rslora=true"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save (lm_head)"),
+        ({"layers_to_transform": [1]}, "layers_to_transform"),
+        ({"rank_pattern": {"q_proj": 2}}, "rank_pattern"),
+        ({"alpha_pattern": {"q_proj": 2}}, "alpha_pattern"),
+    ],
+)
+def test_peft_features_the_loader_lacks_are_refused_by_name(model_dir, tmp_path, config, feature):
+    """Named from adapter_config.json, not by a tensor they add or leave out (DoRA's magnitude
+    vectors, modules_to_save's lm_head copy, layers_to_transform's missing layers)."""
+    adapter = peft_adapter(model_dir, tmp_path / "a", target_modules=["q_proj", "v_proj"], **config)
+    data = write_jsonl(tmp_path / "one.jsonl", [{"text": "the cat"}])
+    with pytest.raises(ModelError) as e:
+        evaluate(model_dir, data, seq_len=8, adapter_dir=adapter)
+    assert str(e.value) == (
+        f"{adapter}/adapter_config.json: {feature} is not supported: {MERGE_FIRST}"
+    )

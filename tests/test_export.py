@@ -255,3 +255,20 @@ def test_plan_shards_keeps_model_order_and_whole_blocks():
         ["model.layers.1.a", "model.layers.1.b"],
         ["lm_head.weight", "model.norm.weight"],
     ]
+
+
+@pytest.mark.parametrize("command", ["eval", "export"])
+def test_adapter_given_as_its_weights_file_names_the_directory(command, tmp_path, monkeypatch):
+    model_dir = make_model(tmp_path / "model", "llama-mha")
+    save_random_adapter(model_dir, tmp_path / "runs" / "x")
+    monkeypatch.chdir(tmp_path)
+    given = ["--adapter", "runs/x/adapter_model.safetensors"]
+    rest = {"eval": ["--data", "d.jsonl", "--seq-len", "8"], "export": ["--output", "out"]}
+    for model in ([], ["--model", str(model_dir)]):  # the file was refused both ways
+        result = CliRunner().invoke(main, [command, *model, *given, *rest[command]])
+        assert result.exit_code == 1, result.output
+        assert result.output.splitlines() == [
+            "error: --adapter must be a directory (the one holding adapter_config.json): "
+            "did you mean runs/x?"
+        ]
+    assert not (tmp_path / "out").exists()
