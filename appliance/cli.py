@@ -221,6 +221,8 @@ def adapter_defaults(adapter: str, adapter_dir, given: dict, device: str | None 
         raise ConfigError(f"--adapter must be a directory (the one holding {ADAPTER_CONFIG}){hint}")
     given, found, taken = dict(given), adapter_run_config(adapter_dir), {}
     config, source = found if found else ({}, None)
+    if source is not None and storage.is_s3(adapter):  # named as given, not as its local copy
+        source = storage.join(adapter, Path(source).relative_to(adapter_dir).as_posix())
     if found is None and given.get("model") is None:  # a PEFT adapter: the model it names
         named = json_object(adapter_dir / ADAPTER_CONFIG) or {}
         base, revision = named.get("base_model_name_or_path"), named.get("revision")
@@ -385,11 +387,15 @@ def eval_cmd(
 @main.command()
 @click.option("--model", default=None, help=_MODEL_HELP)
 @click.option("--adapter", required=True, help=_ADAPTER_HELP)
-@click.option("--output", required=True, help="Directory for the merged checkpoint (new).")
+@click.option(
+    "--output",
+    required=True,
+    help="Directory for the merged checkpoint (new), or an s3:// prefix (empty).",
+)
 @friendly_errors
 def export(model: str | None, adapter: str, output: str) -> None:
     """Write base + adapter merged into a Hugging Face checkpoint."""
-    from .export import export_merged
+    from .export import export_to
     from .hub import resolve_model
     from .run_record import other_model_note
     from .s3_cache import localize_adapter, localize_model
@@ -400,7 +406,7 @@ def export(model: str | None, adapter: str, output: str) -> None:
     model_dir = localize_model(model)
     if note := other_model_note(adapter_dir, model_dir, model):
         click.echo(f"note: {note}", err=True)
-    export_merged(model_dir, adapter_dir, output, shown_as=(model, adapter))
+    export_to(model_dir, adapter_dir, output, shown_as=(model, adapter))
     click.echo(f"merged checkpoint written to {output}")
 
 

@@ -9,6 +9,11 @@ licence. The result loads with
 `AutoModelForCausalLM.from_pretrained` (no peft needed), an image-text model with its own class
 and its vision tower as it was (models/multimodal.py), and gives the adapted model's logits.
 
+An `s3://` output (`export_to`) is written locally first, in a temporary directory under the S3
+cache (APPLIANCE_S3_CACHE: the disk sized for models), then uploaded file by file, its
+config.json last, so a reader that finds config.json finds the weights beside it; a prefix
+that already holds objects is refused before anything is merged.
+
 Memory: tensors are read and written one output shard at a time (a shard holds whole blocks, up
 to `max_shard_bytes`), so host memory holds one shard, never the whole model. Safety: everything
 is written into a temporary directory beside the output, which is renamed into place only when
@@ -24,6 +29,7 @@ import math
 import os
 import re
 import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,8 +38,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from . import hf_checkpoint, model_card
-from .errors import NO_SPACE, OTHER, ModelError, StorageError, first_line
+from . import hf_checkpoint, model_card, storage
+from .errors import NO_SPACE, OTHER, ConfigError, ModelError, StorageError, first_line
 from .lora import ADAPTER_CONFIG, LoraWeights, load_adapter
 from .s3_cache import OTHER_WEIGHT_FILES
 
@@ -153,6 +159,34 @@ def _merge(tensors: dict[str, torch.Tensor], lora: LoraWeights) -> int:
             tensors[name] = (W.float() + delta).to(W.dtype)  # (out, in)
             merged += 1
     return merged
+
+
+def export_to(
+    model_dir: str | Path,
+    adapter_dir: str | Path,
+    output: str,
+    shown_as: tuple[str, str] | None = None,
+) -> None:
+    """`export_merged` to `output`: a local directory, or an s3:// prefix (written locally, then
+    uploaded: see the module's docstring)."""
+    if not storage.is_s3(output):
+        export_merged(model_dir, adapter_dir, output, shown_as=shown_as)
+        return
+    if storage.list_files(output):
+        raise ConfigError(
+            f"--output {output} already holds objects; choose a new prefix (export never "
+            "overwrites)"
+        )
+    from .s3_cache import cache_root
+
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".export-", dir=root) as tmp:
+        local = export_merged(model_dir, adapter_dir, Path(tmp) / "merged", shown_as=shown_as)
+        files = sorted(f for f in local.rglob("*") if f.is_file())
+        files.sort(key=lambda f: f.name == "config.json")  # last: the model is complete then
+        for f in files:
+            storage.upload_file(f, storage.join(output, f.relative_to(local).as_posix()))
 
 
 def export_merged(

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import torch
 from peft import PeftModel
-from safetensors.torch import load
+from safetensors.torch import load, load_file
 
 from appliance import storage
 from appliance.checkpoint import FAULT_ENV, list_checkpoints, load_latest_checkpoint
+from appliance.export import export_merged
 from appliance.run_record import model_fingerprint
 from tests.helpers_model import load_hf, make_model
 from tests.helpers_net import free_port
@@ -137,6 +138,32 @@ def test_model_data_and_output_on_s3_survive_a_torn_checkpoint_write_and_resume_
     peft_model = PeftModel.from_pretrained(load_hf(model), local)
     with torch.no_grad():
         assert torch.isfinite(peft_model(input_ids=torch.tensor([[1, 5, 6, 7]])).logits).all()
+
+    # 4. export onto S3: the merged model is in the bucket (it went into a local directory
+    # named `s3:`, and the command said it was written to S3), and its weights are the local
+    # export's; a second export there is refused, naming the URI as given
+    merged = f"s3://{s3_bucket}/merged/a"
+    export = [sys.executable, "-m", "appliance", "export", "--adapter", out, "--output", merged]
+    done = subprocess.run(
+        export, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"(from {out}/run.json)" in done.stderr  # not its local copy's path
+    assert not (tmp_path / "s3:").exists()
+    names = storage.list_files(merged)
+    assert "config.json" in names and "README.md" in names
+    here = tmp_path / "merged-here"
+    export_merged(model, local, here)
+    assert sorted(names) == sorted(p.name for p in here.iterdir())
+    for name in (n for n in names if n.endswith(".safetensors")):
+        ours, theirs = load(storage.read_bytes(storage.join(merged, name))), load_file(here / name)
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    again = subprocess.run(
+        export, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert again.returncode == 1
+    assert f"error: --output {merged} already holds objects" in again.stderr
 
 
 def test_a_missing_bucket_is_named_in_one_line(s3_endpoint, tmp_path):
