@@ -116,6 +116,8 @@ def read_model_args(model_dir: str | Path) -> ModelArgs:
             fields.update(_phi3_fields(cfg, where, fields))
         else:
             fields.update(_llama_fields(arch, cfg, where))
+        if fields["tie_word_embeddings"] and language_model_of is None and _own_head(model_dir):
+            fields["tie_word_embeddings"] = False  # the files' head, as transformers takes it
         return ModelArgs(**fields)
     except KeyError as e:
         raise ModelError(f"{where}: missing required field {e.args[0]!r}") from None
@@ -130,6 +132,23 @@ def _has_lm_head(model_dir: Path) -> bool | None:
         return "lm_head.weight" in SafetensorsCheckpoint(model_dir).files
     except ModelError:
         return None
+
+
+def _own_head(model_dir: Path) -> bool:
+    """Whether a text model whose config.json ties its LM head to its embeddings holds a head of
+    its own in its files, other than the embeddings (a fine-tune that trained or resized its
+    head and kept the config): transformers then does not tie them and computes with the files'
+    head (it warns), and so does the export's merged model; training and eval must too. False
+    with no weights here (`appliance plan` on a config.json alone)."""
+    try:
+        ckpt = SafetensorsCheckpoint(model_dir)
+        if "lm_head.weight" not in ckpt.files:
+            return False
+        t = ckpt.read(["lm_head.weight", "model.embed_tokens.weight"], None)
+    except (ModelError, KeyError):
+        return False
+    head, embeddings = t["lm_head.weight"], t["model.embed_tokens.weight"]
+    return head.shape != embeddings.shape or not torch.equal(head, embeddings)
 
 
 def _common_fields(arch: str, cfg: dict, where: Path) -> dict[str, Any]:

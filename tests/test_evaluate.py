@@ -336,3 +336,24 @@ def test_peft_features_the_loader_lacks_are_refused_by_name(model_dir, tmp_path,
     assert str(e.value) == (
         f"{adapter}/adapter_config.json: {feature} is not supported: {MERGE_FIRST}"
     )
+
+
+def test_a_tied_config_with_a_head_of_its_own_in_the_files_scores_as_transformers(texts, tmp_path):
+    """config.json ties the LM head to the embeddings but the files hold another head (a
+    fine-tune that trained its head and kept the config): transformers computes with the files'
+    head, and so does the merged export; appliance used the embeddings, and scored (and trained)
+    another model without a word."""
+    from safetensors.torch import load_file, save_file
+
+    model = make_model(tmp_path / "m", "llama-gqa-rope3-tied")
+    weights = load_file(model / "model.safetensors")
+    torch.manual_seed(5)
+    weights["lm_head.weight"] = torch.randn_like(weights["model.embed_tokens.weight"])
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    data = write_jsonl(tmp_path / "eval.jsonl", [{"text": t} for t in texts])
+    ours = evaluate(model, data, seq_len=10, batch_tokens=25)
+    loss, n = reference(load_hf(model), model / "tokenizer.json", texts, seq_len=10)
+    assert ours["tokens"] == n
+    assert abs(ours["loss"] - loss) / loss < RTOL
+    tied = evaluate(make_model(tmp_path / "t", "llama-gqa-rope3-tied"), data, seq_len=10)
+    assert abs(tied["loss"] - loss) / loss > 0.01  # the embeddings as head: another model
