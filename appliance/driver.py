@@ -142,7 +142,10 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
     except ConfigError as e:
         problems.append(str(e))
     if args.eos_token_id is None:
-        problems.append(f"{model_dir}/config.json has no eos_token_id: packing needs one")
+        problems.append(
+            f"{model_dir}/config.json has no eos_token_id, nor does generation_config.json or "
+            'the tokenizer (eos_token): packing needs one: add "eos_token_id": ID to config.json'
+        )
     if problems:
         raise ConfigError("\n".join(problems))
     device = resolve_device(cfg.device)

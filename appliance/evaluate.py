@@ -228,7 +228,11 @@ def evaluate(
     args = hf_checkpoint.read_model_args(model_dir)  # refuses unsupported models before any work
     problems = hf_checkpoint.seq_len_problems(args, seq_len)
     if args.eos_token_id is None:
-        problems.append(f"{model_dir}/config.json has no eos_token_id: documents end with one")
+        problems.append(
+            f"{model_dir}/config.json has no eos_token_id, nor does generation_config.json or "
+            'the tokenizer (eos_token): documents end with one: add "eos_token_id": ID to '
+            "config.json"
+        )
     if problems:
         raise ConfigError("\n".join(problems))
     if not (Path(data_path).exists() or is_pattern(data_path)):

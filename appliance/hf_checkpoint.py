@@ -116,6 +116,8 @@ def read_model_args(model_dir: str | Path) -> ModelArgs:
             fields.update(_phi3_fields(cfg, where, fields))
         else:
             fields.update(_llama_fields(arch, cfg, where))
+        if fields["eos_token_id"] is None:
+            fields["eos_token_id"] = _eos_elsewhere(model_dir)
         if fields["tie_word_embeddings"] and language_model_of is None and _own_head(model_dir):
             fields["tie_word_embeddings"] = False  # the files' head, as transformers takes it
         return ModelArgs(**fields)
@@ -132,6 +134,37 @@ def _has_lm_head(model_dir: Path) -> bool | None:
         return "lm_head.weight" in SafetensorsCheckpoint(model_dir).files
     except ModelError:
         return None
+
+
+def _eos_elsewhere(model_dir: Path) -> int | None:
+    """The end-of-sequence id of a model whose config.json names none: generation_config.json's
+    `eos_token_id` (the first of a list), else the id of tokenizer_config.json's `eos_token` in
+    tokenizer.json, as transformers' generate and tokenizer find them."""
+    generation = model_dir / "generation_config.json"
+    eos = _json_or_empty(generation).get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if isinstance(eos, int):
+        return eos
+    token = _json_or_empty(model_dir / "tokenizer_config.json").get("eos_token")
+    if isinstance(token, dict):  # {"content": "</s>", ...}, as older tokenizers write it
+        token = token.get("content")
+    if not isinstance(token, str):
+        return None
+    tokenizer = _json_or_empty(model_dir / "tokenizer.json")
+    added = {t.get("content"): t.get("id") for t in tokenizer.get("added_tokens") or []}
+    vocab = (tokenizer.get("model") or {}).get("vocab")
+    found = added.get(token, vocab.get(token) if isinstance(vocab, dict) else None)
+    return found if isinstance(found, int) else None
+
+
+def _json_or_empty(path: Path) -> dict:
+    """The JSON object in `path`; {} when it is missing or not one (the file is optional here)."""
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def _own_head(model_dir: Path) -> bool:

@@ -47,6 +47,27 @@ def test_a_config_without_architectures_is_read_by_its_model_type(variant, tmp_p
     assert read_model_args(model_dir) == named
 
 
+def test_an_eos_id_config_json_lacks_is_taken_where_transformers_finds_it(tmp_path):
+    """config.json without eos_token_id was refused ("packing needs one") although
+    generation_config.json or the tokenizer's eos_token names it."""
+    import json
+
+    model_dir = make_model(tmp_path / "model", "llama-mha")
+    eos = read_model_args(model_dir).eos_token_id
+    config = json.loads((model_dir / "config.json").read_text())
+    del config["eos_token_id"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 0]}))
+    assert read_model_args(model_dir).eos_token_id == eos
+    (model_dir / "generation_config.json").unlink()
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    [token] = [t["content"] for t in tokenizer["added_tokens"] if t["id"] == eos]
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": token}))
+    assert read_model_args(model_dir).eos_token_id == eos
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<none>"}))
+    assert read_model_args(model_dir).eos_token_id is None
+
+
 def test_shards_without_their_index_are_named_as_that(tmp_path):
     """Shards whose index is missing were told to save with safe_serialization=True."""
     model_dir = make_model(tmp_path / "model", "llama-mha", shards=True, with_tokenizer=False)
