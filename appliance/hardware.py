@@ -105,3 +105,30 @@ GPUS: dict[str, Gpu] = {
         "NVIDIA H200 datasheet (989 TFLOP/s bf16 dense; host link PCIe Gen5 x16)",
     ),
 }  # fmt: skip
+
+
+#: Dense bf16 tensor-core peak FLOP/s (no sparsity) by device-name substring, from the vendors'
+#: data sheets; the first match wins, so longer names come first.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("A10G", 70e12),
+    ("A10", 125e12),
+    ("L4", 121e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+)
+
+
+def peak_flops_per_second(device_name: str | None) -> float | None:
+    """Peak dense bf16 FLOP/s of a GPU by its name (`torch.cuda.get_device_name()`), or None."""
+    if not device_name:
+        return None
+    for key, flops in PEAK_BF16_FLOPS:
+        if key.lower() in device_name.lower():
+            return flops
+    return None

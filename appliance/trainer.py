@@ -30,8 +30,9 @@ from .blocks import dtype_from_name
 from .checkpoint import fault_injection, load_latest_checkpoint, save_checkpoint
 from .engine import StreamedEngine
 from .gpu_monitor import NvmlSampler
+from .hardware import peak_flops_per_second
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraSpec, LoraWeights, adapter_config
-from .metrics import TrainerMetrics, peak_flops_per_second
+from .metrics import TrainerMetrics
 from .weight_store import WeightHandles
 
 TRAINER_STATE = "trainer_state.pt"  # a checkpoint's LoRA weights + optimizer + step + RNG

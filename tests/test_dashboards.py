@@ -46,7 +46,7 @@ APPLIANCE_GPU_ONLY_SERIES = {
     "ray_appliance_gpu_nvml_utilization_ratio": "sampled from NVML, which needs an NVIDIA GPU",
     "ray_appliance_gpu_memory_allocated_bytes": "torch.cuda.memory_allocated()",
     "ray_appliance_gpu_memory_reserved_bytes": "torch.cuda.memory_reserved()",
-    "ray_appliance_mfu_ratio": "needs the peak FLOP/s of a known GPU (metrics.PEAK_BF16_FLOPS)",
+    "ray_appliance_mfu_ratio": "needs the peak FLOP/s of a known GPU (hardware.PEAK_BF16_FLOPS)",
     "ray_appliance_h2d_bytes_total": "on a CPU the weights are used in place: nothing is copied, "
     "and a counter is only created by a positive increment",
     "ray_appliance_h2d_seconds_total": "no host-to-device copies on a CPU (as h2d_bytes)",

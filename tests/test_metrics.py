@@ -22,6 +22,7 @@ from appliance import metrics as M
 from appliance import metrics_endpoint as endpoint
 from appliance.errors import ConfigError
 from appliance.gpu_monitor import NvmlSampler
+from appliance.hardware import peak_flops_per_second
 from tests.helpers_net import free_port
 from tests.helpers_ray import ray_session
 
@@ -395,7 +396,7 @@ def test_ray_init_accepts_the_kwargs_by_name():
     ],
 )
 def test_peak_flops_per_second(name, peak):
-    assert M.peak_flops_per_second(name) == peak
+    assert peak_flops_per_second(name) == peak
 
 
 # ---------------------------------------------------------------------- the NVML sampler
