@@ -10,6 +10,7 @@ import json
 import math
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,24 +175,37 @@ def test_quantized_blocks_count_int8_scales_and_nf4_absmax():
     assert block_bytes(args, 2, "nf4") == linear // 2 + linear // 64 * 4 + norms
 
 
-def test_a_seq_len_train_refuses_is_refused_by_plan_too(tmp_path):
-    """plan said `fits: yes` for Mistral-7B-v0.1 (sliding_window 4096) at --seq-len 8192, which
-    train refuses: plan takes train's rule, and both say the --seq-len to give."""
-    a = PRESETS["7b"].args
+def preset_config(tmp_path, preset: str, **changes) -> Path:
+    """A config.json alone (no weights) of a preset's shape, with `changes`, in `tmp_path`."""
+    a = PRESETS[preset].args
     config = {
-        "architectures": ["MistralForCausalLM"],
+        "architectures": [a.architecture],
         "vocab_size": a.vocab_size,
         "hidden_size": a.hidden_size,
         "intermediate_size": a.intermediate_size,
         "num_hidden_layers": a.num_layers,
         "num_attention_heads": a.num_heads,
-        "num_key_value_heads": 8,
-        "max_position_embeddings": 32768,
-        "sliding_window": 4096,
-        "rms_norm_eps": 1e-5,
+        "num_key_value_heads": a.num_kv_heads,
+        "max_position_embeddings": a.max_position_embeddings,
+        "rms_norm_eps": a.rms_norm_eps,
+        **changes,
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
-    argv = ["plan", "--model", str(tmp_path), "--gpu", "a10", "--micro-batch-size", "1"]
+    return tmp_path
+
+
+def test_a_seq_len_train_refuses_is_refused_by_plan_too(tmp_path):
+    """plan said `fits: yes` for Mistral-7B-v0.1 (sliding_window 4096) at --seq-len 8192, which
+    train refuses: plan takes train's rule, and both say the --seq-len to give."""
+    model = preset_config(
+        tmp_path,
+        "7b",
+        architectures=["MistralForCausalLM"],
+        num_key_value_heads=8,
+        max_position_embeddings=32768,
+        sliding_window=4096,
+    )
+    argv = ["plan", "--model", str(model), "--gpu", "a10", "--micro-batch-size", "1"]
     out = CliRunner().invoke(main, [*argv, "--seq-len", "8192"])
     assert out.exit_code == 1
     assert out.output.splitlines() == [
@@ -202,23 +216,11 @@ def test_a_seq_len_train_refuses_is_refused_by_plan_too(tmp_path):
 
 
 def test_cli_json_reads_config_json_only(tmp_path):
-    a = PRESETS["7b"].args
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": a.vocab_size,
-        "hidden_size": a.hidden_size,
-        "intermediate_size": a.intermediate_size,
-        "num_hidden_layers": a.num_layers,
-        "num_attention_heads": a.num_heads,
-        "num_key_value_heads": a.num_kv_heads,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5,
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))  # no weights at all
-    argv = [
+    model = preset_config(tmp_path, "7b", max_position_embeddings=4096, rms_norm_eps=1e-5)
+    argv = [  # no weights at all
         "plan",
         "--model",
-        str(tmp_path),
+        str(model),
         "--gpu",
         "a10",
         "--steps",
@@ -299,20 +301,8 @@ def test_host_ram_that_does_not_fit_is_said_and_every_fix_fits_gpu_and_host(tmp_
     of the g5.8xlarge's 128. Lowering --seq-len alone fixes the GPU, not the host: the fix says
     what else (and following it fits). (The 70b preset's shape with a 32768-token context, as
     Llama 2 70B's 4096 refuses --seq-len 32768.)"""
-    a = PRESETS["70b"].args
-    config = {
-        "architectures": [a.architecture],
-        "vocab_size": a.vocab_size,
-        "hidden_size": a.hidden_size,
-        "intermediate_size": a.intermediate_size,
-        "num_hidden_layers": a.num_layers,
-        "num_attention_heads": a.num_heads,
-        "num_key_value_heads": a.num_kv_heads,
-        "max_position_embeddings": 32768,
-        "rms_norm_eps": a.rms_norm_eps,
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    argv = ["plan", "--model", str(tmp_path), "--gpu", "a10", "--seq-len", "32768"]
+    model = preset_config(tmp_path, "70b", max_position_embeddings=32768)
+    argv = ["plan", "--model", str(model), "--gpu", "a10", "--seq-len", "32768"]
     argv += ["--micro-batch-size", "4", "--micro-batches-per-step", "8"]
     out = CliRunner().invoke(main, argv)
     assert out.exit_code == 1, out.output
