@@ -353,8 +353,9 @@ def _ray_metric(spec: MetricSpec) -> Any:
 
 
 #: How often each process sets its gauges again to the value it last gave them. Ray 2.60's
-#: metrics agent drops a gauge from /metrics a few report intervals after its last set (about
-#: 3 s at the embedded Ray's 1 s, 20 s at Ray's default 10 s; counters and histograms stay), so
+#: metrics agent drops a gauge from /metrics some time after its last set (about 20 s in the
+#: embedded Ray `train` starts, 2 to 4 s where RAY_metrics_report_interval_ms is 1000 for every
+#: process; counters and histograms stay), so
 #: a gauge set once (the weight store's bytes, an eval's loss) or once per step of a model whose
 #: steps take longer than that (a 70B step on an A10: ~75 s) would be missing from most scrapes
 #: and from the dashboards. Half of Ray's shortest interval: no setting of it lets one lapse.
