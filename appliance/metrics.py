@@ -361,9 +361,21 @@ def _ray_metric(spec: MetricSpec) -> Any:
 #: and from the dashboards. Half of Ray's shortest interval: no setting of it lets one lapse.
 GAUGE_REFRESH_S = 0.5
 
-# (metric name, tags) -> (the Ray gauge, its last value, tags): what the refresher sets again
-_gauge_values: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[Any, float, dict]] = {}
+# (metric name, tags) -> (the Ray gauge, its last value, tags, the Ray session it was set in):
+# what the refresher sets again, in that session only
+_gauge_values: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[Any, float, dict, str]] = {}
 _refresher: threading.Thread | None = None
+
+
+def _ray_session() -> str:
+    """Which Ray session this process is connected to (its GCS address): a process that starts
+    Ray again (the tests do) must not set an earlier session's gauges into the new one."""
+    import ray
+
+    try:
+        return str(ray.get_runtime_context().gcs_address)
+    except Exception:  # noqa: BLE001 - not connected (any more): no session to set gauges in
+        return ""
 
 
 def _set_gauge(metric: Any, name: str, value: float, tags: dict[str, str]) -> None:
@@ -371,8 +383,9 @@ def _set_gauge(metric: Any, name: str, value: float, tags: dict[str, str]) -> No
     (GAUGE_REFRESH_S says why)."""
     global _refresher
     metric.set(value, tags=tags)
+    session = _ray_session()
     with _objects_lock:
-        _gauge_values[(name, tuple(sorted(tags.items())))] = (metric, value, tags)
+        _gauge_values[(name, tuple(sorted(tags.items())))] = (metric, value, tags, session)
         if _refresher is None:
             _refresher = threading.Thread(
                 target=_refresh_gauges, name="appliance-gauges", daemon=True
@@ -387,9 +400,12 @@ def _refresh_gauges() -> None:
         time.sleep(GAUGE_REFRESH_S)
         if not ray_metrics_enabled():
             continue
+        session = _ray_session()
         with _objects_lock:
+            for key in [k for k, v in _gauge_values.items() if v[3] != session]:
+                del _gauge_values[key]  # set in an earlier Ray session: not this one's
             gauges = list(_gauge_values.values())
-        for metric, value, tags in gauges:
+        for metric, value, tags, _ in gauges:
             try:
                 metric.set(value, tags=tags)
             except Exception:  # noqa: BLE001 - Ray shutting down under us: the next round skips

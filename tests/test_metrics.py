@@ -484,6 +484,20 @@ def recorded(ray_metrics_port) -> str:
 
 
 @pytest.mark.integration
+def test_a_gauge_set_in_an_earlier_ray_session_is_not_set_into_the_next(request):
+    """The gauge refresher sets each gauge again to its last value; in a process that starts Ray
+    again (the test process does) it set an earlier session's into the new one, where it showed
+    as a second series beside the new run's (a stale queue depth of 0 beside the real 2)."""
+    with embedded_ray():
+        M.DriverMetrics().queue_depth(worker=9, n=5)
+    port = request.getfixturevalue("ray_metrics_port")  # a new session (this module's)
+    M.DriverMetrics().batches_in_flight(1)
+    scrape_until(port, {"ray_appliance_batches_in_flight"})
+    time.sleep(3)  # several refresher rounds and agent reports
+    assert 'worker="9"' not in scrape(port)
+
+
+@pytest.mark.integration
 def test_actor_metrics_reach_rays_prometheus_endpoint(ray_metrics_port, recorded):
     got = samples(recorded)
 
