@@ -128,33 +128,26 @@ def _has_lm_head(model_dir: Path) -> bool | None:
 
 def _eos_elsewhere(model_dir: Path) -> int | None:
     """The end-of-sequence id of a model whose config.json names none: generation_config.json's
-    `eos_token_id` (the first of a list), else the id of tokenizer_config.json's `eos_token` in
-    tokenizer.json, as transformers' generate and tokenizer find them."""
-    generation = model_dir / "generation_config.json"
-    eos = _json_or_empty(generation).get("eos_token_id")
+    `eos_token_id` (the first of a list), else the id tokenizer.json gives tokenizer_config.json's
+    `eos_token`, as transformers' generate and tokenizer find them."""
+    from tokenizers import Tokenizer
+
+    from .run_record import json_object
+
+    eos = (json_object(model_dir / "generation_config.json") or {}).get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0] if eos else None
     if isinstance(eos, int):
         return eos
-    token = _json_or_empty(model_dir / "tokenizer_config.json").get("eos_token")
+    token = (json_object(model_dir / "tokenizer_config.json") or {}).get("eos_token")
     if isinstance(token, dict):  # {"content": "</s>", ...}, as older tokenizers write it
         token = token.get("content")
-    if not isinstance(token, str):
+    if not isinstance(token, str) or not (model_dir / "tokenizer.json").is_file():
         return None
-    tokenizer = _json_or_empty(model_dir / "tokenizer.json")
-    added = {t.get("content"): t.get("id") for t in tokenizer.get("added_tokens") or []}
-    vocab = (tokenizer.get("model") or {}).get("vocab")
-    found = added.get(token, vocab.get(token) if isinstance(vocab, dict) else None)
-    return found if isinstance(found, int) else None
-
-
-def _json_or_empty(path: Path) -> dict:
-    """The JSON object in `path`; {} when it is missing or not one (the file is optional here)."""
     try:
-        found = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return found if isinstance(found, dict) else {}
+        return Tokenizer.from_file(str(model_dir / "tokenizer.json")).token_to_id(token)
+    except Exception:  # noqa: BLE001 - a tokenizer that does not load names no id (and is
+        return None  # refused by name where the tokenizer is loaded)
 
 
 def _own_head(model_dir: Path) -> bool:
