@@ -272,28 +272,31 @@ def test_an_all_linear_peft_adapter_scores_as_peft_does(two_layers, texts, tmp_p
     assert evaluate(model_dir, data, seq_len=16, adapter_dir=listed) == ours
 
 
+def eval_refusal(model_dir, adapter, tmp_path, **config) -> str:
+    """The ModelError eval of `adapter` raises, with `config` written over its
+    adapter_config.json's keys first."""
+    path = adapter / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    data = write_jsonl(tmp_path / "one.jsonl", [{"text": "the cat"}])
+    with pytest.raises(ModelError) as e:
+        evaluate(model_dir, data, seq_len=8, adapter_dir=adapter)
+    return str(e.value)
+
+
 def test_full_module_names_on_some_layers_only_are_refused_as_layers_to_transform(
     two_layers, tmp_path
 ):
     model_dir = two_layers
     adapter = peft_adapter(model_dir, tmp_path / "all", target_modules="all-linear")
-    config = json.loads((adapter / "adapter_config.json").read_text())
     layer_1 = ["model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.v_proj"]
-    (adapter / "adapter_config.json").write_text(json.dumps({**config, "target_modules": layer_1}))
-    data = write_jsonl(tmp_path / "one.jsonl", [{"text": "the cat"}])
-    with pytest.raises(ModelError) as e:
-        evaluate(model_dir, data, seq_len=8, adapter_dir=adapter)
-    assert str(e.value) == (
+    assert eval_refusal(model_dir, adapter, tmp_path, target_modules=layer_1) == (
         f"{adapter}/adapter_config.json: target_modules adapts self_attn.q_proj in some layers "
         "only (not in model.layers.0), as layers_to_transform does, which is not supported: "
         f"{MERGE_FIRST}"
     )
     # names no block of this model has (an adapter for a deeper model): named, a few of them
     deeper = [f"model.layers.{i}.self_attn.q_proj" for i in range(6)]
-    (adapter / "adapter_config.json").write_text(json.dumps({**config, "target_modules": deeper}))
-    with pytest.raises(ModelError) as e:
-        evaluate(model_dir, data, seq_len=8, adapter_dir=adapter)
-    assert str(e.value) == (
+    assert eval_refusal(model_dir, adapter, tmp_path, target_modules=deeper) == (
         f"{adapter}/adapter_config.json: target modules model.layers.2.self_attn.q_proj, "
         "model.layers.3.self_attn.q_proj, model.layers.4.self_attn.q_proj and 1 more are not in "
         "this model's blocks (model.layers.0 to model.layers.1): not supported"
@@ -302,13 +305,8 @@ def test_full_module_names_on_some_layers_only_are_refused_as_layers_to_transfor
 
 def test_unsupported_target_modules_are_named_a_few_at_a_time(model_dir, tmp_path):
     adapter = peft_adapter(model_dir, tmp_path / "a", target_modules=["q_proj"])
-    config = json.loads((adapter / "adapter_config.json").read_text())
     names = [f"model.layers.{i}.mlp.fc{j}" for i in range(2) for j in (1, 2)]
-    (adapter / "adapter_config.json").write_text(json.dumps({**config, "target_modules": names}))
-    data = write_jsonl(tmp_path / "one.jsonl", [{"text": "the cat"}])
-    with pytest.raises(ModelError) as e:
-        evaluate(model_dir, data, seq_len=8, adapter_dir=adapter)
-    assert str(e.value) == (
+    assert eval_refusal(model_dir, adapter, tmp_path, target_modules=names) == (
         f"{adapter}/adapter_config.json: target modules model.layers.0.mlp.fc1, "
         "model.layers.0.mlp.fc2, model.layers.1.mlp.fc1 and 1 more are not supported (supported: "
         "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, qkv_proj, gate_up_proj)"
@@ -330,10 +328,7 @@ def test_peft_features_the_loader_lacks_are_refused_by_name(model_dir, tmp_path,
     """Named from adapter_config.json, not by a tensor they add or leave out (DoRA's magnitude
     vectors, modules_to_save's lm_head copy, layers_to_transform's missing layers)."""
     adapter = peft_adapter(model_dir, tmp_path / "a", target_modules=["q_proj", "v_proj"], **config)
-    data = write_jsonl(tmp_path / "one.jsonl", [{"text": "the cat"}])
-    with pytest.raises(ModelError) as e:
-        evaluate(model_dir, data, seq_len=8, adapter_dir=adapter)
-    assert str(e.value) == (
+    assert eval_refusal(model_dir, adapter, tmp_path) == (
         f"{adapter}/adapter_config.json: {feature} is not supported: {MERGE_FIRST}"
     )
 
