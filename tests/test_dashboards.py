@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from appliance import metrics as M
+from appliance import metric_names as N
 from appliance.config import DEFAULT_METRICS_PORT
 from tests.test_metrics import embedded_ray, record_everything_and_scrape, samples, scrape_until
 
@@ -216,7 +216,7 @@ def test_every_selector_filters_by_cluster_and_appliance_ones_by_run():
         assert not [e for e in expressions(d) if "SessionName" in e], p.name
     podmonitor = (ROOT / "helm/appliance/templates/podmonitor.yaml").read_text()
     assert "targetLabel: ray_io_cluster" in podmonitor
-    assert M.RUN_TAG == "run"
+    assert N.RUN_TAG == "run"
 
 
 # ---------------------------------------------------------------------- PromQL
@@ -309,7 +309,7 @@ def test_selector_helpers():
 
 def test_gpu_only_appliance_series_are_real_and_used():
     """Each GPU-only entry names a declared metric, says why, and some dashboard selects it."""
-    declared = {n for spec in M.REGISTRY for n in spec.sample_names}
+    declared = {n for spec in N.REGISTRY for n in spec.sample_names}
     used = {sel for _, e in ALL_EXPRESSIONS for sel in appliance_selectors(substitute(e))}
     for key, reason in APPLIANCE_GPU_ONLY_SERIES.items():
         name, _ = split_selector(key)
@@ -324,7 +324,7 @@ def test_gpu_only_appliance_series_are_real_and_used():
 def test_every_metric_the_dashboards_use_is_declared_and_served(live_sample_names):
     """Names only: an actor that records every declared metric (RecordEverything) makes them
     appear. That real code records them is tests/test_prometheus_e2e.py's question."""
-    appliance = {n for spec in M.REGISTRY for n in spec.sample_names}
+    appliance = {n for spec in N.REGISTRY for n in spec.sample_names}
     missing = {}
     for name, expr in ALL_EXPRESSIONS:
         for metric in metric_names(expr):

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from appliance import metric_names as N
 from appliance import metrics as M
 from appliance import metrics_endpoint as endpoint
 from appliance.errors import ConfigError
@@ -129,7 +130,7 @@ def scrape_until(port: int, names: set[str], deadline_s: float = 60.0) -> str:
     raise AssertionError(f"not served within {deadline_s:.0f} s: {sorted(missing)}")
 
 
-ALL_SAMPLE_NAMES = {name for spec in M.REGISTRY for name in spec.sample_names}
+ALL_SAMPLE_NAMES = {name for spec in N.REGISTRY for name in spec.sample_names}
 
 
 def record_everything_and_scrape(port: int) -> str:
@@ -144,21 +145,21 @@ def record_everything_and_scrape(port: int) -> str:
 
 
 def test_registry_names_are_unique_prefixed_and_carry_units():
-    names = [s.name for s in M.REGISTRY]
+    names = [s.name for s in N.REGISTRY]
     assert len(names) == len(set(names))
-    for spec in M.REGISTRY:
+    for spec in N.REGISTRY:
         assert spec.name.startswith("appliance_") and spec.unit and spec.description
         for name in (spec.name, *spec.tag_keys):
             assert re.fullmatch(r"[a-z][a-z0-9_]*", name), name
         if spec.unit in ("seconds", "bytes", "ratio"):
             assert spec.name.endswith("_" + spec.unit), f"{spec.name} should end in _{spec.unit}"
     # every module-level MetricSpec constant is registered
-    constants = [v for v in vars(M).values() if isinstance(v, M.MetricSpec)]
+    constants = [v for v in vars(M).values() if isinstance(v, N.MetricSpec)]
     assert sorted(s.name for s in constants) == sorted(names)
 
 
 def test_registry_has_what_the_dashboards_and_issue_need():
-    prom = {s.prometheus_name: s for s in M.REGISTRY}
+    prom = {s.prometheus_name: s for s in N.REGISTRY}
     for name in [
         "ray_appliance_tokens_total",
         "ray_appliance_steps_total",
@@ -181,23 +182,23 @@ def test_registry_has_what_the_dashboards_and_issue_need():
         "ray_appliance_restarts_total",
     ]:
         assert name in prom, name
-    assert M.STEP_SECONDS.kind == M.HISTOGRAM
-    assert M.STEP_SECONDS.sample_names[0] == "ray_appliance_step_seconds_bucket"
+    assert N.STEP_SECONDS.kind == N.HISTOGRAM
+    assert N.STEP_SECONDS.sample_names[0] == "ray_appliance_step_seconds_bucket"
     # totals that must add up are counters (Ray approximates a histogram's _sum)
-    assert M.PHASE_SECONDS.kind == M.STEP_TIME_SECONDS.kind == M.COUNTER
-    assert M.PHASE_SECONDS.tag_keys == ("rank", "phase")
+    assert N.PHASE_SECONDS.kind == N.STEP_TIME_SECONDS.kind == N.COUNTER
+    assert N.PHASE_SECONDS.tag_keys == ("rank", "phase")
     assert {"forward", "backward", "optimizer", "data_wait", "h2d_stall", "checkpoint"} < set(
-        M.PHASES
+        N.PHASES
     )
 
 
 def test_metric_spec_rejects_bad_declarations():
     with pytest.raises(ValueError, match="must start with"):
-        M.MetricSpec("tokens", M.COUNTER, "tokens", "x")
+        N.MetricSpec("tokens", N.COUNTER, "tokens", "x")
     with pytest.raises(ValueError, match="adds `_total`"):
-        M.MetricSpec("appliance_x_total", M.COUNTER, "x", "x")
+        N.MetricSpec("appliance_x_total", N.COUNTER, "x", "x")
     with pytest.raises(ValueError, match="boundaries"):
-        M.MetricSpec("appliance_x_seconds", M.HISTOGRAM, "seconds", "x")
+        N.MetricSpec("appliance_x_seconds", N.HISTOGRAM, "seconds", "x")
 
 
 def _table_rows(markdown: str) -> list[list[str]]:
@@ -214,11 +215,11 @@ def test_docs_table_equals_the_registry():
     rows = _table_rows(DOCS.read_text())
     documented = {row[0].strip("`"): row for row in rows}
     assert len(documented) == len(rows), "a metric is listed twice in docs/metrics.md"
-    expected = {s.prometheus_name: s for s in M.REGISTRY}
+    expected = {s.prometheus_name: s for s in N.REGISTRY}
     assert set(documented) == set(expected), (
         f"docs/metrics.md lists {sorted(set(documented) - set(expected))} that the code lacks "
         f"and lacks {sorted(set(expected) - set(documented))}; regenerate the table with "
-        "`python -m appliance.metrics`"
+        "`python -m appliance.metric_names`"
     )
     for name, spec in expected.items():
         _, kind, unit, labels, meaning = documented[name]
@@ -226,7 +227,7 @@ def test_docs_table_equals_the_registry():
         assert unit == spec.unit, name
         assert labels == (", ".join(f"`{k}`" for k in spec.tag_keys) or "-"), name
         assert meaning == spec.description, name
-    assert M.markdown_table() in DOCS.read_text(), "rows out of order: regenerate the table"
+    assert N.markdown_table() in DOCS.read_text(), "rows out of order: regenerate the table"
 
 
 # ---------------------------------------------------------------------- recorders without Ray
@@ -263,7 +264,7 @@ def test_unknown_phase_and_restart_kind_are_refused_even_without_ray():
 
 
 class FakeMetric:
-    def __init__(self, spec: M.MetricSpec, log: list):
+    def __init__(self, spec: N.MetricSpec, log: list):
         self.spec, self.log = spec, log
 
     def inc(self, value: float, tags: dict[str, str]) -> None:
