@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from .errors import DataError
-from .globs import glob_match, has_glob, split_glob
+from .globs import brace_hint, glob_match, has_glob, split_glob
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".txt")
 TABLES = ("parquet", "arrow")  # a row is a document, the columns its keys
@@ -253,10 +253,11 @@ def find_data_files(path: str | Path) -> list[Path]:
                     f"add /** for every file under them"
                     if dirs
                     else "check the pattern (* and ? match within a name, ** any directories)"
+                    + brace_hint(str(path))
                 )
             )
     elif not root.exists():
-        raise DataError(f"dataset not found: {path}")
+        raise DataError(f"dataset not found: {path}{brace_hint(str(path))}")
     elif root.is_file():
         if data_format(root) is None:
             raise DataError(f"unsupported dataset file {path}: expected a data file ({DATA_FILES})")

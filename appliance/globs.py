@@ -7,12 +7,15 @@ S3 keys, which `glob` cannot list, so a pattern picks the same files from a dire
 its copy on S3: `*`, `?` and `[...]` match within one path segment, a `**` segment matches any
 number of directories (none included), and a wildcard never matches a name that starts with `.`
 unless the pattern's segment does. A path that exists under its own name is never a pattern;
-`[[]` matches a literal `[`.
+`[[]` matches a literal `[`. Braces are not a pattern (`part-{0,1}.jsonl` is the shell's brace
+expansion, which a quoted argument does not get, and glob's rule has none): a path that names
+nothing and holds them gets `brace_hint`.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import re
 
 GLOB_CHARS = frozenset("*?[")
 
@@ -20,6 +23,21 @@ GLOB_CHARS = frozenset("*?[")
 def has_glob(text: str) -> bool:
     """Whether `text` holds a wildcard (`*`, `?` or `[`)."""
     return any(c in GLOB_CHARS for c in text)
+
+
+_BRACES = re.compile(r"\{[^{}/]*,[^{}/]*\}")
+
+
+def brace_hint(text: str) -> str:
+    """For an error about `text` that named nothing: what to write instead of the shell's brace
+    expansion it holds (`{0,1}`), else ""."""
+    found = _BRACES.search(text)
+    if found is None:
+        return ""
+    return (
+        f"; {found.group(0)} is the shell's brace expansion, not a pattern here: name the files "
+        "with * or [...] (part-[01].jsonl), or give their directory"
+    )
 
 
 def split_glob(pattern: str) -> tuple[str, str]:

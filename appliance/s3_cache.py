@@ -23,7 +23,7 @@ from typing import Any
 
 from appliance.checkpoint import LATEST_MARKER, list_checkpoints
 from appliance.errors import INVALID, NO_SPACE, NOT_FOUND, ApplianceError, StorageError
-from appliance.globs import glob_match, has_glob, split_glob
+from appliance.globs import brace_hint, glob_match, has_glob, split_glob
 from appliance.s3 import S3_SCHEME, s3_client, s3_error
 from appliance.storage import (
     ObjectInfo,
@@ -110,14 +110,14 @@ def localize_data(uri: str, cache_dir: str | os.PathLike[str] | None = None) -> 
         if not base.is_dir():
             raise StorageError(
                 f"no such directory: {fixed} (the part of {uri} before its first wildcard): "
-                "check the path",
+                f"check the path{brace_hint(uri)}",
                 uri,
                 NOT_FOUND,
             )
         return to_local(uri)
     none = (
         f"nothing matches {uri}: no object under {fixed}/ has a name that matches {pattern}; "
-        f"check the pattern (`aws s3 ls --recursive {fixed}/`)"
+        f"check the pattern (`aws s3 ls --recursive {fixed}/`){brace_hint(uri)}"
     )
 
     def wanted(name: str) -> bool:
@@ -219,7 +219,7 @@ def _localize_s3(
             if err.kind == NOT_FOUND:
                 err = StorageError(
                     f"nothing at {uri}: no object with that key and no objects under it; "
-                    "check the URI (`aws s3 ls` it)",
+                    f"check the URI (`aws s3 ls` it){brace_hint(uri)}",
                     uri,
                     NOT_FOUND,
                 )

@@ -165,6 +165,39 @@ def test_a_pattern_that_names_nothing_or_no_data_is_named(tmp_path):
         find_data_files(tmp_path / "blank" / "*.jsonl")
 
 
+def test_braces_are_named_as_the_shells_not_a_pattern(tmp_path, s3_bucket, s3_client):
+    """`part-{0,1}.jsonl` quoted reaches the appliance as it is, and names nothing: each error
+    says what to write instead, locally and on S3, with a wildcard beside the braces or not."""
+
+    def hint(braces: str) -> str:
+        return (
+            f"; {braces} is the shell's brace expansion, not a pattern here: name the files with "
+            "* or [...] (part-[01].jsonl), or give their directory"
+        )
+
+    write_jsonl(tmp_path / "part-0.jsonl", [{"text": "a"}])
+    with pytest.raises(DataError) as e:
+        find_data_files(tmp_path / "part-{0,1}.jsonl")
+    assert str(e.value) == f"dataset not found: {tmp_path}/part-{{0,1}}.jsonl" + hint("{0,1}")
+    with pytest.raises(DataError) as e:
+        find_data_files(tmp_path / "part-{0,1}*")
+    assert str(e.value).startswith(f"no file matches {tmp_path}/part-{{0,1}}*: check the pattern")
+    assert str(e.value).endswith(hint("{0,1}"))
+    with pytest.raises(StorageError) as e:
+        localize_data(str(tmp_path / "{a,b}" / "*.jsonl"))
+    assert str(e.value).startswith(f"no such directory: {tmp_path}/{{a,b}} (the part of")
+    assert str(e.value).endswith(hint("{a,b}"))
+    s3_client.put_object(Bucket=s3_bucket, Key="d/part-0.jsonl", Body=b'{"text": "a"}\n')
+    for uri in (f"s3://{s3_bucket}/d/part-{{0,1}}.jsonl", f"s3://{s3_bucket}/d/part-{{0,1}}*"):
+        with pytest.raises(StorageError) as e:
+            localize_data(uri, cache_dir=tmp_path / "cache")
+        assert str(e.value).startswith(("nothing at " + uri, "nothing matches " + uri)), e.value
+        assert str(e.value).endswith(hint("{0,1}"))
+    # no braces, no hint; and a comma alone is no brace expansion
+    with pytest.raises(DataError, match=r"^dataset not found: .*/a,b$"):
+        find_data_files(tmp_path / "a,b")
+
+
 def test_notes_of_a_pattern(tmp_path):
     make_tree(tmp_path)
     notes = dataset_notes(tmp_path / "**", "--data", "X")
