@@ -164,13 +164,16 @@ def train(config_file: str | None, **flags) -> None:
     the config file, which overrides the recorded run."""
     from .driver import recorded_config
     from .driver import train as run_train
+    from .run_record import rebuild_unreadable_run_file
 
     file_values = C.read_config_file(config_file) if config_file else {}
     run_values, output = None, flags.get("output") or file_values.get("output")
     resuming = any(v.get(k) for v in (flags, file_values) for k in ("resume", "auto_resume"))
-    if resuming and output:  # (auto_resume: None when there is no run.json)
-        run_values = recorded_config(str(output))
     notes: list[str] = []
+    if resuming and output:  # (auto_resume: None when there is no run.json)
+        if rebuilt := rebuild_unreadable_run_file(str(output)):
+            notes.append(rebuilt)
+        run_values = recorded_config(str(output))
     cfg = C.build_config(
         file_values,
         flags,

@@ -4,6 +4,7 @@ the lock that keeps two `appliance train` processes from writing one local outpu
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -18,6 +19,8 @@ from .data_files import file_names, some_of
 from .errors import ConfigError
 
 RUN_FILE = "run.json"
+#: what an unreadable run.json is kept as, beside the one rebuilt from a checkpoint
+UNREADABLE = ".unreadable"
 #: in a local --output while a run writes it (flock: the kernel lets go when the process dies)
 LOCK_FILE = ".appliance.lock"
 
@@ -214,20 +217,91 @@ def read_run_file(output: str) -> dict | None:
     run_file = storage.join(output, RUN_FILE)
     if not storage.exists(run_file):
         return None
-    data = storage.read_bytes(run_file)
+    record, why = _parse_record(storage.read_bytes(run_file))
+    if record is None:
+        checkpoint = _latest_config(output)
+        keep = (
+            f"; or continue the run from its latest checkpoint ({checkpoint[0]}): appliance "
+            f"train --output {output} --resume rebuilds {RUN_FILE} from it"
+            if checkpoint is not None
+            else ""
+        )
+        raise ConfigError(
+            f"{run_file} is unreadable: {why}. It records the run in --output {output}: restore "
+            f"it{keep}; or pass --overwrite to replace that run (its checkpoints and adapter go; "
+            "other files stay)"
+        )
+    return record
+
+
+def _parse_record(data: bytes) -> tuple[dict | None, str]:
+    """run.json's record, or None and why it is not one."""
     try:
         record = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        record, why = None, f"it is not JSON ({e})"
-    else:
-        why = f"it holds a JSON {type(record).__name__}, not the run's record"
+        return None, f"it is not JSON ({e})"
     if not isinstance(record, dict):
-        raise ConfigError(
-            f"{run_file} is unreadable: {why}. It records the run in --output {output}: restore "
-            "it, or pass --overwrite to replace that run (its checkpoints and adapter go; other "
-            "files stay)"
-        )
-    return record
+        return None, f"it holds a JSON {type(record).__name__}, not the run's record"
+    return record, ""
+
+
+def _latest_config(output: str) -> tuple[str, dict] | None:
+    """The latest good checkpoint of the run in `output` and the resolved config it holds (every
+    checkpoint has one: CONFIG_FILE), or None when there is no such checkpoint."""
+    from .checkpoint import CONFIG_FILE, CheckpointError, load_latest_checkpoint
+
+    try:
+        checkpoint = load_latest_checkpoint(output, only=(CONFIG_FILE,))
+    except CheckpointError:  # every one damaged: nothing to rebuild from
+        return None
+    if checkpoint is None or CONFIG_FILE not in checkpoint.files:
+        return None
+    config = checkpoint.json(CONFIG_FILE)
+    return (checkpoint.uri, config) if isinstance(config, dict) else None
+
+
+def rebuild_unreadable_run_file(output: str) -> str | None:
+    """A --resume of an `output` whose run.json is unreadable (torn by a full disk, hand-edited)
+    but whose checkpoints are good: run.json is written again from the latest checkpoint's
+    resolved config, as the run recorded it at that step, and the unreadable file is kept beside
+    it (RUN_FILE + UNREADABLE). Returns the note that says so; None when run.json is readable,
+    missing, or there is no checkpoint to rebuild it from (read_run_file then says what to do).
+
+    The rebuilt record has no fingerprints of the model and data (they were in the lost file):
+    this resume knows them by their paths alone, and records them afresh as it starts."""
+    run_file = storage.join(output, RUN_FILE)
+    if not storage.exists(run_file):
+        return None
+    damaged = storage.read_bytes(run_file)
+    record, why = _parse_record(damaged)
+    found = _latest_config(output) if record is None else None
+    if found is None:
+        return None
+    uri, config = found
+    kept = run_file + UNREADABLE
+    local = not storage.is_s3(output)
+    with OutputLock(output) if local else contextlib.nullcontext():  # no run writes it now
+        storage.write_bytes(kept, damaged)  # first: what was there is never lost
+        storage.write_bytes(run_file, json.dumps(_rebuilt(config, uri), indent=2).encode())
+    return (
+        f"{run_file} was unreadable ({why}): rebuilt it from the latest checkpoint {uri}, and "
+        f"kept the unreadable file as {kept}. The run's model and data are known by their "
+        "paths alone for this resume: their files are not checked against the run's"
+    )
+
+
+def _rebuilt(config: dict, checkpoint: str) -> dict:
+    """run.json's record as rebuilt from a checkpoint's resolved `config`."""
+    identity = {**LEGACY_IDENTITY, **{k: config[k] for k in IDENTITY_KEYS if k in config}}
+    return {
+        "identity": identity,
+        "config": config,
+        "status": "interrupted",
+        "model_fingerprint": None,
+        "data_fingerprint": None,
+        "eval_data_fingerprint": None,
+        "rebuilt_from": checkpoint,
+    }
 
 
 class OutputLock:

@@ -275,6 +275,38 @@ def test_an_unreadable_run_json_is_named_and_overwrite_replaces_it(tmp_path, mod
     assert sorted(f.name for f in out.iterdir()) == ["notes.txt"]
 
 
+@pytest.mark.integration
+def test_a_resume_rebuilds_an_unreadable_run_json_from_the_latest_checkpoint(tmp_path, model, data):
+    """A torn run.json beside good checkpoints: the error names the resume that keeps them
+    (--overwrite would delete them), and `--resume` alone rebuilds run.json from the latest
+    checkpoint, keeps the unreadable file beside it, and trains on from that step."""
+    out = tmp_path / "o"
+    args = [*data_args(model, data, "--steps", "2", "--checkpoint-every", "1"), "--output", out]
+    code, text = train(*args)
+    assert code == 0, text
+    damage = (out / "run.json").read_bytes()[:40]  # cut short, as a full disk leaves it
+    (out / "run.json").write_bytes(damage)
+    latest = out / "checkpoints" / "step-000002"
+    code, text = train(*args)
+    assert_one_user_error(
+        code, text, None, f"{out / 'run.json'} is unreadable",
+        f"or continue the run from its latest checkpoint ({latest}): appliance train --output "
+        f"{out} --resume rebuilds run.json from it; or pass --overwrite",
+    )  # fmt: skip
+    code, text = train("--output", out, "--resume", "--steps", "3")
+    assert code == 0, text
+    assert (
+        f"note: {out / 'run.json'} was unreadable (it is not JSON (Unterminated string "
+    ) in text
+    assert f"rebuilt it from the latest checkpoint {latest}, and kept the unreadable file" in text
+    assert (out / "run.json.unreadable").read_bytes() == damage
+    record = json.loads((out / "run.json").read_text())
+    assert (record["status"], record["steps"]) == ("complete", 3)
+    assert record["identity"]["seq_len"] == 16 and record["model_fingerprint"]  # recorded anew
+    assert "resumed from step-000002 (step 2)" in text
+    assert [c.step for c in list_checkpoints(str(out))][-1] == 3
+
+
 def test_a_run_left_running_is_shown_as_stopped_before_it_finished(tmp_path):
     out = tmp_path / "o"
     out.mkdir()
