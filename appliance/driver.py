@@ -34,14 +34,13 @@ from .interrupt import GracefulStop, RunInterrupted
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .model import ModelArgs
 from .models import resolve_targets
+from .output_lock import LOCK_FILE, output_lock
 from .progress import Progress
 from .run import Run
 from .run_record import (
     IDENTITY_KEYS,
     LEGACY_IDENTITY,
-    LOCK_FILE,
     RUN_FILE,
-    OutputLock,
     data_changes,
     data_fingerprint,
     model_fingerprint,
@@ -225,10 +224,9 @@ def _eval_data_notes(cfg: TrainConfig, previous: dict, now: dict | None) -> list
 
 def _nothing_kept(out: str, previous: dict) -> bool:
     """Did the run recorded in `out` (its run.json `previous`) end before its first checkpoint,
-    leaving nothing a new run in its place would lose? Not a complete run, nor one that may be
-    running now: on S3 nothing locks an output (a local one is locked by its driver)."""
-    status = previous.get("status")
-    if status == "complete" or (status == "running" and storage.is_s3(out)):
+    leaving nothing a new run in its place would lose? Not a complete run. (One recorded as
+    running is not running: this driver holds the output's lock.)"""
+    if previous.get("status") == "complete":
         return False
     return not list_checkpoints(out) and not storage.exists(storage.join(out, ADAPTER_CONFIG))
 
@@ -339,7 +337,7 @@ def check_output(
         what = "the same run" if same else "a different run"
         status = previous.get("status", "unknown")
         if status == "running":  # the driver holds the output's lock: no process writes it now
-            status = "stopped before it finished" if not storage.is_s3(out) else status
+            status = "stopped before it finished"
         if _nothing_kept(out, previous):  # the same command again, once its data is fixed
             cfg.overwrite = True  # so `train` clears run.json before the new run writes
             return [
@@ -497,10 +495,9 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
     t0 = time.perf_counter()
     started_here = not ray.is_initialized()
     demo = cfg.model is None
-    # a local --output is locked for the whole run (the demo's own temp output needs no lock)
-    local = cfg.output is not None and not storage.is_s3(cfg.output)
+    # the --output is locked for the whole run (the demo's own temp output needs no lock)
     recorded = False  # whether this run wrote its run.json: a failure is recorded there then
-    lock = OutputLock(cfg.output) if local else contextlib.nullcontext()  # type: ignore[arg-type]
+    lock = output_lock(cfg.output, progress.note) if cfg.output else contextlib.nullcontext()
     try:
         with lock:
             run = connect(cfg, progress)

@@ -1,15 +1,11 @@
 """What defines a run and the record of it in its output directory (run.json): the identity keys
-a resumed run must keep, the file `appliance train` writes as the run starts, stops and ends, and
-the lock that keeps two `appliance train` processes from writing one local output at once."""
+a resumed run must keep, and the file `appliance train` writes as the run starts, stops and ends.
+(The lock that keeps two `appliance train` processes from writing one output is output_lock.py.)"""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
-import os
-import socket
 from pathlib import Path
 from typing import BinaryIO
 
@@ -17,12 +13,11 @@ from . import storage
 from .config import TrainConfig
 from .data_files import file_names, some_of
 from .errors import ConfigError
+from .output_lock import output_lock
 
 RUN_FILE = "run.json"
 #: what an unreadable run.json is kept as, beside the one rebuilt from a checkpoint
 UNREADABLE = ".unreadable"
-#: in a local --output while a run writes it (flock: the kernel lets go when the process dies)
-LOCK_FILE = ".appliance.lock"
 
 # the keys that define a run: changing one makes an existing output a different run
 IDENTITY_KEYS = (
@@ -279,8 +274,7 @@ def rebuild_unreadable_run_file(output: str) -> str | None:
         return None
     uri, config = found
     kept = run_file + UNREADABLE
-    local = not storage.is_s3(output)
-    with OutputLock(output) if local else contextlib.nullcontext():  # no run writes it now
+    with output_lock(output):  # no run writes it meanwhile
         storage.write_bytes(kept, damaged)  # first: what was there is never lost
         storage.write_bytes(run_file, json.dumps(_rebuilt(config, uri), indent=2).encode())
     return (
@@ -302,66 +296,3 @@ def _rebuilt(config: dict, checkpoint: str) -> dict:
         "eval_data_fingerprint": None,
         "rebuilt_from": checkpoint,
     }
-
-
-class OutputLock:
-    """Held by the driver for a whole `appliance train` into a local --output, so a second one
-    (a rerun typed while the first still trains, a --resume from another shell) is refused
-    instead of writing the same checkpoints. An exclusive flock on `LOCK_FILE` in the output:
-    the kernel releases it when the process ends, however it ends, so a crashed or killed run
-    never leaves the output locked. s3:// outputs are not locked (S3 has no lock to take).
-
-    Taking it creates the output directory, so an --output whose path runs through a file is
-    refused here, before Ray starts. Releasing it deletes the lock file, and the directory too
-    when the lock created it and nothing else was written there."""
-
-    def __init__(self, output: str):
-        self.dir = Path(output).expanduser().resolve()
-        self.path = self.dir / LOCK_FILE
-        self.fd: int | None = None
-        self.created = False
-
-    def __enter__(self) -> OutputLock:
-        self.created = not self.dir.exists()
-        while self.fd is None:
-            try:
-                self.dir.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as e:
-                raise ConfigError(
-                    f"--output {self.dir}: cannot create the run's directory there "
-                    f"({e.strerror}: {e.filename}); choose a directory path you can write to"
-                ) from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.read(fd, 256).decode(errors="replace").strip() or "unknown"
-                os.close(fd)
-                raise ConfigError(
-                    f"--output {self.dir} is in use by another appliance train (pid {holder}): "
-                    "wait for it to end, stop it (Ctrl-C checkpoints it, then --resume "
-                    "continues it), or choose another --output"
-                ) from None
-            if self._still_the_lock_file(fd):
-                self.fd = fd
-            else:  # its holder deleted it as we opened it: take the file now at that path
-                os.close(fd)
-        os.ftruncate(self.fd, 0)
-        # the host too: in a container the pid alone (often 1) says little
-        os.write(self.fd, f"{os.getpid()} on {socket.gethostname()}".encode())
-        return self
-
-    def _still_the_lock_file(self, fd: int) -> bool:
-        try:
-            return os.stat(self.path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            return False
-
-    def __exit__(self, *exc) -> None:
-        if self.fd is None:
-            return
-        self.path.unlink(missing_ok=True)  # while still held: see _still_the_lock_file
-        if self.created and not any(self.dir.iterdir()):
-            self.dir.rmdir()
-        os.close(self.fd)  # releases the flock
-        self.fd = None

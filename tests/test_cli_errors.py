@@ -16,10 +16,12 @@ import pytest
 from click.testing import CliRunner
 
 from appliance import config as C
+from appliance import storage
 from appliance.checkpoint import list_checkpoints, load_latest_checkpoint
 from appliance.cli import main
 from appliance.driver import check_output, remove_previous_run
-from appliance.run_record import LOCK_FILE, OutputLock, write_run_file
+from appliance.output_lock import LOCK_FILE, OutputLock
+from appliance.run_record import write_run_file
 from tests.helpers_model import make_model
 from tests.helpers_net import free_port
 from tests.helpers_tokenizer import sentences
@@ -307,10 +309,16 @@ def test_a_resume_rebuilds_an_unreadable_run_json_from_the_latest_checkpoint(tmp
     assert [c.step for c in list_checkpoints(str(out))][-1] == 3
 
 
-def test_a_run_left_running_is_shown_as_stopped_before_it_finished(tmp_path):
-    out = tmp_path / "o"
-    out.mkdir()
-    cfg = C.build_config({}, {"model": "m", "data": "d", "output": str(out)})
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_run_left_running_is_shown_as_stopped_before_it_finished(where, tmp_path, request):
+    """check_output runs under the output's lock (a local flock, an S3 lease), so a run.json
+    that says `running` is a run that stopped: on S3 too, where nothing told them apart."""
+    if where == "s3":
+        out = f"s3://{request.getfixturevalue('s3_bucket')}/o"
+    else:
+        (tmp_path / "o").mkdir()
+        out = str(tmp_path / "o")
+    cfg = C.build_config({}, {"model": "m", "data": "d", "output": out})
     write_run_file(cfg, "running")
     # before its first checkpoint it left nothing to keep: the new run takes its place
     assert check_output(cfg) == [
@@ -318,8 +326,7 @@ def test_a_run_left_running_is_shown_as_stopped_before_it_finished(tmp_path):
         "first checkpoint: nothing of it to keep, starting this run in its place"
     ]
     cfg.overwrite = False  # (check_output set it, for `train` to clear the old run.json)
-    (out / "checkpoints" / "step-000004").mkdir(parents=True)
-    (out / "checkpoints" / "step-000004" / "adapter_model.safetensors").write_bytes(b"")
+    storage.write_bytes(storage.join(out, "checkpoints", "step-000004", "adapter.bin"), b"")
     with pytest.raises(C.ConfigError, match=r"holds the same run \(stopped before it finished\)"):
         check_output(cfg)
 
