@@ -18,11 +18,11 @@ from click.testing import CliRunner
 
 from appliance import config as C
 from appliance import storage
-from appliance.checkpoint import list_checkpoints, load_latest_checkpoint
+from appliance.checkpoint import list_checkpoints, load_latest_checkpoint, save_checkpoint
 from appliance.cli import main
 from appliance.driver import check_output, remove_previous_run
 from appliance.output_lock import LOCK_FILE, OutputLock
-from appliance.run_record import write_run_file
+from appliance.run_record import rebuild_unreadable_run_file, run_identity, write_run_file
 from tests.helpers_model import make_model
 from tests.helpers_net import free_port
 from tests.helpers_tokenizer import sentences
@@ -308,6 +308,29 @@ def test_a_resume_rebuilds_an_unreadable_run_json_from_the_latest_checkpoint(tmp
     assert record["identity"]["seq_len"] == 16 and record["model_fingerprint"]  # recorded anew
     assert "resumed from step-000002 (step 2)" in text
     assert [c.step for c in list_checkpoints(str(out))][-1] == 3
+
+
+def test_an_unreadable_run_json_on_s3_is_rebuilt_from_its_latest_checkpoint(s3_bucket, s3_client):
+    """The rebuild under the S3 lease: run.json again from the latest checkpoint's config.json,
+    the torn file kept beside it; a readable run.json, or none, is left as it is."""
+    out = f"s3://{s3_bucket}/o"
+    cfg = C.build_config({}, {"model": "m", "data": "d", "output": out, "seq_len": 48})
+    assert rebuild_unreadable_run_file(out) is None  # no run.json: nothing to rebuild
+    write_run_file(cfg, "running")
+    assert rebuild_unreadable_run_file(out) is None  # readable: left as it is
+    config = json.dumps(cfg.to_dict()).encode()
+    save_checkpoint(out, 1, {"config.json": config}, keep=2)
+    save_checkpoint(out, 2, {"config.json": config}, keep=2)
+    storage.write_bytes(f"{out}/run.json", b'{"identity": ')
+    note = rebuild_unreadable_run_file(out)
+    assert note is not None and note.startswith(f"{out}/run.json was unreadable (it is not JSON")
+    assert f"rebuilt it from the latest checkpoint {out}/checkpoints/step-000002" in note
+    assert storage.read_bytes(f"{out}/run.json.unreadable") == b'{"identity": '
+    record = json.loads(storage.read_bytes(f"{out}/run.json"))
+    assert record["identity"] == run_identity(cfg) and record["config"] == cfg.to_dict()
+    assert (record["status"], record["model_fingerprint"]) == ("interrupted", None)
+    keys = {o["Key"] for o in s3_client.list_objects_v2(Bucket=s3_bucket)["Contents"]}
+    assert "o/.appliance.lock" not in keys  # the lease it took is released
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
