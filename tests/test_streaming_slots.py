@@ -297,3 +297,72 @@ def test_host_ranges_that_share_a_page_are_registered_as_one():
         (20 * page, 2 * page, [2]),
         (22 * page, page, [3]),
     ]
+
+
+@pytest.mark.parametrize("copy_blocks", [False, True], ids=["in-place", "slots"])
+@pytest.mark.parametrize("n_micro", [1, 4])
+def test_a_quantized_block_is_dequantized_once_per_pass_whatever_the_micro_batches(
+    copy_blocks, n_micro, monkeypatch
+):
+    """Layer-major: the forward dequantizes each block once for all its micro-batches, the
+    backward once more (recomputing it): 2·L·7 projections a step, with 1 micro-batch or 4, and
+    the time it took is the step's `dequant`."""
+    from appliance import streaming
+
+    calls = []
+
+    def counting(q, dtype):
+        calls.append(q.shape)
+        return streaming_dequantize(q, dtype)
+
+    streaming_dequantize = streaming.dequantize
+    monkeypatch.setattr(streaming, "dequantize", counting)
+    source = SyntheticBlockSource(ARGS, torch.float32, base_quant="nf4")
+    eng = StreamedEngine(source, lora_with_random_b(ARGS), grad_clip=None, copy_blocks=copy_blocks)
+    eng.weights.clear_timings()
+    eng.forward_backward(micro_batches(n_micro), 0)
+    assert len(calls) == 2 * L * 7
+    assert eng.weights.take_timings()["dequant"] > 0
+
+
+def test_blocks_through_the_staging_buffers_equal_blocks_read_in_place():
+    """Where CUDA refuses to page-lock a block in place (cudaHostRegister fails: a container's
+    memlock limit, a sandbox), each copy goes through one of two page-locked staging buffers,
+    alternately, waiting for the copy out of a buffer before refilling it. On a CPU the same
+    bookkeeping runs: the numbers are those of reading in place, bit for bit, and the steady
+    state copies the bytes the planner counts."""
+    source, ref, eng = engines()
+    w = eng.weights
+    w._host = [(flat, index, False) for flat, index, _ in w._host]  # none page-locked in place
+    w._staging = [torch.full((w._biggest,), 0xAB, dtype=torch.uint8) for _ in range(2)]
+    w._staging_free, w._next_staging = [None, None], 0
+    mbs = micro_batches()
+    flat = source.flat_block(0)[0].nbytes
+    for step in range(2):
+        same_step(ref, eng, mbs, step)
+        copied = w.take_timings()["h2d_bytes"]
+    assert copied == blocks_uploaded_per_step(L, 0) * flat
+    # both buffers carried blocks: each holds the bytes of a block it last copied
+    blocks = [f for f, _, _ in w._host]
+    for buf in w._staging:
+        assert any(torch.equal(buf[: f.numel()], f) for f in blocks)
+    assert all(done is not None for done in w._staging_free)
+
+
+def test_a_plan_that_does_not_fit_the_budget_names_the_flags_that_fix_it(monkeypatch):
+    """On a GPU with room to spare, a --gpu-memory-budget too small for even one streamed block
+    and its activations is one error naming the budget and the two flags that shrink the need,
+    before any slot is allocated (not a CUDA out-of-memory error mid-step)."""
+    from appliance.errors import ConfigError
+
+    _, _, eng = engines()
+    eng.device, eng.budget = torch.device("cuda", 0), 1 << 20  # 1 MiB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    slots_before = [id(t) for t in eng.weights._slots]
+    with pytest.raises(ConfigError) as e:
+        eng.plan(micro_batches())
+    message = str(e.value)
+    assert message.startswith("--gpu-memory-budget: ")
+    assert "lower --micro-batch-size or --seq-len, or raise the budget" in message
+    assert [id(t) for t in eng.weights._slots] == slots_before  # none made again
