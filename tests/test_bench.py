@@ -484,10 +484,20 @@ def test_profile_adds_one_profiled_step_per_row(tmp_path, capsys):
     assert len(rows[0]["losses"]) == 1  # the profiled step is not a timed one
 
 
-def test_a_quantized_bench_says_what_dequantized_its_blocks():
+def test_a_quantized_bench_says_what_dequantized_its_blocks(tmp_path):
     """With --base-quant the JSON names the dequantizer: "pytorch" on a CPU (on a GPU, "triton"
-    unless its kernels did not load or launch), so a dequant share is read against the right one."""
+    unless its kernels did not load or launch), so a dequant share is read against the right one;
+    and each row measures its dequantization (the figure issue 13 asks of the 70B NF4 row)."""
     from appliance import bench
 
-    assert bench._dequant_kernels("nf4", torch.device("cpu"), torch.float32) == "pytorch"
     assert bench._dequant_kernels("none", torch.device("cpu"), torch.float32) is None
+    path = tmp_path / "bench.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--base-quant", "nf4", "--steps", "1",
+            "--warmup", "0", "--json", str(path)]  # fmt: skip
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert B.main(argv) == 0
+    result = json.loads(path.read_text())
+    assert (result["base_quant"], result["dequant_kernels"]) == ("nf4", "pytorch")
+    for row in result["modes"]:
+        assert row["dequant_seconds_per_step"] > 0, row["mode"]
+        assert 0 < row["dequant_share"] < 1, row["mode"]
