@@ -11,12 +11,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.venv-gpu-image
-PY=${PYTHON312:-$(command -v python3.12 || true)}
-if [ -z "$PY" ] && [ -x "$HOME/.pyenv/versions/3.12.1/bin/python" ]; then
-    PY=$HOME/.pyenv/versions/3.12.1/bin/python
-fi
+is_312() {  # a Python 3.12 that runs (a pyenv shim for a version not installed is found, and fails)
+    [ -n "$1" ] && "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null
+}
+PY=${PYTHON312:-}
+for candidate in "$(command -v python3.12 || true)" "$HOME/.pyenv/versions/3.12.1/bin/python"; do
+    if [ -z "$PY" ] && is_312 "$candidate"; then PY=$candidate; fi
+done
 if [ ! -x "$VENV/bin/python" ]; then
-    "${PY:-python3}" -m venv "$VENV"
+    if ! is_312 "$PY"; then
+        echo "no Python 3.12 found (the GPU image's): set PYTHON312=/path/to/python3.12" >&2
+        exit 2
+    fi
+    "$PY" -m venv "$VENV"
     "$VENV/bin/pip" install -q torch==2.11.0 numpy==2.5.2 transformers==5.17.0 safetensors==0.8.0 \
         peft tokenizers click rich pyyaml jinja2 pyarrow prometheus-client psutil huggingface_hub \
         nvidia-ml-py pytest setuptools
