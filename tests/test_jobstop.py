@@ -37,7 +37,7 @@ def jobstop(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     )
 
 
-def wait_for(predicate, what: str, timeout: float = 180.0) -> None:
+def wait_for(predicate, what: str, timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
