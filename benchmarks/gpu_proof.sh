@@ -67,38 +67,38 @@ run() {  # $1 a name, $2 its time limit; the rest the command: step, under `time
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max \
     --format=csv 2>&1 | tee -a "$log"
-$py -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))" 2>&1 \
+"$py" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))" 2>&1 \
     | tee -a "$log"
 # Triton builds each kernel's launcher with the host's C compiler at its first launch
 echo "C compilers: $(command -v gcc cc clang | tr '\n' ' ')" | tee -a "$log"
 # The CPU quantizers (appliance/_quantize.c) where this machine can compile them: the copied tree
 # has no built library, and 70b-nf4 quantizes its synthetic blocks on the CPU. Without a
 # compiler the PyTorch functions code the same values, more slowly.
-$py setup.py -q build_ext --inplace >>"$log" 2>&1 \
+"$py" setup.py -q build_ext --inplace >>"$log" 2>&1 \
     || echo "no C quantizers here (see $log): PyTorch quantizes" | tee -a "$log"
 
 appliance() {  # $1 preset, $2 its time limit, $3 bench flags
     # shellcheck disable=SC2086  # $3 is several flags, split on purpose
-    run "appliance-$1" "$2" $py -m appliance.bench --preset "$1" $3 --json "$OUT/appliance-$1.json"
+    run "appliance-$1" "$2" "$py" -m appliance.bench --preset "$1" $3 --json "$OUT/appliance-$1.json"
 }
 hf() {  # $1 preset, $2 its time limit
-    run "hf-$1" "$2" $py -m benchmarks.peer_hf_peft --preset "$1" --json "$OUT/hf-$1.json"
+    run "hf-$1" "$2" "$py" -m benchmarks.peer_hf_peft --preset "$1" --json "$OUT/hf-$1.json"
 }
 fsdp2() {  # $1 preset, $2 its time limit; then the side-by-side table of the three, unless $3
-    run "fsdp2-$1" "$2" $py -m benchmarks.peer_fsdp2_offload --preset "$1" --json "$OUT/fsdp2-$1.json"
+    run "fsdp2-$1" "$2" "$py" -m benchmarks.peer_fsdp2_offload --preset "$1" --json "$OUT/fsdp2-$1.json"
     [[ -n ${3:-} ]] && return
-    run "compare-$1" 20 $py -m benchmarks.compare --appliance "$OUT/appliance-$1.json" \
+    run "compare-$1" 20 "$py" -m benchmarks.compare --appliance "$OUT/appliance-$1.json" \
         --peer "$OUT/fsdp2-$1.json" --peer "$OUT/hf-$1.json" --out "$OUT/compare-$1.md"
 }
 pytest_gpu() {  # $1 its time limit
-    run pytest-gpu "$1" $py -m pytest -m gpu -q -rs -p no:cacheprovider tests/
+    run pytest-gpu "$1" "$py" -m pytest -m gpu -q -rs -p no:cacheprovider tests/
 }
 dequant() {
-    run dequant 40 $py benchmarks/dequant.py --json "$OUT/dequant.json"
+    run dequant 40 "$py" benchmarks/dequant.py --json "$OUT/dequant.json"
 }
 nf4_70b() {  # $1 its time limit, $2 timed steps. The streamed row only: all 80 NF4 blocks fit
     # the card, a resident row would double the time for a row that says nothing new
-    run appliance-70b-nf4 "$1" $py -m appliance.bench --preset 70b --base-quant nf4 \
+    run appliance-70b-nf4 "$1" "$py" -m appliance.bench --preset 70b --base-quant nf4 \
         --gpu-memory-budget 24GiB --steps "$2" --modes streamed --profile \
         --json "$OUT/appliance-70b-nf4.json"
 }
@@ -117,10 +117,10 @@ more)  # on the machine `core` left warm (the table of the three is made on the 
 tests)
     pytest_gpu 330
     dequant
-    run appliance-1b 120 $py -m appliance.bench --preset 1b --json "$OUT/appliance-1b.json"
+    run appliance-1b 120 "$py" -m appliance.bench --preset 1b --json "$OUT/appliance-1b.json"
     ;;
 block)  # issue 10 item 3: whichever of the two measures faster is the one to keep
-    run block-compile 500 $py benchmarks/block_step.py --device cuda --dtype bfloat16 \
+    run block-compile 500 "$py" benchmarks/block_step.py --device cuda --dtype bfloat16 \
         --hidden 4096 --heads 32 --kv-heads 32 --seq 2048 --reps 10 --compile \
         --families llama,llama+dropout --json "$OUT/block-compile.json"
     ;;
