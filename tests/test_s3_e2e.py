@@ -99,9 +99,11 @@ def test_model_data_and_output_on_s3_survive_a_torn_checkpoint_write_and_resume_
         shards
     )  # the model is on local disk once: one copy of each shard, in the cache
 
-    # 2. --resume continues from step 2 on S3 and finishes
+    # 2. --resume continues from step 2 on S3 and finishes, once the lease the killed run left
+    # has gone unrenewed for S3Lease.STALE_S (45 s): that run is gone, not another one writing
     rc, _, err = Proc(argv(out, "--resume"), env=env).finish()
     assert rc == 0, err[-3000:]
+    assert f"--output {out}: took over the lease of pid " in err
     assert "resumed from step-000002" in err
     resumed = json.loads(storage.read_bytes(storage.join(out, "run.json")))
     assert resumed["status"] == "complete" and resumed["steps"] == 6
