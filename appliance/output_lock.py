@@ -31,6 +31,7 @@ from typing import Any
 
 from . import storage
 from .errors import ConfigError
+from .s3 import error_code, s3_client, s3_error
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +57,6 @@ def _in_use(output: str, holder: str) -> ConfigError:
         "end, stop it (Ctrl-C checkpoints it, then --resume continues it), or choose another "
         "--output"
     )
-
-
-def _code(e: Any) -> str:
-    """A botocore ClientError's S3 error code; HTTP 412 and 409 stand for theirs where a
-    service answers with no code."""
-    code = str(e.response.get("Error", {}).get("Code", ""))
-    status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return code or {412: "PreconditionFailed", 409: "ConditionalRequestConflict"}.get(status, "")
 
 
 class OutputLock:
@@ -145,14 +138,7 @@ class S3Lease:
 
     # ------------------------------------------------------------ S3 calls
 
-    def _client(self) -> Any:
-        from .s3 import s3_client
-
-        return s3_client()
-
-    def _error(self, e: Exception, action: str) -> Exception:
-        from .s3 import s3_error
-
+    def _failed(self, e: Exception, action: str) -> Exception:
         return s3_error(e, f"s3://{self.bucket}/{self.key}", action)
 
     def _put(self, **condition: str) -> str | None:
@@ -162,17 +148,15 @@ class S3Lease:
 
         body = f"{holder_name()}\nrenewal {self.renewals}\n".encode()
         try:
-            reply = self._client().put_object(
-                Bucket=self.bucket, Key=self.key, Body=body, **condition
-            )
+            reply = s3_client().put_object(Bucket=self.bucket, Key=self.key, Body=body, **condition)
         except ClientError as e:
             # the lease there is another's, or changed; a concurrent conditional write; If-Match
             # on a lease deleted meanwhile
-            if _code(e) in ("PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey"):
+            if error_code(e) in ("PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey"):
                 return None
-            raise self._error(e, "writing the run's lease") from e
+            raise self._failed(e, "writing the run's lease") from e
         except Exception as e:
-            raise self._error(e, "writing the run's lease") from e
+            raise self._failed(e, "writing the run's lease") from e
         return str(reply["ETag"])
 
     def _look(self) -> tuple[str, str] | None:
@@ -180,13 +164,13 @@ class S3Lease:
         from botocore.exceptions import ClientError
 
         try:
-            reply = self._client().get_object(Bucket=self.bucket, Key=self.key)
+            reply = s3_client().get_object(Bucket=self.bucket, Key=self.key)
         except ClientError as e:
-            if _code(e) == "NoSuchKey":
+            if error_code(e) == "NoSuchKey":
                 return None
-            raise self._error(e, "reading the run's lease") from e
+            raise self._failed(e, "reading the run's lease") from e
         except Exception as e:
-            raise self._error(e, "reading the run's lease") from e
+            raise self._failed(e, "reading the run's lease") from e
         body = reply["Body"].read().decode(errors="replace")
         return (body.splitlines() or ["unknown"])[0], str(reply["ETag"])
 
@@ -263,5 +247,5 @@ class S3Lease:
         with contextlib.suppress(Exception):  # the run's outcome matters more than its lease
             found = self._look()
             if found is not None and found[1] == self.etag:  # still ours: release it
-                self._client().delete_object(Bucket=self.bucket, Key=self.key)
+                s3_client().delete_object(Bucket=self.bucket, Key=self.key)
         self.etag = None

@@ -116,6 +116,14 @@ def _botocore_error(exc: BaseException) -> BaseException:
     return exc
 
 
+def error_code(e: Any) -> str:
+    """A botocore ClientError's S3 error code; where a service answers without one, HTTP 412 and
+    409 (what conditional writes answer) stand for theirs, else ""."""
+    code = str(e.response.get("Error", {}).get("Code", "") or "")
+    status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code or {412: "PreconditionFailed", 409: "ConditionalRequestConflict"}.get(status, "")
+
+
 def _bucket_exists(bucket: str) -> bool | None:
     """True/False when S3 says so; None when it cannot tell (e.g. no permission)."""
     from botocore.exceptions import ClientError
@@ -124,8 +132,7 @@ def _bucket_exists(bucket: str) -> bool | None:
         s3_client().head_bucket(Bucket=bucket)
         return True
     except ClientError as e:
-        code = str(e.response.get("Error", {}).get("Code", ""))
-        if code in ("404", "NoSuchBucket", "NotFound"):
+        if error_code(e) in ("404", "NoSuchBucket", "NotFound"):
             return False
         return None
     except Exception:
@@ -161,9 +168,8 @@ def s3_error(exc: BaseException, uri: str, action: str) -> StorageError:
     if not isinstance(err, ClientError):
         return StorageError(f"S3 failure while {action} {uri}: {err}", uri, OTHER)
 
-    error = err.response.get("Error", {})
-    code = str(error.get("Code", ""))
-    message = error.get("Message") or ""
+    code = error_code(err)
+    message = err.response.get("Error", {}).get("Message") or ""
     if code in ("NoSuchKey", "404", "NotFound") and _bucket_exists(bucket) is False:
         code = "NoSuchBucket"  # HEAD requests cannot say which one was missing
     if code == "NoSuchBucket":

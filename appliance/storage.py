@@ -38,7 +38,7 @@ from appliance.errors import (
     OTHER,
     StorageError,
 )
-from appliance.s3 import S3_SCHEME, s3_client, s3_error, transfer_config
+from appliance.s3 import S3_SCHEME, error_code, s3_client, s3_error, transfer_config
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ def exists(uri: str) -> bool:
             s3_client().head_object(Bucket=bucket, Key=key)
             return True
         except ClientError as e:
-            if str(e.response.get("Error", {}).get("Code")) not in ("404", "NoSuchKey"):
+            if error_code(e) not in ("404", "NoSuchKey"):
                 raise s3_error(e, uri, "checking") from e
         except Exception as e:
             raise s3_error(e, uri, "checking") from e
