@@ -141,7 +141,9 @@ class StreamedEngine:
         self.seed = seed
         self.grad_clip = grad_clip
         self.budget = gpu_memory_budget
-        if self.device.type == "cuda" and gpu_memory_budget:
+        # the budget caps the whole process's allocator (close() lifts the cap again)
+        self._capped = self.device.type == "cuda" and bool(gpu_memory_budget)
+        if self._capped:
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(
                 min(1.0, gpu_memory_budget / total), self.device
@@ -169,9 +171,13 @@ class StreamedEngine:
 
     def close(self) -> None:
         """Unregister page-locked host memory and free device weights (DeviceWeights.close,
-        SavedInputs.close)."""
+        SavedInputs.close), and lift the memory cap the budget set: the process's next engine,
+        eval or allocation is not held to this one's budget."""
         self.weights.close()
         self.saved.close()
+        if self._capped:
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+            self._capped = False
 
     def __enter__(self) -> StreamedEngine:
         return self

@@ -53,14 +53,16 @@ def projections(preset: str) -> dict[str, tuple[int, int]]:
 def random_quantized(
     shape: tuple[int, int], kind: str, device: torch.device, gen: torch.Generator
 ) -> quant.QuantizedTensor:
-    """Codes and scales of `shape` quantized as `kind`, random (made on the CPU: reproducible)."""
+    """Codes and scales of `shape` quantized as `kind`, random, drawn on `device` from `gen`
+    (a generator of that device: a 70B block's 0.9 G values drawn on one CPU core took longer
+    than the benchmark's time limit on the GPU machine, 2026-11-27)."""
     n_codes, n_scales = quant._counts(shape, kind)
     if kind == "int8":
-        codes = torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8)
+        codes = torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8, device=device)
     else:
-        codes = torch.randint(0, 256, (n_codes,), generator=gen, dtype=torch.uint8)
-    scales = torch.rand(n_scales, generator=gen) * 0.05
-    return quant.QuantizedTensor(kind, shape, codes, scales).to(device)
+        codes = torch.randint(0, 256, (n_codes,), generator=gen, dtype=torch.uint8, device=device)
+    scales = torch.rand(n_scales, generator=gen, device=device) * 0.05
+    return quant.QuantizedTensor(kind, shape, codes, scales)
 
 
 def timer(device: torch.device, reps: int, warmup: int):
@@ -122,9 +124,13 @@ def matmul_ms(shapes, dtype, device, tokens, micro_batches, median_ms, gen) -> d
     """One block's projection matmuls for `micro_batches` micro-batches of `tokens` tokens: the
     forward (F.linear per projection) and the backward's input gradient (dY @ W), each timed
     over all micro-batches."""
-    ws = [torch.randn(s, generator=gen).to(device, dtype) * 0.02 for s in shapes.values()]
-    xs = [torch.randn(tokens, s[1], generator=gen).to(device, dtype) for s in shapes.values()]
-    dys = [torch.randn(tokens, s[0], generator=gen).to(device, dtype) for s in shapes.values()]
+
+    def randn(*size):
+        return torch.randn(*size, generator=gen, device=device).to(dtype)
+
+    ws = [randn(*s) * 0.02 for s in shapes.values()]
+    xs = [randn(tokens, s[1]) for s in shapes.values()]
+    dys = [randn(tokens, s[0]) for s in shapes.values()]
 
     def forward():
         for _ in range(micro_batches):
@@ -172,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
     presets = (a.presets or ("7b,70b" if cuda else "tiny")).split(",")
     kernels, no_triton = triton_kernels(device, dtype)
     median_ms = timer(device, a.reps, a.warmup)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device).manual_seed(0)
     rows = []
     for name in presets:
         shape = PRESETS[name].gpu if cuda else (PRESETS[name].cpu or PRESETS[name].gpu)

@@ -226,7 +226,9 @@ def test_blocks_sharing_pages_are_page_locked_together():
     to back are registered as one range (streaming.shared_page_spans), so every one is pinned
     and none goes through staging; their bytes reach the device intact."""
     source = BackToBack(_llama(512, 256, 688, 3, 4, 2), torch.bfloat16)
-    engine = StreamedEngine(source, lora_with_random_b(source.args, "cuda"), device="cuda")
+    engine = StreamedEngine(  # in the source's dtype: its packed blocks are read in place
+        source, lora_with_random_b(source.args, "cuda"), device="cuda", dtype=torch.bfloat16
+    )
     host = [flat for flat, _, _ in engine.weights._host]
     starts = [flat.data_ptr() for flat in host]
     ends = [flat.data_ptr() + flat.numel() - 1 for flat in host]

@@ -57,6 +57,15 @@ def test_the_first_sessions_two_calls_fit_its_device_time(tmp_path):
     assert (tmp_path / "core" / "core.log").is_file()
 
 
+def test_the_first_sessions_second_call_fits_what_core_left(tmp_path):
+    """`core` ran (2026-11-27: 343 s of the 900, start included); `rest` then had 552 s."""
+    rest, limits = run_stage("rest", tmp_path)
+    assert rest.returncode == 0, rest.stderr
+    (budget,) = re.findall(r"gpu_proof\.sh rest +# ≤ (\d+) s", SCRIPT.read_text())
+    assert sum(limits.values()) <= int(budget) and int(budget) + CALL_EXTRA <= 552 - 30
+    assert re.search(r"ran: -m appliance.bench --preset 7b +--json \S+/appliance-7b", rest.stdout)
+
+
 @pytest.mark.parametrize("stage", ["block", "13b", "tests", "7b", "70b-nf4"])
 def test_each_later_stage_fits_one_call(stage, tmp_path):
     done, limits = run_stage(stage, tmp_path)
@@ -67,4 +76,6 @@ def test_each_later_stage_fits_one_call(stage, tmp_path):
 def test_an_unknown_stage_is_refused(tmp_path):
     done, limits = run_stage("all", tmp_path)
     assert done.returncode == 2 and not limits
-    assert "unknown stage all: core | more | block | 13b | tests | 7b | 70b-nf4" in done.stderr
+    assert (
+        "unknown stage all: core | more | rest | block | 13b | tests | 7b | 70b-nf4" in done.stderr
+    )

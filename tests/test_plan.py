@@ -441,7 +441,9 @@ def test_engine_on_a_gpu_keeps_the_blocks_the_plan_predicts():
     source = SyntheticBlockSource(args, torch.bfloat16)
     block = block_bytes(args, 2)
     p = PlanInput(args, "tiny", "a10", seq_len=128, micro_batch_size=2)
-    budget = evaluate(p, 4)["gpu_min_bytes"] + 2 * block  # room for a few resident blocks
+    # the least usable budget and room for a few resident blocks, and what the engine keeps off
+    # any budget for CUDA (gpu_min_bytes is usable bytes, after that margin)
+    budget = CUDA_MARGIN_BYTES + evaluate(p, 4)["gpu_min_bytes"] + 2 * block
     p = replace(p, gpu_memory_budget=budget)
     lora = LoraWeights(args, LoraSpec(), "cuda")
     ids = torch.zeros(2, 128, dtype=torch.long)
