@@ -130,14 +130,26 @@ def test_the_table_says_when_the_host_is_the_bottleneck(tiny_run):
     kernel launches, and the busy ratio (brackets around launch gaps) does not show it."""
     _, out, result = tiny_run
     assert "the host issued work" not in out  # None on a CPU: the host does everything there
-    launch_bound = {**result, "modes": [{**r, "host_issue_ratio": 0.97} for r in result["modes"]]}
-    gpu_bound = {**result, "modes": [{**r, "host_issue_ratio": 0.4} for r in result["modes"]]}
-    table = format_table(launch_bound).splitlines()
+
+    def table(issue, nvml):
+        rows = [{**r, "host_issue_ratio": issue, "nvml_util_mean": nvml} for r in result["modes"]]
+        return format_table({**result, "modes": rows}).splitlines()
+
     assert (
-        "streamed: the host issued work for 97% of the step (launch-bound: the GPU waited for "
-        "the host; GPU busy overstates its work)"
-    ) in table
-    assert "resident: the host issued work for 40% of the step" in format_table(gpu_bound)
+        "streamed: the host issued work for 97% of the step and NVML saw no kernel running 25% "
+        "of it (launch-bound: the GPU waited for the host; GPU busy overstates its work)"
+    ) in table(0.97, 0.75)
+    # a GPU-bound step keeps the host busy too, blocked in launches on a full queue
+    assert (
+        "streamed: the host issued work for 99% of the step (waiting on the full launch queue: "
+        "NVML saw kernels running 93% of it)"
+    ) in table(0.99, 0.93)
+    assert (
+        "resident: the host issued work for 97% of the step (launch-bound, or GPU-bound with the "
+        "launch queue full: no NVML reading to tell)"
+    ) in table(0.97, None)
+    assert "resident: the host issued work for 40% of the step" in table(0.4, 0.9)
+    assert not any("bound" in line for line in table(0.4, 0.9) if "40%" in line)
 
 
 def test_a_resident_mode_that_does_not_fit_is_a_table_row():
