@@ -379,3 +379,19 @@ def test_page_locking_is_not_bounded_by_memlock():
         assert torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True).is_pinned()
     finally:
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (soft, hard))
+
+
+def test_closing_an_engine_lifts_the_memory_cap_of_its_budget():
+    """The budget caps the whole process's allocator (set_per_process_memory_fraction); close()
+    lifts the cap, so what runs next in the process is not held to it. On the first GPU run
+    (2026-11-27) one test's engine left a 24 MiB cap behind and the next three tests ran out of
+    memory."""
+    source = SyntheticBlockSource(_llama(512, 256, 688, 2, 4, 2), torch.bfloat16)
+    budget = CUDA_MARGIN_BYTES + 2**30
+    with StreamedEngine(
+        source, None, device="cuda", dtype=torch.bfloat16, gpu_memory_budget=budget
+    ):
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(2 * budget, dtype=torch.uint8, device="cuda")
+    big = torch.empty(2 * budget, dtype=torch.uint8, device="cuda")  # the cap is gone
+    assert big.numel() == 2 * budget
