@@ -141,14 +141,21 @@ class StreamedEngine:
         self.seed = seed
         self.grad_clip = grad_clip
         self.budget = gpu_memory_budget
-        # the budget caps the whole process's allocator (close() lifts the cap again)
+        if loss_scaler is not None and dtype != torch.float16:
+            raise ValueError(f"loss scaling is for float16 compute, not {dtype}")
+        # the budget caps the whole process's allocator (close() lifts the cap again, and so
+        # does a failure to make the device weights, after which there is no engine to close)
         self._capped = self.device.type == "cuda" and bool(gpu_memory_budget)
         if self._capped:
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(
                 min(1.0, gpu_memory_budget / total), self.device
             )
-        self.weights = DeviceWeights(source, self.device, dtype, copies=copy_blocks)
+        try:
+            self.weights = DeviceWeights(source, self.device, dtype, copies=copy_blocks)
+        except BaseException:
+            self._lift_cap()
+            raise
         self.optimizer = None
         if lora is not None:
             self.optimizer = torch.optim.AdamW(
@@ -158,8 +165,6 @@ class StreamedEngine:
                 weight_decay=weight_decay,
                 foreach=self.device.type == "cuda",
             )
-        if loss_scaler is not None and dtype != torch.float16:
-            raise ValueError(f"loss scaling is for float16 compute, not {dtype}")
         fp16 = dtype == torch.float16 and lora is not None
         self.scaler = (loss_scaler or LossScaler()) if fp16 else None
         self.step_count = 0
@@ -175,6 +180,9 @@ class StreamedEngine:
         eval or allocation is not held to this one's budget."""
         self.weights.close()
         self.saved.close()
+        self._lift_cap()
+
+    def _lift_cap(self) -> None:
         if self._capped:
             torch.cuda.set_per_process_memory_fraction(1.0, self.device)
             self._capped = False
