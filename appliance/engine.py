@@ -143,8 +143,7 @@ class StreamedEngine:
         self.budget = gpu_memory_budget
         if loss_scaler is not None and dtype != torch.float16:
             raise ValueError(f"loss scaling is for float16 compute, not {dtype}")
-        # the budget caps the whole process's allocator (close() lifts the cap again, and so
-        # does a failure to make the device weights, after which there is no engine to close)
+        # the budget caps the whole process's allocator: close() lifts it (or a failure here)
         self._capped = self.device.type == "cuda" and bool(gpu_memory_budget)
         if self._capped:
             total = torch.cuda.get_device_properties(self.device).total_memory
