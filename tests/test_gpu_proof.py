@@ -69,6 +69,4 @@ def test_each_later_stage_fits_one_call(stage, tmp_path):
 def test_an_unknown_stage_is_refused(tmp_path):
     done, limits = run_stage("all", tmp_path)
     assert done.returncode == 2 and not limits
-    assert (
-        "unknown stage all: 13b | block | tests | 7b | 70b-nf4 | profile" in done.stderr
-    )
+    assert "unknown stage all: 13b | block | tests | 7b | 70b-nf4 | profile" in done.stderr
