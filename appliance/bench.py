@@ -92,9 +92,7 @@ def _release_cuda(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        # the engine caps the whole process; the next run sets its own cap (or none)
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.empty_cache()  # (the engine's memory cap went with its close())
 
 
 def _run_mode(
@@ -357,7 +355,7 @@ def run_bench(
         )
 
     if device.type == "cuda":
-        _release_cuda(device)  # a cap left by an earlier engine in this process would skew this
+        _release_cuda(device)  # cached blocks an earlier engine left would skew this
         n, reps = 8192, 20
     else:
         n, reps = 2048, 3
