@@ -26,7 +26,8 @@ def format_table(result: dict) -> str:
     budget = result["gpu_memory_budget"]
     lines = [
         f"preset {result['preset']}: {m['num_layers']} layers, hidden {m['hidden_size']}, "
-        f"{_count(m['params'])} params, {result['dtype']} on {result['device_name']}",
+        f"{_count(m['params'])} params, {result['dtype']} on {result['device_name']}"
+        + (", blocks compiled (torch.compile)" if result.get("compile_blocks") else ""),
         f"B = {result['bandwidth']['bytes_per_second'] / 1e9:.3g} GB/s "
         f"({result['bandwidth']['kind']})",
         f"P = {result['matmul']['flops_per_second'] / 1e12:.3g} TFLOP/s "

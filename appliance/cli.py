@@ -421,10 +421,10 @@ def export(model: str | None, adapter: str, output: str) -> None:
 @click.argument("options", nargs=-1, type=click.UNPROCESSED)
 def bench(options: tuple[str, ...]) -> None:
     """Streamed vs resident step time against the floor max(W/B_h2d, F/P) (--help: options)."""
-    from . import bench as B
+    from .bench_cli import main as bench_main
 
     # one parser for both entry points: bench's own (`python -m appliance.bench`)
-    sys.exit(B.main(list(options), prog="appliance bench"))
+    sys.exit(bench_main(list(options), prog="appliance bench"))
 
 
 def _help(name: str) -> str:

@@ -102,6 +102,11 @@ class TrainConfig:
         "Store the base model's linear weights quantized (QLoRA): none | int8 (per row) | nf4 "
         "(4-bit NormalFloat, blocks of 64); a half or a quarter of the host memory and transfers.",
     )
+    compile_blocks: bool = _f(
+        False,
+        "Run the transformer blocks through torch.compile: fused kernels, fewer launches (the "
+        "first step compiles them). Off: the eager blocks, bitwise equal to transformers + PEFT.",
+    )
     trainers: int | None = _f(
         None,
         "Trainers, one per GPU, training one adapter data-parallel; each takes "

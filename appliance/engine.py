@@ -119,6 +119,7 @@ class StreamedEngine:
         group: dist.ProcessGroup | None = None,
         loss_scaler: LossScaler | None = None,
         copy_blocks: bool = False,
+        compile_blocks: bool = False,
     ):
         """`group`: a data-parallel process group. Each rank passes its share of the global batch
         to `train_step`; target tokens, LoRA gradients and the loss are summed over the group, so
@@ -131,7 +132,8 @@ class StreamedEngine:
         LossScaler then. Other dtypes have no scaler and refuse one.
 
         `copy_blocks` (CPU): copy blocks into streaming slots as on CUDA instead of reading them in
-        place (DeviceWeights' `copies`): the tests' way to run the GPU path's bookkeeping here."""
+        place (DeviceWeights' `copies`): the tests' way to run the GPU path's bookkeeping here.
+        `compile_blocks`: run the blocks through torch.compile (models.compiled_block_forward)."""
         self.args = source.args
         self.group = group
         self.device = with_index(torch.device(device))  # "cuda" → the current CUDA device
@@ -172,6 +174,7 @@ class StreamedEngine:
         self._sized_for: dict[str, int] = {}  # the batch sizes the plan holds (none yet)
         self._rope: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
         self.saved = SavedInputs(self.device, self.args.num_layers)
+        self._block = models.compiled_block_forward if compile_blocks else models.block_forward
 
     def close(self) -> None:
         """Unregister page-locked host memory and free device weights (DeviceWeights.close,
@@ -339,7 +342,7 @@ class StreamedEngine:
                             self.saved.save(i, h)
                         lora.generator = self._generator(step, i, first + m)
                         cos, sin, mask = self._block_inputs(attn[m], h.shape[1], i)
-                        hs[m] = models.block_forward(h, w, self.args, cos, sin, lora, mask, layer=i)
+                        hs[m] = self._block(h, w, self.args, cos, sin, lora, mask, layer=i)
                 if i + 1 < L or not save:
                     self.weights.release(i)  # in training the last block stays: backward's first
                 # a quantized block's dequantized weights go before the next block's are made
@@ -408,7 +411,7 @@ class StreamedEngine:
                         inputs[m] = None  # free the saved input as soon as it is consumed
                         lora.generator = self._generator(step, i, first + m)
                         cos, sin, mask = self._block_inputs(attn[m], x.shape[1], i)
-                        y = models.block_forward(x, w, self.args, cos, sin, lora, mask, layer=i)
+                        y = self._block(x, w, self.args, cos, sin, lora, mask, layer=i)
                         y.backward(grads[m])
                         grads[m] = x.grad
                     del lora, x

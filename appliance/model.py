@@ -163,27 +163,29 @@ def rope_cos_sin(
     local: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin tables (T, rot) for positions 0..T-1, computed in fp32 then cast; `local`: the
-    table of Gemma 3's sliding layers (ModelArgs.local_rope)."""
+    table of Gemma 3's sliding layers (ModelArgs.local_rope). The sin table's first half is
+    negated: the sign of rotate_half, made once here rather than in every block (apply_rope)."""
     inv_freq = rope_inv_freq(args, seq_len, local).to(device)
     pos = torch.arange(seq_len, device=device, dtype=torch.float32)
     freqs = pos[:, None] * inv_freq[None, :]  # (T, rot/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (T, rot)
     scale = 1.0 if local else rope_attention_factor(args)
-    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+    sin = emb.sin() * scale
+    sin[:, : sin.shape[-1] // 2].neg_()
+    return (emb.cos() * scale).to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x·cos + rotate_half(x)·sin, with rotate_half(x) = (-x2, x1) for the halves x1, x2 of a head
-    (transformers' convention). x (B, n, T, hs), cos/sin (T, hs) or (B, 1, T, hs).
+    (transformers' convention). x (B, n, T, hs), cos/sin (T, hs) or (B, 1, T, hs) from
+    `rope_cos_sin`, whose sin has its first half negated.
 
     Written without the negated half and the cat: (-x2, x1)·(s1, s2) = (x2, x1)·(-s1, s2), so the
-    halves are swapped by one roll and the sign moves into the small sin table. Bitwise equal to
+    halves are swapped by one roll and the sign lives in the sin table. Bitwise equal to
     transformers (a negation does not round); addcmul would save one more pass but rounds its
     multiply-add differently (1 ulp), which doubled the worst parity error against transformers.
     """
-    half = x.shape[-1] // 2
-    signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-    return x * cos + x.roll(half, dims=-1) * signed_sin
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 def rope_at(
@@ -251,7 +253,8 @@ def rms_norm(
 class LoraContext:
     """What a block needs to apply LoRA: per-module (A, B) and how to drop out.
 
-    `weights[module] = (A (r, in), B (out, r))` in the compute dtype. Dropout masks come from
+    `weights[module] = (A (r, in), B (out, r))` in the compute dtype, B times `scale` where
+    LoraWeights.context folded the scale in (then `scale` is 1). Dropout masks come from
     `generator`, seeded per (step, block, micro-batch) by the engine, so recomputing a block in
     backward draws exactly the masks its forward drew.
     """
@@ -276,7 +279,8 @@ def linear(
             keep = 1.0 - lora.dropout
             mask = torch.empty_like(x).bernoulli_(keep, generator=lora.generator)
             h = x * mask / keep
-        y = y + F.linear(F.linear(h, A), B) * lora.scale
+        lo = F.linear(F.linear(h, A), B)
+        y = y + (lo if lora.scale == 1.0 else lo * lora.scale)
     return y
 
 

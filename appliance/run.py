@@ -62,6 +62,7 @@ def trainer_settings(inp: Inputs, world_size: int = 1) -> TrainerSettings:
         base_model=base.repo_id if base else str(cfg.model),
         base_revision=base.revision if base else None,
         world_size=world_size,
+        compile_blocks=cfg.compile_blocks,
     )
 
 

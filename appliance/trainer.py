@@ -62,6 +62,7 @@ class TrainerSettings:
     base_model: str = ""  # adapter_config.json's base_model_name_or_path, and its revision
     base_revision: str | None = None
     world_size: int = 1  # data-parallel trainers; > 1: call join_group before the first step
+    compile_blocks: bool = False  # torch.compile the blocks (StreamedEngine)
 
 
 def resolve_device(device: str) -> str:
@@ -123,6 +124,7 @@ class Trainer:
             grad_clip=s.grad_clip or None,
             seed=s.seed,
             group=group,
+            compile_blocks=s.compile_blocks,
         )
 
     def group_address(self) -> str:

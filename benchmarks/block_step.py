@@ -25,11 +25,13 @@ PyTorch between them: LoRA dropout's seeded `bernoulli_` is one, once per projec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from appliance import model as M
 from appliance import models
@@ -45,6 +47,19 @@ FAMILIES = {
     ),
     "phi3": dict(architecture="Phi3ForCausalLM", partial_rotary_factor=0.75),
 }
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the ATen operators dispatched under it (views included: each costs the host a
+    dispatch), the host's work per micro-batch that a launch-bound GPU waits for."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.total += 1
+        return func(*args, **(kwargs or {}))
 
 
 def block_args(family: str, hidden: int, heads: int, kv_heads: int) -> M.ModelArgs:
@@ -104,13 +119,16 @@ def time_block(
         ctx.generator = torch.Generator(dev).manual_seed(1)  # the same masks every call
         return ctx
 
-    def forward(fn=models.block_forward) -> torch.Tensor:
-        with torch.no_grad():
-            return fn(x, w, args, cos, sin, context())
+    def forward(fn=models.block_forward, ops: OpCount | None = None) -> torch.Tensor:
+        ctx = context()  # made once per block and pass in the engine, for all its micro-batches
+        with torch.no_grad(), ops or contextlib.nullcontext():
+            return fn(x, w, args, cos, sin, ctx)
 
-    def backward(fn=models.block_forward) -> list[torch.Tensor]:
+    def backward(fn=models.block_forward, ops: OpCount | None = None) -> list[torch.Tensor]:
         xg = x.detach().requires_grad_(True)
-        fn(xg, w, args, cos, sin, context()).backward(grad_out)
+        ctx = context()
+        with ops or contextlib.nullcontext():
+            fn(xg, w, args, cos, sin, ctx).backward(grad_out)
         grads = [p.grad for p in lora.parameters()]
         for p in lora.parameters():
             p.grad = None
@@ -121,6 +139,10 @@ def time_block(
             torch.cuda.synchronize(dev)
 
     row: dict = {"impl": "compiled" if block else "eager"}
+    if block is None:  # what the host dispatches for one micro-batch through the block
+        forward(ops=(fwd_ops := OpCount()))
+        backward(ops=(bwd_ops := OpCount()))
+        row["forward_ops"], row["recompute_backward_ops"] = fwd_ops.total, bwd_ops.total
     if block is not None:
         from torch._dynamo.utils import counters
 
@@ -207,21 +229,22 @@ def main() -> None:
         f"median of {a.reps}"
     )
     print(
-        "| block | forward ms | recompute+backward ms | compile s | graph breaks "
-        "| max diff (out; LoRA grad) |\n"
-        "|---|---:|---:|---:|---:|---|"
+        "| block | forward ms | recompute+backward ms | ATen ops (forward; recompute+backward) "
+        "| compile s | graph breaks | max diff (out; LoRA grad) |\n"
+        "|---|---:|---:|---|---:|---:|---|"
     )
     for name, r in rows.items():
         if "error" in r:
-            print(f"| {name} | failed: {r['error'].splitlines()[0][:200]} | | | | |")
+            print(f"| {name} | failed: {r['error'].splitlines()[0][:200]} | | | | | |")
             continue
         diff = (
             f"{r['max_abs_diff_output']:.1e}; {r['max_abs_diff_lora_grad']:.1e}"
             if "compile_seconds" in r
             else ""
         )
+        ops = f"{r['forward_ops']}; {r['recompute_backward_ops']}" if "forward_ops" in r else ""
         print(
-            f"| {name} | {r['forward_ms']:.1f} | {r['recompute_backward_ms']:.1f} | "
+            f"| {name} | {r['forward_ms']:.1f} | {r['recompute_backward_ms']:.1f} | {ops} | "
             f"{format(r['compile_seconds'], '.1f') if 'compile_seconds' in r else ''} | "
             f"{r.get('graph_breaks', '')} | {diff} |"
         )

@@ -12,6 +12,7 @@ import io
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from appliance import bench as B
+from appliance import bench_cli as BC
 from appliance.bench_table import format_table, write_json
 from appliance.engine import StreamedEngine
 from appliance.errors import ConfigError
@@ -50,7 +52,7 @@ def tiny_run(tmp_path_factory):
             "--micro-batches-per-step", "2", "--steps", "2", "--json", str(path)]  # fmt: skip
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        rc = B.main(argv)
+        rc = BC.main(argv)
     return rc, out.getvalue(), json.loads(path.read_text())
 
 
@@ -182,13 +184,13 @@ def test_big_presets_are_refused_on_cpu_with_what_to_do():
 
 
 def test_cli_prints_user_errors_as_one_line(capsys):
-    assert B.main(["--preset", "70b", "--device", "cpu"]) == 1
+    assert BC.main(["--preset", "70b", "--device", "cpu"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --preset 70b needs a GPU")
 
 
 def test_a_bad_gpu_memory_budget_is_one_line_naming_the_flag(capsys):
-    assert B.main(["--preset", "tiny", "--device", "cpu", "--gpu-memory-budget", "lots"]) == 1
+    assert BC.main(["--preset", "tiny", "--device", "cpu", "--gpu-memory-budget", "lots"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: --gpu-memory-budget 'lots': 'lots' is not a size like 24GiB"]
 
@@ -198,17 +200,17 @@ def test_a_budget_that_leaves_nothing_is_refused_as_plan_refuses_it(capsys):
         ("24", "--gpu-memory-budget 24 is 24 bytes: did you mean 24GiB?"),
         ("0", "--gpu-memory-budget 0 leaves nothing to plan: the engine keeps 768 MiB"),
     ):
-        assert B.main(["--preset", "tiny", "--device", "cpu", "--gpu-memory-budget", budget]) == 1
+        assert BC.main(["--preset", "tiny", "--device", "cpu", "--gpu-memory-budget", budget]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"error: {error}")
 
 
 def test_micro_batches_per_step_is_trains_spelling_and_the_old_one_still_works(capsys):
     for flag in ("--micro-batches-per-step", "--micro-batches"):
-        assert B.parser().parse_args([flag, "3"]).micro_batches == 3
-    help_text = B.parser().format_help()
+        assert BC.parser().parse_args([flag, "3"]).micro_batches == 3
+    help_text = BC.parser().format_help()
     assert "--micro-batches-per-step N, --micro-batches N" in help_text
-    assert B.main(["--preset", "tiny", "--device", "cpu", "--micro-batches-per-step", "-1"]) == 1
+    assert BC.main(["--preset", "tiny", "--device", "cpu", "--micro-batches-per-step", "-1"]) == 1
     assert capsys.readouterr().err.strip() == "error: --micro-batches-per-step must be ≥ 1, got -1"
 
 
@@ -227,7 +229,7 @@ def test_the_json_holds_each_row_as_soon_as_it_is_measured(tmp_path, monkeypatch
     monkeypatch.setattr(B, "_run_mode", dies_in_resident)
     argv = ["--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0"]
     with pytest.raises(MemoryError):
-        B.main([*argv, "--json", str(path)])
+        BC.main([*argv, "--json", str(path)])
     kept = json.loads(path.read_text())
     assert [r["mode"] for r in kept["modes"]] == ["streamed"]
     assert kept["shape"]["tokens_per_step"] == kept["modes"][0]["tokens_per_step"] > 0
@@ -243,7 +245,7 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_the_bench_runs(
     def no_bench(*args, **kwargs):
         raise AssertionError("the bench ran")
 
-    monkeypatch.setattr(B, "run_bench", no_bench)
+    monkeypatch.setattr(BC, "run_bench", no_bench)
     (tmp_path / "afile").write_text("")
     (tmp_path / "somedir").mkdir()
     argv = ["--preset", "tiny", "--device", "cpu", "--json"]
@@ -251,7 +253,7 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_the_bench_runs(
         (tmp_path / "afile" / "x.json", f"{tmp_path / 'afile'} is a file, not a directory"),
         (tmp_path / "somedir", "is a directory; give a file name, e.g. --json "),
     ):
-        assert B.main([*argv, str(path)]) == 1
+        assert BC.main([*argv, str(path)]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"error: --json {path}") and why in err[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "somedir"]
@@ -272,7 +274,7 @@ def test_write_json_makes_missing_directories_and_never_leaves_its_temp_file(tmp
 
     path = tmp_path / "made" / "bench.json"
     argv = ["--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0"]
-    assert B.main([*argv, "--modes", "streamed", "--json", str(path)]) == 0
+    assert BC.main([*argv, "--modes", "streamed", "--json", str(path)]) == 0
     assert [r["mode"] for r in json.loads(path.read_text())["modes"]] == ["streamed"]
     capsys.readouterr()
 
@@ -280,8 +282,8 @@ def test_write_json_makes_missing_directories_and_never_leaves_its_temp_file(tmp
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(B, "write_json", disk_full)
-        assert B.main([*argv, "--modes", "streamed", "--json", str(path)]) == 1
+        m.setattr(BC, "write_json", disk_full)
+        assert BC.main([*argv, "--modes", "streamed", "--json", str(path)]) == 1
     out, err = capsys.readouterr()
     assert "| streamed |" in out  # the results are printed all the same
     assert err.strip().splitlines() == [
@@ -295,10 +297,10 @@ def test_modes_runs_only_the_rows_asked_for(tmp_path, capsys):
     the streamed one is wanted (gpu_proof.sh's 70b-nf4); an unknown row is one error line."""
     path = tmp_path / "bench.json"
     argv = ["--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0"]
-    assert B.main([*argv, "--modes", "streamed", "--json", str(path)]) == 0
+    assert BC.main([*argv, "--modes", "streamed", "--json", str(path)]) == 0
     assert [r["mode"] for r in json.loads(path.read_text())["modes"]] == ["streamed"]
     assert "| resident |" not in capsys.readouterr().out
-    assert B.main([*argv, "--modes", "streamed,idle"]) == 1
+    assert BC.main([*argv, "--modes", "streamed,idle"]) == 1
     err = capsys.readouterr().err.strip()
     assert err == "error: --modes streamed,idle: give one or both of streamed,resident"
 
@@ -487,7 +489,7 @@ def test_profile_adds_one_profiled_step_per_row(tmp_path, capsys):
     (what a row that misses its floor is read with)."""
     path = tmp_path / "bench.json"
     argv = ["--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0"]
-    assert B.main([*argv, "--profile", "--json", str(path)]) == 0
+    assert BC.main([*argv, "--profile", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     rows = json.loads(path.read_text())["modes"]
     for row in rows:
@@ -507,9 +509,32 @@ def test_a_quantized_bench_says_what_dequantized_its_blocks(tmp_path):
     argv = ["--preset", "tiny", "--device", "cpu", "--base-quant", "nf4", "--steps", "1",
             "--warmup", "0", "--json", str(path)]  # fmt: skip
     with contextlib.redirect_stdout(io.StringIO()):
-        assert B.main(argv) == 0
+        assert BC.main(argv) == 0
     result = json.loads(path.read_text())
     assert (result["base_quant"], result["dequant_kernels"]) == ("nf4", "pytorch")
     for row in result["modes"]:
         assert row["dequant_seconds_per_step"] > 0, row["mode"]
         assert 0 < row["dequant_share"] < 1, row["mode"]
+
+
+@pytest.mark.skipif(
+    not (shutil.which("c++") or shutil.which("g++")),
+    reason="torch.compile on a CPU needs a C++ compiler",
+)
+def test_compile_blocks_runs_the_engines_blocks_compiled_and_says_so(tmp_path, capsys):
+    """--compile-blocks: the rows' blocks go through torch.compile (Dynamo compiles graphs), the
+    JSON and the table say so, and the loss is the eager blocks' to fp32 rounding."""
+    from torch._dynamo.utils import counters
+
+    argv = ["--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0"]
+    argv += ["--modes", "streamed", "--micro-batches-per-step", "1"]
+    eager, compiled = tmp_path / "eager.json", tmp_path / "compiled.json"
+    assert BC.main([*argv, "--json", str(eager)]) == 0
+    graphs = counters["stats"]["unique_graphs"]
+    assert BC.main([*argv, "--compile-blocks", "--json", str(compiled)]) == 0
+    assert counters["stats"]["unique_graphs"] > graphs
+    assert "blocks compiled (torch.compile)" in capsys.readouterr().out
+    e, c = json.loads(eager.read_text()), json.loads(compiled.read_text())
+    assert (e["compile_blocks"], c["compile_blocks"]) == (False, True)
+    (loss_e,), (loss_c,) = e["modes"][0]["losses"], c["modes"][0]["losses"]
+    assert loss_c == pytest.approx(loss_e, rel=1e-5)

@@ -39,3 +39,6 @@ def test_the_compiled_block_equals_the_eager_block(dropout):
 def test_the_eager_row_has_no_compile_figures():
     row = time_block(block_args("qwen3", 64, 4, 2), 0.0, batch=1, seq=16, reps=1)
     assert row["impl"] == "eager" and "compile_seconds" not in row
+    # the host's operator calls for one micro-batch: the recompute and its backward outnumber
+    # the no-grad forward
+    assert 0 < row["forward_ops"] < row["recompute_backward_ops"]

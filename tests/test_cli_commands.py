@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 from peft import PeftModel
 
-from appliance.bench import parser as bench_parser
+from appliance.bench_cli import parser as bench_parser
 from appliance.cli import main
 from appliance.data import Holdout
 from appliance.evaluate import evaluate

@@ -5,6 +5,7 @@ Tolerance: 1e-5 relative error (docs/architecture.md, "Numerics that must hold")
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -14,13 +15,15 @@ import torch.nn.functional as F
 from peft import PeftModel, get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
+from appliance import lora as lora_module
 from appliance.blocks import DictBlockSource
 from appliance.engine import StreamedEngine, lr_at
 from appliance.errors import ModelError
 from appliance.hf_checkpoint import SafetensorsCheckpoint, read_block, read_model_args
-from appliance.lora import LoraSpec, LoraWeights, peft_key, peft_layers
+from appliance.lora import LoraSpec, LoraWeights, folds_scale, peft_key, peft_layers
 from tests.helpers_model import (
     FAMILY_VARIANTS,
+    SPEC,
     VARIANTS,
     batch,
     load_hf,
@@ -142,6 +145,29 @@ def test_four_micro_batches_equal_one_batch_of_four(tmp_path):
     assert abs(loss1 - loss4) / abs(loss1) < RTOL
     for p1, p4 in zip(one.lora.parameters(), four.lora.parameters(), strict=True):
         assert rel_err(p4.grad, p1.grad) < RTOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["llama-gqa-rope3-tied", "phi3-partial-longrope"])
+def test_a_power_of_two_scale_folded_into_b_is_bitwise_peft_s_order(variant, dtype, tmp_path):
+    """LoraWeights.context folds alpha/rank = 2 into B; the loss and every gradient equal the
+    unfolded (PEFT's: product, then scale, then add) bit for bit, over micro-batches and with
+    LoRA dropout."""
+    source = DictBlockSource.from_hf(make_model(tmp_path / "model", variant), dtype)
+    spec = dataclasses.replace(SPEC, dropout=0.1)
+    assert folds_scale(spec.scale, dtype) and not folds_scale(0.75, dtype)
+    ids, labels = batch(4, 20, seed=3)
+    results = []
+    for fold in (True, False):
+        lora = lora_with_random_b(source.args, spec)
+        engine = StreamedEngine(source, lora, dtype=dtype)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(lora_module, "folds_scale", lambda scale, dtype, fold=fold: fold)
+            loss, _, _ = engine.forward_backward([(ids[:2], labels[:2]), (ids[2:], labels[2:])], 0)
+        results.append((loss, [p.grad for p in lora.parameters()]))
+    (loss_folded, folded), (loss_peft, peft) = results
+    assert loss_folded == loss_peft
+    assert all(torch.equal(a, b) for a, b in zip(folded, peft, strict=True))
 
 
 @pytest.mark.parametrize("variant", ["qwen2-bias", *FAMILY_VARIANTS])

@@ -41,7 +41,12 @@ def test_the_next_sessions_two_calls_fit_its_device_time(tmp_path):
     second, second_limits = run_stage("block", tmp_path)
     assert first.returncode == second.returncode == 0, first.stderr + second.stderr
     assert list(first_limits) == ["appliance-13b", "hf-13b", "fsdp2-13b", "compare-13b"]
-    assert list(second_limits) == ["block-compile", "appliance-7b-x2", "appliance-7b-x4"]
+    assert list(second_limits) == [
+        "appliance-7b-compiled",
+        "appliance-7b-x2",
+        "appliance-7b-x4",
+        "block-compile",
+    ]
     header = SCRIPT.read_text()
     for stage, limits in (("13b", first_limits), ("block", second_limits)):
         (budget,) = re.findall(rf"gpu_proof\.sh {stage} +# ≤ (\d+) s", header)
@@ -53,6 +58,7 @@ def test_the_next_sessions_two_calls_fit_its_device_time(tmp_path):
     # the same 16384 tokens a step as the preset's 8 × 1 × 2048, in fewer, bigger micro-batches
     assert "--micro-batch-size 2 --micro-batches-per-step 4" in ran
     assert "--micro-batch-size 4 --micro-batches-per-step 2" in ran
+    assert re.search(r"--preset 7b --modes streamed --compile-blocks --json", ran)
     assert "--profile" not in ran  # a profiled step takes far longer (the first session's lesson)
     assert (tmp_path / "13b" / "13b.log").is_file()
     # each step's log says how long it took

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from appliance import bench as B
+from appliance import bench_cli
 from appliance.lora import LoraSpec, LoraWeights
 from benchmarks import compare
 from benchmarks import peers_common as pc
@@ -41,7 +42,7 @@ def bench_run(tmp_path_factory):
     """One `appliance bench --preset tiny` run on the CPU: 1 warm-up + 1 timed step per mode."""
     path = tmp_path_factory.mktemp("bench") / "appliance.json"
     with contextlib.redirect_stdout(io.StringIO()):
-        rc = B.main(["--preset", "tiny", "--device", "cpu", "--warmup", "1", "--steps", "1",
+        rc = bench_cli.main(["--preset", "tiny", "--device", "cpu", "--warmup", "1", "--steps", "1",
                      "--json", str(path)])  # fmt: skip
     assert rc == 0
     return json.loads(path.read_text())

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import signal
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ import torch
 from click.testing import CliRunner
 from peft import PeftModel
 
+from appliance import models
 from appliance.blocks import DictBlockSource
 from appliance.checkpoint import CheckpointError
 from appliance.cli import main
@@ -29,7 +31,7 @@ from appliance.feed import schedule, worker_kwargs
 from appliance.hf_checkpoint import read_model_args
 from appliance.lora import load_adapter
 from appliance.progress import Progress
-from appliance.run import Run
+from appliance.run import Run, trainer_settings
 from appliance.tokenize_worker import TokenizeWorker
 from appliance.trainer import Trainer, TrainerSettings
 from appliance.weight_store import WeightStore
@@ -469,3 +471,13 @@ def test_checkpoints_and_the_adapter_never_pass_through_the_driver(
         run.create_actors()
     assert all(str(state) in str(info.value) for state in states)
     assert not hasattr(run, "stores")  # raised before the weight stores were made
+
+
+def test_compile_blocks_goes_from_the_config_to_the_trainers_engine(model_dir):
+    cfg = build_config({}, {"compile_blocks": True})
+    settings = trainer_settings(SimpleNamespace(cfg=cfg, device="cpu", dtype="float32"))
+    assert settings.compile_blocks
+    handles = WeightStore(str(model_dir), "float32").handles()
+    assert Trainer(handles, settings).engine._block is models.compiled_block_forward
+    default = TrainerSettings(lora=cfg.lora_spec())
+    assert Trainer(handles, default).engine._block is models.block_forward

@@ -93,6 +93,48 @@ def block_forward(
     return family(args).block_forward(x, w, args, layer, cos, sin, lora, mask)
 
 
+#: Dynamo's compiled variants per function (its default, 8, is too few with LoRA dropout: the
+#: masks' seeded `bernoulli_` breaks the graph, so model.linear is compiled on its own once per
+#: projection and grad mode, 14 variants; past the limit a call runs eagerly)
+RECOMPILE_LIMIT = 64
+_compiled = None
+
+
+def compiled_block_forward(
+    x: torch.Tensor,
+    w: dict[str, torch.Tensor],
+    args: M.ModelArgs,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    lora: M.LoraContext | None = None,
+    mask: torch.Tensor | None = None,
+    layer: int = 0,
+) -> torch.Tensor:
+    """`block_forward` through torch.compile (Inductor: the block's elementwise work fused into
+    generated kernels, fewer launches): the engine's `compile_blocks`. The same math, rounded
+    differently where Inductor fuses (not bitwise equal to the eager block; tests/
+    test_compiled_blocks.py holds it to the eager block's parity tolerance).
+
+    Compiled once per kind of layer, not once per layer: `layer` only selects the block's
+    attention window (ModelArgs.window), so it is replaced by the first layer with the same
+    window, and Dynamo specialises on at most two values (Gemma's sliding and full layers)."""
+    global _compiled
+    if _compiled is None:
+        import torch._dynamo
+
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
+        _compiled = torch.compile(block_forward)
+    kind = first_layer_like(args, layer)
+    return _compiled(x, w, args, cos, sin, lora, mask, layer=kind)
+
+
+def first_layer_like(args: M.ModelArgs, layer: int) -> int:
+    """The first block whose attention window is block `layer`'s (ModelArgs.window)."""
+    window = args.window(layer)
+    return next(i for i in range(args.num_layers) if args.window(i) == window)
+
+
 def resolve_targets(args: M.ModelArgs, targets: tuple[str, ...]) -> tuple[str, ...]:
     """The LoRA targets `targets` (short names) mean on this model, in the family's order.
 
