@@ -293,13 +293,13 @@ def attention(
     lora: LoraContext | None,
     mask=None,
 ) -> torch.Tensor:
-    """Self-attention. `mask`: None (causal), a bool tensor (B, 1, T, T) from `document_mask`
-    (packed documents, plain SDPA), or a flex_attention BlockMask (packed documents on CUDA)."""
-    B, T, _ = x.shape
-    hs = args.head_dim
-    q = linear(x, w, "self_attn.q_proj", lora).view(B, T, args.num_heads, hs).transpose(1, 2)
-    k = linear(x, w, "self_attn.k_proj", lora).view(B, T, args.num_kv_heads, hs).transpose(1, 2)
-    v = linear(x, w, "self_attn.v_proj", lora).view(B, T, args.num_kv_heads, hs).transpose(1, 2)
+    """Self-attention of x (B·T, C) or (B, T, C), T the RoPE table's length (see `heads`).
+    `mask`: None (causal), a bool tensor (B, 1, T, T) from `document_mask` (packed documents,
+    plain SDPA), or a flex_attention BlockMask (packed documents on CUDA)."""
+    T, hs = cos.shape[-2], args.head_dim
+    q = heads(linear(x, w, "self_attn.q_proj", lora), args.num_heads, hs, T)
+    k = heads(linear(x, w, "self_attn.k_proj", lora), args.num_kv_heads, hs, T)
+    v = heads(linear(x, w, "self_attn.v_proj", lora), args.num_kv_heads, hs, T)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, nh|nkv, T, hs)
     gqa = args.num_kv_heads != args.num_heads
     if mask is None:
@@ -308,8 +308,24 @@ def attention(
         y = masked_sdpa(q, k, v, mask)
     else:
         y = _flex_attention(q, k, v, mask, gqa)  # (B, nh, T, hs)
-    y = y.transpose(1, 2).reshape(B, T, args.num_heads * hs)
-    return linear(y, w, "self_attn.o_proj", lora)
+    return linear(merge_heads(y, x), w, "self_attn.o_proj", lora)
+
+
+def heads(t: torch.Tensor, n: int, hs: int, T: int) -> torch.Tensor:
+    """A projection's output, (B·T, n·hs) or (B, T, n·hs), as n heads: (B, n, T, hs).
+
+    The blocks run on their rows flattened, (B·T, C) (models.block_forward): a linear layer on a
+    2-D input is one matmul, where a 3-D one also reshapes its input and output, two more
+    operator calls for the host to issue per projection, and as many in the backward, for the
+    same kernel on the same numbers. T is the RoPE table's length: cos (T, rot) or (B, 1, T, rot).
+    """
+    return t.view(-1, T, n, hs).transpose(1, 2)
+
+
+def merge_heads(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Attention's output (B, n, T, hs) back as rows shaped as `like`'s: (B·T, n·hs) or
+    (B, T, n·hs)."""
+    return y.transpose(1, 2).reshape(*like.shape[:-1], y.shape[1] * y.shape[3])
 
 
 def attend(
@@ -393,7 +409,8 @@ def block_forward(
     lora: LoraContext | None = None,
     mask=None,
 ) -> torch.Tensor:
-    """One transformer block: (B, T, C) → (B, T, C). `mask`: see `attention` (None: causal)."""
+    """One transformer block: (B·T, C) → (B·T, C), or (B, T, C) → (B, T, C) (see `heads`).
+    `mask`: see `attention` (None: causal)."""
     x = x + attention(
         rms_norm(x, w["input_layernorm.weight"], args.rms_norm_eps), w, args, cos, sin, lora, mask
     )

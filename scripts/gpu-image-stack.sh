@@ -32,7 +32,8 @@ fi
 "$VENV/bin/python" -c "import importlib.util as u, sys; \
 bad = [m for m in ('ray', 'boto3') if u.find_spec(m)]; sys.exit(f'{bad} installed in $VENV') if bad else None"
 PYTHONPATH=$PWD exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@" \
-    tests/test_bench.py tests/test_block_step.py tests/test_chat.py tests/test_config.py \
+    tests/test_bench.py tests/test_block_step.py tests/test_chat.py tests/test_compiled_blocks.py \
+    tests/test_config.py \
     tests/test_data.py tests/test_data_parallel_engine.py tests/test_engine_gpu.py \
     tests/test_engine_parity.py tests/test_engine_step.py tests/test_evaluate.py \
     tests/test_export.py tests/test_loss_scale.py tests/test_model_families.py \

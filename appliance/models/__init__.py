@@ -5,7 +5,8 @@ A family is a module of pure functions and tables (see llama.py, qwen3.py, gemma
 - NORMS: the block's RMSNorm weights (hidden-sized), LINEARS: its linear modules (HF names);
 - TARGETS: the LoRA target short names it has (and FUSED, for fused modules, the Llama
   targets each one stands for);
-- block_forward(x, w, args, layer, cos, sin, lora, mask): one block, (B, T, C) → (B, T, C).
+- block_forward(x, w, args, layer, cos, sin, lora, mask): one block, (B·T, C) → (B·T, C): the
+  rows flattened (T: the RoPE table's length; model.heads).
 
 Everything here is keyed by the block's HF tensor names without the `model.layers.{i}.` prefix.
 Attention kernels (model.attention, model.attend): Llama, Mistral, Qwen2, Qwen3 and Phi-3 run
@@ -89,8 +90,11 @@ def block_forward(
     layer: int = 0,
 ) -> torch.Tensor:
     """Block `layer` of the model's family: (B, T, C) → (B, T, C). cos/sin: the table that block
-    takes (ModelArgs.local_rope); `mask`: see model.attend (None: causal)."""
-    return family(args).block_forward(x, w, args, layer, cos, sin, lora, mask)
+    takes (ModelArgs.local_rope); `mask`: see model.attend (None: causal). The family's block runs
+    on the rows flattened, (B·T, C): fewer operator calls (model.heads)."""
+    B, T, C = x.shape
+    y = family(args).block_forward(x.reshape(B * T, C), w, args, layer, cos, sin, lora, mask)
+    return y.view(B, T, C)
 
 
 #: Dynamo's compiled variants per function (its default, 8, is too few with LoRA dropout: the

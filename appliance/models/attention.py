@@ -29,11 +29,11 @@ def project_qkv(
     w: dict[str, torch.Tensor],
     args: M.ModelArgs,
     lora: M.LoraContext | None,
+    T: int,
     fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(B, T, C) → q (B, nh, T, hs), k and v (B, nkv, T, hs); q and k head-normed if the model
+    """(B·T, C) → q (B, nh, T, hs), k and v (B, nkv, T, hs); q and k head-normed if the model
     says so. `fused`: one `qkv_proj` whose output rows are q, then k, then v (Phi-3)."""
-    B, T, _ = x.shape
     nh, nkv, hs = args.num_heads, args.num_kv_heads, args.head_dim
     if fused:
         q, k, v = M.linear(x, w, "self_attn.qkv_proj", lora).split(
@@ -43,7 +43,7 @@ def project_qkv(
         q = M.linear(x, w, "self_attn.q_proj", lora)
         k = M.linear(x, w, "self_attn.k_proj", lora)
         v = M.linear(x, w, "self_attn.v_proj", lora)
-    q, k, v = q.view(B, T, nh, hs), k.view(B, T, nkv, hs), v.view(B, T, nkv, hs)
+    q, k, v = q.view(-1, T, nh, hs), k.view(-1, T, nkv, hs), v.view(-1, T, nkv, hs)
     if args.qk_norm:
         eps, off = args.rms_norm_eps, args.norm_offset
         q = M.rms_norm(q, w["self_attn.q_norm.weight"], eps, off)
@@ -62,12 +62,10 @@ def self_attention(
     fused: bool = False,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Block `layer`'s attention: (B, T, C) → (B, T, C), its window from ModelArgs.window;
-    `mask`: see model.attend (packed documents)."""
-    B, T, _ = x.shape
-    q, k, v = project_qkv(x, w, args, lora, fused)
+    """Block `layer`'s attention: (B·T, C) → (B·T, C) (or 3-D: model.heads), its window from
+    ModelArgs.window; `mask`: see model.attend (packed documents)."""
+    q, k, v = project_qkv(x, w, args, lora, cos.shape[-2], fused)
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     window, cap = args.window(layer), args.attn_softcap
     y = M.attend(q, k, v, args.attn_scale, window, cap, mask)  # (B, nh, T, hs)
-    y = y.transpose(1, 2).reshape(B, T, args.num_heads * args.head_dim)
-    return M.linear(y, w, "self_attn.o_proj", lora)
+    return M.linear(M.merge_heads(y, x), w, "self_attn.o_proj", lora)

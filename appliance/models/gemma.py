@@ -44,7 +44,7 @@ def block_forward(
     lora: M.LoraContext | None,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(B, T, C) → (B, T, C)."""
+    """(B·T, C) → (B·T, C)."""
     h = self_attention(
         norm(x, w, "input_layernorm", args), w, args, layer, cos, sin, lora, mask=mask
     )

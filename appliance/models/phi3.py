@@ -22,7 +22,7 @@ FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 
 
 def mlp(x: torch.Tensor, w: dict[str, torch.Tensor], lora: M.LoraContext | None) -> torch.Tensor:
-    gate, up = M.linear(x, w, "mlp.gate_up_proj", lora).chunk(2, dim=-1)  # (B, T, inter) each
+    gate, up = M.linear(x, w, "mlp.gate_up_proj", lora).chunk(2, dim=-1)  # (B·T, inter) each
     return M.linear(up * F.silu(gate), w, "mlp.down_proj", lora)
 
 
@@ -36,7 +36,7 @@ def block_forward(
     lora: M.LoraContext | None,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(B, T, C) → (B, T, C). (transformers' resid_pdrop dropout is not applied: fine-tuning
+    """(B·T, C) → (B·T, C). (transformers' resid_pdrop dropout is not applied: fine-tuning
     configs set it to 0.)"""
     eps = args.rms_norm_eps
     h = M.rms_norm(x, w["input_layernorm.weight"], eps)

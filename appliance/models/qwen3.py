@@ -23,7 +23,7 @@ def block_forward(
     lora: M.LoraContext | None,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(B, T, C) → (B, T, C)."""
+    """(B·T, C) → (B·T, C)."""
     eps = args.rms_norm_eps
     h = M.rms_norm(x, w["input_layernorm.weight"], eps)
     x = x + self_attention(h, w, args, layer, cos, sin, lora, mask=mask)
