@@ -16,6 +16,8 @@ from peft import PeftModel, get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
 from appliance import lora as lora_module
+from appliance import model as M
+from appliance import models
 from appliance.blocks import DictBlockSource
 from appliance.engine import StreamedEngine, lr_at
 from appliance.errors import ModelError
@@ -147,6 +149,40 @@ def test_four_micro_batches_equal_one_batch_of_four(tmp_path):
         assert rel_err(p4.grad, p1.grad) < RTOL
 
 
+@pytest.mark.parametrize(
+    "variant",
+    ["llama-attn-bias", "qwen3-qknorm-tied", "gemma2-softcap-window", "phi3-partial-longrope"],
+)
+def test_a_block_on_its_rows_flattened_equals_it_on_batched_rows_bit_for_bit(variant, tmp_path):
+    """models.block_forward runs the family's block on (B·T, C) rows (fewer operator calls);
+    the same block on (B, T, C) gives the same output and gradients, bit for bit, in bf16 and
+    with LoRA dropout."""
+    dtype = torch.bfloat16
+    source = DictBlockSource.from_hf(make_model(tmp_path / "model", variant), dtype)
+    args, w = source.args, source.block(1)
+    lora = lora_with_random_b(args, dataclasses.replace(SPEC, dropout=0.2))
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 20, args.hidden_size, generator=g).to(dtype)
+    grad_out = torch.randn(2, 20, args.hidden_size, generator=g).to(dtype)
+    cos, sin = M.rope_cos_sin(args, 20, torch.device("cpu"), dtype)
+    results = []
+    for flat in (True, False):
+        xg = x.clone().requires_grad_(True)
+        ctx = lora.context(1, dtype)
+        ctx.generator = torch.Generator().manual_seed(5)  # the same dropout masks both times
+        if flat:
+            y = models.block_forward(xg, w, args, cos, sin, ctx, layer=1)
+        else:
+            y = models.family(args).block_forward(xg, w, args, 1, cos, sin, ctx, None)
+        assert y.shape == x.shape
+        y.backward(grad_out)
+        params = [p for ab in lora.blocks[1].values() for p in ab]
+        results.append([y.detach(), xg.grad] + [p.grad.clone() for p in params])
+        for p in params:
+            p.grad = None
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", ["llama-gqa-rope3-tied", "phi3-partial-longrope"])
 def test_a_power_of_two_scale_folded_into_b_is_bitwise_peft_s_order(variant, dtype, tmp_path):
@@ -245,8 +281,6 @@ def test_recompute_with_dropout_draws_the_forwards_masks(tmp_path):
     loss, _, _ = engine.forward_backward([(ids[:1], labels[:1]), (ids[1:], labels[1:])], step=4)
 
     # the same model as one autograd graph, with the engine's per-(step, block, micro-batch) masks
-    from appliance import model as M
-
     g = source.globals()
     cos, sin = M.rope_cos_sin(source.args, 16, torch.device("cpu"), torch.float32)
     ref = engine_ref = StreamedEngine(source, plain, seed=7)
