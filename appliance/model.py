@@ -263,6 +263,9 @@ class LoraContext:
     scale: float
     dropout: float = 0.0
     generator: torch.Generator | None = None
+    # module → its dropout mask, drawn before the block runs (models.compiled_block_forward);
+    # None: each projection draws its own from `generator`
+    masks: dict[str, torch.Tensor] | None = None
 
 
 def linear(
@@ -277,7 +280,10 @@ def linear(
         h = x
         if lora.dropout > 0:
             keep = 1.0 - lora.dropout
-            mask = torch.empty_like(x).bernoulli_(keep, generator=lora.generator)
+            if lora.masks is not None:
+                mask = lora.masks[module]
+            else:
+                mask = torch.empty_like(x).bernoulli_(keep, generator=lora.generator)
             h = x * mask / keep
         lo = F.linear(F.linear(h, A), B)
         y = y + (lo if lora.scale == 1.0 else lo * lora.scale)

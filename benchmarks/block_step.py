@@ -13,13 +13,14 @@ block math (norms, RoPE, LoRA, SiLU·up) shows up here without the rest of the s
 package that is imported is the one timed: run it from two checkouts to compare them
 (docs/benchmarks.md gives the commands). Prints a table of medians (ms) and writes JSON.
 
-`--compile` adds a row per family for `torch.compile(models.block_forward)` (Inductor: the
-elementwise work of the block fused into generated kernels), beside the eager block (the fused
-primitives: F.rms_norm, in-place SiLU·up, ...): the measurement issue 10 asks for to choose
-between them on a GPU. Each compiled row also gives its largest difference from the eager block
-(forward output, LoRA gradients), the seconds its first calls took to compile, and the graph
-breaks Dynamo made in them (each one splits the block into separately compiled pieces with eager
-PyTorch between them: LoRA dropout's seeded `bernoulli_` is one, once per projection).
+`--compile` adds a row per family for the engine's compiled block
+(`models.compiled_block_forward`, `train --compile-blocks`: Inductor fuses the block's
+elementwise work into generated kernels), beside the eager block (the fused primitives:
+F.rms_norm, in-place SiLU·up, ...): the measurement issue 10 asks for to choose between them on
+a GPU. Each compiled row also gives its largest difference from the eager block (forward output,
+LoRA gradients), the seconds its first calls took to compile, and the graph breaks Dynamo made in
+them (each one would split the block into separately compiled pieces with eager PyTorch between
+them; LoRA dropout's masks are drawn outside the block, so there should be none).
 """
 
 from __future__ import annotations
@@ -108,11 +109,7 @@ def time_block(
     grad_out = torch.randn(batch, seq, args.hidden_size, generator=gen).to(dev, dtype)
     block = None
     if compile_block:
-        # With dropout, Dynamo breaks the graph at the masks' bernoulli_ (it takes a generator),
-        # so model.linear becomes a frame of its own, specialised per projection name and grad
-        # mode: 14 variants, over Dynamo's default limit of 8 (past it a call runs eagerly).
-        torch._dynamo.config.recompile_limit = 64
-        block = torch.compile(models.block_forward, dynamic=False)
+        block = models.compiled_block_forward
 
     def context() -> M.LoraContext:
         ctx = lora.context(0, dtype)
@@ -145,8 +142,6 @@ def time_block(
         row["forward_ops"], row["recompute_backward_ops"] = fwd_ops.total, bwd_ops.total
     if block is not None:
         from torch._dynamo.utils import counters
-
-        row["recompile_limit"] = torch._dynamo.config.recompile_limit
 
         breaks = sum(counters["graph_break"].values())
         t0 = time.perf_counter()

@@ -17,6 +17,7 @@ SDPA cannot do, and writes its scores out in full (softmax in fp32). See docs/mo
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import torch
@@ -97,10 +98,6 @@ def block_forward(
     return y.view(B, T, C)
 
 
-#: Dynamo's compiled variants per function (its default, 8, is too few with LoRA dropout: the
-#: masks' seeded `bernoulli_` breaks the graph, so model.linear is compiled on its own once per
-#: projection and grad mode, 14 variants; past the limit a call runs eagerly)
-RECOMPILE_LIMIT = 64
 _compiled = None
 
 
@@ -121,16 +118,32 @@ def compiled_block_forward(
 
     Compiled once per kind of layer, not once per layer: `layer` only selects the block's
     attention window (ModelArgs.window), so it is replaced by the first layer with the same
-    window, and Dynamo specialises on at most two values (Gemma's sliding and full layers)."""
+    window, and Dynamo specialises on at most two values (Gemma's sliding and full layers).
+    LoRA dropout's masks are drawn before the compiled block runs (`dropout_masks`), so it
+    compiles whole with dropout too."""
     global _compiled
     if _compiled is None:
-        import torch._dynamo
-
-        limit = torch._dynamo.config.recompile_limit
-        torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
         _compiled = torch.compile(block_forward)
+    if lora is not None and lora.dropout > 0 and lora.masks is None:
+        lora = dataclasses.replace(lora, masks=dropout_masks(x, args, lora))
     kind = first_layer_like(args, layer)
     return _compiled(x, w, args, cos, sin, lora, mask, layer=kind)
+
+
+def dropout_masks(
+    x: torch.Tensor, args: M.ModelArgs, lora: M.LoraContext
+) -> dict[str, torch.Tensor]:
+    """The LoRA dropout masks the eager block draws, one per adapted projection, drawn here
+    instead: from the same generator, in the order the block calls its projections (the
+    family's LINEARS), each shaped as that projection's input rows, so the compiled block drops
+    exactly what the eager one does. Inside it, the seeded `bernoulli_` would break Dynamo's
+    graph at every projection (it cannot trace a Generator)."""
+    rows, keep = x.numel() // x.shape[-1], 1.0 - lora.dropout
+    return {
+        m: x.new_empty(rows, args.module_shape(m)[1]).bernoulli_(keep, generator=lora.generator)
+        for m in family(args).LINEARS
+        if m in lora.weights
+    }
 
 
 def first_layer_like(args: M.ModelArgs, layer: int) -> int:
