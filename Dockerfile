@@ -34,7 +34,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
 # The base image tag pins the distribution; pinning apt package versions on top only breaks
 # the build whenever Ubuntu publishes a security update.
 # gcc, libc6-dev and python3-dev build the appliance's one C extension (the fused CPU quantizers,
-# appliance/_quantize.c); the runtime stage needs them again, for Triton (below).
+# appliance/quant/_quantize.c); the runtime stage needs them again, for Triton (below).
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev \
@@ -50,7 +50,7 @@ COPY appliance ./appliance
 # fails the build if a CPU or another CUDA build of torch slipped in (cu126 -> torch.version.cuda
 # 12.6).
 RUN pip install --constraint constraints.txt . "ray[default]==${RAY_VERSION}" \
-    && python -c "import torch, ray, appliance, appliance._quantize; \
+    && python -c "import torch, ray, appliance, appliance.quant.formats._quantize; \
 want = '${TORCH_CUDA}'[2:-1] + '.' + '${TORCH_CUDA}'[-1]; \
 assert torch.version.cuda == want, (torch.version.cuda, want); \
 assert ray.__version__ == '${RAY_VERSION}', (ray.__version__, '${RAY_VERSION}'); \

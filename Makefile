@@ -12,7 +12,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # torch first and pinned: an unpinned torch pulls several GB of CUDA wheels on a CPU machine
-$(VENV)/.installed: pyproject.toml setup.py appliance/_quantize.c constraints.txt | $(BIN)/python
+$(VENV)/.installed: pyproject.toml setup.py appliance/quant/_quantize.c constraints.txt | $(BIN)/python
 	$(PIP) install torch==2.13.0
 	$(PIP) install -c constraints.txt -e '.[test]'
 	touch $@
@@ -39,6 +39,6 @@ format: install
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) .venv-tools .tools build appliance/*.so
+	rm -rf $(VENV) .venv-tools .tools build appliance/quant/*.so
 
 include deploy.mk

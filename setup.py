@@ -1,4 +1,4 @@
-"""The one compiled part of the appliance: the fused CPU quantizers (appliance/_quantize.c).
+"""The one compiled part of the appliance: the fused CPU quantizers (appliance/quant/_quantize.c).
 
 Everything else is in pyproject.toml. The extension is optional: without a C compiler and
 Python's headers the install still succeeds, and --base-quant quantizes with PyTorch (the same
@@ -9,8 +9,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "appliance._quantize",
-            ["appliance/_quantize.c"],
+            "appliance.quant._quantize",
+            ["appliance/quant/_quantize.c"],
             # exact IEEE arithmetic: no -ffast-math, no fused multiply-adds
             extra_compile_args=["-O3", "-ffp-contract=off", "-fno-strict-aliasing"],
             optional=True,

@@ -1,6 +1,6 @@
 """The `appliance` executable (`appliance` and `python -m appliance`).
 
-It imports nothing heavy itself: `appliance.cli` imports torch, a second or more, and a Ctrl-C
+It imports nothing heavy itself: `appliance.cli.main` imports torch, a second or more, and a Ctrl-C
 or SIGTERM in that second must end the command as it does later (`interrupted`, exit 130), not
 with a KeyboardInterrupt traceback from inside torch's import.
 """
@@ -12,15 +12,15 @@ import sys
 
 def entry() -> None:
     """`cli.main`, then an exit that is safe with Ray's threads still running
-    (appliance/exit.py says why)."""
-    from . import exit as E
-    from .interrupt import stop_at_once_on_sigterm
+    (appliance/cluster/exit.py says why)."""
+    from appliance.cluster import exit as E
+    from appliance.interrupt import stop_at_once_on_sigterm
 
     E.install()  # before Ray is imported, so that it runs after Ray's own exit hook
     stop_at_once_on_sigterm()  # `docker stop` ends a container's PID 1 before the step loop too
     try:
         try:
-            from .cli import main
+            from appliance.cli.main import main
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM while torch imports
             print("interrupted", file=sys.stderr)
             sys.exit(130)

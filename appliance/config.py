@@ -23,10 +23,10 @@ from typing import Any
 
 import yaml
 
-from .errors import ConfigError
-from .metrics_endpoint import is_tcp_port
-from .model import TARGET_MODULES
-from .models import TARGETS
+from appliance.errors import ConfigError
+from appliance.metrics.endpoint import is_tcp_port
+from appliance.models import TARGETS
+from appliance.models.layers import TARGET_MODULES
 
 CHECKPOINT_MINUTES = 10  # the default checkpoint interval, in minutes of training
 DEFAULT_METRICS_PORT = 8080  # where Prometheus (compose) and KubeRay look for it
@@ -192,7 +192,7 @@ class TrainConfig:
     )
 
     def lora_spec(self):
-        from .lora import LoraSpec
+        from appliance.models.lora import LoraSpec
 
         return LoraSpec(
             self.lora_rank, self.lora_alpha, self.lora_dropout, tuple(self.lora_targets)
@@ -569,7 +569,7 @@ def validate(cfg: TrainConfig, label: Callable[[str], str] = flag) -> list[str]:
     if cfg.allow_model_change and not (cfg.resume or cfg.auto_resume):
         errs.append(f"{label('allow_model_change')} goes with --resume or --auto-resume")
     if cfg.gpu_memory_budget is not None:
-        from .plan import gpu_budget_problem  # (plan.py imports this module)
+        from appliance.plan.estimate import gpu_budget_problem  # (plan.py imports this module)
 
         try:
             budget = parse_bytes(cfg.gpu_memory_budget)

@@ -34,9 +34,9 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from appliance import model as M
 from appliance import models
-from appliance.lora import LoraSpec, LoraWeights
+from appliance.models import layers as M
+from appliance.models.lora import LoraSpec, LoraWeights
 
 # family → ModelArgs fields beyond the shared shape (the features whose math differs)
 FAMILIES = {

@@ -37,9 +37,10 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from appliance import models, quant
-from appliance.measure import cuda_seconds
-from appliance.presets import PRESETS
+from appliance import models
+from appliance.hardware.measure import cuda_seconds
+from appliance.models.presets import PRESETS
+from appliance.quant import formats as quant
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -97,7 +98,7 @@ def triton_kernels(device: torch.device, dtype: torch.dtype):
     if os.environ.get("TRITON_INTERPRET") != "1":
         return None, "not on CUDA"  # on a CPU only under Triton's interpreter (a smoke test)
     try:
-        from appliance import quant_gpu
+        from appliance.quant import gpu as quant_gpu
     except Exception as e:  # noqa: BLE001 - any failure to import means: no Triton column
         return None, f"{type(e).__name__}: {e}"
     return quant_gpu, None

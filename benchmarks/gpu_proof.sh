@@ -70,7 +70,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.l
     | tee -a "$log"
 # Triton builds each kernel's launcher with the host's C compiler at its first launch
 echo "C compilers: $(command -v gcc cc clang | tr '\n' ' ')" | tee -a "$log"
-# The CPU quantizers (appliance/_quantize.c) where this machine can compile them: the copied tree
+# The CPU quantizers (appliance/quant/_quantize.c) where this machine can compile them: the copied tree
 # has no built library, and 70b-nf4 quantizes its synthetic blocks on the CPU. Without a
 # compiler the PyTorch functions code the same values, more slowly.
 "$py" setup.py -q build_ext --inplace >>"$log" 2>&1 \

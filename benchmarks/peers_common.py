@@ -3,14 +3,14 @@
 The peers train what `appliance bench` trains, so their rows compare with its streamed and
 resident rows (benchmarks/compare.py):
 
-- the model: `transformers.LlamaForCausalLM` of a preset's shape (appliance/presets.py), made on
+- the model: `transformers.LlamaForCausalLM` of a preset's shape (appliance/models/presets.py), made on
   the meta device and then filled with the bench's own synthetic weights
-  (`appliance.bench.SyntheticBlockSource`: N(0, 0.02) tiled from one pool at a stable offset
+  (`appliance.bench.step.SyntheticBlockSource`: N(0, 0.02) tiled from one pool at a stable offset
   per tensor, norms 1): the same weights, in seconds even for 13B;
-- LoRA: r16, alpha 32, dropout 0 on q, k, v, o, gate, up, down (`appliance.lora.LoraSpec`'s
+- LoRA: r16, alpha 32, dropout 0 on q, k, v, o, gate, up, down (`appliance.models.lora.LoraSpec`'s
   defaults) through PEFT, fp32 adapters started from the bench's own adapters
   (`LoraWeights(seed=0)`: A ~ PEFT's kaiming bound, B = 0);
-- the tokens: `appliance.bench._batches` (seeded random ids) at the preset's GPU shape on CUDA
+- the tokens: `appliance.bench.step._batches` (seeded random ids) at the preset's GPU shape on CUDA
   or its CPU shape on a CPU: micro_batches × micro_batch_size × seq_len tokens per step;
 - the step: each micro-batch's mean cross-entropy over its seq_len targets / micro_batches,
   backward, gradients clipped to norm 1, AdamW (lr 1e-4, betas (0.9, 0.999), weight decay 0),
@@ -44,14 +44,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from appliance.bench import LR, _batches, _release_cuda, model_facts
-from appliance.lora import LoraSpec, LoraWeights
-from appliance.measure import device_name, host_memory_available
-from appliance.model import ModelArgs
-from appliance.presets import PRESETS, Shape
-from appliance.streaming import with_index
-from appliance.synthetic import SyntheticBlockSource
-from appliance.trainer import resolve_device
+from appliance.actors.trainer import resolve_device
+from appliance.bench.step import LR, _batches, _release_cuda, model_facts
+from appliance.bench.synthetic import SyntheticBlockSource
+from appliance.engine.device_weights import with_index
+from appliance.hardware.measure import device_name, host_memory_available
+from appliance.models.layers import ModelArgs
+from appliance.models.lora import LoraSpec, LoraWeights
+from appliance.models.presets import PRESETS, Shape
 
 GiB = 2**30
 
@@ -339,7 +339,7 @@ def check_host_memory(setup: Setup, pinned: bool = False) -> None:
     available, the bench's own check). `pinned`: each weight is page-locked on its own through
     torch's pinned-memory allocator (FSDP2's CPUOffloadPolicy on CUDA), which rounds every
     allocation up to a power of two: 13B's 24 GiB of bf16 then takes 41 GiB."""
-    from appliance.hf_checkpoint import expected_shapes
+    from appliance.models.hf_checkpoint import expected_shapes
 
     size = setup.dtype.itemsize
     if pinned:

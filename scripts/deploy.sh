@@ -414,7 +414,7 @@ replace_changed_job() {
 }
 
 # Stop release $2's running Ray jobs (namespace $1) the graceful way before its RayJob or the
-# release is deleted: `python -m appliance.jobstop` in the head pod asks Ray's job supervisor to
+# release is deleted: `python -m appliance.cluster.jobstop` in the head pod asks Ray's job supervisor to
 # stop each job (SIGTERM to the driver, which finishes its step and writes a checkpoint; the chart
 # gives it gracefulStopSeconds) and waits until they have ended. Deleting a running RayJob alone
 # would stop it too, but returns before the driver has written that checkpoint. Best effort: with
@@ -431,7 +431,7 @@ stop_jobs_gracefully() {
   fi
   echo "Stopping release $release's running job gracefully: its step finishes and a checkpoint is written (up to the chart's gracefulStopSeconds)"
   best_effort "${KUBECTL[@]}" exec --namespace "$namespace" "$pod" -c ray-head -- \
-    python -m appliance.jobstop
+    python -m appliance.cluster.jobstop
 }
 
 # The job reads MODEL and DATA as soon as it starts: say what must be in the bucket by then.

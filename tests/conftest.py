@@ -7,11 +7,11 @@ import signal
 
 import pytest
 
-from appliance import exit as appliance_exit
+from appliance.cluster import exit as appliance_exit
 from tests.helpers_ray import ray_session
 
 # Ray's native threads outlive ray.shutdown() and can crash the interpreter's exit after a green
-# run (issue 17; appliance/exit.py has the evidence): end this process the way `appliance` ends,
+# run (issue 17; appliance/cluster/exit.py has the evidence): end this process the way `appliance` ends,
 # with pytest's own exit status, once every atexit handler has run. Installed here, before any
 # test module imports Ray, so that it runs after Ray's own exit hook.
 appliance_exit.install()

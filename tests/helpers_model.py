@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from appliance.config import TrainConfig, build_config
-from appliance.lora import LoraSpec, LoraWeights
+from appliance.models.lora import LoraSpec, LoraWeights
 from tests.helpers_tokenizer import make_tokenizer
 
 VOCAB = 64  # ≥ the test tokenizer's vocabulary
@@ -263,8 +263,8 @@ def config_only_7b(tmp: Path, weight_bytes: int) -> Path:
     import json
     import math
 
-    from appliance.plan import block_bytes
-    from appliance.presets import PRESETS
+    from appliance.models.presets import PRESETS
+    from appliance.plan.estimate import block_bytes
 
     config = {
         "architectures": ["LlamaForCausalLM"],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from appliance.metrics_endpoint import port_is_free
+from appliance.metrics.endpoint import port_is_free
 
 # Below Linux's ephemeral range (32768-60999), from which the kernel hands out the local ports of
 # outgoing connections and of bind(0) (Ray's agents pick their ports that way), and above Ray's

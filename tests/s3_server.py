@@ -4,7 +4,7 @@ Use from a test module with ``pytest_plugins = ["tests.s3_server"]`` (run pytest
 ``python -m pytest`` from the repo root so ``tests`` is importable), then:
 
 - ``s3_endpoint``: the server URL; sets AWS_ENDPOINT_URL and fake credentials (``testing``) and
-  region ``us-east-1`` for the test, so ``appliance.storage`` and plain boto3 both talk to it.
+  region ``us-east-1`` for the test, so ``appliance.storage.uri`` and plain boto3 both talk to it.
 - ``s3_bucket``: the name of a fresh, empty bucket (unique per test).
 - ``s3_client``: a boto3 S3 client for the server, for arranging and asserting.
 - ``enforce_iam(endpoint)``: a context manager under which moto checks IAM permissions (real

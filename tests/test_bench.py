@@ -20,14 +20,14 @@ import numpy as np
 import pytest
 import torch
 
-from appliance import bench as B
-from appliance import bench_cli as BC
-from appliance.bench_table import format_table, write_json
-from appliance.engine import StreamedEngine
+from appliance.bench import cli as BC
+from appliance.bench import step as B
+from appliance.bench.table import format_table, write_json
+from appliance.engine.step import StreamedEngine
 from appliance.errors import ConfigError
-from appliance.hf_checkpoint import block_names, read_model_args
-from appliance.lora import LoraSpec, LoraWeights
 from appliance.models import block_shapes
+from appliance.models.hf_checkpoint import block_names, read_model_args
+from appliance.models.lora import LoraSpec, LoraWeights
 from tests.helpers_model import write_config
 
 ROW_FIELDS = {
@@ -502,7 +502,7 @@ def test_a_quantized_bench_says_what_dequantized_its_blocks(tmp_path):
     """With --base-quant the JSON names the dequantizer: "pytorch" on a CPU (on a GPU, "triton"
     unless its kernels did not load or launch), so a dequant share is read against the right one;
     and each row measures its dequantization (the figure issue 13 asks of the 70B NF4 row)."""
-    from appliance import bench
+    from appliance.bench import step as bench
 
     assert bench._dequant_kernels("none", torch.device("cpu"), torch.float32) is None
     path = tmp_path / "bench.json"

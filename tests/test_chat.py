@@ -16,12 +16,18 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from appliance.chat import ChatError, load_chat_template, messages_of, target_mask
-from appliance.data import SKIP_HINT, ShardReader, encode_records, load_tokenizer, parse_document
-from appliance.data_files import find_data_files, unreadable_files
+from appliance.actors.tokenize_worker import TokenizeWorker
+from appliance.adapter.evaluate import evaluate
+from appliance.data.chat import ChatError, load_chat_template, messages_of, target_mask
+from appliance.data.files import find_data_files, unreadable_files
+from appliance.data.records import (
+    SKIP_HINT,
+    ShardReader,
+    encode_records,
+    load_tokenizer,
+    parse_document,
+)
 from appliance.errors import DataError
-from appliance.evaluate import evaluate
-from appliance.tokenize_worker import TokenizeWorker
 from tests.helpers_model import load_hf, make_model
 from tests.helpers_tokenizer import (
     CHAT_TEMPLATE,

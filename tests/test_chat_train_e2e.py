@@ -11,9 +11,9 @@ import random
 import pytest
 from click.testing import CliRunner
 
-from appliance.cli import main
-from appliance.evaluate import evaluate
-from appliance.progress import Progress
+from appliance.adapter.evaluate import evaluate
+from appliance.cli.main import main
+from appliance.run.progress import Progress
 from tests.helpers_model import make_model, tiny_train_config
 from tests.helpers_tokenizer import WORDS, make_chat_tokenizer
 
@@ -38,7 +38,7 @@ def conversations(n: int, seed: int) -> list[dict]:
 
 
 def test_chat_fine_tune_drops_held_out_assistant_loss(ray_local, tmp_path):
-    from appliance.driver import train
+    from appliance.run.driver import train
 
     # weights 5x HF's default scale: at 0.02 the frozen random LM head caps every logit near 1.3,
     # and no adapter could bring the loss under ~2.9 (ln 64 = 4.2)

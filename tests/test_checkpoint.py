@@ -1,4 +1,4 @@
-"""appliance.checkpoint: complete-then-publish checkpoints on local disk and on S3 (moto)."""
+"""appliance.storage.checkpoints: complete-then-publish checkpoints on local disk and on S3 (moto)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from appliance import checkpoint, storage
-from appliance.checkpoint import (
+from appliance.storage import checkpoints as checkpoint
+from appliance.storage import uri as storage
+from appliance.storage.checkpoints import (
     CheckpointError,
     list_checkpoints,
     load_latest_checkpoint,
@@ -169,7 +170,7 @@ def test_corrupt_latest_falls_back_naming_the_file(
     problems = verify_checkpoint(ckpt_uri(output_uri, 2))
     assert len(problems) == 1 and bad in problems[0] and "sha256" in problems[0]
 
-    with caplog.at_level(logging.WARNING, logger="appliance.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="appliance.storage.checkpoints"):
         ckpt = load_latest_checkpoint(output_uri)
     assert ckpt is not None
     assert ckpt.step == 1 and ckpt.files == files_for(1)

@@ -13,12 +13,12 @@ import torch
 from click.testing import CliRunner
 from peft import PeftModel
 
-from appliance.bench_cli import parser as bench_parser
-from appliance.cli import main
-from appliance.data import Holdout
-from appliance.evaluate import evaluate
-from appliance.hf_checkpoint import read_model_args
-from appliance.lora import LoraSpec
+from appliance.adapter.evaluate import evaluate
+from appliance.bench.cli import parser as bench_parser
+from appliance.cli.main import main
+from appliance.data.records import Holdout
+from appliance.models.hf_checkpoint import read_model_args
+from appliance.models.lora import LoraSpec
 from tests.helpers_model import load_hf, lora_with_random_b, make_model
 from tests.helpers_net import free_port
 from tests.helpers_ray import session_processes, wait_gone

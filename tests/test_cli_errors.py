@@ -17,12 +17,12 @@ import pytest
 from click.testing import CliRunner
 
 from appliance import config as C
-from appliance import storage
-from appliance.checkpoint import list_checkpoints, load_latest_checkpoint, save_checkpoint
-from appliance.cli import main
-from appliance.driver import check_output, remove_previous_run
-from appliance.output_lock import LOCK_FILE, OutputLock
-from appliance.run_record import rebuild_unreadable_run_file, run_identity, write_run_file
+from appliance.cli.main import main
+from appliance.run.driver import check_output, remove_previous_run
+from appliance.run.output_lock import LOCK_FILE, OutputLock
+from appliance.run.record import rebuild_unreadable_run_file, run_identity, write_run_file
+from appliance.storage import uri as storage
+from appliance.storage.checkpoints import list_checkpoints, load_latest_checkpoint, save_checkpoint
 from tests.helpers_model import make_model
 from tests.helpers_net import free_port
 from tests.helpers_tokenizer import sentences

@@ -8,7 +8,7 @@ import re
 from click.testing import CliRunner
 
 from appliance import config as C
-from appliance.cli import main
+from appliance.cli.main import main
 
 
 def help_of(*argv: str) -> str:

@@ -19,12 +19,12 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from appliance.cluster import TRAINER_NODE_RESOURCE, start_ray
+from appliance.cluster.start import TRAINER_NODE_RESOURCE, start_ray
 from appliance.config import TrainConfig, build_config
-from appliance.driver import connect
 from appliance.errors import ConfigError
-from appliance.progress import Progress
-from appliance.run_record import write_run_file
+from appliance.run.driver import connect
+from appliance.run.progress import Progress
+from appliance.run.record import write_run_file
 from tests.helpers_cli import cli, finish
 from tests.helpers_model import make_model
 from tests.helpers_mount import unshare_prefix

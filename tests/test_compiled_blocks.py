@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from appliance import model as M
 from appliance import models
-from appliance.blocks import DictBlockSource
-from appliance.engine import StreamedEngine
+from appliance.engine.blocks import DictBlockSource
+from appliance.engine.step import StreamedEngine
+from appliance.models import layers as M
 from tests.helpers_model import SPEC, batch, lora_with_random_b, make_model, rel_err
 from tests.test_engine_parity import RTOL
 

@@ -209,8 +209,8 @@ def test_a_run_recorded_before_packing_and_quantization_resumes_as_it_was(tmp_pa
     command that asks for document packing is refused, naming both values."""
     import json
 
-    from appliance.driver import check_output, recorded_config
-    from appliance.run_record import LEGACY_IDENTITY, RUN_FILE, run_identity
+    from appliance.run.driver import check_output, recorded_config
+    from appliance.run.record import LEGACY_IDENTITY, RUN_FILE, run_identity
 
     out = tmp_path / "out"
     out.mkdir()
@@ -248,9 +248,9 @@ def test_a_resume_checks_its_data_follows_it_when_moved_and_names_what_changed(
     import json
     import shutil
 
-    from appliance.data import check_dataset
-    from appliance.driver import check_output
-    from appliance.run_record import RUN_FILE, data_fingerprint, write_run_file
+    from appliance.data.records import check_dataset
+    from appliance.run.driver import check_output
+    from appliance.run.record import RUN_FILE, data_fingerprint, write_run_file
 
     data, out = tmp_path / "data", tmp_path / "out"
     (data / "sub").mkdir(parents=True)
@@ -300,7 +300,7 @@ def test_a_resume_checks_its_data_follows_it_when_moved_and_names_what_changed(
     with pytest.raises(ConfigError, match="--allow-data-change goes with --resume or --auto"):
         C.build_config({}, {"model": "m", "data": "d", "output": "o", "allow_data_change": True})
     # a corpus of more files than run.json names: their number, and 4 KiB of each
-    from appliance import run_record
+    from appliance.run import record as run_record
 
     monkeypatch.setattr(run_record, "NAMED_DATA_FILES", 1)
     (data / "sub" / "b.jsonl").write_bytes(big)
@@ -328,8 +328,8 @@ def test_a_resume_on_a_model_changed_in_place_is_refused_unless_allowed(tmp_path
     run.json then recorded the new ones, so eval and export said nothing either)."""
     from safetensors.torch import load_file, save_file
 
-    from appliance.driver import check_output
-    from appliance.run_record import model_fingerprint, write_run_file
+    from appliance.run.driver import check_output
+    from appliance.run.record import model_fingerprint, write_run_file
     from tests.helpers_model import make_model
 
     model, out, other = make_model(tmp_path / "m", "llama-mha"), tmp_path / "out", tmp_path / "o"
@@ -372,9 +372,9 @@ def test_a_resume_on_a_model_changed_in_place_is_refused_unless_allowed(tmp_path
 def test_a_resume_on_a_changed_eval_data_goes_on_and_says_so(tmp_path):
     """--eval-data is not what the run trains on: a resume with its files changed goes on, and
     a note says the validation losses from then on compare with the earlier ones no more."""
-    from appliance.data import check_dataset
-    from appliance.driver import check_output
-    from appliance.run_record import data_fingerprint, write_run_file
+    from appliance.data.records import check_dataset
+    from appliance.run.driver import check_output
+    from appliance.run.record import data_fingerprint, write_run_file
 
     data, held_out, out = tmp_path / "d.jsonl", tmp_path / "eval", tmp_path / "out"
     data.write_text('{"text": "one"}\n')
@@ -411,8 +411,8 @@ def test_a_resume_with_other_training_settings_says_so(tmp_path):
     silently: a note names each, with the run's value."""
     import json
 
-    from appliance.driver import check_output
-    from appliance.run_record import write_run_file
+    from appliance.run.driver import check_output
+    from appliance.run.record import write_run_file
 
     out = tmp_path / "out"
     out.mkdir()
@@ -455,7 +455,7 @@ def test_eval_or_export_with_another_model_than_the_runs_says_so(tmp_path):
     import json
     import shutil
 
-    from appliance.run_record import model_fingerprint, other_model_note
+    from appliance.run.record import model_fingerprint, other_model_note
     from tests.helpers_model import make_model
 
     trained = make_model(tmp_path / "a", "llama-mha", seed=0)

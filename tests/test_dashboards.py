@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from appliance import metric_names as N
 from appliance.config import DEFAULT_METRICS_PORT
+from appliance.metrics import names as N
 from tests.test_metrics import embedded_ray, record_everything_and_scrape, samples, scrape_until
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""appliance.data: sharding, record parsing, tokenizer loading, encoding."""
+"""appliance.data.records: sharding, record parsing, tokenizer loading, encoding."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pickle
 import numpy as np
 import pytest
 
-from appliance.data import (
+from appliance.data.records import (
     SKIP_HINT,
     DataError,
     Holdout,

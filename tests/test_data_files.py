@@ -1,4 +1,4 @@
-"""appliance.data_files: which files are data, each format read (compressed, .json arrays,
+"""appliance.data.files: which files are data, each format read (compressed, .json arrays,
 tables), and what a run says about a dataset directory (files skipped, several splits, eval files
 it trains on)."""
 
@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.data import Record, ShardReader, parse_document
-from appliance.data_files import (
+from appliance.data.files import (
     count_documents,
     dataset_notes,
     find_data_files,
@@ -21,6 +20,7 @@ from appliance.data_files import (
     split_of,
     unreadable_files,
 )
+from appliance.data.records import Record, ShardReader, parse_document
 from appliance.errors import DataError
 from tests.helpers_data import write_jsonl
 

@@ -12,18 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from appliance import storage
-from appliance.data_files import (
+from appliance.data.files import (
     dataset_notes,
     find_data_files,
     not_held_out_notes,
     split_of,
     split_pattern,
 )
-from appliance.driver import prepare
 from appliance.errors import DataError, StorageError
-from appliance.globs import glob_match, split_glob
-from appliance.s3_cache import localize_data
+from appliance.run.driver import prepare
+from appliance.storage import uri as storage
+from appliance.storage.globs import glob_match, split_glob
+from appliance.storage.localize import localize_data
 from tests.helpers_data import write_jsonl
 from tests.helpers_model import make_model, tiny_train_config
 from tests.helpers_net import free_port

@@ -17,9 +17,9 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from appliance.driver import prepare
-from appliance.progress import Progress
-from appliance.run import Run
+from appliance.run.driver import prepare
+from appliance.run.loop import Run
+from appliance.run.progress import Progress
 from tests.helpers_model import make_model, tiny_train_config
 from tests.helpers_tokenizer import sentences
 
@@ -94,7 +94,7 @@ def test_an_epoch_whose_last_step_leaves_a_rank_without_batches(ray_local, input
 def test_a_dead_rank_restarts_every_trainer_in_a_fresh_group_and_the_run_is_unchanged(
     ray_local, inputs, tmp_path
 ):
-    from appliance.trainer import Trainer
+    from appliance.actors.trainer import Trainer
 
     marker = tmp_path / "rank1-killed"
 

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from appliance.blocks import DictBlockSource
-from appliance.engine import StreamedEngine
-from appliance.loss_scale import LossScaler
+from appliance.engine.blocks import DictBlockSource
+from appliance.engine.loss_scale import LossScaler
+from appliance.engine.step import StreamedEngine
 from tests.helpers_model import SPEC, batch, lora_with_random_b, make_model
 from tests.helpers_net import free_port
 

@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import appliance.doctor as doctor_module
-from appliance.cli import main
+import appliance.plan.doctor as doctor_module
+from appliance.cli.main import main
 from appliance.config import TrainConfig, validate
-from appliance.doctor import blocking_problems, check_port
-from appliance.measure import host_memory_available
-from appliance.metrics_endpoint import port_is_free
-from appliance.presets import PRESETS
+from appliance.hardware.measure import host_memory_available
+from appliance.metrics.endpoint import port_is_free
+from appliance.models.presets import PRESETS
+from appliance.plan.doctor import blocking_problems, check_port
 from tests.helpers_model import config_only_7b
 from tests.helpers_net import free_port
 
@@ -37,7 +37,7 @@ pytest_plugins = ["tests.s3_server"]
 def appliance(*argv: str, env: dict | None = None, preexec_fn=None) -> subprocess.CompletedProcess:
     """Run the CLI of this checkout in a subprocess."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    code = "import sys; from appliance.cli import main; sys.exit(main())"
+    code = "import sys; from appliance.cli.main import main; sys.exit(main())"
     return subprocess.run(
         [sys.executable, "-c", code, *argv],
         capture_output=True,
@@ -129,7 +129,7 @@ def test_a_busy_default_port_is_a_warning_naming_the_port_train_will_take(monkey
     """Without --metrics-port train takes 8080 or the next free port, so a busy 8080 (another
     user's Ray on a shared box) does not stop a run: doctor failed it and exited 1, and told
     the operator to stop what holds it. It warns, and names the port train will serve on."""
-    import appliance.metrics_endpoint as endpoint
+    import appliance.metrics.endpoint as endpoint
 
     base = free_port()
     while not endpoint.port_is_free(base + 1):
@@ -188,13 +188,7 @@ def test_a_small_shm_fails_the_shm_check(monkeypatch):
 def test_fixes_give_one_shm_size_and_only_smaller_quantizations(base_quant, smaller):
     """The shm, ram and ray fixes of one model name the same sizes (one /dev/shm in `g`, one RAM
     in GiB, from one function) and suggest only a --base-quant smaller than the one given."""
-    from appliance.doctor import (
-        check_ram,
-        check_ray,
-        check_shm,
-        needs_for,
-        suggested_sizes,
-    )
+    from appliance.plan.doctor import check_ram, check_ray, check_shm, needs_for, suggested_sizes
 
     needs = needs_for(PRESETS["70b"].args, True, base_quant)
     huge = replace(needs, weight_store=2**50, ram=2**50 + needs.ram)  # more than any box here
@@ -221,9 +215,9 @@ def test_fixes_give_one_shm_size_and_only_smaller_quantizations(base_quant, smal
 
 
 def test_the_suggested_sizes_give_embedded_ray_a_store_that_holds_the_weights(monkeypatch):
-    from appliance import cluster
+    from appliance.cluster import start as cluster
     from appliance.config import TrainConfig
-    from appliance.doctor import needs_for, suggested_sizes
+    from appliance.plan.doctor import needs_for, suggested_sizes
 
     needs = needs_for(PRESETS["70b"].args, True, "nf4")
     shm, ram = suggested_sizes(needs)
@@ -293,7 +287,7 @@ tmpfs /mnt/big\\040shm/inner tmpfs rw,huge=always 0 0
 
 
 def test_the_huge_page_policy_is_the_mount_holding_the_path():
-    from appliance.cluster import tmpfs_huge_policy
+    from appliance.cluster.start import tmpfs_huge_policy
 
     plain = "always within_size advise [never] deny force"
     assert tmpfs_huge_policy(Path("/dev/shm"), MOUNTS, plain) == "never"  # not said: never
@@ -310,7 +304,7 @@ def test_the_huge_page_policy_is_the_mount_holding_the_path():
 
 @pytest.mark.parametrize("huge, status", [("never", "warn"), ("within_size", "ok")])
 def test_shm_pages_reads_the_real_mount(monkeypatch, huge, status):
-    from appliance.cluster import SHMEM_ENABLED
+    from appliance.cluster.start import SHMEM_ENABLED
 
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
@@ -345,7 +339,7 @@ def test_quantizers_says_whether_the_c_kernels_are_built(monkeypatch, base_quant
     c = checks["quantizers"]
     assert c["status"] == "ok" and "fused C kernels built (_quantize." in c["detail"]
     assert "x86-64" in c["detail"] or platform.machine() != "x86_64"  # the ISA they run with
-    monkeypatch.setitem(sys.modules, "appliance._quantize", None)
+    monkeypatch.setitem(sys.modules, "appliance.quant._quantize", None)
     rc, checks = doctor_here("--device", "cpu", "--base-quant", base_quant)
     c = checks["quantizers"]
     assert c["status"] == status and "the fused C kernels are not built" in c["detail"]
@@ -358,7 +352,7 @@ def test_triton_says_whether_a_gpu_box_can_build_its_kernels(monkeypatch):
     the fused dequant falls back and torch.compile / flex_attention fail, and told what to
     install; never a failure. (On a GPU with a compiler the kernels launch:
     tests/test_quant_gpu.py.)"""
-    from appliance.doctor import check_triton
+    from appliance.plan.doctor import check_triton
 
     c = check_triton(cuda=False)
     assert (c.status, c.detail) == ("ok", "no CUDA GPU: Triton's kernels are not used")

@@ -15,13 +15,13 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from appliance.blocks import DictBlockSource
-from appliance.engine import StreamedEngine
-from appliance.lora import LoraSpec, LoraWeights
-from appliance.model import HEAD_CHUNK_VALUES
-from appliance.planner import CUDA_MARGIN_BYTES, plan_memory
-from appliance.presets import _llama
-from appliance.synthetic import SyntheticBlockSource
+from appliance.bench.synthetic import SyntheticBlockSource
+from appliance.engine.blocks import DictBlockSource
+from appliance.engine.memory import CUDA_MARGIN_BYTES, plan_memory
+from appliance.engine.step import StreamedEngine
+from appliance.models.layers import HEAD_CHUNK_VALUES
+from appliance.models.lora import LoraSpec, LoraWeights
+from appliance.models.presets import _llama
 from tests.helpers_model import VOCAB, make_model, rel_err
 from tests.helpers_model import lora_with_random_b as _lora_with_random_b
 
@@ -366,7 +366,7 @@ def test_page_locking_is_not_bounded_by_memlock():
     here) still registers 256 MiB in place, and torch pins 256 MiB too."""
     import resource
 
-    from appliance.streaming import host_register, host_unregister
+    from appliance.engine.device_weights import host_register, host_unregister
 
     device = torch.device("cuda", torch.cuda.current_device())
     torch.zeros(1, device=device)  # the runtime is loaded: host_register finds it

@@ -15,14 +15,14 @@ import torch.nn.functional as F
 from peft import PeftModel, get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
-from appliance import lora as lora_module
-from appliance import model as M
 from appliance import models
-from appliance.blocks import DictBlockSource
-from appliance.engine import StreamedEngine, lr_at
+from appliance.engine.blocks import DictBlockSource
+from appliance.engine.step import StreamedEngine, lr_at
 from appliance.errors import ModelError
-from appliance.hf_checkpoint import SafetensorsCheckpoint, read_block, read_model_args
-from appliance.lora import LoraSpec, LoraWeights, folds_scale, peft_key, peft_layers
+from appliance.models import layers as M
+from appliance.models import lora as lora_module
+from appliance.models.hf_checkpoint import SafetensorsCheckpoint, read_block, read_model_args
+from appliance.models.lora import LoraSpec, LoraWeights, folds_scale, peft_key, peft_layers
 from tests.helpers_model import (
     FAMILY_VARIANTS,
     SPEC,

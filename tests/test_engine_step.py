@@ -11,9 +11,9 @@ import itertools
 
 import torch
 
-from appliance import streaming
-from appliance.blocks import DictBlockSource
-from appliance.engine import StreamedEngine, count_targets
+from appliance.engine import device_weights as streaming
+from appliance.engine.blocks import DictBlockSource
+from appliance.engine.step import StreamedEngine, count_targets
 from tests.helpers_model import batch, lora_with_random_b, make_model
 
 

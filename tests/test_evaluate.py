@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from peft import PeftModel
 from tokenizers import Tokenizer
 
-from appliance.data import SKIP_HINT, DataError
+from appliance.adapter.evaluate import evaluate
+from appliance.data.records import SKIP_HINT, DataError
 from appliance.errors import ConfigError, ModelError
-from appliance.evaluate import evaluate
-from appliance.hf_checkpoint import read_model_args
-from appliance.lora import LoraSpec, LoraWeights
+from appliance.models.hf_checkpoint import read_model_args
+from appliance.models.lora import LoraSpec, LoraWeights
 from tests.helpers_model import FAMILY_VARIANTS, load_hf, lora_with_random_b, make_model
 from tests.helpers_tokenizer import sentences
 
@@ -203,7 +203,7 @@ def test_eval_runs_where_ray_and_boto3_are_not_installed(model_dir, texts, tmp_p
     here = evaluate(model_dir, data, seq_len=10, base_quant="nf4")
     script = (
         "import json, sys; sys.modules['ray'] = None; sys.modules['boto3'] = None; "
-        "from appliance.evaluate import evaluate; "
+        "from appliance.adapter.evaluate import evaluate; "
         f"r = evaluate({str(model_dir)!r}, {data!r}, seq_len=10, base_quant='nf4'); "
         "print(json.dumps({'loss': r['loss'], 'tokens': r['tokens']}))"
     )

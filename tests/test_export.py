@@ -16,11 +16,11 @@ from click.testing import CliRunner
 from peft import PeftModel
 from safetensors import SafetensorError, safe_open
 
-from appliance import export as E
-from appliance.cli import main
+from appliance.adapter import export as E
+from appliance.cli.main import main
 from appliance.errors import NO_SPACE, ModelError, StorageError
-from appliance.hf_checkpoint import read_model_args
-from appliance.lora import LoraSpec
+from appliance.models.hf_checkpoint import read_model_args
+from appliance.models.lora import LoraSpec
 from tests.helpers_model import (
     FAMILY_VARIANTS,
     VOCAB,

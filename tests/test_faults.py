@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from appliance.checkpoint import list_checkpoints, load_latest_checkpoint
+from appliance.storage.checkpoints import list_checkpoints, load_latest_checkpoint
 from tests.helpers_model import make_model
 from tests.helpers_net import free_port
 from tests.helpers_tokenizer import sentences

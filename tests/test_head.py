@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from appliance import model as M
-from appliance import planner
-from appliance.planner import plan_memory
-from appliance.presets import _llama
+from appliance.engine import memory as planner
+from appliance.engine.memory import plan_memory
+from appliance.models import layers as M
+from appliance.models.presets import _llama
 
 ARGS = _llama(97, 32, 64, 2, 4, 2)
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 import transformers
 
-from appliance.driver import prepare
+from appliance.adapter.evaluate import evaluate
 from appliance.errors import DataError, ModelError
-from appliance.evaluate import evaluate
-from appliance.hf_checkpoint import SafetensorsCheckpoint, read_model_args
+from appliance.models.hf_checkpoint import SafetensorsCheckpoint, read_model_args
+from appliance.run.driver import prepare
 from tests.helpers_model import make_model, tiny_train_config
 from tests.helpers_tokenizer import sentences
 

@@ -1,4 +1,4 @@
-"""`python -m appliance.jobstop`, the Kubernetes pods' preStop hook, against a real Ray head with
+"""`python -m appliance.cluster.jobstop`, the Kubernetes pods' preStop hook, against a real Ray head with
 its dashboard and job API: `appliance train --cluster auto` submitted as a Ray job (as the chart's
 RayJob submits it) is stopped the way a pod deletion stops it, finishes its step, writes a
 checkpoint and ends STOPPED; a job that outlasts the timeout is named, with exit status 1."""
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance.checkpoint import load_latest_checkpoint
-from appliance.cluster import TRAINER_NODE_RESOURCE
+from appliance.cluster.start import TRAINER_NODE_RESOURCE
+from appliance.storage.checkpoints import load_latest_checkpoint
 from tests.helpers_model import make_model
 from tests.helpers_net import free_port
 from tests.helpers_ray import ray_session, ray_start
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.integration
 
 def jobstop(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "appliance.jobstop", *args],
+        [sys.executable, "-m", "appliance.cluster.jobstop", *args],
         capture_output=True,
         text=True,
         timeout=300,

@@ -14,11 +14,11 @@ from itertools import pairwise
 import pytest
 import torch
 
-from appliance import doctor
-from appliance.blocks import DictBlockSource
-from appliance.engine import StreamedEngine
-from appliance.loss_scale import LossScaler
-from appliance.trainer import resolve_device, resolve_dtype
+from appliance.actors.trainer import resolve_device, resolve_dtype
+from appliance.engine.blocks import DictBlockSource
+from appliance.engine.loss_scale import LossScaler
+from appliance.engine.step import StreamedEngine
+from appliance.plan import doctor
 from tests.helpers_model import batch, lora_with_random_b, make_model, rel_err
 
 # ---------------------------------------------------------------- dtype auto

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.measure import (
+from appliance.hardware.measure import (
     NO_CGROUP_LIMIT,
     _cgroup_dirs,
     cgroup_memory_headroom,
@@ -141,7 +141,7 @@ def test_a_real_memory_cgroup_limit_refuses_a_model_the_host_could_hold(tmp_path
             (child / "cgroup.procs").write_text(str(os.getpid()))
 
         def appliance(*argv: str) -> subprocess.CompletedProcess:
-            code = "import sys; from appliance.cli import main; sys.exit(main())"
+            code = "import sys; from appliance.cli.main import main; sys.exit(main())"
             return subprocess.run(
                 [sys.executable, "-c", code, *argv],
                 capture_output=True,

@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
-from appliance import metric_names as N
-from appliance import metrics as M
-from appliance import metrics_endpoint as endpoint
 from appliance.errors import ConfigError
-from appliance.gpu_monitor import NvmlSampler
-from appliance.hardware import peak_flops_per_second
+from appliance.hardware.gpu_monitor import NvmlSampler
+from appliance.hardware.gpus import peak_flops_per_second
+from appliance.metrics import endpoint
+from appliance.metrics import names as N
+from appliance.metrics import recorders as M
 from tests.helpers_net import free_port
 from tests.helpers_ray import ray_session
 
@@ -219,7 +219,7 @@ def test_docs_table_equals_the_registry():
     assert set(documented) == set(expected), (
         f"docs/metrics.md lists {sorted(set(documented) - set(expected))} that the code lacks "
         f"and lacks {sorted(set(expected) - set(documented))}; regenerate the table with "
-        "`python -m appliance.metric_names`"
+        "`python -m appliance.metrics.names`"
     )
     for name, spec in expected.items():
         _, kind, unit, labels, meaning = documented[name]

@@ -1,4 +1,4 @@
-"""Model cards (appliance/model_card.py): what a card says, read back with huggingface_hub's own
+"""Model cards (appliance/adapter/model_card.py): what a card says, read back with huggingface_hub's own
 parser; a README.md that is the user's is never overwritten or deleted; export replaces the base
 model's card with the merged model's. A card written by a whole run on a hub id:
 tests/test_run_ux.py; on S3 after a resume: tests/test_s3_e2e.py."""
@@ -9,11 +9,11 @@ import json
 
 from huggingface_hub import ModelCard
 
-from appliance import model_card
+from appliance.adapter import model_card
+from appliance.adapter.export import export_merged
 from appliance.config import build_config
-from appliance.driver import remove_previous_run
-from appliance.export import export_merged
-from appliance.hub import CachedRepo, cached_repo
+from appliance.run.driver import remove_previous_run
+from appliance.storage.hub import CachedRepo, cached_repo
 from tests.helpers_model import make_model
 from tests.test_export import save_random_adapter
 

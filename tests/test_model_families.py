@@ -10,7 +10,7 @@ import torch
 
 from appliance import models
 from appliance.errors import ConfigError, ModelError
-from appliance.hf_checkpoint import SafetensorsCheckpoint, expected_shapes, read_model_args
+from appliance.models.hf_checkpoint import SafetensorsCheckpoint, expected_shapes, read_model_args
 from tests.helpers_model import FAMILY_VARIANTS, make_model, write_config
 
 
@@ -162,7 +162,7 @@ def test_unsupported_models_are_refused_by_name_before_any_weight(tmp_path, arch
 def test_attention_kernels_agree_where_their_domains_meet():
     """The masked and written-out kernels equal SDPA's causal fast path when the window covers
     the sequence and the cap is too high to bite."""
-    from appliance.model import attend
+    from appliance.models.layers import attend
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, n, 12, 8, generator=g) for n in (4, 2, 2))
@@ -178,7 +178,7 @@ def test_attention_kernels_agree_where_their_domains_meet():
 @pytest.mark.parametrize("softcap", [None, 1.0])
 def test_a_document_mask_makes_a_packed_document_attend_as_if_alone(softcap):
     """model.attend's `mask` (packed documents) composes with the window and the soft cap."""
-    from appliance.model import attend
+    from appliance.models.layers import attend
 
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, n, 12, 8, generator=g) for n in (4, 2, 2))

@@ -18,11 +18,13 @@ from peft import PeftModel
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from appliance import export as E
 from appliance import models
-from appliance.chat import ChatError, load_chat_template
+from appliance.actors.weight_store import local_source
+from appliance.adapter import export as E
+from appliance.data.chat import ChatError, load_chat_template
 from appliance.errors import ModelError
-from appliance.hf_checkpoint import (
+from appliance.models import multimodal
+from appliance.models.hf_checkpoint import (
     SafetensorsCheckpoint,
     expected_shapes,
     read_block,
@@ -30,9 +32,7 @@ from appliance.hf_checkpoint import (
     read_model_args,
     tensor_locations,
 )
-from appliance.lora import LoraSpec, read_spec
-from appliance.models import multimodal
-from appliance.weight_store import local_source
+from appliance.models.lora import LoraSpec, read_spec
 from tests.helpers_model import load_hf, lora_with_random_b, make_model
 from tests.test_export import check_export_matches_peft
 
@@ -298,9 +298,9 @@ def test_a_chat_fine_tune_of_a_multimodal_model_end_to_end(ray_local, tmp_path):
     """`appliance train` on an image-text checkpoint whose chat template is its processor's: the
     held-out assistant loss drops, and the run's adapter loads in PEFT on the whole model and
     adapts the language model's projections, nothing else."""
-    from appliance.driver import train
-    from appliance.evaluate import evaluate
-    from appliance.progress import Progress
+    from appliance.adapter.evaluate import evaluate
+    from appliance.run.driver import train
+    from appliance.run.progress import Progress
     from tests.helpers_model import tiny_train_config
     from tests.helpers_tokenizer import make_chat_tokenizer
     from tests.test_chat_train_e2e import conversations

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from appliance import cluster
+from appliance.actors.weight_store import WeightStore
+from appliance.cluster import start as cluster
 from appliance.config import TrainConfig, build_config
 from appliance.errors import ConfigError
-from appliance.metrics import RUN_ENV, run_label
-from appliance.weight_store import WeightStore
+from appliance.metrics.recorders import RUN_ENV, run_label
 from tests.helpers_model import make_model
 from tests.helpers_mount import unshare_prefix
 from tests.helpers_net import free_port
@@ -49,7 +49,7 @@ def with_shm(size: str, python: str, timeout: int = 120) -> dict:
 CASES = {"600m": ("600m", 0), "3g": ("3g", 0), "3g-256m-taken": ("3g", 256), "20m": ("20m", 0)}
 SIZES = f"""
     import json, subprocess
-    from appliance.cluster import object_store_bytes, shm_available_bytes
+    from appliance.cluster.start import object_store_bytes, shm_available_bytes
     from appliance.config import TrainConfig
     out = {{}}
     for name, (size, fill) in {CASES!r}.items():
@@ -129,9 +129,9 @@ def test_embedded_ray_gets_that_store_and_every_worker_the_run_label() -> None:
         "2g",
         f"""
         import json, os, ray
-        from appliance.cluster import object_store_bytes, start_ray
+        from appliance.cluster.start import object_store_bytes, start_ray
         from appliance.config import TrainConfig
-        from appliance.progress import Progress
+        from appliance.run.progress import Progress
         cfg = TrainConfig(metrics_port={free_port()}, output="/runs/label-test")
         start_ray(cfg, Progress("plain"), weight_bytes=1024)
         label = ray.get(ray.remote(lambda: os.environ.get("{RUN_ENV}")).remote())

@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from appliance.blocks import DictBlockSource
-from appliance.data import IGNORE_INDEX
-from appliance.engine import StreamedEngine
-from appliance.packing import best_fit, fill_rows, split_document
-from appliance.tokenize_worker import PACK_GROUP_ROWS, TokenizeWorker
-from appliance.trainer import _tensors
+from appliance.actors.tokenize_worker import PACK_GROUP_ROWS, TokenizeWorker
+from appliance.actors.trainer import _tensors
+from appliance.data.packing import best_fit, fill_rows, split_document
+from appliance.data.records import IGNORE_INDEX
+from appliance.engine.blocks import DictBlockSource
+from appliance.engine.step import StreamedEngine
 from tests.helpers_model import lora_with_random_b, make_model, rel_err
 from tests.helpers_tokenizer import make_tokenizer, sentences
 from tests.test_engine_parity import assert_gradients_match, peft_reference
@@ -64,7 +64,7 @@ def test_flex_block_mask_equals_the_dense_document_mask():
 
     from torch.nn.attention.flex_attention import flex_attention
 
-    from appliance import model as M
+    from appliance.models import layers as M
 
     g = torch.Generator().manual_seed(0)
     seg = torch.zeros(2, 160, dtype=torch.long)
@@ -154,7 +154,7 @@ def test_resume_from_every_cursor_reproduces_the_rest(tmp_path, tok):
 def test_stream_cursor_is_refused_by_a_documents_worker(tmp_path, tok):
     write_docs(tmp_path / "d.jsonl", 20)
     b = worker(tmp_path / "d.jsonl", tok, packing="stream").next_batch()
-    from appliance.data import DataError
+    from appliance.data.records import DataError
 
     with pytest.raises(DataError, match="--packing stream"):
         worker(tmp_path / "d.jsonl", tok, cursor=b.cursor)

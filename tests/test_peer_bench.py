@@ -22,9 +22,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from appliance import bench as B
-from appliance import bench_cli
-from appliance.lora import LoraSpec, LoraWeights
+from appliance.bench import cli as bench_cli
+from appliance.bench import step as B
+from appliance.models.lora import LoraSpec, LoraWeights
 from benchmarks import compare
 from benchmarks import peers_common as pc
 
@@ -275,7 +275,7 @@ def test_the_gpu_configuration_in_bf16_on_a_cpu():
     on a CPU at a small shape, with tied embeddings (1b's): both peers take the engine's losses."""
     import dataclasses
 
-    from appliance.engine import StreamedEngine
+    from appliance.engine.step import StreamedEngine
     from benchmarks import peer_fsdp2_offload, peer_hf_peft
 
     args = dataclasses.replace(ARGS, tie_word_embeddings=True)
@@ -307,7 +307,7 @@ def test_fsdp2s_pinned_weights_are_counted_as_torch_pins_them(monkeypatch):
     allocator, which rounds every allocation up to a power of two: 13B's 24.2 GiB of bf16 take
     41.0 GiB there. A host with 40 GiB available holds the plain weights, not the pinned ones.
     (The host's available memory is the one thing stood in for.)"""
-    from appliance.hf_checkpoint import expected_shapes
+    from appliance.models.hf_checkpoint import expected_shapes
 
     p = B.PRESETS["13b"]
     setup = pc.Setup("13b", p.args, torch.device("cpu"), torch.bfloat16, p.gpu)

@@ -16,10 +16,19 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from appliance import hardware
-from appliance.cli import main
+from appliance.bench.synthetic import SyntheticBlockSource
+from appliance.cli.main import main
 from appliance.config import TrainConfig
-from appliance.plan import (
+from appliance.engine.device_weights import DeviceWeights
+from appliance.engine.memory import (
+    CUDA_MARGIN_BYTES,
+    effective_budget,
+    plan_memory,
+    streaming_budget,
+)
+from appliance.hardware import gpus as hardware
+from appliance.models.presets import PRESETS
+from appliance.plan.estimate import (
     PlanInput,
     block_bytes,
     choose_micro_batches,
@@ -30,10 +39,6 @@ from appliance.plan import (
     make_plan,
     plan_input,
 )
-from appliance.planner import CUDA_MARGIN_BYTES, effective_budget, plan_memory, streaming_budget
-from appliance.presets import PRESETS
-from appliance.streaming import DeviceWeights
-from appliance.synthetic import SyntheticBlockSource
 
 OLD_SHAPE = ("--seq-len", "2048", "--micro-batch-size", "1", "--micro-batches-per-step", "8")
 A10_BUDGET = int(0.9 * 23028 * 2**20)  # the engine's default budget: 90 % of what the card has
@@ -161,7 +166,7 @@ def test_block_and_global_bytes_match_the_engines_own_count():
     weights = DeviceWeights(source, torch.device("cpu"), torch.bfloat16)
     assert block_bytes(args, 2) == weights.block_bytes()
     assert globals_bytes(args, 2) == sum(t.numel() * 2 for t in weights.globals.values())
-    from appliance.lora import LoraSpec, LoraWeights
+    from appliance.models.lora import LoraSpec, LoraWeights
 
     spec = LoraSpec(rank=8)
     assert lora_param_count(args, 8, spec.targets) == LoraWeights(args, spec).num_parameters()
@@ -172,9 +177,9 @@ def test_the_plans_memory_inputs_are_the_engines(base_quant):
     """What `appliance plan` gives the memory planner is what the engine gives it (plan_inputs),
     a quantized base's dequantized block included: on an H100 the plan for 70b NF4 under 24 GiB
     kept 35 blocks resident, the engine 31, before the plan counted that transient."""
-    from appliance.engine import StreamedEngine
-    from appliance.lora import LoraSpec, LoraWeights
-    from appliance.plan import memory_plan
+    from appliance.engine.step import StreamedEngine
+    from appliance.models.lora import LoraSpec, LoraWeights
+    from appliance.plan.estimate import memory_plan
 
     args = PRESETS["tiny"].args
     source = SyntheticBlockSource(args, torch.bfloat16, base_quant=base_quant)
@@ -460,8 +465,8 @@ def test_plan_assumes_trains_shape_and_prints_it(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_engine_on_a_gpu_keeps_the_blocks_the_plan_predicts():
-    from appliance.engine import StreamedEngine
-    from appliance.lora import LoraSpec, LoraWeights
+    from appliance.engine.step import StreamedEngine
+    from appliance.models.lora import LoraSpec, LoraWeights
 
     args = PRESETS["tiny"].args
     source = SyntheticBlockSource(args, torch.bfloat16)
@@ -502,10 +507,10 @@ def test_config_accepts_auto_and_still_checks_numbers(tmp_path):
 
 
 def test_auto_on_a_cpu_means_4_and_run_json_records_it(tmp_path):
-    from appliance.driver import resolve_micro_batches
-    from appliance.progress import Progress
-    from appliance.run_record import write_run_file
-    from appliance.run_state import Inputs
+    from appliance.run.driver import resolve_micro_batches
+    from appliance.run.progress import Progress
+    from appliance.run.record import write_run_file
+    from appliance.run.state import Inputs
 
     cfg = _cfg(tmp_path, micro_batches_per_step="auto")
     inp = Inputs(cfg, tmp_path, tmp_path, 2, None, "cpu", "float32")
@@ -516,7 +521,7 @@ def test_auto_on_a_cpu_means_4_and_run_json_records_it(tmp_path):
     assert record["config"]["micro_batches_per_step"] == 4
     assert record["identity"]["micro_batches_per_step"] == 4
     # --resume with auto continues with the M the run started with
-    from appliance.driver import check_output
+    from appliance.run.driver import check_output
 
     resumed = _cfg(tmp_path, micro_batches_per_step="auto", resume="true")
     check_output(resumed)
@@ -524,7 +529,7 @@ def test_auto_on_a_cpu_means_4_and_run_json_records_it(tmp_path):
 
 
 def test_auto_on_a_gpu_uses_plans_rule_with_the_measured_figures():
-    from appliance.plan_auto import auto_micro_batches
+    from appliance.plan.auto import auto_micro_batches
 
     measured = {  # what an A10 would measure if it matched the table
         "h2d_bytes_per_second": A10_B,
@@ -549,7 +554,7 @@ def test_auto_on_a_gpu_uses_plans_rule_with_the_measured_figures():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_measure_this_gpu_gives_plausible_figures():
-    from appliance.plan_auto import measure_this_gpu
+    from appliance.plan.auto import measure_this_gpu
 
     m = measure_this_gpu()
     assert 1e9 < m["h2d_bytes_per_second"] < 1e12 and 1e12 < m["flops_per_second"] < 1e16

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from appliance.errors import ConfigError
-from appliance.metrics_endpoint import choose_metrics_port, port_is_free
+from appliance.metrics.endpoint import choose_metrics_port, port_is_free
 from tests.helpers_net import free_port
 
 

@@ -14,10 +14,10 @@ import pytest
 from rich.console import Console
 from rich.file_proxy import FileProxy
 
-from appliance.data import DataError
-from appliance.driver import train
-from appliance.engine import lr_at
-from appliance.progress import Progress
+from appliance.data.records import DataError
+from appliance.engine.step import lr_at
+from appliance.run.driver import train
+from appliance.run.progress import Progress
 from tests.helpers_model import make_model, tiny_train_config
 from tests.helpers_tokenizer import sentences
 

@@ -29,14 +29,14 @@ import psutil
 import pytest
 
 from appliance.config import DEMO_SETTINGS
-from appliance.demo import make_demo
+from appliance.run.demo import make_demo
 from tests.helpers_net import free_port
 from tests.test_dashboards import ALL_EXPRESSIONS, appliance_selectors, gpu_only, substitute
 
 pytestmark = pytest.mark.integration
 
 try:
-    import appliance.cli  # noqa: F401
+    import appliance.cli.main  # noqa: F401
 
     HAVE_CLI = True
 except ImportError:
@@ -86,7 +86,7 @@ class PrometheusServer:
         found = self.query_range(expr, start, end)
         assert len(found) == 1, (
             f"{expr}: {len(found)} series scraped (expected 1); does every actor record its "
-            "metrics (appliance.metrics recorders)?"
+            "metrics (appliance.metrics.recorders recorders)?"
         )
         return found[0]
 
@@ -203,7 +203,7 @@ def train_killing_a_worker(argv: list[str], cwd: Path) -> tuple[int, list[str], 
     return rc, lines, err_path.read_text()
 
 
-@pytest.mark.skipif(not HAVE_CLI, reason="appliance.cli cannot be imported yet (no train CLI)")
+@pytest.mark.skipif(not HAVE_CLI, reason="appliance.cli.main cannot be imported yet (no train CLI)")
 def test_prometheus_scrapes_a_training_run_and_sees_every_dashboard_series(prometheus, tmp_path):
     server, metrics_port = prometheus
     start = time.time()

@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from appliance import quant
-from appliance.blocks import pack, quantized_view, unpack
+from appliance.actors.weight_store import WeightStore, local_source, store_nbytes
+from appliance.engine.blocks import pack, quantized_view, unpack
 from appliance.errors import ModelError
-from appliance.model import ModelArgs
-from appliance.quant import NF4_LEVELS, QuantizedTensor
-from appliance.weight_store import WeightStore, local_source, store_nbytes
+from appliance.models.layers import ModelArgs
+from appliance.quant import formats as quant
+from appliance.quant.formats import NF4_LEVELS, QuantizedTensor
 from tests.helpers_model import make_model
 
 LEVELS = np.array(NF4_LEVELS, dtype=np.float32)
@@ -111,7 +111,7 @@ def nf4_cases() -> list[torch.Tensor]:
 def fused():
     """quant_cpu, the fused C kernels: quant.quantize's path on a CPU. Built by every install
     with a C compiler (as `make test`'s): a missing build fails here rather than skipping."""
-    from appliance import quant_cpu
+    from appliance.quant import cpu as quant_cpu
 
     assert quant._fused_kernels() is quant_cpu
     return quant_cpu
@@ -217,7 +217,7 @@ def test_the_fused_kernels_equal_the_pytorch_functions_on_real_sized_weights(dty
 def test_the_c_kernels_refuse_buffers_of_the_wrong_size():
     """The extension's own checks: a buffer shorter than the kernel would write or read is a
     ValueError naming it, never a write past its end."""
-    from appliance import _quantize
+    from appliance.quant import _quantize
 
     src = np.zeros(128, np.uint16)
     thresholds = quant.NF4_THRESHOLDS.numpy()
@@ -261,7 +261,7 @@ def test_thresholds_the_bins_cannot_separate_are_counted(path):
 
 def test_without_the_c_extension_quantize_warns_and_codes_the_same(monkeypatch):
     """An install without a C compiler (or a source tree never installed, as on a bare GPU
-    image): appliance._quantize does not import; quantize says so once, naming the fix, and
+    image): appliance.quant._quantize does not import; quantize says so once, naming the fix, and
     codes with the PyTorch functions, the same values."""
     import sys
 
@@ -270,8 +270,8 @@ def test_without_the_c_extension_quantize_warns_and_codes_the_same(monkeypatch):
     fused()  # imported once, as in any process that quantized before
     w = nf4_cases()[0]
     want = quant.quantize(w, "nf4")
-    monkeypatch.setitem(sys.modules, "appliance._quantize", None)  # its import now fails
-    monkeypatch.delitem(sys.modules, "appliance.quant_cpu")
+    monkeypatch.setitem(sys.modules, "appliance.quant._quantize", None)  # its import now fails
+    monkeypatch.delitem(sys.modules, "appliance.quant.cpu")
     for name in ("_quantize", "quant_cpu"):  # else `from . import name` finds the attribute
         monkeypatch.delattr(appliance, name)
     quant._fused_kernels.cache_clear()

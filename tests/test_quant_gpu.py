@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from appliance import quant
-from appliance.quant import QuantizedTensor
+from appliance.quant import formats as quant
+from appliance.quant.formats import QuantizedTensor
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -87,7 +87,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def compare(device: str) -> dict:
     """Each case × dtype through quant_gpu's kernels and through `quant.dequantize` (on `device`,
     which must dispatch to quant_gpu there), against the PyTorch path: the mismatches, by name."""
-    from appliance import quant_gpu
+    from appliance.quant import gpu as quant_gpu
 
     calls = []
     kernels = {k: getattr(quant_gpu, k) for k in ("dequantize_int8", "dequantize_nf4")}
@@ -151,7 +151,7 @@ def test_kernels_equal_the_pytorch_path_under_the_interpreter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_doctor_finds_the_triton_kernels_launch_on_this_gpu():
     pytest.importorskip("triton", reason="this CUDA torch comes without triton")
-    from appliance.doctor import check_triton
+    from appliance.plan.doctor import check_triton
 
     c = check_triton(cuda=True)
     assert c.status == "ok", c.detail
@@ -162,7 +162,7 @@ def test_doctor_finds_the_triton_kernels_launch_on_this_gpu():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_kernels_equal_the_pytorch_path_on_cuda():
     pytest.importorskip("triton", reason="this CUDA torch comes without triton")
-    from appliance import quant_gpu
+    from appliance.quant import gpu as quant_gpu
 
     assert quant._gpu_kernels() is quant_gpu
     result = compare("cuda")
@@ -179,7 +179,7 @@ def test_without_triton_dequantize_warns_once_and_uses_pytorch(monkeypatch):
     """triton's import blocked (as on a GPU image without it): one warning naming the cause, then
     the PyTorch path, equal values, no error."""
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
-    monkeypatch.delitem(sys.modules, "appliance.quant_gpu", raising=False)
+    monkeypatch.delitem(sys.modules, "appliance.quant.gpu", raising=False)
     monkeypatch.setattr(quant, "_GPU_DEVICES", ("cpu",))  # take the GPU branch with CPU codes
     quant._gpu_kernels.cache_clear()
     try:
@@ -206,9 +206,9 @@ def stand_in_kernels(monkeypatch, launch):
     or fail at their first launch would be on a GPU."""
     import types
 
-    stand_in = types.ModuleType("appliance.quant_gpu")
+    stand_in = types.ModuleType("appliance.quant.gpu")
     stand_in.dequantize_int8 = stand_in.dequantize_nf4 = launch
-    monkeypatch.setitem(sys.modules, "appliance.quant_gpu", stand_in)
+    monkeypatch.setitem(sys.modules, "appliance.quant.gpu", stand_in)
     monkeypatch.setattr(quant, "_probe_device", lambda: torch.device("cpu"))
     monkeypatch.setattr(quant, "_GPU_DEVICES", ("cpu",))  # take the GPU branch with CPU codes
     quant._gpu_kernels.cache_clear()

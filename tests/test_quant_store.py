@@ -11,14 +11,14 @@ import torch
 from click.testing import CliRunner
 from peft import PeftModel
 
-from appliance import quant
-from appliance.cli import main
+from appliance.actors.weight_store import WeightStore, local_source
+from appliance.cli.main import main
 from appliance.config import build_config
-from appliance.driver import check_output, train
 from appliance.errors import ConfigError
-from appliance.progress import Progress
-from appliance.run_record import RUN_FILE
-from appliance.weight_store import WeightStore, local_source
+from appliance.quant import formats as quant
+from appliance.run.driver import check_output, train
+from appliance.run.progress import Progress
+from appliance.run.record import RUN_FILE
 from tests.helpers_model import load_hf, make_model, tiny_train_config
 from tests.helpers_tokenizer import sentences
 
@@ -122,8 +122,8 @@ def test_a_nan_in_a_weight_the_store_quantizes_names_the_checkpoint_tensor(tmp_p
 
 
 def test_the_load_bench_checkpoint_is_a_valid_sharded_model(tmp_path):
-    from appliance.hf_checkpoint import SafetensorsCheckpoint, read_model_args
-    from appliance.load_bench import LLAMA_1B, read_files, write_checkpoint
+    from appliance.bench.load import LLAMA_1B, read_files, write_checkpoint
+    from appliance.models.hf_checkpoint import SafetensorsCheckpoint, read_model_args
 
     small = {**LLAMA_1B, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128}
     small.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -139,7 +139,7 @@ def test_the_load_bench_checkpoint_is_a_valid_sharded_model(tmp_path):
 def test_the_load_bench_times_both_quantizers_and_prints_them():
     """The kernel table of `appliance bench --load`: the fused C kernel (built by the install) and
     the PyTorch functions, for each --quant asked (none has no quantizer)."""
-    from appliance.load_bench import format_table, kernel_rates
+    from appliance.bench.load import format_table, kernel_rates
 
     rows = kernel_rates(["none", "nf4", "int8"], repeats=1)
     assert [(r["quant"], r["impl"]) for r in rows] == [

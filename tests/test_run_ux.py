@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 from huggingface_hub import ModelCard
 
-from appliance.checkpoint import load_latest_checkpoint
+from appliance.adapter.evaluate import evaluate
 from appliance.config import build_config
-from appliance.evaluate import evaluate
-from appliance.run_record import write_run_file
+from appliance.run.record import write_run_file
+from appliance.storage.checkpoints import load_latest_checkpoint
 from tests.helpers_cli import cli, finish
 from tests.helpers_model import make_model
 from tests.helpers_net import free_port

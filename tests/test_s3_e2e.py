@@ -14,10 +14,10 @@ import torch
 from peft import PeftModel
 from safetensors.torch import load, load_file
 
-from appliance import storage
-from appliance.checkpoint import FAULT_ENV, list_checkpoints, load_latest_checkpoint
-from appliance.export import export_merged
-from appliance.run_record import model_fingerprint
+from appliance.adapter.export import export_merged
+from appliance.run.record import model_fingerprint
+from appliance.storage import uri as storage
+from appliance.storage.checkpoints import FAULT_ENV, list_checkpoints, load_latest_checkpoint
 from tests.helpers_model import load_hf, make_model
 from tests.helpers_net import free_port
 from tests.helpers_tokenizer import sentences
@@ -196,9 +196,9 @@ def test_validation_on_a_cluster_fetches_the_tokenizer_where_the_driver_runs(
     were resolved on a trainer node: their tokenizer path is in that node's S3 cache. The
     driver fetches the tokenizer from the model's URI into its own cache, as the tokenizer
     workers do."""
+    from appliance.adapter.evaluate import validation_batches
     from appliance.config import build_config
-    from appliance.evaluate import validation_batches
-    from appliance.run_state import Inputs
+    from appliance.run.state import Inputs
     from tests.helpers_tokenizer import make_tokenizer
 
     _, _, eos, pad = make_tokenizer(tmp_path / "model")

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance import storage
 from appliance.errors import StorageError
+from appliance.storage import uri as storage
 
 pytest_plugins = ["tests.s3_server"]
 

@@ -1,4 +1,4 @@
-"""appliance.storage and appliance.s3_cache against local disk and a real S3 API (moto server on
+"""appliance.storage.uri and appliance.storage.localize against local disk and a real S3 API (moto server on
 127.0.0.1)."""
 
 from __future__ import annotations
@@ -12,8 +12,11 @@ from typing import Any
 
 import pytest
 
-from appliance import errors, s3, s3_cache, storage
+from appliance import errors
 from appliance.errors import StorageError
+from appliance.storage import localize as s3_cache
+from appliance.storage import s3
+from appliance.storage import uri as storage
 
 pytest_plugins = ["tests.s3_server"]
 
@@ -500,10 +503,10 @@ def test_a_model_or_an_adapter_from_s3_fetches_only_the_files_that_are_read(
     named = s3_cache.localize_adapter(str(out / "checkpoints" / "latest"))
     assert named == out / "checkpoints" / "step-000003"
     # the names s3_cache keeps to itself (it stays light) are those the modules use
-    from appliance.checkpoint import CONFIG_FILE, DRIVER_STATE, MANIFEST
-    from appliance.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-    from appliance.model_card import CARD
-    from appliance.run_record import RUN_FILE
+    from appliance.adapter.model_card import CARD
+    from appliance.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from appliance.run.record import RUN_FILE
+    from appliance.storage.checkpoints import CONFIG_FILE, DRIVER_STATE, MANIFEST
 
     assert set(s3_cache.ADAPTER_FILES) == {
         ADAPTER_CONFIG, ADAPTER_WEIGHTS, RUN_FILE, CONFIG_FILE, DRIVER_STATE, MANIFEST, CARD

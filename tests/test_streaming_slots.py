@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from appliance.engine import StreamedEngine, batch_sizes
-from appliance.planner import blocks_uploaded_per_step
-from appliance.presets import _llama
-from appliance.synthetic import SyntheticBlockSource
+from appliance.bench.synthetic import SyntheticBlockSource
+from appliance.engine.memory import blocks_uploaded_per_step
+from appliance.engine.step import StreamedEngine, batch_sizes
+from appliance.models.presets import _llama
 from tests.helpers_model import lora_with_random_b
 
 ARGS = _llama(512, 64, 160, 6, 4, 2)  # six blocks
@@ -204,7 +204,7 @@ def test_a_bare_cuda_device_gets_the_current_devices_index(monkeypatch):
     index. (No GPU here: current_device is the only thing mocked.)"""
     from torch.cuda._utils import _get_device_index
 
-    from appliance.streaming import with_index
+    from appliance.engine.device_weights import with_index
 
     with pytest.raises(ValueError, match="specified index"):
         _get_device_index(torch.device("cuda"))  # what a bare "cuda" would meet
@@ -247,7 +247,7 @@ def test_host_memory_registered_by_an_object_dropped_without_close_is_unregister
     them instead of calling CUDA.)"""
     import gc
 
-    from appliance import streaming
+    from appliance.engine import device_weights as streaming
 
     undone = []
     monkeypatch.setattr(streaming, "host_unregister", undone.append)
@@ -279,7 +279,7 @@ def test_host_ranges_that_share_a_page_are_registered_as_one():
     """cudaHostRegister locks whole pages and refuses a range touching a page already locked:
     blocks packed back to back (the object store) are merged into one range; blocks on pages
     of their own stay apart; empty ones are left out."""
-    from appliance.streaming import shared_page_spans
+    from appliance.engine.device_weights import shared_page_spans
 
     page = 4096
     spans = [
@@ -306,7 +306,7 @@ def test_a_quantized_block_is_dequantized_once_per_pass_whatever_the_micro_batch
     """Layer-major: the forward dequantizes each block once for all its micro-batches, the
     backward once more (recomputing it): 2·L·7 projections a step, with 1 micro-batch or 4, and
     the time it took is the step's `dequant`."""
-    from appliance import streaming
+    from appliance.engine import device_weights as streaming
 
     calls = []
 

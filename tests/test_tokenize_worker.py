@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from appliance.data import IGNORE_INDEX, SKIP_HINT, Batch, DataError, check_dataset
-from appliance.data_files import DATA_FILES, file_names
-from appliance.tokenize_worker import ACTOR_OPTIONS, TokenizeWorker, default_num_workers
+from appliance.actors.tokenize_worker import ACTOR_OPTIONS, TokenizeWorker, default_num_workers
+from appliance.data.files import DATA_FILES, file_names
+from appliance.data.records import IGNORE_INDEX, SKIP_HINT, Batch, DataError, check_dataset
 from tests.helpers_ray import ray_session
 from tests.helpers_tokenizer import make_tokenizer, sentences
 
@@ -52,7 +52,7 @@ def make_dataset(root: Path, n: int = 40, seed: int = 1) -> list[dict]:
 
 
 def doc_stream(t: Tokenizer, doc: dict, eos: int) -> tuple[list[int], list[bool]]:
-    """The packing rule, written out independently of appliance.data."""
+    """The packing rule, written out independently of appliance.data.records."""
     if "text" in doc:
         ids = t.encode(doc["text"]).ids + [eos]
         return ids, [True] * len(ids)

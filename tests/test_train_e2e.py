@@ -21,20 +21,20 @@ from click.testing import CliRunner
 from peft import PeftModel
 
 from appliance import models
-from appliance.blocks import DictBlockSource
-from appliance.checkpoint import CheckpointError
-from appliance.cli import main
+from appliance.actors.tokenize_worker import TokenizeWorker
+from appliance.actors.trainer import Trainer, TrainerSettings
+from appliance.actors.weight_store import WeightStore
+from appliance.cli.main import main
 from appliance.config import build_config
-from appliance.driver import prepare, train
-from appliance.engine import StreamedEngine, lr_at
-from appliance.feed import schedule, worker_kwargs
-from appliance.hf_checkpoint import read_model_args
-from appliance.lora import load_adapter
-from appliance.progress import Progress
-from appliance.run import Run, trainer_settings
-from appliance.tokenize_worker import TokenizeWorker
-from appliance.trainer import Trainer, TrainerSettings
-from appliance.weight_store import WeightStore
+from appliance.engine.blocks import DictBlockSource
+from appliance.engine.step import StreamedEngine, lr_at
+from appliance.models.hf_checkpoint import read_model_args
+from appliance.models.lora import load_adapter
+from appliance.run.driver import prepare, train
+from appliance.run.feed import schedule, worker_kwargs
+from appliance.run.loop import Run, trainer_settings
+from appliance.run.progress import Progress
+from appliance.storage.checkpoints import CheckpointError
 from tests.helpers_model import load_hf, make_model, tiny_train_config
 from tests.helpers_tokenizer import sentences
 
@@ -198,7 +198,7 @@ def test_weights_are_shared_into_the_trainer_not_copied(ray_local, tmp_path):
 
 
 def _batch(rows, T):
-    from appliance.data import Batch
+    from appliance.data.records import Batch
 
     ids = np.arange(rows * T, dtype=np.int64).reshape(rows, T) % 50 + 3
     return Batch(ids, ids.copy(), {}, 0, 0, 0, ids.size, 0)
@@ -244,7 +244,7 @@ def test_loading_holds_about_one_copy_of_the_weights(tmp_path):
     )
     probe = (  # sample RSS while loading: ru_maxrss would also count the import-time peak
         "import sys, threading, time, psutil, ray, torch\n"
-        "from appliance.weight_store import WeightStore\n"
+        "from appliance.actors.weight_store import WeightStore\n"
         "proc = psutil.Process(); base = proc.memory_info().rss; peak = [base]; done = []\n"
         "def watch():\n"
         "    while not done:\n"
@@ -335,7 +335,7 @@ def test_batches_in_flight_stay_within_the_prefetch_window(ray_local, model_dir,
 
 def test_a_trainer_whose_init_raises_a_user_error_is_not_restarted(ray_local, model_dir, tmp_path):
     from appliance.errors import ConfigError
-    from appliance.failures import ActorStartFailed
+    from appliance.run.failures import ActorStartFailed
 
     class Refuses(Trainer):
         def __init__(self, *args, **kwargs):
@@ -355,7 +355,7 @@ def test_a_trainer_whose_init_raises_a_user_error_is_not_restarted(ray_local, mo
 
 
 def test_the_failure_past_max_restarts_is_not_counted_as_a_restart(ray_local, model_dir, tmp_path):
-    from appliance.failures import RestartsExhausted
+    from appliance.run.failures import RestartsExhausted
 
     class DiesEveryStep(Trainer):
         def step(self, batches, lr, first=0):
@@ -424,8 +424,8 @@ def test_checkpoints_and_the_adapter_never_pass_through_the_driver(
     weights and the trainer state (about 12 GiB for 70B at rank 64; on a cluster the driver runs
     on a small head node). It reads only its own state, to resume, and checks the sizes of
     the others."""
-    from appliance import storage
-    from appliance.checkpoint import load_latest_checkpoint
+    from appliance.storage import uri as storage
+    from appliance.storage.checkpoints import load_latest_checkpoint
 
     seen: list[tuple[str, str]] = []
     real_read, real_write = storage.read_bytes, storage.write_bytes

@@ -9,12 +9,12 @@ import json
 import pytest
 from rich.console import Console
 
+from appliance.actors.tokenize_worker import TokenizeWorker
+from appliance.adapter.evaluate import read_documents
 from appliance.config import build_config
-from appliance.data import DataError, Holdout, check_has_targets, load_tokenizer
+from appliance.data.records import DataError, Holdout, check_has_targets, load_tokenizer
 from appliance.errors import ConfigError
-from appliance.evaluate import read_documents
-from appliance.progress import Progress
-from appliance.tokenize_worker import TokenizeWorker
+from appliance.run.progress import Progress
 from tests.helpers_tokenizer import make_tokenizer, sentences
 
 
@@ -62,9 +62,9 @@ def test_the_held_out_documents_stay_those_of_the_runs_files_when_one_joins_mid_
     """--eval-split holds documents out by their index over the data files; the validation set,
     built at the first eval, counts them over the files the run started with, as the workers do:
     a shard written into the directory since would otherwise move trained documents into it."""
-    from appliance.data_files import file_names
-    from appliance.evaluate import validation_batches
-    from appliance.run_state import Inputs
+    from appliance.adapter.evaluate import validation_batches
+    from appliance.data.files import file_names
+    from appliance.run.state import Inputs
 
     tok, _, eos, pad = make_tokenizer(tmp_path / "model")
     data = tmp_path / "data"
@@ -96,8 +96,8 @@ def test_the_held_out_documents_stay_those_of_the_runs_files_when_one_joins_mid_
 def test_a_validation_sets_problems_name_the_set(tmp_path):
     """A bad record of --eval-data, or one with nothing to score, is named as the validation
     set's (the run builds it before its first step)."""
-    from appliance.evaluate import validation_batches
-    from appliance.run_state import Inputs
+    from appliance.adapter.evaluate import validation_batches
+    from appliance.run.state import Inputs
 
     tok, _, eos, pad = make_tokenizer(tmp_path / "model")
     data, held = tmp_path / "d.jsonl", tmp_path / "v.jsonl"
@@ -121,7 +121,7 @@ def test_a_dataset_without_any_target_token_is_refused(tmp_path):
     from tests.helpers_tokenizer import make_chat_tokenizer
 
     make_chat_tokenizer(tmp_path)
-    from appliance.chat import ChatTemplate
+    from appliance.data.chat import ChatTemplate
 
     # a template that drops the assistant's turns: every conversation has nothing to learn
     silent = ChatTemplate(

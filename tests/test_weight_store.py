@@ -7,7 +7,7 @@ import pytest
 import ray
 import torch
 
-from appliance.weight_store import WeightStore, local_source
+from appliance.actors.weight_store import WeightStore, local_source
 from tests.helpers_model import make_model
 
 pytestmark = pytest.mark.integration
@@ -60,7 +60,7 @@ def test_blocks_put_from_the_files_pages_and_blocks_assembled_both_hold_the_file
 
     from safetensors.torch import load_file, save_file
 
-    from appliance import hf_checkpoint
+    from appliance.models import hf_checkpoint
 
     model = make_model(
         tmp_path / "m",
@@ -99,8 +99,8 @@ def test_blocks_put_from_the_files_pages_and_blocks_assembled_both_hold_the_file
 
 
 def test_a_tensor_past_the_end_of_its_file_names_the_file(tmp_path):
+    from appliance.actors.weight_store import _map
     from appliance.errors import ModelError
-    from appliance.weight_store import _map
 
     short = tmp_path / "model.safetensors"
     short.write_bytes(b"\0" * 5000)
@@ -113,7 +113,7 @@ def test_the_load_bench_row_counts_the_buffers_put_from_the_files(ray_local, tmp
     """`appliance bench --load`'s store row, with Ray: the store's bytes, and how many buffers
     went straight from the files' pages (here a bf16 checkpoint kept in bf16: the embeddings and
     the norm at least; a block only where it lies in one shard)."""
-    from appliance.load_bench import (
+    from appliance.bench.load import (
         LLAMA_1B,
         driver_loads,
         format_table,
@@ -147,7 +147,7 @@ def test_the_load_bench_row_counts_the_buffers_put_from_the_files(ray_local, tmp
 
 
 def test_the_load_bench_refuses_one_load_in_the_driver(capsys):
-    from appliance.load_bench import main
+    from appliance.bench.load import main
 
     assert main(["--in-driver", "1"]) == 1
     assert "--in-driver 1: 0 (none) or at least 2 loads" in capsys.readouterr().err

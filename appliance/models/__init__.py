@@ -22,9 +22,9 @@ import types
 
 import torch
 
-from .. import model as M
-from ..errors import ConfigError
-from . import gemma, llama, phi3, qwen3
+from appliance.errors import ConfigError
+from appliance.models import gemma, llama, phi3, qwen3
+from appliance.models import layers as M
 
 FAMILIES: dict[str, types.ModuleType] = {
     "LlamaForCausalLM": llama,

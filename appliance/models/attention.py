@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import model as M
+from appliance.models import layers as M
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

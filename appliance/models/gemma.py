@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import model as M
-from .attention import self_attention
+from appliance.models import layers as M
+from appliance.models.attention import self_attention
 
 NORMS = (
     "input_layernorm",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import model as M
+from appliance.models import layers as M
 
 NORMS = ("input_layernorm", "post_attention_layernorm")
 LINEARS = tuple(M.TARGET_MODULES.values())  # q, k, v, o, gate, up, down

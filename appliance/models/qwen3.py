@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import model as M
-from .attention import self_attention
+from appliance.models import layers as M
+from appliance.models.attention import self_attention
 
 NORMS = ("input_layernorm", "post_attention_layernorm")
 LINEARS = tuple(M.TARGET_MODULES.values())

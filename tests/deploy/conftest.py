@@ -226,9 +226,9 @@ def image_file(path: str) -> Path | None:
 def trainer_node_resource() -> str:
     """The Ray custom resource `appliance train --cluster` places trainers by."""
     try:
-        from appliance.cluster import TRAINER_NODE_RESOURCE
+        from appliance.cluster.start import TRAINER_NODE_RESOURCE
     except ImportError:  # before the cluster module, it lived in the driver
-        from appliance.driver import TRAINER_NODE_RESOURCE
+        from appliance.run.driver import TRAINER_NODE_RESOURCE
     return TRAINER_NODE_RESOURCE
 
 
@@ -238,7 +238,7 @@ def entrypoint_config(docs: list[dict[str, Any]]) -> Any:
     the image ships) and build the run's config: appliance.config.build_config, which raises
     ConfigError on an unknown key or a bad value, as `appliance train` would at run time."""
     from appliance import config as C
-    from appliance.cli import train as train_command
+    from appliance.cli.main import train as train_command
 
     (job,) = [d for d in docs if d["kind"] == "RayJob"]
     args = shlex.split(job["spec"]["entrypoint"])

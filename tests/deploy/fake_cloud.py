@@ -24,7 +24,7 @@ and answered the way the real tool answers, from a small state kept in files und
                                  update-kubeconfig without --kubeconfig
     rayjob-checksum              the live RayJob's checksum/job annotation (absent: no RayJob)
     rayjob-status                its status.jobDeploymentStatus (absent: Running); `kubectl exec
-                                 ... python -m appliance.jobstop` in the head pod (which `get pods`
+                                 ... python -m appliance.cluster.jobstop` in the head pod (which `get pods`
                                  names while the release is installed) makes it Complete
     helm/<namespace>/<release>.json  the release's history: [{revision, status, description}];
                                  `upgrade --install` fails while the last one is pending-*
@@ -357,7 +357,11 @@ def kubectl(args: list[str]) -> None:
         if labels.get("ray.io/node-type") == "head" and history:
             print(f"pod/{release}-head-7xk2p")
         return
-    if args[0] == "exec" and args[args.index("--") + 1 :] == ["python", "-m", "appliance.jobstop"]:
+    if args[0] == "exec" and args[args.index("--") + 1 :] == [
+        "python",
+        "-m",
+        "appliance.cluster.jobstop",
+    ]:
         # the running job stops (SIGTERM, a checkpoint) and KubeRay marks its RayJob finished
         if checksum.exists():
             (STATE / "rayjob-status").write_text("Complete")

@@ -585,12 +585,12 @@ def test_a_deleted_pod_stops_the_runs_jobs_within_its_grace_period(renders, cls)
         assert env_of(container)["RAY_JOB_STOP_WAIT_TIME_S"] == "900"
     (head_container,) = head["spec"]["containers"]
     assert head_container["lifecycle"]["preStop"]["exec"]["command"] == [
-        *("python", "-m", "appliance.jobstop")
+        *("python", "-m", "appliance.cluster.jobstop")
     ]
     for pod in workers:
         (container,) = pod["spec"]["containers"]
         assert container["lifecycle"]["preStop"]["exec"]["command"] == [
-            *("python", "-m", "appliance.jobstop", "--address"),
+            *("python", "-m", "appliance.cluster.jobstop", "--address"),
             f"http://{cluster}-head-svc:8265",  # KubeRay's name for the head's service
         ]
 

@@ -288,7 +288,7 @@ def test_destroy_dry_run_uninstalls_the_releases_before_terraform_destroy(
     # a running job is stopped the graceful way (a last checkpoint) before its release goes
     (stop,) = [i for i, c in enumerate(commands) if c.startswith(f"{kubectl} exec ")]
     assert stop < uninstall[0]
-    assert commands[stop].endswith("-c ray-head -- python -m appliance.jobstop")
+    assert commands[stop].endswith("-c ray-head -- python -m appliance.cluster.jobstop")
     (pvcs,) = [i for i, c in enumerate(commands) if c.startswith(f"{kubectl} delete pvc --all")]
     assert uninstall[1] < pvcs < destroy  # after Prometheus, before the cluster goes
     assert "--namespace prometheus-system" in commands[pvcs]

@@ -136,7 +136,7 @@ def test_the_build_context_holds_only_what_pip_install_needs() -> None:
 
 
 def test_the_build_stage_compiles_the_quantizers_and_the_runtime_stage_can_build_triton() -> None:
-    """setup.py's C extension (appliance/_quantize.c) is optional, so an image built without a
+    """setup.py's C extension (appliance/quant/_quantize.c) is optional, so an image built without a
     compiler would still build and quietly load --base-quant models ~5x slower: the build stage
     installs gcc and Python's headers and fails unless the extension imports. The runtime stage
     has them too: Triton builds its CUDA launcher with them at the first kernel launch (without
@@ -150,7 +150,7 @@ def test_the_build_stage_compiles_the_quantizers_and_the_runtime_stage_can_build
     install = next(
         rest for kw, rest in build if kw == "RUN" and "pip install" in rest and " . " in rest
     )
-    assert "import torch, ray, appliance, appliance._quantize" in install
+    assert "import torch, ray, appliance, appliance.quant._quantize" in install
     runtime_runs = " ".join(rest for kw, rest in runtime if kw == "RUN")
     for package in ("gcc", "libc6-dev", "python3-dev"):
         assert re.search(rf"apt-get install[^&]*\b{package}\b", runtime_runs), package

@@ -484,7 +484,7 @@ def test_a_second_release_reuses_the_service_account_and_the_dashboards_of_the_f
         in_order(
             cloud.calls(),
             f"{kubectl} exec --namespace appliance pod/{release}-head-7xk2p -c ray-head -- "
-            "python -m appliance.jobstop",
+            "python -m appliance.cluster.jobstop",
             f"helm uninstall {release} --namespace appliance --ignore-not-found --wait",
             "terraform -chdir=terraform destroy",
         )
@@ -637,7 +637,7 @@ def test_a_running_job_is_replaced_only_with_replace_running(cloud) -> None:
         f"{kubectl} get pods --namespace appliance "
         "-l app.kubernetes.io/instance=appliance,ray.io/node-type=head -o name",
         f"{kubectl} exec --namespace appliance pod/appliance-head-7xk2p -c ray-head -- "
-        "python -m appliance.jobstop",
+        "python -m appliance.cluster.jobstop",
         f"{kubectl} delete rayjob appliance-train",
         "helm upgrade --install appliance helm/appliance",
     )

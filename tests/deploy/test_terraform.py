@@ -334,7 +334,7 @@ def test_pruned_checkpoints_of_the_runs_are_kept_one_day_and_other_versions_thir
     """The appliance prunes <output>/checkpoints/step-*/ every few minutes; in the versioned
     bucket each pruned checkpoint stays as noncurrent versions for as long as the lifecycle keeps
     them: one day under the runs' prefix (make deploy's default OUTPUT), 30 days elsewhere."""
-    from appliance.checkpoint import checkpoints_uri
+    from appliance.storage.checkpoints import checkpoints_uri
 
     lifecycle = module()["resource"]["aws_s3_bucket_lifecycle_configuration"]["this"]
     rules = {ref(rule["id"]): rule for rule in lifecycle["rule"]}

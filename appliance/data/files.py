@@ -1,0 +1,550 @@
+"""Dataset files: which files under `--data` are data, and how each format is read.
+
+A dataset is a `.jsonl`, `.json`, `.parquet`, `.arrow` or `.txt` file, a directory searched
+recursively for them (sorted by relative path; other files are skipped, and `unreadable_files`
+names them), or a glob pattern naming files (`data/train-*.jsonl`, `data/**`: `globs`; taken in
+the same order). `.jsonl`, `.json` and `.txt` files may be compressed (`.gz`, `.bz2`, `.xz`, `.zst`:
+read as they are decompressed, never unpacked to disk). Documents are numbered in that order over
+all files: a non-blank `.jsonl` line is one document, a `.json` file is JSON Lines too unless it
+holds one JSON array, whose items are the documents (`file:[N]` in errors; parsed one by one as the
+file is read, so an array takes no more memory than JSON Lines), a `.parquet` or `.arrow` row is
+one document (read with pyarrow, the same columns as the JSON keys, `file:row N` in errors;
+`.arrow` is what `datasets` writes: save_to_disk, its cache), a `.txt` file is one document.
+`data.ShardReader` deals them out to the tokenizer workers.
+
+Also what a run says about a dataset directory before it reads it (`dataset_notes`: files
+skipped, files named for several splits; `not_held_out_notes`: --eval-data files that are
+--data's too). Records inside the documents are parsed by `data.py`.
+"""
+
+from __future__ import annotations
+
+import bz2
+import codecs
+import contextlib
+import glob
+import gzip
+import io
+import itertools
+import json
+import lzma
+import re
+import zlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from appliance.errors import DataError
+from appliance.storage.globs import brace_hint, glob_match, has_glob, split_glob
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".txt")
+TABLES = ("parquet", "arrow")  # a row is a document, the columns its keys
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")  # of .jsonl, .json and .txt files (not tables)
+DATA_FILES = (
+    ".jsonl, .json, .parquet, .arrow or .txt; .jsonl, .json and .txt also .gz, .bz2, .xz or .zst"
+)
+# JSON files that `datasets` writes beside the data (save_to_disk, push_to_hub): never records
+METADATA_FILES = ("dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json")
+
+
+def data_format(path: Path) -> str | None:
+    """What a file under `--data` holds, from its name: "jsonl", "json", "parquet", "arrow" or
+    "txt" (a compressed one by the suffix before its compression's: `a.jsonl.gz` is "jsonl"), or
+    None for a file that is not data (`.csv`, `README.md`, `datasets`' metadata JSON)."""
+    name = path.name.lower()
+    if name in METADATA_FILES:
+        return None
+    compressed = name.endswith(COMPRESSIONS)
+    if compressed:
+        name = name.rsplit(".", 1)[0]
+    suffix = Path(name).suffix
+    if suffix not in DATA_SUFFIXES or (compressed and suffix[1:] in TABLES):
+        return None
+    return suffix[1:]
+
+
+def open_data(path: Path) -> BinaryIO:
+    """A data file opened for reading bytes, decompressed on the way as its name says."""
+    compression = path.suffix.lower()
+    if compression == ".gz":
+        return gzip.open(path, "rb")
+    if compression == ".bz2":
+        return bz2.open(path, "rb")
+    if compression == ".xz":
+        return lzma.open(path, "rb")
+    if compression == ".zst":
+        import pyarrow as pa  # (the standard library has no zstd before Python 3.14)
+
+        return io.BufferedReader(pa.input_stream(str(path), compression="zstd"))
+    return open(path, "rb")  # noqa: SIM115 - the caller closes it (with open_data(...) as fh)
+
+
+def read_lines(path: Path) -> Iterator[bytes]:
+    """The lines of a data file, decompressed; a file that cannot be read or decompressed (a
+    truncated download, another format under the suffix) is a DataError naming it."""
+    with _reading(path) as fh:
+        yield from fh
+
+
+def read_chunks(path: Path, size: int = 1 << 20) -> Iterator[bytes]:
+    """A data file, decompressed, in pieces of `size` bytes (errors as read_lines')."""
+    with _reading(path) as fh:
+        while chunk := fh.read(size):
+            yield chunk
+
+
+def read_all(path: Path) -> bytes:
+    return b"".join(read_chunks(path))
+
+
+@contextlib.contextmanager
+def _reading(path: Path) -> Iterator[BinaryIO]:
+    """open_data(path), its read and decompression errors as a DataError naming the file."""
+    try:
+        with open_data(path) as fh:
+            yield fh
+    except (OSError, EOFError, zlib.error, lzma.LZMAError) as e:
+        # an OSError with an errno is the file system's (permission, ...); the others, the data's
+        hint = " (a damaged or truncated file?)" if getattr(e, "errno", None) is None else ""
+        raise DataError(f"{path}: cannot read: {e}{hint}") from None
+
+
+def is_json_array(path: Path) -> bool:
+    """Whether a `.json` file holds one JSON array (its first character, after a byte-order
+    mark and blanks, is `[`) rather than JSON Lines. DataError for one whose first line is not
+    JSON (one JSON object over many lines, as an editor writes it: not a dataset either way)."""
+    for chunk in read_chunks(path, 1 << 16):
+        start = chunk.removeprefix(b"\xef\xbb\xbf").lstrip()
+        if start:
+            if start.startswith(b"["):
+                return True
+            break
+    lines = enumerate(read_lines(path), 1)  # the first non-blank one
+    for lineno, line in lines:
+        if first := line.removeprefix(b"\xef\xbb\xbf").strip():
+            try:
+                json.loads(first.decode("utf-8", errors="replace"))
+            except json.JSONDecodeError as e:
+                raise DataError(
+                    f"{path}:{lineno}: not JSON ({e.msg} at column {e.colno}): a .json dataset "
+                    "is JSON Lines (one record a line) or one JSON array of records"
+                ) from None
+            break
+    return False
+
+
+_BLANKS = re.compile(r"[ \t\n\r]*")
+
+
+def json_array_items(path: Path, chunk_bytes: int = 1 << 20) -> Iterator[Any]:
+    """The items of a `.json` file that holds one JSON array, each parsed as the file is read:
+    the memory is an item and a chunk, not the file (each tokenizer worker reads every file).
+    DataError naming the line and column where the array is malformed, and the byte where the
+    file is not UTF-8."""
+    text = _text_chunks(path, chunk_bytes)
+    decoder = json.JSONDecoder()
+    # the text read and not yet parsed, from `pos`; where buf[0] is: its line, and its column
+    # (0-based), for the errors
+    buf, pos, line, column = "", 0, 1, 0
+
+    def more() -> bool:  # read on: False at the end of the file
+        nonlocal buf, pos, line, column
+        chunk = next(text, None)
+        if chunk is None:
+            return False
+        newlines = buf.count("\n", 0, pos)
+        line += newlines
+        column = pos - buf.rfind("\n", 0, pos) - 1 if newlines else column + pos
+        buf, pos = buf[pos:] + chunk, 0
+        return True
+
+    def next_char() -> str:  # the next character that is not a blank ("" at the end)
+        nonlocal pos
+        while (pos := _BLANKS.match(buf, pos).end()) == len(buf) and more():
+            pass
+        return buf[pos : pos + 1]
+
+    def malformed(problem: str, at: int) -> DataError:  # as json.loads words and places it
+        newlines = buf.count("\n", 0, at)
+        col = at - buf.rfind("\n", 0, at) if newlines else column + at + 1
+        return DataError(
+            f"{path}: malformed JSON array: {problem.removesuffix(' at')} at line "
+            f"{line + newlines} column {col}"
+        )
+
+    if next_char() != "[":
+        raise malformed("Expecting '['", pos)
+    pos += 1
+    if next_char() == "]":
+        pos += 1
+    else:
+        while True:
+            next_char()
+            while True:  # an item cut by the end of the text read so far is parsed again
+                try:
+                    item, end = decoder.raw_decode(buf, pos)
+                except json.JSONDecodeError as e:
+                    if _cut(e, buf) and more():
+                        continue
+                    raise malformed(e.msg, e.pos) from None
+                if end < len(buf) or not more():  # (a number at the end may go on)
+                    break
+            pos = end
+            yield item
+            c = next_char()
+            if c not in (",", "]"):
+                raise malformed("Expecting ',' delimiter", pos)
+            pos += 1
+            if c == "]":
+                break
+    if next_char():
+        raise malformed("Extra data", pos)
+
+
+# the most text a cut value leaves after the position its decoding error names: `-Infinit`, the
+# `uXXXX` of an escape cut short, a number's `.` or `e`
+_CUT_TAIL = 9
+
+
+def _cut(e: json.JSONDecodeError, buf: str) -> bool:
+    """Whether the decoding error `e` of an item in `buf` (the text read so far) may be the end of
+    that text cutting the item short: read on and parse it again. A malformed item fails before
+    the end, and is named there and then, not after the rest of the file has been read into
+    memory. (A string that runs to the end of the text is taken as cut: only the end of the file
+    tells.)"""
+    return e.msg.startswith("Unterminated string") or len(buf) - e.pos <= _CUT_TAIL
+
+
+def _text_chunks(path: Path, size: int) -> Iterator[str]:
+    """A data file as UTF-8 text (a byte-order mark dropped), in pieces; DataError naming the
+    byte where it is not UTF-8."""
+    decoder = codecs.getincrementaldecoder("utf-8-sig")()
+    done = 0
+    for chunk in itertools.chain(read_chunks(path, size), [b""]):  # b"": the end
+        try:
+            if piece := decoder.decode(chunk, final=not chunk):
+                yield piece
+        except UnicodeDecodeError as e:
+            byte = max(done + e.start - len(decoder.getstate()[0]), 0)
+            raise DataError(f"{path}: not valid UTF-8 ({e.reason} at byte {byte})") from None
+        done += len(chunk)
+
+
+def find_data_files(path: str | Path) -> list[Path]:
+    """The dataset's files in document order: a file, a directory's data files, or those a glob
+    pattern names (`is_pattern`).
+
+    DataError if the path is missing, holds no data file (`data_format`), or no document at all.
+    """
+    root = Path(path)
+    if is_pattern(root):
+        files, others = _matching(root)
+        if others and not files:
+            raise DataError(
+                f"empty dataset: no data files ({DATA_FILES}) match {path} (it matched "
+                f"{len(others)} other file(s): {some_of([str(f) for f in others])})"
+            )
+        if not files:
+            dirs = [p for p in glob.glob(str(root), recursive=True) if Path(p).is_dir()]
+            raise DataError(
+                f"no file matches {path}: "
+                + (
+                    f"it names directories only ({some_of(dirs, 3)}), and a pattern names files: "
+                    f"add /** for every file under them"
+                    if dirs
+                    else "check the pattern (* and ? match within a name, ** any directories)"
+                    + brace_hint(str(path))
+                )
+            )
+    elif not root.exists():
+        raise DataError(f"dataset not found: {path}{brace_hint(str(path))}")
+    elif root.is_file():
+        if data_format(root) is None:
+            raise DataError(f"unsupported dataset file {path}: expected a data file ({DATA_FILES})")
+        files = [root]
+    else:
+        files = _files_under(root)
+        if not files:
+            skipped = [
+                f"{len(names)} {what} file(s): {some_of(names)}"
+                for what, names in (
+                    ("other", unreadable_files(root)),
+                    ("hidden", _relative(_files_under(root, hidden=True), root)),
+                )
+                if names
+            ]
+            raise DataError(
+                f"empty dataset: no data files ({DATA_FILES}) under {path}"
+                + (f" (skipped {'; '.join(skipped)})" if skipped else "")
+            )
+    if not has_documents(files):
+        raise DataError(
+            f"empty dataset: no documents in {path} ({len(files)} file(s), all empty or blank)"
+        )
+    return files
+
+
+def is_pattern(path: str | Path) -> bool:
+    """Whether `--data` names its files by a glob pattern (`globs`): a wildcard in a path that
+    does not exist under its own name."""
+    return has_glob(str(path)) and not Path(path).exists()
+
+
+def _matching(pattern: Path) -> tuple[list[Path], list[Path]]:
+    """The data files a glob pattern names and the other files it names, each sorted by path:
+    the document order of a directory of the same files. A pattern names files, as on S3, where
+    there are no directories: `data/**` for every file under `data`."""
+    hits = (Path(p) for p in glob.glob(str(pattern), recursive=True))
+    files = sorted((p for p in hits if p.is_file()), key=Path.as_posix)
+    data = [f for f in files if data_format(f) is not None]
+    return data, [f for f in files if data_format(f) is None]
+
+
+def some_of(names: list[str], n: int = 5) -> str:
+    """The first `n` of `names`, comma-separated, "..." after them if there are more."""
+    return ", ".join(names[:n]) + (", ..." if len(names) > n else "")
+
+
+def _hidden(f: Path, root: Path) -> bool:
+    """Is `f` hidden under `root`: its name, or a directory's on the way, starts with "."
+    (`.ipynb_checkpoints/`, macOS's `._` copies, `.git/`)? A directory's hidden files are not
+    its data, as a pattern's `*` does not match them."""
+    return any(part.startswith(".") for part in f.relative_to(root).parts)
+
+
+def _files_under(root: Path, hidden: bool = False) -> list[Path]:
+    """The data files under a directory (or, `hidden`, its hidden ones), sorted by relative
+    POSIX path: the document order is the same on every machine."""
+    files = [
+        f
+        for f in root.rglob("*")
+        if data_format(f) is not None and _hidden(f, root) == hidden and f.is_file()
+    ]
+    return sorted(files, key=lambda f: f.relative_to(root).as_posix())
+
+
+def _others_under(root: Path) -> list[Path]:
+    """The files under a directory that are not data (`.csv`, ...), hidden files left out."""
+    return [
+        f
+        for f in root.rglob("*")
+        if data_format(f) is None and not _hidden(f, root) and f.is_file()
+    ]
+
+
+def dataset_root(path: str | Path) -> Path:
+    """The directory a dataset's file names are given relative to: a directory itself, a
+    pattern's part before its first wildcard, a file's directory."""
+    path = Path(path)
+    if is_pattern(path):
+        return Path(split_glob(str(path))[0] or ".")
+    return path if path.is_dir() else path.parent
+
+
+def file_names(path: str | Path, files: list[Path]) -> list[str]:
+    """`files` of the dataset `path` by their names relative to its `dataset_root`: what
+    `named_files` takes back, on any node that has the dataset under another root."""
+    root = dataset_root(path)
+    return [f.relative_to(root).as_posix() for f in files]
+
+
+def named_files(path: str | Path, names: list[str]) -> list[Path]:
+    """The files of the dataset `path` that `file_names` named when the run started, in that
+    order, whatever the directory or pattern names now: a file added since (a shard written into
+    the directory mid-run) would move the documents the workers' cursors count. DataError naming
+    the first one that is gone."""
+    root = dataset_root(path)
+    files = [root / name for name in names]
+    for f in files:
+        if not f.is_file():
+            raise DataError(
+                f"{path}: {f} was one of its data files when the run started and is not there "
+                "now: put it back, or resume the run on the data as it is now (--resume "
+                "--allow-data-change)"
+            )
+    return files
+
+
+def _listing(path: Path) -> tuple[Path, list[Path], list[Path]]:
+    """A dataset directory's or pattern's data files and other files, with the directory their
+    names are given relative to (`dataset_root`)."""
+    if is_pattern(path):
+        return dataset_root(path), *_matching(path)
+    if path.is_dir():
+        return path, _files_under(path), _others_under(path)
+    return path.parent, [], []
+
+
+def _relative(files: list[Path], root: Path) -> list[str]:
+    return sorted(f.relative_to(root).as_posix() for f in files)
+
+
+def unreadable_files(path: str | Path) -> list[str]:
+    """Files under a dataset directory, or named by its pattern, that are not data (`.csv`, ...):
+    skipped, and said so."""
+    root, _, others = _listing(Path(path))
+    return _relative(others, root)
+
+
+# the words that name a split in a file's path, as `datasets` infers splits from file names
+SPLIT_WORDS = {
+    "train": ("train", "training"),
+    "validation": ("validation", "valid", "val", "dev"),
+    "test": ("test", "testing", "eval", "evaluation"),
+}
+
+
+# the split to point to first: --data's train split, --eval-data's validation split
+ONE_SPLIT_FIRST = {False: ("train", "validation", "test"), True: ("validation", "test", "train")}
+
+
+def split_of(relative: str) -> str | None:
+    """The split a data file's path names (`data/test-00000-of-00001.parquet`: "test"), if any."""
+    words = set(re.split(r"[-._ /]", relative.lower()))
+    return next((split for split, names in SPLIT_WORDS.items() if words & set(names)), None)
+
+
+def split_pattern(split: str, files: list[str]) -> str | None:
+    """A glob pattern naming exactly the files of `split` among `files` (names relative to the
+    dataset's root): `data/train*` for `data/train-00000-of-00002.parquet`, `dev/**` for
+    `dev/part-0.jsonl`; None when neither form names them alone."""
+    mine = {f for f in files if split_of(f) == split}
+    for f in sorted(mine):
+        for word in re.finditer(r"[^-._ /]+", f):
+            if word.group().lower() in SPLIT_WORDS[split]:
+                end = word.end()
+                pattern = f[:end] + ("/**" if f[end : end + 1] == "/" else "*")
+                if {g for g in files if glob_match(pattern, g)} == mine:
+                    return pattern
+                break
+    return None
+
+
+def dataset_notes(path: str | Path, flag: str, uri: str) -> list[str]:
+    """What to tell the user about a dataset directory or pattern (`path`, the local copy of
+    `uri`, given as `flag`) before a run reads it: the files skipped as not data, and files named
+    for several splits, every one of which is read (a dataset downloaded from the Hub holds its
+    test split beside its train split)."""
+    root, data, others = _listing(Path(path))
+    notes = []
+    if skipped := _relative(others, root):
+        notes.append(
+            f"{flag} {uri}: skipped {len(skipped)} file(s) that are not data ({DATA_FILES}): "
+            + some_of(skipped)
+        )
+    is_dir = not is_pattern(Path(path)) and Path(path).is_dir()
+    if is_dir and (hidden := _relative(_files_under(root, hidden=True), root)):
+        notes.append(f"{flag} {uri}: skipped {len(hidden)} hidden file(s): " + some_of(hidden))
+    files = _relative(data, root)
+    splits: dict[str, list[str]] = {}
+    for f in files:
+        if (split := split_of(f)) is not None:
+            splits.setdefault(split, []).append(f)
+    if len(splits) > 1:
+        named = "; ".join(  # train, validation, test
+            f"{len(splits[split])} {split}: {some_of(splits[split], 1)}"
+            for split in SPLIT_WORDS
+            if split in splits
+        )
+        split = next(s for s in ONE_SPLIT_FIRST[flag == "--eval-data"] if s in splits)
+        if (pattern := split_pattern(split, files)) is not None:
+            base = split_glob(uri)[0] if has_glob(uri) else uri.rstrip("/")
+            one = f"e.g. {flag} '{base}/{pattern}'" if base else f"e.g. {flag} '{pattern}'"
+        else:
+            one = "a directory of its files alone or a pattern that names them"
+        notes.append(
+            f"{flag} {uri}: its {len(files)} files are named for several splits ({named}), and "
+            f"every one is read: to use one split, give {flag} its files alone ({one})"
+        )
+    return notes
+
+
+def not_held_out_notes(data: str | Path, eval_data: str | Path, eval_uri: str) -> list[str]:
+    """A note when `eval_data` (given as `--eval-data eval_uri`) shares files with `data` (the
+    same file, however reached): a validation loss over documents the run trains on is not a
+    held-out loss."""
+
+    def files(path: Path) -> set[Path]:
+        found = [path] if path.is_file() else _listing(path)[1]
+        return {f.resolve() for f in found if data_format(f) is not None}
+
+    shared = sorted(files(Path(data)) & files(Path(eval_data)))
+    if not shared:
+        return []
+    return [
+        f"--eval-data {eval_uri}: {len(shared)} of its files are --data's too, so its loss is "
+        f"not held out ({some_of([str(f) for f in shared], 3)}): give files the run does not train "
+        "on, or --eval-split"
+    ]
+
+
+def _record_batches(f: Path) -> Iterator[Any]:
+    """The record batches of a .parquet file or an Arrow IPC file (.arrow: the stream format,
+    as `datasets`' save_to_disk and cache write it, or the random-access file format),
+    memory-mapped; a file pyarrow cannot read is a DataError naming it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    kind = data_format(f)
+    try:
+        if kind == "parquet":
+            yield from pq.ParquetFile(f).iter_batches(batch_size=1024)
+            return
+        with pa.memory_map(str(f)) as source:
+            if source.read(6) == b"ARROW1":  # the file format's magic number
+                reader = pa.ipc.open_file(source)
+                for i in range(reader.num_record_batches):
+                    yield reader.get_batch(i)
+            else:
+                source.seek(0)
+                yield from pa.ipc.open_stream(source)
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        raise DataError(f"{f}: cannot read as {kind}: {e}") from None
+
+
+def table_rows(f: Path) -> Iterator[dict]:
+    """Each row of a .parquet or .arrow file as a dict, nulls included (parse_document leaves
+    them out, and names them when the row has no text)."""
+    for batch in _record_batches(f):
+        yield from batch.to_pylist()
+
+
+def table_num_rows(f: Path) -> int:
+    """Rows in a .parquet file (from its footer) or an .arrow file (its batches' lengths)."""
+    if data_format(f) == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(f).metadata.num_rows
+        except (OSError, ValueError) as e:
+            raise DataError(f"{f}: cannot read as parquet: {e}") from None
+    return sum(batch.num_rows for batch in _record_batches(f))
+
+
+def count_documents(files: Sequence[Path], limit: int) -> int:
+    """The documents in `files`, counted up to `limit` (cheap: reads no further). A .txt file
+    is one document; a table's rows are counted from its footer."""
+    n = 0
+    for f in files:
+        kind = data_format(f)
+        if kind == "txt":
+            n += 1
+        elif kind in TABLES:
+            n += table_num_rows(f)
+        else:
+            if kind == "json" and is_json_array(f):
+                documents: Iterator = json_array_items(f)
+            else:  # JSON Lines: a blank line is no document
+                documents = (line for line in read_lines(f) if line.strip())
+            for _ in documents:
+                n += 1
+                if n >= limit:
+                    break
+        if n >= limit:
+            return limit
+    return n
+
+
+def has_documents(files: Sequence[Path]) -> bool:
+    """True as soon as one document is found (cheap: stops at the first)."""
+    return count_documents(files, 1) > 0

@@ -1,0 +1,550 @@
+"""Block weights on the compute device: resident, streamed from host memory, or read in place.
+
+`DeviceWeights` is what the streamed step (engine.py) asks for block i's weights. On CUDA it copies
+block i±1 on a side stream from page-locked memory while block i computes (one flat byte copy per
+block), keeps the blocks that the memory budget lets stay resident, and times the copies and the
+compute stream's waits for them with CUDA events. On CPU the weights are read in place (nothing
+is copied) and the wait for a block (its source producing it) is timed on the host clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import math
+import mmap
+import re
+import statistics
+import time
+import weakref
+
+import numpy as np
+import torch
+
+from appliance.engine.blocks import BlockSource, pack, readonly_tensor, unpack
+from appliance.hardware.measure import cuda_copy_seconds
+from appliance.quant.formats import QuantizedTensor, dequantize, quantized_nbytes
+
+
+class HostEvent:
+    """A host-clock stand-in for `torch.cuda.Event(enable_timing=True)` on CPU, where work is
+    synchronous: `record()` stamps the clock, `elapsed_time()` is in milliseconds as CUDA's."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def record(self, stream: object = None) -> None:
+        self.t = _clock()
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: CPU work is done when it returns."""
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        return (end.t - self.t) * 1e3
+
+
+_clock = time.perf_counter  # HostEvent's clock (a test swaps in one that ticks by exactly 1 s)
+
+
+def with_index(device: torch.device) -> torch.device:
+    """`device` with its index: a bare "cuda" becomes the current CUDA device. Some torch.cuda
+    calls (set_per_process_memory_fraction among them) refuse a CUDA device without one."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def event_seconds(spans: list[tuple[torch.cuda.Event | HostEvent, ...]]) -> float:
+    """Seconds between each (start, end) pair of recorded events, summed (CUDA: after a sync)."""
+    return sum(a.elapsed_time(b) for a, b in spans) / 1e3
+
+
+class SideStream:
+    """A CUDA stream for copies beside the compute stream, and the events that order the two
+    (DeviceWeights' block uploads, SavedInputs' activation copies). On a CPU (the tests' copy
+    paths) there is no stream: a copy is done when it returns, so every wait is a no-op and
+    timing events read the host clock."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def copying(self):
+        """Context: work queued inside it goes on the side stream."""
+        return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+
+    def event(self, timing: bool = False) -> torch.cuda.Event | HostEvent:
+        return torch.cuda.Event(enable_timing=timing) if self.cuda else HostEvent()
+
+    def wait_for_compute(self) -> None:
+        """Later side-stream work comes after everything compute has queued so far."""
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def wait(self, event: torch.cuda.Event | None) -> None:
+        """Later side-stream work comes after `event` (None: nothing to wait for)."""
+        if self.cuda and event is not None:
+            self.stream.wait_event(event)
+
+    def compute_mark(self) -> torch.cuda.Event | None:
+        """An event recorded now on the compute stream (None on a CPU): e.g. "the compute stream
+        is done with this slot" once it passes here."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def compute_waits(self, event: torch.cuda.Event) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        """Make compute wait for `event` (a copy's); the (before, after) timing events around the
+        wait, whose gap is compute stalled on that copy. CUDA only."""
+        compute = torch.cuda.current_stream(self.device)
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(compute)
+        compute.wait_event(event)
+        after.record(compute)
+        return before, after
+
+
+class DeviceWeights:
+    """Block weights on the compute device: resident, prefetched on a side stream, or direct (CPU).
+
+    Uploads are one flat byte copy per block, from page-locked host memory: a shared-memory buffer
+    registered with CUDA in place when possible, else a pinned staging buffer (two, alternating).
+
+    `copies=True` on a CPU runs that same path (flat host buffers copied into resident buffers and
+    streaming slots, with host-clock events and no streams): what the tests use to check the
+    slots' bookkeeping and that copying changes no number, on machines without a GPU.
+
+    A quantized base (--base-quant) stays quantized up to the device: the flat buffer holds codes
+    and scales, and `get(i)` dequantizes them into the compute dtype on the device, once per
+    block per pass (the forward asks once for all micro-batches, the backward once more).
+    """
+
+    def __init__(
+        self, source: BlockSource, device: torch.device, dtype: torch.dtype, copies: bool = False
+    ):
+        self.source, self.device, self.dtype = source, device, dtype
+        self.cuda = device.type == "cuda"
+        self.copies = self.cuda or copies  # blocks are copied to the device (else read in place)
+        self.resident: set[int] = set()  # blocks that, once uploaded, stay (configure sets it)
+        # block -> (its weights on the device, the copy's done event until compute waited on it,
+        # the streaming slot it occupies or None for a resident block's own buffer)
+        self._on_device: dict[int, tuple[dict, torch.cuda.Event | None, int | None]] = {}
+        self.h2d_bytes = 0
+        self._h2d_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        # compute's waits for weights; on CPU the time to fetch a block from its source
+        self._stall_events: list[tuple[torch.cuda.Event | HostEvent, ...]] = []
+        self._dequant_events: list[tuple[torch.cuda.Event | HostEvent, ...]] = []
+        self.host_seconds = 0.0  # host time blocked in prefetch: staging waits and memcpy
+        self._registered: list[int] = []  # host addresses we cudaHostRegister'ed (close() undoes)
+        # an object dropped without close() (an exception on the way) unregisters them all the same
+        weakref.finalize(self, unregister_all, self._registered, device)
+        self._slots: list[torch.Tensor] = []  # streaming slots: flat device buffers, made once
+        self._slot_free: list[torch.cuda.Event | None] = []  # recorded when a slot's block left
+        self._free_slots: list[int] = []
+        self._resident_buffers: dict[int, torch.Tensor] = {}  # allocated by configure, not filled
+        self._configured = False
+        g = source.globals()
+        self.globals = {k: v.to(device=device, dtype=dtype) for k, v in g.items()}
+        self._copier = SideStream(device)
+        if self.copies:
+            blocks = [_flat_block(source, i, dtype) for i in range(source.num_blocks)]
+            # on a CPU nothing needs page-locking: every buffer is copied from directly
+            pinned = [not self.cuda or torch_pinned for _, _, torch_pinned in blocks]
+            todo = [i for i, p in enumerate(pinned) if not p]
+            spans = [(blocks[i][0].data_ptr(), blocks[i][0].numel()) for i in todo]
+            for start, nbytes, members in shared_page_spans(spans, mmap.PAGESIZE):
+                if self._register(start, nbytes):
+                    for j in members:
+                        pinned[todo[j]] = True
+            self._host: list[tuple[torch.Tensor, dict, bool]] = [
+                (flat, index, p) for (flat, index, _), p in zip(blocks, pinned, strict=True)
+            ]
+            self._biggest = max(f.numel() for f, _, _ in self._host)
+            if not all(p for _, _, p in self._host):
+                self._staging = [self._page_locked(self._biggest) for _ in range(2)]
+                self._staging_free: list[torch.cuda.Event | None] = [None, None]
+                self._next_staging = 0
+
+    def configure(self, resident: set[int], slots: int = 2) -> None:
+        """Keep the blocks `resident` on the device once uploaded, and stream the others through
+        `slots` fixed device buffers of the biggest block's size, allocated here, once.
+
+        Two slots suffice for the streamed step: block i computes in one while block i±1 is
+        copied into the other. A slot is reused only after the compute stream has passed the
+        event recorded when its previous block was released (the copy stream waits on it), so a
+        streamed block never goes through the caching allocator: no allocation, no
+        `record_stream`, no allocator retry under a tight budget (docs/architecture.md).
+        """
+        if self.cuda:  # no copy may still write the slots or resident buffers we drop
+            torch.cuda.synchronize(self.device)
+        self.resident = set(resident)
+        self._configured = True
+        # what stays: blocks uploaded into their own buffer that remain resident (a block that
+        # was in a streaming slot goes with the slots, whether it is resident now or not)
+        for i, (_, _, slot) in list(self._on_device.items()):
+            if i not in self.resident or slot is not None:
+                del self._on_device[i]
+        self._slots, self._slot_free, self._free_slots = [], [], []
+        if not self.copies:
+            return
+        # each resident block's own buffer, allocated now with the slots (the plan counts both):
+        # not in the middle of the first step, between its activations
+        self._resident_buffers = {
+            i: torch.empty(self._host[i][0].numel(), dtype=torch.uint8, device=self.device)
+            for i in sorted(self.resident)
+            if i not in self._on_device and 0 <= i < self.source.num_blocks
+        }
+        if len(self.resident) >= self.source.num_blocks:
+            self._copier.wait_for_compute()  # the buffers' memory may have been compute's
+            return
+        self._slots = [
+            torch.empty(self._biggest, dtype=torch.uint8, device=self.device) for _ in range(slots)
+        ]
+        self._slot_free = [None] * slots
+        self._free_slots = list(range(slots))
+        # the slots' memory may come from the allocator's cache, last used by compute: the first
+        # copy into them must come after that work
+        self._copier.wait_for_compute()
+
+    def drop_streamed(self, keep: int | None = None) -> None:
+        """Release every streamed block on the device but `keep`: what a step that raised midway
+        left in the slots (the engine calls it before each pass, keeping block 0)."""
+        for i in [i for i in self._on_device if i != keep and i not in self.resident]:
+            self.release(i)
+
+    def _page_locked(self, nbytes: int) -> torch.Tensor:
+        t, registered = page_locked_empty(nbytes, torch.uint8, self.device)
+        if registered:
+            self._registered.append(t.data_ptr())
+        return t
+
+    def _register(self, ptr: int, nbytes: int) -> bool:
+        """Page-lock `nbytes` of host memory at `ptr` in place (host_register); close() undoes
+        it."""
+        if not host_register_range(ptr, nbytes, self.device):
+            return False
+        self._registered.append(ptr)
+        return True
+
+    def close(self) -> None:
+        """Unregister the host memory this registered and drop device copies (idempotent).
+
+        Must run before the host buffers are freed: a freed range still registered would make a
+        later allocation at the same address look pinned (`is_pinned()` is True) while CUDA still
+        maps the old pages. The object is unusable afterwards.
+        """
+        if self.cuda:
+            torch.cuda.synchronize(self.device)  # no copy may still use the buffers we drop
+        unregister_all(self._registered, self.device)
+        self._on_device.clear()
+        self._host = []
+        self._slots, self._free_slots, self._resident_buffers = [], [], {}
+
+    def block_bytes(self) -> int:
+        """Bytes of one block as uploaded: flat, each tensor padded to 64 bytes (blocks.pack);
+        a quantized weight counts its codes and scales."""
+        return sum(_entry_bytes(t, self.dtype) for t in self.source.block(0).values())
+
+    def dequant_bytes(self) -> int:
+        """Device bytes the dequantized weights of one block take while it computes (0 when the
+        base is not quantized): the transient that a quantized block adds on the device."""
+        w = self.source.block(0)
+        return sum(
+            math.prod(t.shape) * self.dtype.itemsize
+            for t in w.values()
+            if isinstance(t, QuantizedTensor)
+        )
+
+    def prefetch(self, i: int) -> None:
+        """Start copying block i to the device (no-op if blocks are read in place, or if it is
+        already there): into its own buffer if it is resident, else into a free streaming slot."""
+        if not self.copies or i in self._on_device or not 0 <= i < self.source.num_blocks:
+            return
+        if not self._configured:
+            self.configure(set())
+        flat, index, pinned = self._host[i]
+        t0 = time.perf_counter()
+        if i in self.resident:  # its own buffer (configure allocated it), kept until close
+            slot, dev = None, self._resident_buffers.pop(i, None)
+            if dev is None:
+                dev = torch.empty(flat.numel(), dtype=torch.uint8, device=self.device)
+                self._copier.wait_for_compute()  # its memory may have just been freed by compute
+        else:
+            if not self._free_slots:
+                raise RuntimeError(
+                    f"block {i}: no free streaming slot (blocks {sorted(self._on_device)} hold "
+                    f"the {len(self._slots)} slots); release a block first"
+                )
+            slot = self._free_slots.pop(0)
+            dev = self._slots[slot][: flat.numel()]
+        try:
+            start, done = self._copy(dev, flat, pinned, slot)
+        except BaseException:  # (a KeyboardInterrupt in the staging wait): the slot stays free
+            if slot is not None:
+                self._free_slots.insert(0, slot)
+            raise
+        self.host_seconds += time.perf_counter() - t0
+        self.h2d_bytes += flat.numel()
+        self._h2d_events.append((start, done))
+        self._on_device[i] = (unpack(dev, index), done, slot)
+
+    def _copy(
+        self, dev: torch.Tensor, flat: torch.Tensor, pinned: bool, slot: int | None
+    ) -> tuple[torch.cuda.Event | HostEvent, torch.cuda.Event | HostEvent]:
+        """Queue `flat` → `dev` on the copy stream, after the slot's last block is done with it
+        (through a pinned staging buffer if `flat` is not page-locked); its (start, done) events."""
+        with self._copier.copying():
+            if slot is not None:
+                self._copier.wait(self._slot_free[slot])  # its last block is done with it
+            src = flat
+            if not pinned:  # through a page-locked staging buffer: host work, timed on the host
+                k = self._next_staging
+                self._next_staging = 1 - k
+                if self._staging_free[k] is not None:
+                    self._staging_free[k].synchronize()  # the copy out of this buffer is done
+                src = self._staging[k][: flat.numel()]
+                src.copy_(flat)  # host memcpy into page-locked memory
+            start = self._copier.event(timing=True)
+            start.record()  # right before the copy: the copy's time is the DMA's alone
+            dev.copy_(src, non_blocking=True)
+            done = self._copier.event(timing=True)
+            done.record()
+            if not pinned:
+                self._staging_free[k] = done
+        return start, done
+
+    def get(self, i: int) -> dict[str, torch.Tensor]:
+        """Block i's weights, ready for use on the current stream."""
+        if not self.copies:  # read in place: the wait is the source's (a block made on first use)
+            before, after = HostEvent(), HostEvent()
+            before.record()
+            w = self.source.block(i)
+            after.record()
+            self._stall_events.append((before, after))
+            return self._materialise(w)
+        self.prefetch(i)
+        w, done, slot = self._on_device[i]
+        if done is not None:
+            if self.cuda:  # on a CPU the copy was done when prefetch returned
+                # compute waits for the copy: this gap is the h2d stall
+                self._stall_events.append(self._copier.compute_waits(done))
+            self._on_device[i] = (w, None, slot)
+        return self._materialise(w)
+
+    def _materialise(self, w: dict) -> dict[str, torch.Tensor]:
+        """A block's weights as compute-dtype tensors on the device: quantized weights
+        dequantized there (after their codes are moved, so a CPU-held block moves the quantized
+        bytes), timed as `dequant` (CUDA events, or the host clock on CPU); others cast (a
+        no-op for weights already in the compute dtype: views of the slot)."""
+        if not any(isinstance(v, QuantizedTensor) for v in w.values()):
+            return {k: v.to(device=self.device, dtype=self.dtype) for k, v in w.items()}
+        before, after = self._copier.event(timing=True), self._copier.event(timing=True)
+        before.record()
+        out = {
+            k: dequantize(v.to(self.device), self.dtype)
+            if isinstance(v, QuantizedTensor)
+            else v.to(device=self.device, dtype=self.dtype)
+            for k, v in w.items()
+        }
+        after.record()
+        self._dequant_events.append((before, after))
+        return out
+
+    def release(self, i: int) -> None:
+        """Drop block i from the device unless it is resident; its slot is free for the next
+        copy once the compute stream has done what it queued so far (an event marks that)."""
+        if not self.copies or i in self.resident or i not in self._on_device:
+            return
+        _, _, slot = self._on_device.pop(i)
+        if slot is not None:
+            self._slot_free[slot] = self._copier.compute_mark()
+            self._free_slots.append(slot)
+
+    def measure_bandwidth(self, reps: int = 10) -> float:
+        """Bytes/s host→device from the memory the engine copies from: block 0's flat host
+        buffer when it is page-locked in place (registered object-store pages, or torch-pinned),
+        else the pinned staging buffer it goes through; copied into the device `reps` times (one
+        warm-up before), each timed with events; the median. CUDA only; call it between steps
+        (it uses a free streaming slot, or a temporary buffer)."""
+        torch.cuda.synchronize(self.device)  # no copy may still read the staging buffer
+        flat, _, pinned = self._host[0]
+        src = flat if pinned else self._staging[0][: flat.numel()]
+        if not pinned:
+            src.copy_(flat)
+        free = len(self._free_slots) == len(self._slots) > 0
+        dst = self._slots[0][: flat.numel()] if free else torch.empty_like(src, device=self.device)
+        torch.cuda.synchronize(self.device)
+        return flat.numel() / statistics.median(cuda_copy_seconds(dst, src, reps))
+
+    def stall_seconds(self) -> float:
+        """Seconds compute has waited for weights since the last take or clear (syncs CUDA)."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return event_seconds(self._stall_events)
+
+    def take_timings(self) -> dict[str, float]:
+        """What the weights cost since the last take or clear (syncs CUDA): `h2d_bytes` copied,
+        `h2d_seconds` of copy (DMA) time, `h2d_stall` (compute waiting for a copy), `h2d_host`
+        (host time blocked in prefetch: staging waits and memcpy), `dequant` seconds (device
+        time between events on the compute stream, or the host clock on CPU). On CPU nothing is
+        copied: the stall is the waits for the source's blocks."""
+        if self.cuda:  # every event recorded so far has completed: elapsed_time may ask them
+            torch.cuda.synchronize(self.device)
+        out = {
+            "h2d_bytes": self.h2d_bytes,
+            "h2d_seconds": event_seconds(self._h2d_events),
+            "h2d_stall": event_seconds(self._stall_events),
+            "h2d_host": self.host_seconds,
+            "dequant": event_seconds(self._dequant_events),
+        }
+        self.clear_timings()
+        return out
+
+    def clear_timings(self) -> None:
+        """Forget what was recorded (no sync): a step starts here, so the copies and waits of an
+        eval or a logits call since the last step are not counted in it."""
+        self._h2d_events.clear()
+        self._stall_events.clear()
+        self._dequant_events.clear()
+        self.h2d_bytes = 0
+        self.host_seconds = 0.0
+
+
+def _entry_bytes(t: torch.Tensor | QuantizedTensor, dtype: torch.dtype) -> int:
+    if isinstance(t, QuantizedTensor):
+        return quantized_nbytes(t.shape, t.kind)
+    return quantized_nbytes(tuple(t.shape), "none", dtype)
+
+
+def _flat_block(source: BlockSource, i: int, dtype: torch.dtype) -> tuple[torch.Tensor, dict, bool]:
+    """Block i as (one flat uint8 host buffer, its index, whether torch itself pinned it).
+
+    Converted once here if the source holds another dtype; the WeightStore already stores the
+    compute dtype, so no copy then. Buffers from numpy (the object store, `pack`) are never
+    torch-pinned: for them `is_pinned()` could only be a stale registration, so it is not asked.
+    """
+    w = source.block(i)
+    flat = getattr(source, "flat_block", None)
+    if flat is not None and all(
+        isinstance(t, QuantizedTensor) or t.dtype == dtype for t in w.values()
+    ):
+        buf, index = flat(i)
+    else:
+        buf, index = pack(
+            {k: v if isinstance(v, QuantizedTensor) else v.to(dtype) for k, v in w.items()}
+        )
+    if isinstance(buf, np.ndarray):  # read-only shared memory: we never write through it
+        return readonly_tensor(buf), index, False
+    return buf, index, buf.is_pinned()
+
+
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+
+
+def shared_page_spans(spans: list[tuple[int, int]], page: int) -> list[tuple[int, int, list[int]]]:
+    """The byte ranges `spans` ((address, bytes) each) as the ranges to page-lock: those that
+    share a page merged into one, each as (address, bytes, indices of the spans it covers), in
+    address order. cudaHostRegister locks whole pages and refuses a range touching a page that
+    is already registered, so buffers packed back to back (the object store's blocks, small
+    malloc'd ones) registered one by one would leave every other one unpinned, copied through
+    staging. A merged range holds less than a page of memory that is not a span's."""
+    merged: list[tuple[int, int, list[int]]] = []
+    for start, end, i in sorted((s, s + n, i) for i, (s, n) in enumerate(spans) if n > 0):
+        if merged and start // page <= (merged[-1][1] - 1) // page:  # shares the last's page
+            first, last, members = merged[-1]
+            merged[-1] = (first, max(last, end), [*members, i])
+        else:
+            merged.append((start, end, [i]))
+    return [(start, end - start, members) for start, end, members in merged]
+
+
+def host_register(t: torch.Tensor, device: torch.device) -> bool:
+    """Page-lock `t`'s memory in place for copies to and from `device` (cudaHostRegister,
+    portable); False if refused or CUDA's runtime is not loaded. The caller unregisters it
+    (host_unregister) before the memory is freed: a freed range still registered would make a
+    later allocation at the same address look pinned while CUDA still maps the old pages.
+
+    Portable: pinned for every CUDA context, not only the current one (should the runtime found
+    by _cudart have another current device than torch's). Not read-only: the object store maps
+    its pages writable (numpy marks them read-only, CUDA does not care)."""
+    return host_register_range(t.data_ptr(), t.numel() * t.element_size(), device)
+
+
+def host_register_range(ptr: int, nbytes: int, device: torch.device) -> bool:
+    """host_register of `nbytes` at address `ptr`."""
+    lib = _cudart()
+    if lib is None or nbytes == 0:
+        return False
+    with torch.cuda.device(device):
+        if lib.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE) != 0:
+            lib.cudaGetLastError()  # clear it: a refused registration must not fail a kernel
+            return False
+    return True
+
+
+def host_unregister(ptr: int) -> None:
+    """Undo host_register of the memory at `ptr`."""
+    lib = _cudart()
+    if lib is not None and lib.cudaHostUnregister(ptr) != 0:
+        lib.cudaGetLastError()
+
+
+def unregister_all(ptrs: list[int], device: torch.device) -> None:
+    """Unregister (host_unregister) every address in `ptrs`, once no copy can still use them,
+    and empty the list: what close() does, and what weakref.finalize does for an object that
+    was dropped without it (then at most once: the list is empty after)."""
+    if not ptrs:
+        return
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    for ptr in ptrs:
+        host_unregister(ptr)
+    ptrs.clear()
+
+
+def page_locked_empty(
+    numel: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, bool]:
+    """(an uninitialized host tensor of `numel` values, page-locked for `device`; whether it was
+    registered). Plain memory registered in place takes exactly its size, where torch's
+    `pin_memory=True` rounds the allocation up to a power of two (its caching host allocator's
+    default: 40 GiB of saved activations would lock 64 GiB). Registered: the caller must
+    host_unregister it before freeing it; if registration is refused, torch's pinned memory."""
+    t = torch.empty(numel, dtype=dtype)
+    if host_register(t, device):
+        return t, True
+    return torch.empty(numel, dtype=dtype, pin_memory=True), False
+
+
+@functools.cache
+def _cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime library this process has loaded, through ctypes; None if none is loaded.
+
+    `torch.cuda.cudart()` binds cudaHostRegister but not cudaGetLastError, and a refused
+    registration leaves a pending error that a later kernel-launch check would raise. Register,
+    clear and unregister therefore all go through this handle: the same runtime torch uses (found
+    in /proc/self/maps, so no second copy with its own error state and current device is loaded).
+    Without it DeviceWeights does not register and copies through pinned staging buffers.
+    """
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted(
+                {
+                    m[1]
+                    for line in f
+                    if (m := re.search(r"(/\S*/libcudart\.so[.\d]*)$", line.strip()))
+                }
+            )
+    except OSError:
+        return None
+    if not paths:
+        return None
+    lib = ctypes.CDLL(paths[0])
+    lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
+    for fn in (lib.cudaHostRegister, lib.cudaHostUnregister, lib.cudaGetLastError):
+        fn.restype = ctypes.c_int
+    return lib

@@ -1,0 +1,244 @@
+"""config.json's fields, family by family, as the ModelArgs fields they give (hf_checkpoint's
+read_model_args checks the architecture and the files; this reads the numbers). Each reader
+refuses, naming the field, what the engine does not implement (a RoPE type, an activation, a
+partial rotary factor), and takes transformers' defaults for a field left out.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from appliance import models
+from appliance.errors import ModelError
+
+_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def model_fields(arch: str, cfg: dict, where: Path) -> dict[str, Any]:
+    """ModelArgs' fields from config.json `cfg` of architecture `arch` (`where` names the file
+    in errors); KeyError for a required field left out (read_model_args names it)."""
+    fields = _common_fields(arch, cfg, where)
+    family = models.FAMILIES[arch]
+    if family is models.qwen3:
+        fields.update(_qwen3_fields(cfg, where))
+    elif family is models.gemma:
+        fields.update(_gemma_fields(arch, cfg, where, fields["num_layers"]))
+    elif family is models.phi3:
+        fields.update(_phi3_fields(cfg, where, fields))
+    else:
+        fields.update(_llama_fields(arch, cfg, where))
+    return fields
+
+
+def _common_fields(arch: str, cfg: dict, where: Path) -> dict[str, Any]:
+    """What every family reads the same way (the family readers below override some)."""
+    num_heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    eos = cfg.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return dict(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        o_bias=bool(cfg.get("attention_bias", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=eos,
+        pad_token_id=cfg.get("pad_token_id"),
+    )
+
+
+def _rope_dict(cfg: dict) -> tuple[str, dict]:
+    """(the field's name, its contents): transformers ≥5 nests rope settings in
+    `rope_parameters`; older files use rope_theta / rope_scaling."""
+    field = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    return field, dict(cfg.get(field) or {})
+
+
+def _rope(
+    rope: dict, cfg: dict, where: Path, field: str, kinds: tuple[str, ...], theta: float = 1e4
+) -> tuple[float, tuple | None]:
+    """(rope_theta, ModelArgs.rope_scaling) from one rope settings dict, of a type in `kinds`."""
+    rope = dict(rope)
+    rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", theta)))
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    if kind == "su":  # Phi-3's early name for longrope
+        kind = "longrope"
+    if kind == "default":
+        return rope_theta, None
+    if kind not in kinds:
+        raise ModelError(
+            f"{where}: {field} type {kind!r} is not supported (only "
+            f"{' or '.join(kinds + ('none',))})"
+        )
+    keys = {
+        "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+        "linear": ("factor",),
+        "longrope": ("short_factor", "long_factor"),
+    }[kind]
+    if kind != "linear" and "original_max_position_embeddings" in cfg:
+        rope.setdefault("original_max_position_embeddings", cfg["original_max_position_embeddings"])
+    if kind != "linear":
+        keys += ("original_max_position_embeddings",)
+    missing = [k for k in keys if k not in rope]
+    if missing:
+        raise ModelError(f"{where}: {field} of type {kind} lacks {', '.join(missing)}")
+    lists = ("short_factor", "long_factor")
+    items: dict[str, Any] = {k: float(rope[k]) for k in keys if k not in lists}
+    if kind == "llama3":  # (no rope_type item: llama3 is the default reading of rope_scaling)
+        return rope_theta, tuple(sorted(items.items()))
+    items["rope_type"] = kind
+    if kind == "longrope":
+        items["short_factor"] = tuple(float(x) for x in rope["short_factor"])
+        items["long_factor"] = tuple(float(x) for x in rope["long_factor"])
+        for k in ("factor", "attention_factor"):  # optional (model.rope_attention_factor)
+            if rope.get(k) is not None:
+                items[k] = float(rope[k])
+    return rope_theta, tuple(sorted(items.items()))
+
+
+def _activation(cfg: dict, where: Path, key: str, allowed: str) -> str:
+    act = cfg.get(key, allowed)
+    if act != allowed:
+        raise ModelError(f"{where}: {key}={act!r} is not supported (only {allowed!r})")
+    return act
+
+
+def _no_partial_rotary(cfg: dict, rope: dict, where: Path) -> None:
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if float(partial) != 1.0:
+        raise ModelError(
+            f"{where}: partial_rotary_factor={partial} is not supported (only 1.0: RoPE on every "
+            "dimension of a head)"
+        )
+
+
+def _llama_fields(arch: str, cfg: dict, where: Path) -> dict[str, Any]:
+    """Llama, Mistral, Qwen2."""
+    _activation(cfg, where, "hidden_act", "silu")
+    field, rope = _rope_dict(cfg)
+    theta, scaling = _rope(rope, cfg, where, field, ("llama3",))
+    _no_partial_rotary(cfg, rope, where)
+    out: dict[str, Any] = dict(rope_theta=theta, rope_scaling=scaling)
+    out["mlp_bias"] = bool(cfg.get("mlp_bias", False))
+    sliding = cfg.get("sliding_window")
+    if arch == "Qwen2ForCausalLM":
+        out["attention_bias"], out["o_bias"] = True, False  # Qwen2: bias on q, k, v only
+        if cfg.get("use_sliding_window", False):
+            raise ModelError(f"{where}: use_sliding_window=true is not supported")
+        sliding = None
+    out["sliding_window"] = int(sliding) if sliding else None
+    return out
+
+
+def _qwen3_fields(cfg: dict, where: Path) -> dict[str, Any]:
+    _activation(cfg, where, "hidden_act", "silu")
+    if cfg.get("use_sliding_window", False):
+        raise ModelError(f"{where}: use_sliding_window=true is not supported")
+    field, rope = _rope_dict(cfg)
+    theta, scaling = _rope(rope, cfg, where, field, ())
+    _no_partial_rotary(cfg, rope, where)
+    return dict(rope_theta=theta, rope_scaling=scaling, qk_norm=True)
+
+
+def _layer_types(cfg: dict, where: Path, num_layers: int, pattern: int) -> tuple[str, ...]:
+    """`layer_types` as written, else the alternation: every `pattern`-th block full, the
+    others sliding (Gemma 2: 2, Gemma 3: sliding_window_pattern, 6 by default)."""
+    types = cfg.get("layer_types")
+    if types is None:
+        return tuple(
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(num_layers)
+        )
+    bad = [t for t in types if t not in _LAYER_TYPES]
+    if len(types) != num_layers or bad:
+        raise ModelError(
+            f"{where}: layer_types must list {num_layers} of {', '.join(_LAYER_TYPES)} "
+            f"(found {len(types)}{', e.g. ' + repr(bad[0]) if bad else ''})"
+        )
+    return tuple(types)
+
+
+def _gemma_fields(arch: str, cfg: dict, where: Path, num_layers: int) -> dict[str, Any]:
+    """Gemma 2 and Gemma 3 (text)."""
+    key = "hidden_activation" if "hidden_activation" in cfg else "hidden_act"  # the first wins
+    _activation(cfg, where, key, "gelu_pytorch_tanh")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelError(f"{where}: use_bidirectional_attention=true is not supported")
+    hidden = int(cfg["hidden_size"])
+    gemma3 = arch == "Gemma3ForCausalLM"
+    out: dict[str, Any] = dict(
+        norm_offset=1.0,
+        embed_scale=hidden**0.5,
+        attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+        # transformers' Gemma 3 attention does not apply attn_logit_softcapping: neither do we
+        attn_softcap=None if gemma3 else _float_or_none(cfg.get("attn_logit_softcapping")),
+        final_softcap=_float_or_none(cfg.get("final_logit_softcapping")),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        sliding_window=int(cfg["sliding_window"]) if cfg.get("sliding_window") else None,
+        qk_norm=gemma3,
+    )
+    pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
+    out["layer_types"] = _layer_types(cfg, where, num_layers, pattern if gemma3 else 2)
+    field, rope = _rope_dict(cfg)
+    if not gemma3:
+        out["rope_theta"], out["rope_scaling"] = _rope(rope, cfg, where, field, ())
+        _no_partial_rotary(cfg, rope, where)
+        return out
+    if "full_attention" in rope or "sliding_attention" in rope:  # per layer type (transformers ≥5)
+        full, local = (
+            dict(rope.get("full_attention") or {}),
+            dict(rope.get("sliding_attention") or {}),
+        )
+    else:  # rope_theta + rope_scaling for the full layers, rope_local_base_freq for the others
+        full = {**rope, "rope_theta": cfg.get("rope_theta", 1e6)}
+        local = {"rope_theta": cfg.get("rope_local_base_freq", 1e4)}
+    out["rope_theta"], out["rope_scaling"] = _rope(
+        full, {}, where, f"{field} (full_attention)", ("linear",), theta=1e6
+    )
+    out["rope_local_theta"], _ = _rope(
+        local, {}, where, f"{field} (sliding_attention)", (), theta=1e4
+    )
+    return out
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _phi3_fields(cfg: dict, where: Path, common: dict[str, Any]) -> dict[str, Any]:
+    _activation(cfg, where, "hidden_act", "silu")
+    field, rope = _rope_dict(cfg)
+    theta, scaling = _rope(rope, cfg, where, field, ("longrope",))
+    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    rot = int(common["head_dim"] * partial)
+    if not 0 < partial <= 1 or rot < 2 or rot % 2:
+        raise ModelError(
+            f"{where}: partial_rotary_factor={partial} gives {rot} rotated dimensions per head; "
+            "need an even number ≥ 2"
+        )
+    for key, value in scaling or ():
+        if key in ("short_factor", "long_factor") and len(value) != rot // 2:
+            raise ModelError(
+                f"{where}: {field}.{key} has {len(value)} values; {rot // 2} expected "
+                f"(half the {rot} rotated dimensions)"
+            )
+    sliding = cfg.get("sliding_window")
+    return dict(
+        rope_theta=theta,
+        rope_scaling=scaling,
+        partial_rotary_factor=partial,
+        attention_bias=False,  # Phi-3's projections have no bias
+        o_bias=False,
+        sliding_window=int(sliding) if sliding else None,
+    )

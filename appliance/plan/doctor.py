@@ -1,0 +1,593 @@
+"""`appliance doctor`: what is wrong with this box, before a run finds out the slow way.
+
+    appliance doctor                              # the box alone
+    appliance doctor --model ./Llama-2-7b-hf      # and against this model's needs (config.json only)
+
+Each check is ok / warn / fail with one line of detail and, unless ok, one line of fix; the exit
+status is 1 when any check fails. With a model (or `--preset`), the memory checks compare this
+box with what the run needs: the weight store (every block, in Ray's shared-memory object store,
+in the compute dtype `--dtype auto` picks: trainer.resolve_dtype) and, on a GPU, the pages the
+trainer page-locks (the store's blocks, registered in place).
+
+`train` runs the cheap blocking checks (/dev/shm, RAM: `blocking_problems`) before it
+loads anything, so a run that cannot fit fails in seconds with the same line.
+
+The shared-memory directory is /dev/shm (where Ray's object store lives on Linux);
+APPLIANCE_SHM_DIR points the check elsewhere (the tests use a small tmpfs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import resource
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from appliance.cluster.start import HUGE_POLICIES, tmpfs_huge_policy
+from appliance.config import DEFAULT_METRICS_PORT
+from appliance.errors import ApplianceError, ConfigError, first_line
+from appliance.models.layers import ModelArgs
+from appliance.storage import localize as s3_cache
+from appliance.storage import uri as storage
+
+GiB, MiB = 2**30, 2**20
+SHM_ENV = "APPLIANCE_SHM_DIR"
+MIN_PYTHON = (3, 10)
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # ok | warn | fail
+    detail: str
+    fix: str = ""
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a run of one model needs from this box (bytes)."""
+
+    weight_store: int  # in /dev/shm, once per node
+    page_locked: int  # per trainer process on a GPU (0 on the CPU)
+    ram: int  # weight store + trainer + tokenizer processes (their sizes assumed)
+    checkpoint: int  # the safetensors files, for a download (bf16 files assumed)
+    base_quant: str = "none"  # what the weight store was counted in
+
+
+def quant_hint(needs: Needs) -> str:
+    """`, or --base-quant int8|nf4` (only the ones smaller than the current), or ""."""
+    from appliance.plan.estimate import smaller_quants
+
+    smaller = smaller_quants(needs.base_quant)
+    return f", or --base-quant {'|'.join(smaller)}" if smaller else ""
+
+
+def suggested_sizes(needs: Needs) -> tuple[int, int]:
+    """(/dev/shm, available RAM), whole GiB, that hold this run: what every fix line suggests.
+
+    Embedded Ray's object store takes what /dev/shm holds less a margin, at most 80 % of the RAM
+    available (cluster.object_store_bytes); it must hold the weight store, and the RAM the whole
+    run (`needs.ram`). Both with 10 % headroom."""
+    from appliance.cluster.start import RAM_RESERVE_FRACTION, shm_gib_for
+
+    store = needs.weight_store
+    ram = 1.1 * max(needs.ram, store / (1 - RAM_RESERVE_FRACTION))
+    return shm_gib_for(store), math.ceil(ram / GiB)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
+
+
+def needs_for(
+    args: ModelArgs, cuda: bool, base_quant: str = "none", dtype_bytes: int | None = None
+) -> Needs:
+    """The host needs of training `args` here, by plan's own arithmetic (plan.host_bytes);
+    `dtype_bytes` defaults to the trainer's `--dtype auto` (trainer.resolve_dtype)."""
+    from appliance.plan.estimate import (
+        TOKENIZER_WORKER_BYTES,
+        TOKENIZER_WORKERS,
+        TRAINER_PROCESS_BYTES,
+        block_bytes,
+        globals_bytes,
+    )
+
+    if dtype_bytes is None:
+        dtype_bytes = auto_dtype("cuda" if cuda else "cpu").itemsize
+    block = block_bytes(args, dtype_bytes, base_quant)
+    store = -(-globals_bytes(args, dtype_bytes) // 64) * 64 + args.num_layers * block
+    ram = store + TRAINER_PROCESS_BYTES + TOKENIZER_WORKERS * TOKENIZER_WORKER_BYTES
+    page_locked = args.num_layers * block if cuda else 0
+    return Needs(store, page_locked, ram, args.param_count() * 2, base_quant)
+
+
+# ---------------------------------------------------------------- the checks
+
+
+def check_python() -> Check:
+    v = sys.version_info
+    ok = v[:2] >= MIN_PYTHON
+    return Check(
+        "python",
+        "ok" if ok else "fail",
+        f"Python {platform.python_version()} ({sys.executable})",
+        "" if ok else f"use Python ≥ {'.'.join(map(str, MIN_PYTHON))}",
+    )
+
+
+def check_torch() -> Check:
+    import torch
+
+    cuda = torch.version.cuda
+    driver = _driver_version()
+    detail = f"torch {torch.__version__}, CUDA {cuda or 'none (a CPU build)'}"
+    if driver:
+        detail += f", driver {driver}"
+    if cuda is None:
+        return Check("torch", "warn", detail, "install a CUDA build of torch to train on a GPU")
+    if not torch.cuda.is_available():
+        return Check(
+            "torch",
+            "warn",
+            detail + "; CUDA not usable here",
+            "check the driver (nvidia-smi) and that the container sees the GPU (--gpus all)",
+        )
+    return Check("torch", "ok", detail)
+
+
+def _driver_version() -> str | None:
+    from appliance.hardware.gpu_monitor import _import_pynvml
+
+    pynvml = _import_pynvml()
+    if pynvml is None:
+        return None
+    try:
+        pynvml.nvmlInit()
+        v = pynvml.nvmlSystemGetDriverVersion()
+        return v.decode() if isinstance(v, bytes) else str(v)
+    except Exception:  # no driver, no NVML: nothing to report
+        return None
+
+
+def check_gpus(device: str) -> Check:
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        if device == "cuda":
+            return Check(
+                "gpus", "fail", "--device cuda, but no GPU is visible", "use --device cpu or auto"
+            )
+        return Check(
+            "gpus",
+            "warn",
+            "no GPU visible: training runs on the CPU (fp32; slow beyond tiny models)",
+            "run on a GPU box (docker run --gpus all ...)",
+        )
+    parts, no_bf16 = [], []
+    for i in range(n):
+        p = torch.cuda.get_device_properties(i)
+        with torch.cuda.device(i):
+            bf16 = auto_dtype("cuda") == torch.bfloat16  # Ampere and newer: bf16 tensor cores
+        parts.append(f"{i}: {p.name} {p.total_memory / GiB:.1f} GiB{'' if bf16 else ' (no bf16)'}")
+        if not bf16:
+            no_bf16.append(str(i))
+    if no_bf16:
+        return Check(
+            "gpus",
+            "warn",
+            "; ".join(parts),
+            f"GPU {','.join(no_bf16)} has no bf16: --dtype auto trains in float16 with loss "
+            "scaling there (an Ampere+ card has bf16's range)",
+        )
+    return Check("gpus", "ok", "; ".join(parts))
+
+
+def shm_dir() -> Path:
+    return Path(os.environ.get(SHM_ENV) or "/dev/shm")
+
+
+def check_shm(needs: Needs | None) -> Check:
+    path = shm_dir()
+    try:
+        st = os.statvfs(path)
+    except OSError as e:
+        return Check("shm", "fail", f"{path}: {e.strerror}", "mount a tmpfs there")
+    total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    detail = f"{path}: {_gib(total)}, {_gib(free)} free"
+    if needs is None:
+        return Check("shm", "ok", detail + " (give --model to check it against a model)")
+    detail += f"; the weight store needs {_gib(needs.weight_store)}"
+    shm, _ = suggested_sizes(needs)
+    fix = (
+        f"give the container more shared memory: docker run --shm-size={shm}g "
+        f"(Helm: the chart's shmSize), or a smaller model{quant_hint(needs)}"
+    )
+    if total < needs.weight_store:
+        return Check("shm", "fail", detail, fix)
+    if free < needs.weight_store:
+        return Check("shm", "warn", detail + " (not free now)", "free /dev/shm (old Ray sessions?)")
+    return Check("shm", "ok", detail)
+
+
+def check_shm_pages() -> Check:
+    """Whether the object store's shared memory comes in 2 MiB pages. With 4 KiB pages every
+    process that writes the store (the weight store's load) takes a page fault per 4 KiB; with
+    huge pages one per 2 MiB (docs/benchmarks.md, "NF4 codes by a table lookup": the 1B NF4
+    load 0.41 s on 4 KiB pages, 0.26 s on 2 MiB pages; medians)."""
+    path = shm_dir()
+    policy = tmpfs_huge_policy(path)
+    if policy is None:
+        return Check("shm_pages", "ok", f"{path}: not a tmpfs (nothing to check)")
+    if policy in HUGE_POLICIES:
+        return Check("shm_pages", "ok", f"{path}: tmpfs with huge={policy} (2 MiB pages)")
+    return Check(
+        "shm_pages",
+        "warn",
+        f"{path}: tmpfs with huge={policy}: the weight store's load faults in its shared memory "
+        "4 KiB at a time (slower to load; see docs/deploy.md, huge pages)",
+        "on the host, mount a tmpfs with huge=within_size and give it to the container as "
+        "/dev/shm (docker run -v HOSTDIR:/dev/shm; docker's --tmpfs refuses huge=)",
+    )
+
+
+def check_quantizers(base_quant: str) -> Check:
+    """Whether the fused C quantizers (appliance/quant/_quantize.c) were built at install: without them
+    --base-quant int8|nf4 codes the same values with PyTorch, ~5x slower to load."""
+    import importlib
+
+    try:
+        ext = importlib.import_module("appliance.quant._quantize")
+    except ImportError as e:
+        detail = f"the fused C kernels are not built ({e})"
+        if base_quant == "none":
+            return Check("quantizers", "ok", detail + "; only --base-quant int8|nf4 uses them")
+        return Check(
+            "quantizers",
+            "warn",
+            detail + f": --base-quant {base_quant} quantizes with PyTorch, ~5x slower to load",
+            "reinstall the appliance where a C compiler and Python's headers are present "
+            "(e.g. apt-get install gcc python3-dev; pip install --force-reinstall --no-deps .)",
+        )
+    return Check(
+        "quantizers", "ok", f"fused C kernels built ({Path(ext.__file__).name}, {ext.isa()})"
+    )
+
+
+def check_triton(cuda: bool) -> Check:
+    """On a GPU: whether Triton's kernels launch here. Triton builds each kernel's launcher with
+    the system C compiler (`CC`, else cc/gcc/clang) at its first launch; without one the fused
+    dequant of --base-quant falls back to PyTorch (slower, said only in the trainer's log), and
+    torch.compile and the packed rows' flex_attention fail."""
+    if not cuda:
+        return Check("triton", "ok", "no CUDA GPU: Triton's kernels are not used")
+    compiler = os.environ.get("CC") or next(
+        (c for c in ("cc", "gcc", "clang") if shutil.which(c)), None
+    )
+    if compiler is None:
+        return Check(
+            "triton",
+            "warn",
+            "no C compiler (CC, cc, gcc, clang): Triton cannot build its kernels' launchers, so "
+            "the fused dequant runs as PyTorch and torch.compile / flex_attention fail",
+            "install one (apt-get install gcc libc6-dev python3-dev; the appliance image has it)",
+        )
+    import warnings
+
+    from appliance.quant import formats as quant
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ok = quant._gpu_kernels() is not None
+    if not ok:
+        why = str(caught[-1].message) if caught else "Triton's kernels did not launch"
+        return Check("triton", "warn", why, "check the Triton install against this torch")
+    return Check("triton", "ok", f"fused dequant kernels launch (C compiler: {compiler})")
+
+
+def check_ram(needs: Needs | None) -> Check:
+    from appliance.hardware.measure import cgroup_memory_headroom, meminfo_available
+
+    host = meminfo_available()
+    if host is None:
+        return Check("ram", "warn", "cannot read /proc/meminfo", "")
+    limit = cgroup_memory_headroom()
+    limited = limit is not None and limit < host
+    avail = limit if limited else host
+    detail = f"{_gib(avail)} available"
+    if limited:
+        detail += f" under this container's memory limit (the host has {_gib(host)})"
+    if needs is None:
+        return Check("ram", "ok", detail)
+    detail += (
+        f"; the weight store needs {_gib(needs.weight_store)}, the whole run about "
+        f"{_gib(needs.ram)}"
+    )
+    if avail < needs.weight_store:
+        _, ram = suggested_sizes(needs)
+        fix = (
+            f"a memory limit of {ram} GiB (docker run --memory, the pod's limits.memory)"
+            if limited
+            else f"a box with {ram} GiB of RAM available"
+        )
+        return Check(
+            "ram",
+            "fail",
+            detail,
+            f"{fix}{quant_hint(needs)} (the OOM killer would end the run while it loads)",
+        )
+    if avail < needs.ram:
+        return Check("ram", "warn", detail, "little room left: close other processes")
+    return Check("ram", "ok", detail)
+
+
+def check_memlock(needs: Needs | None) -> Check:
+    """`ulimit -l`, for information: it never fails. The NVIDIA driver page-locks host memory
+    (cudaHostRegister, cudaHostAlloc: its os_lock_user_pages pins with get_user_pages) without
+    charging RLIMIT_MEMLOCK, so Docker's default 8 MiB (64 KiB on old kernels) and a Kubernetes
+    pod, which cannot raise it, page-lock a 70B store all the same. mlock(2) and RDMA are what
+    the limit bounds; the appliance uses neither."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    shown = "unlimited" if soft == resource.RLIM_INFINITY else _gib(soft)
+    detail = f"ulimit -l (memlock): {shown}"
+    if needs is None or needs.page_locked == 0:
+        why = "no model given" if needs is None else "nothing to page-lock on the CPU"
+        return Check("memlock", "ok", f"{detail} ({why})")
+    return Check(
+        "memlock",
+        "ok",
+        f"{detail}; the GPU driver page-locks the blocks' {_gib(needs.page_locked)} without "
+        "charging it (no --ulimit memlock needed)",
+    )
+
+
+def check_disk(model: str | None, needs: Needs | None) -> Check:
+    if model is not None and storage.is_s3(model):
+        root = s3_cache.cache_root()
+        where = _existing(root)
+        free = shutil.disk_usage(where).free
+        detail = f"model cache {root}: {_gib(free)} free"
+        if needs is not None:
+            detail += f"; the checkpoint is about {_gib(needs.checkpoint)} (bf16 files)"
+            if free < needs.checkpoint:
+                return Check(
+                    "disk",
+                    "fail",
+                    detail,
+                    "free space there, or point APPLIANCE_S3_CACHE elsewhere",
+                )
+        return Check("disk", "ok", detail)
+    where = _existing(Path.cwd())
+    return Check("disk", "ok", f"{where}: {_gib(shutil.disk_usage(where).free)} free")
+
+
+def _existing(path: Path) -> Path:
+    path = path.expanduser().absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_speed() -> list[Check]:
+    """Pinned host→device GB/s and matmul TFLOP/s in the compute dtype `--dtype auto` picks,
+    on each GPU (a second or two each)."""
+    import torch
+
+    from appliance.hardware.measure import measure_bandwidth, measure_matmul
+
+    if not torch.cuda.is_available():
+        return [Check("speed", "warn", "no GPU to measure", "")]
+    out = []
+    for i in range(torch.cuda.device_count()):
+        dev = torch.device("cuda", i)
+        b = measure_bandwidth(dev, 256 * MiB, reps=3)
+        with torch.cuda.device(i):
+            dtype = auto_dtype("cuda")
+        p = measure_matmul(dev, dtype, 4096, 10)
+        kind = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+        detail = f"GPU {i}: pinned H2D {b / 1e9:.1f} GB/s, {kind} matmul {p / 1e12:.0f} TFLOP/s"
+        if b < 10e9:
+            out.append(
+                Check(
+                    f"speed{i}",
+                    "warn",
+                    detail,
+                    "slow host link: check the slot (nvidia-smi -q | grep -A3 'Link Width')",
+                )
+            )
+        else:
+            out.append(Check(f"speed{i}", "ok", detail))
+    return out
+
+
+def check_port(port: int | None) -> Check:
+    """The metrics port train would bind: `port` (--metrics-port) must be free, as train refuses
+    one in use; with none given, train takes 8080 or the next free port, so a busy 8080 is only
+    a warning (a Prometheus that scrapes 8080 would miss the run)."""
+    from appliance.metrics.endpoint import default_candidates, is_tcp_port, port_is_free
+
+    if port is not None and not is_tcp_port(port):  # 0 would be any port, 65536 up none
+        return Check(
+            "metrics_port",
+            "fail",
+            f"port {port} is not a TCP port (1 to 65535)",
+            "give --metrics-port a port from 1 to 65535, as train takes",
+        )
+    if port is not None:
+        if port_is_free(port):
+            return Check("metrics_port", "ok", f"port {port} is free")
+        return Check(
+            "metrics_port",
+            "fail",
+            f"port {port} is already in use",
+            "pick another with --metrics-port, or leave it out to take the next free one",
+        )
+    ports = default_candidates(DEFAULT_METRICS_PORT)
+    free = next((p for p in ports if port_is_free(p)), None)
+    if free == DEFAULT_METRICS_PORT:
+        return Check("metrics_port", "ok", f"port {free} is free")
+    if free is None:
+        return Check(
+            "metrics_port",
+            "fail",
+            f"ports {ports.start}-{ports.stop - 1} are all in use",
+            "pass a free one with --metrics-port",
+        )
+    return Check(
+        "metrics_port",
+        "warn",
+        f"port {DEFAULT_METRICS_PORT} is in use: train will serve metrics on {free}, the next "
+        "free one",
+        f"point Prometheus at {free}, or free {DEFAULT_METRICS_PORT} for the run",
+    )
+
+
+def check_ray(needs: Needs | None) -> Check:
+    """The object store embedded Ray gets here: what `appliance train` sizes it to
+    (cluster.object_store_bytes: /dev/shm less a margin, at most 80% of the RAM available)."""
+    from appliance.cluster.start import object_store_bytes
+    from appliance.config import TrainConfig
+
+    cap, source = object_store_bytes(TrainConfig())
+    if cap is None:
+        return Check("ray", "ok", f"embedded Ray's object store: {source}")
+    detail = f"embedded Ray's object store: {_gib(cap)} ({source})"
+    if needs is None:
+        return Check("ray", "ok", detail)
+    detail += f"; the weight store needs {_gib(needs.weight_store)}"
+    if cap < needs.weight_store:
+        shm, ram = suggested_sizes(needs)
+        return Check(
+            "ray",
+            "fail",
+            detail,
+            f"docker run --shm-size={shm}g on a box with {ram} GiB of RAM available, or set "
+            "--object-store-memory (ray start --object-store-memory on a cluster)",
+        )
+    return Check("ray", "ok", detail)
+
+
+def check_s3(model: str) -> Check:
+    import boto3
+
+    endpoint = os.environ.get("AWS_ENDPOINT_URL") or "AWS default"
+    creds = boto3.Session().get_credentials()
+    if creds is None:
+        return Check(
+            "s3",
+            "fail",
+            f"no AWS credentials found (endpoint {endpoint})",
+            "set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance role",
+        )
+    try:
+        storage.read_bytes(storage.join(model, "config.json"))
+    except ApplianceError as e:
+        return Check("s3", "fail", f"endpoint {endpoint}: {e}", "check the URI and credentials")
+    return Check("s3", "ok", f"endpoint {endpoint}: {model}/config.json readable")
+
+
+# ---------------------------------------------------------------- running them
+
+
+def auto_dtype(device: str):
+    """The torch dtype `--dtype auto` trains in on `device` (cpu | cuda; a GPU: the current one)."""
+    from appliance.actors.trainer import resolve_dtype
+    from appliance.engine.blocks import dtype_from_name
+
+    return dtype_from_name(resolve_dtype("auto", device))
+
+
+def resolve_cuda(device: str) -> bool:
+    import torch
+
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+
+def blocking_problems(
+    args: ModelArgs, cuda: bool, base_quant: str = "none", dtype_bytes: int | None = None
+) -> list[str]:
+    """What stops a run of `args` on this box before it loads anything (/dev/shm, RAM):
+    one line per failed check (detail, then fix); empty when none fails. `train` calls this."""
+    needs = needs_for(args, cuda, base_quant, dtype_bytes)
+    return [
+        f"{c.name}: {c.detail}; {c.fix}"
+        for c in (check_shm(needs), check_ram(needs))
+        if c.status == "fail"
+    ]
+
+
+def run_checks(
+    model: str | None = None,
+    preset: str | None = None,
+    base_quant: str = "none",
+    device: str = "auto",
+    metrics_port: int | None = None,
+) -> list[Check]:
+    """Every check, in order. Reads the model's config.json only."""
+    checks = [check_python(), check_torch(), check_gpus(device)]
+    cuda = resolve_cuda(device)
+    needs = None
+    s3 = model is not None and storage.is_s3(model)
+    if s3:
+        checks.append(check_s3(model))
+    if model is not None or preset is not None:
+        from appliance.plan.estimate import load_args
+
+        try:
+            args, _ = load_args(model, preset)
+            needs = needs_for(args, cuda, base_quant)
+        except ApplianceError as e:
+            checks.append(Check("model", "fail", first_line(e), "fix --model/--preset"))
+    checks += [
+        check_shm(needs),
+        check_shm_pages(),
+        check_quantizers(base_quant),
+        check_triton(cuda),
+        check_ram(needs),
+        check_memlock(needs),
+        check_disk(model, needs),
+        *check_speed(),
+        check_port(metrics_port),
+        check_ray(needs),
+    ]
+    return checks
+
+
+def format_checks(checks: list[Check]) -> str:
+    lines = []
+    for c in checks:
+        lines.append(f"{c.status:<4}  {c.name:<12}  {c.detail}")
+        if c.fix and c.status != "ok":
+            lines.append(f"{'':<4}  {'':<12}  fix: {c.fix}")
+    return "\n".join(lines)
+
+
+def run_doctor(
+    model: str | None,
+    preset: str | None,
+    base_quant: str,
+    device: str,
+    metrics_port: int | None,
+    as_json: bool,
+) -> int:
+    """Print the checks; returns the exit status (1 when any check fails)."""
+    if model is not None and preset is not None:
+        raise ConfigError("give --model or --preset, not both")
+    if base_quant not in ("none", "int8", "nf4"):
+        raise ConfigError(f"--base-quant {base_quant!r} must be one of none | int8 | nf4")
+    from appliance.metrics.endpoint import is_tcp_port, port_range_error
+
+    if metrics_port is not None and not is_tcp_port(metrics_port):  # train's rule, up front
+        raise ConfigError(port_range_error(metrics_port))
+    checks = run_checks(model, preset, base_quant, device, metrics_port)
+    failed = any(c.status == "fail" for c in checks)
+    if as_json:
+        print(json.dumps({"ok": not failed, "checks": [asdict(c) for c in checks]}, indent=2))
+    else:
+        print(format_checks(checks))
+    return 1 if failed else 0

@@ -1,0 +1,564 @@
+"""`appliance plan`: memory, time and cost of a run, from config.json alone, before renting a GPU.
+
+    appliance plan --preset 7b --gpu a10 --tokens 50000000
+    appliance plan --model ./Llama-2-70b --gpu a10 --micro-batches-per-step auto --json
+
+The run's shape (--seq-len, --micro-batch-size, --micro-batches-per-step, --lora-rank,
+--base-quant) defaults to `train`'s (config.TrainConfig), so `plan --model X` describes
+`train --model X`. What it computes, per trainer (one per GPU; `--gpus N` trainers share one
+node's weight store):
+
+- GPU memory by part, and which blocks stay resident: the engine's own planner
+  (`planner.plan_memory`, what `StreamedEngine.plan` calls), fed with the bytes config.json
+  implies instead of real tensors.
+- Host memory: the weight store (shared memory, one per node), what page-locking registers, the
+  saved activations offloaded to pinned host memory, the trainer and tokenizer processes.
+- Time: host→device bytes per optimizer step (`planner.blocks_uploaded_per_step` blocks, both
+  passes), FLOPs (≈ 6·N·T over the blocks' parameters, as the engine counts them; attention
+  scores and the LM head are reported beside it, not in the floor), the floor max(bytes/B, F/P)
+  with B and P from hardware.GPUS, tokens/s at the floor, and the crossover T*.
+- Cost: hours at the floor × $ per GPU-hour (the class's on-demand instance, or --price-per-hour).
+- Fits: GPU and host both, or what each needs against what there is and the flags that fix it
+  (plan_fixes.py); the command exits 1 when it does not fit.
+
+The floor is a lower bound: a real step takes longer (see docs/benchmarks.md for measured
+ratios). Nothing here reads weights or needs a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from appliance.actors.tokenize_worker import MAX_DEFAULT_WORKERS
+from appliance.config import TrainConfig
+from appliance.engine.memory import (
+    CUDA_MARGIN_BYTES,
+    MemoryPlan,
+    blocks_uploaded_per_step,
+    device_saved_bytes,
+    effective_budget,
+    plan_memory,
+    step_flops,
+)
+from appliance.errors import ConfigError
+from appliance.hardware import gpus as hardware
+from appliance.models.hf_checkpoint import block_shapes, read_model_args, seq_len_problems
+from appliance.models.layers import TARGET_MODULES, ModelArgs
+from appliance.quant.formats import is_linear_weight, quantized_nbytes
+from appliance.storage import uri as storage
+
+GiB, MiB = 2**30, 2**20
+BASE_QUANTS = ("none", "int8", "nf4")  # largest to smallest
+DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}  # --dtype: bytes per value
+TRAIN = TrainConfig()  # train's defaults: the shape plan assumes unless told otherwise
+AUTO_MAX_M = 256  # `auto` looks at M = 1 .. this
+AUTO_SLACK = 1.10  # `auto`: within 10 % of compute-bound
+# Host-side process sizes the plan assumes (not measured per run): a trainer process (torch, the
+# CUDA context's host side, Ray worker) and a tokenizer worker (tokenizers + Ray worker).
+TRAINER_PROCESS_BYTES = 3 * GiB
+TOKENIZER_WORKER_BYTES = GiB // 2
+TOKENIZER_WORKERS = MAX_DEFAULT_WORKERS  # the default count's upper bound
+
+
+def gpu_budget_problem(text: str, n: int) -> str | None:
+    """What is wrong with `--gpu-memory-budget TEXT` (`n`: its bytes, config.parse_bytes), or
+    None: a bare number under 1 MiB (`24` is 24 bytes: a unit left out, said when `24GiB` would
+    do), or a budget not above planner.CUDA_MARGIN_BYTES, which the engine keeps off every
+    budget (0 included), so that nothing would be left to plan."""
+    text = str(text).strip()
+    bare = re.fullmatch(r"\d+(\.\d+)?", text) and n < MiB  # and TEXT GiB would do:
+    if bare and float(text) * GiB > CUDA_MARGIN_BYTES:
+        unit = "byte" if n == 1 else "bytes"
+        return f"--gpu-memory-budget {text} is {n} {unit}: did you mean {text}GiB?"
+    if n <= CUDA_MARGIN_BYTES:
+        return (
+            f"--gpu-memory-budget {text} leaves nothing to plan: the engine keeps "
+            f"{CUDA_MARGIN_BYTES // MiB} MiB of any budget for cuBLAS, NCCL and fragmentation; "
+            "give more (e.g. 20GiB), or leave it out for 90% of the card"
+        )
+    return None
+
+
+def smaller_quants(base_quant: str) -> tuple[str, ...]:
+    """The --base-quant values that store the weights smaller than `base_quant` (none for nf4)."""
+    return BASE_QUANTS[BASE_QUANTS.index(base_quant) + 1 :]
+
+
+def _pad64(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+def block_bytes(args: ModelArgs, dtype_bytes: int, base_quant: str = "none") -> int:
+    """One block as stored and uploaded, each tensor padded to 64 bytes (blocks.pack).
+
+    Quantized (`--base-quant`), the linear projection weights take the quantizer's own layout
+    (quant.quantized_nbytes: int8 codes + an fp32 scale per output row, or NF4 codes + an fp32
+    absmax per 64 values); norms and biases stay in the compute dtype.
+    """
+    total = 0
+    for name, shape in block_shapes(args, 0).items():
+        if base_quant != "none" and is_linear_weight(name):
+            total += quantized_nbytes(shape, base_quant)
+        else:
+            total += _pad64(math.prod(shape) * dtype_bytes)
+    return total
+
+
+def globals_bytes(args: ModelArgs, dtype_bytes: int) -> int:
+    """Embeddings, final norm and (untied) LM head, in the compute dtype."""
+    n = args.vocab_size * args.hidden_size * (1 if args.tie_word_embeddings else 2)
+    return (n + args.hidden_size) * dtype_bytes
+
+
+def dequant_bytes(args: ModelArgs, dtype_bytes: int, base_quant: str = "none") -> int:
+    """A quantized block's linear weights dequantized into the compute dtype, which the device
+    holds while that block computes (DeviceWeights.dequant_bytes); 0 for an unquantized base. At
+    70b NF4 this is 1.7 GB: without it the plan kept 35 blocks resident where the engine, on an
+    H100 under 24 GiB, kept 31 (2026-11-27)."""
+    if base_quant == "none":
+        return 0
+    shapes = block_shapes(args, 0).items()
+    return sum(math.prod(shape) * dtype_bytes for name, shape in shapes if is_linear_weight(name))
+
+
+def lora_param_count(args: ModelArgs, rank: int, targets: tuple[str, ...]) -> int:
+    """LoRA parameters over all blocks: r·(in + out) per adapted module (LoraWeights' shapes)."""
+    per_block = sum(rank * sum(args.module_shape(TARGET_MODULES[t])) for t in targets)
+    return args.num_layers * per_block
+
+
+# ---------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    """What the plan is asked about (the CLI's flags, resolved)."""
+
+    args: ModelArgs
+    model: str  # the --model or --preset it came from, for the printout
+    gpu: str  # a key of hardware.GPUS
+    gpus: int = 1
+    seq_len: int = TRAIN.seq_len
+    micro_batch_size: int = TRAIN.micro_batch_size
+    micro_batches_per_step: int | None = TRAIN.micro_batches_per_step  # None: auto
+    base_quant: str = TRAIN.base_quant
+    lora_rank: int = TRAIN.lora_rank
+    lora_targets: tuple[str, ...] = tuple(TRAIN.lora_targets)
+    gpu_memory_budget: int | None = None  # default: 90 % of the card, as the engine
+    tokens: int | None = None
+    steps: int | None = None
+    price_per_hour: float | None = None  # $ per GPU-hour
+    dtype_bytes: int = 2  # bf16 compute on a GPU
+    h2d_bytes_per_second: float | None = None  # overrides the table's B (e.g. doctor's figure)
+    flops_per_second: float | None = None  # overrides the table's P
+    measured: hardware.Gpu | None = None  # this box's GPU, measured (train's auto M): not `gpu`
+    train_defaults: tuple[str, ...] = ()  # the shape flags left at train's defaults (printout)
+
+    @property
+    def card(self) -> hardware.Gpu:
+        card = self.measured or hardware.GPUS[self.gpu]
+        if self.h2d_bytes_per_second:
+            card = replace(card, h2d_bytes_per_second=self.h2d_bytes_per_second)
+        if self.flops_per_second:
+            card = replace(card, flops_per_second=self.flops_per_second)
+        return card
+
+    @property
+    def budget(self) -> int:
+        """What the engine's plan would take on an idle card (planner.effective_budget)."""
+        total = self.card.memory_bytes
+        return effective_budget(self.gpu_memory_budget, total, free=total, reserved=0)
+
+
+def load_args(model: str | None, preset: str | None) -> tuple[ModelArgs, str]:
+    """ModelArgs from --model's config.json (local or s3://; nothing else is read) or --preset."""
+    if (model is None) == (preset is None):
+        raise ConfigError("give one of --model DIR|s3://... or --preset NAME")
+    if preset is not None:
+        from appliance.models.presets import PRESETS
+
+        if preset not in PRESETS:
+            raise ConfigError(f"--preset {preset!r} is unknown; one of {', '.join(PRESETS)}")
+        return PRESETS[preset].args, f"preset {preset}"
+    if storage.is_s3(model):
+        data = storage.read_bytes(storage.join(model, "config.json"))
+        with tempfile.TemporaryDirectory() as d:
+            (Path(d) / "config.json").write_bytes(data)
+            return read_model_args(d), model
+    return read_model_args(model), model
+
+
+def plan_input(
+    model: str | None,
+    preset: str | None,
+    gpu: str,
+    micro_batches_per_step: str,
+    gpu_memory_budget: str | None,
+    *,
+    gpus: int = 1,
+    seq_len: int = TRAIN.seq_len,
+    micro_batch_size: int = TRAIN.micro_batch_size,
+    base_quant: str = TRAIN.base_quant,
+    lora_rank: int = TRAIN.lora_rank,
+    tokens: int | None = None,
+    steps: int | None = None,
+    price_per_hour: float | None = None,
+    dtype: str = "bfloat16",
+    h2d_gbps: float | None = None,
+    tflops: float | None = None,
+    train_defaults: tuple[str, ...] = (),
+) -> PlanInput:
+    """Check the CLI's flags (every problem at once, each naming its flag) and resolve them.
+    `train_defaults`: the shape flags the user left at train's defaults, for the printout."""
+    from appliance.config import parse_bytes
+
+    errors = []
+    gpu = gpu.strip().lower()  # A10 is a10 (the table's keys are lower case)
+    if gpu not in hardware.GPUS:
+        errors.append(f"--gpu {gpu!r} is unknown; one of {'|'.join(hardware.GPUS)}")
+    if base_quant not in BASE_QUANTS:
+        errors.append(f"--base-quant {base_quant!r} must be one of {' | '.join(BASE_QUANTS)}")
+    m: int | None = None
+    if micro_batches_per_step != "auto":
+        try:
+            m = int(micro_batches_per_step)
+        except ValueError:
+            m = 0
+        if m < 1:
+            errors.append(
+                f"--micro-batches-per-step must be ≥ 1 or auto (got {m or micro_batches_per_step!r})"
+            )
+    for flag, v in (
+        ("--gpus", gpus),
+        ("--seq-len", seq_len),
+        ("--micro-batch-size", micro_batch_size),
+        ("--lora-rank", lora_rank),
+        ("--tokens", tokens),
+        ("--steps", steps),
+    ):
+        if v is not None and v < 1:
+            errors.append(f"{flag} must be ≥ 1 (got {v})")
+    if tokens is not None and steps is not None:
+        errors.append("--tokens and --steps are exclusive: give one")
+    for flag, v in (("--h2d-gbps", h2d_gbps), ("--tflops", tflops)):
+        if v is not None and v <= 0:
+            errors.append(f"{flag} must be > 0 (got {v})")
+    if dtype not in DTYPES:
+        errors.append(f"--dtype {dtype!r} must be one of {' | '.join(DTYPES)}")
+    if price_per_hour is not None and price_per_hour < 0:
+        errors.append(f"--price-per-hour must be ≥ 0 (got {price_per_hour})")
+    budget = None
+    if gpu_memory_budget is not None:
+        try:
+            budget = parse_bytes(gpu_memory_budget)
+        except ValueError as e:
+            errors.append(f"--gpu-memory-budget: {e}")
+        else:
+            problem = gpu_budget_problem(gpu_memory_budget, budget)
+            if problem:
+                errors.append(problem)
+    if errors:
+        raise ConfigError("\n".join(errors))
+    args, label = load_args(model, preset)
+    problems = seq_len_problems(args, seq_len)  # what train refuses, plan refuses alike
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return PlanInput(
+        args,
+        label,
+        gpu,
+        gpus=gpus,
+        seq_len=seq_len,
+        micro_batch_size=micro_batch_size,
+        micro_batches_per_step=m,
+        base_quant=base_quant,
+        lora_rank=lora_rank,
+        gpu_memory_budget=budget,
+        tokens=tokens,
+        steps=steps,
+        price_per_hour=price_per_hour,
+        dtype_bytes=DTYPES[dtype],
+        h2d_bytes_per_second=h2d_gbps * 1e9 if h2d_gbps else None,
+        flops_per_second=tflops * 1e12 if tflops else None,
+        train_defaults=train_defaults,
+    )
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def memory_plan(p: PlanInput, micro_batches: int) -> MemoryPlan:
+    """The engine's planner for one trainer running `micro_batches` micro-batches per step."""
+    tokens = p.micro_batch_size * p.seq_len
+    return plan_memory(
+        p.args,
+        dtype_bytes=p.dtype_bytes,
+        budget=p.budget,
+        tokens=micro_batches * tokens,
+        biggest=tokens,
+        block_bytes=block_bytes(p.args, p.dtype_bytes, p.base_quant),
+        # as the engine counts them (StreamedEngine.plan_inputs): the globals, and a quantized
+        # block's dequantized weights while it computes
+        globals_bytes=globals_bytes(p.args, p.dtype_bytes)
+        + dequant_bytes(p.args, p.dtype_bytes, p.base_quant),
+        lora_params=lora_param_count(p.args, p.lora_rank, p.lora_targets),
+        longest=p.seq_len,
+    )
+
+
+def host_bytes(p: PlanInput, mem: MemoryPlan) -> dict[str, int]:
+    """Host memory of one node running `p.gpus` trainers, by part (bytes)."""
+    store = _pad64(globals_bytes(p.args, p.dtype_bytes)) + p.args.num_layers * mem.block_bytes
+    offloaded = mem.activation_bytes if mem.offload_activations else 0
+    parts = {
+        "weight_store": store,  # in /dev/shm (Ray's object store), once per node
+        "page_locked_per_trainer": p.args.num_layers * mem.block_bytes + offloaded,
+        "offloaded_activations": p.gpus * offloaded,  # pinned, beside the store
+        "trainer_processes": p.gpus * TRAINER_PROCESS_BYTES,
+        "tokenizer_workers": TOKENIZER_WORKERS * TOKENIZER_WORKER_BYTES,
+    }
+    parts["shm_needed"] = store
+    parts["ram_needed"] = (
+        store
+        + parts["offloaded_activations"]
+        + parts["trainer_processes"]
+        + parts["tokenizer_workers"]
+    )
+    return parts
+
+
+def host_ram_bytes(p: PlanInput) -> int:
+    """The host RAM the class's instance gives `p.gpus` trainers (its share when they are fewer
+    than its GPUs)."""
+    instance = p.card.instance
+    return int(instance.host_ram_bytes * min(1.0, p.gpus / instance.gpus))
+
+
+def evaluate(p: PlanInput, micro_batches: int) -> dict:
+    """Every number of the plan at `micro_batches` micro-batches per trainer per step."""
+    card, args, L = p.card, p.args, p.args.num_layers
+    mem = memory_plan(p, micro_batches)
+    tokens_per_trainer = micro_batches * p.micro_batch_size * p.seq_len
+    uploads = blocks_uploaded_per_step(L, mem.resident_blocks)
+    streamed = uploads * mem.block_bytes
+    flops = step_flops(args, tokens_per_trainer)
+    h2d_s, compute_s = streamed / card.h2d_bytes_per_second, flops / card.flops_per_second
+    floor = max(h2d_s, compute_s)
+    tokens_per_step = p.gpus * tokens_per_trainer
+    host = host_bytes(p, mem)
+    host_fits = host["ram_needed"] <= host_ram_bytes(p)
+    T, C = p.seq_len, args.num_heads * args.head_dim
+    seqs = micro_batches * p.micro_batch_size
+    # attention scores (QKᵀ and AV, 4·T²·C a sequence a block forward) × 4 for forward,
+    # recompute and both input gradients; LM head forward + input gradient
+    attention = 16 * L * T * T * C * seqs
+    head = 4 * args.vocab_size * args.hidden_size * tokens_per_trainer
+    per_token = step_flops(args, 1)
+    crossover = streamed * card.flops_per_second / (card.h2d_bytes_per_second * per_token)
+    return {
+        "micro_batches_per_step": micro_batches,
+        "tokens_per_step": tokens_per_step,
+        "fits": mem.fits and host_fits,
+        "gpu_fits": mem.fits,
+        "host_fits": host_fits,
+        "resident_blocks": max(mem.resident_blocks, 0),
+        "blocks": L,
+        "offload_activations": mem.offload_activations,
+        "block_bytes": mem.block_bytes,
+        "gpu_budget_bytes": mem.budget,
+        # the least budget that runs: mem.min_bytes, and the saved inputs' device slots
+        "gpu_min_bytes": mem.min_bytes + device_saved_bytes(mem.activation_bytes, L, True),
+        "gpu_bytes": mem.gpu_bytes(),
+        "host_bytes": host,
+        "host_ram_bytes": host_ram_bytes(p),
+        "weight_store_bytes": host["weight_store"],
+        "blocks_uploaded_per_step": uploads,
+        "streamed_bytes_per_step": streamed,
+        "flops_per_step": flops,
+        "attention_flops_per_step": attention,
+        "head_flops_per_step": head,
+        "h2d_bytes_per_second": card.h2d_bytes_per_second,
+        "flops_per_second": card.flops_per_second,
+        "h2d_seconds": h2d_s,
+        "compute_seconds": compute_s,
+        "step_seconds_floor": floor,
+        "tokens_per_second": tokens_per_step / floor if floor > 0 else math.inf,
+        "crossover_tokens_per_step": crossover,
+    }
+
+
+def choose_micro_batches(p: PlanInput) -> tuple[int, str]:
+    """`--micro-batches-per-step auto`: the smallest M that fits with its floor within 10 % of
+    compute-bound (h2d time ≤ 1.1 × compute time); if no M up to AUTO_MAX_M does, the fitting M
+    with the most tokens/s. Returns (M, why)."""
+    fitting = []
+    for m in range(1, AUTO_MAX_M + 1):
+        r = evaluate(p, m)
+        if not r["fits"]:
+            continue
+        if r["step_seconds_floor"] <= AUTO_SLACK * r["compute_seconds"]:
+            return m, "the smallest M within 10% of compute-bound that fits"
+        fitting.append((r["tokens_per_second"], -m))
+    if not fitting:
+        return 1, "no M fits; showing M = 1"
+    best = max(fitting)
+    return -best[1], f"no M ≤ {AUTO_MAX_M} is within 10% of compute-bound; the fastest that fits"
+
+
+def make_plan(p: PlanInput) -> dict:
+    """The whole plan as one JSON-able object (what `--json` prints)."""
+    from appliance.plan.fixes import fixes, problems
+
+    if p.micro_batches_per_step is None:
+        m, why = choose_micro_batches(p)
+    elif "micro_batches_per_step" in p.train_defaults:
+        m, why = p.micro_batches_per_step, "train's default"
+    else:
+        m, why = p.micro_batches_per_step, "given"
+    r = evaluate(p, m)
+    card = p.card
+    result = {
+        "model": p.model,
+        "params": p.args.param_count(),
+        "gpu": p.gpu,
+        "gpu_name": card.name,
+        "gpus": p.gpus,
+        "gpu_source": card.source,
+        "gpu_paper_flops_per_second": card.paper_flops_per_second,
+        "gpu_memory_bytes": card.memory_bytes,
+        "base_quant": p.base_quant,
+        "seq_len": p.seq_len,
+        "micro_batch_size": p.micro_batch_size,
+        "lora_rank": p.lora_rank,
+        "micro_batches_per_step_why": why,
+        "train_defaults": list(p.train_defaults),
+        **r,
+        "problems": problems(p, r),
+        "fixes": [] if r["fits"] else fixes(p, m, r),
+    }
+    steps = p.steps
+    if steps is None and p.tokens is not None:
+        steps = math.ceil(p.tokens / r["tokens_per_step"])
+    if steps is not None:
+        seconds = steps * r["step_seconds_floor"]
+        price = p.price_per_hour
+        source = "--price-per-hour"
+        if price is None:
+            price = card.instance.usd_per_gpu_hour
+            source = f"{card.instance.name} on-demand ({hardware.PRICES_AS_OF})"
+        result.update(
+            steps=steps,
+            tokens=steps * r["tokens_per_step"],
+            wall_seconds=seconds,
+            usd_per_gpu_hour=price,
+            price_source=source if price is not None else None,
+            cost_usd=None if price is None else seconds / 3600 * price * p.gpus,
+        )
+    return result
+
+
+# ---------------------------------------------------------------- output
+
+
+def _b(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def _dur(s: float) -> str:
+    if s < 120:
+        return f"{s:.3g} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    if s < 3 * 86400:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} days"
+
+
+def format_plan(r: dict) -> str:
+    """The plan for a person: host memory, GPU memory, time, cost, and the verdict."""
+    g, h = r["gpu_bytes"], r["host_bytes"]
+    L = r["blocks"]
+    lines = [
+        f"{r['model']}: {r['params'] / 1e9:.3g}B params, {L} blocks of {_b(r['block_bytes'])} "
+        f"(base weights {r['base_quant']}) on {r['gpus']}× {r['gpu_name']}",
+        "shape: " + ", ".join(_shape(r)),
+        f"step: {r['micro_batches_per_step']} × {r['micro_batch_size']} × {r['seq_len']} = "
+        f"{r['micro_batches_per_step'] * r['micro_batch_size'] * r['seq_len']} tokens per GPU, "
+        f"{r['tokens_per_step']} per step",
+        "",
+        "Host memory (one node)",
+        f"  weight store (/dev/shm)        {_b(h['weight_store'])}",
+        f"  page-locked per trainer        {_b(h['page_locked_per_trainer'])}"
+        " (the store's pages, registered in place, + offloaded activations)",
+        f"  offloaded activations          {_b(h['offloaded_activations'])}",
+        f"  trainer processes              {_b(h['trainer_processes'])} (assumed)",
+        f"  tokenizer workers              {_b(h['tokenizer_workers'])} (assumed)",
+        f"  needs: /dev/shm ≥ {_b(h['shm_needed'])}, RAM ≥ {_b(h['ram_needed'])}",
+        "",
+        f"GPU memory (per GPU, budget {_b(r['gpu_budget_bytes'])})",
+        f"  resident blocks                {_b(g['resident_blocks'])} "
+        f"({r['resident_blocks']} of {L} stay)",
+        f"  streaming slots                {_b(g['streaming_slots'])}",
+        f"  saved activations              {_b(g['activations'])}"
+        + (" (offloaded to host)" if r["offload_activations"] else ""),
+        f"  LoRA + AdamW state (fp32)      {_b(g['lora_optimizer'])}",
+        f"  embeddings, norm, head         {_b(g['globals'])}",
+        f"  working set (transient)        {_b(g['working_set'])}",
+        f"  total                          {_b(g['total'])}",
+        "",
+        "Time (per optimizer step, per GPU)",
+        f"  host→device                    {r['streamed_bytes_per_step'] / 1e9:.3g} GB "
+        f"({r['blocks_uploaded_per_step']} block copies, both passes) at "
+        f"B = {r['h2d_bytes_per_second'] / 1e9:.3g} GB/s → {r['h2d_seconds']:.3g} s",
+        f"  compute                        {r['flops_per_step'] / 1e12:.4g} TFLOP (6·N·T, blocks) "
+        f"at P = {r['flops_per_second'] / 1e12:.4g} TFLOP/s → {r['compute_seconds']:.3g} s",
+        f"  not in the floor               attention {r['attention_flops_per_step'] / 1e12:.3g} "
+        f"TFLOP, LM head {r['head_flops_per_step'] / 1e12:.3g} TFLOP",
+        f"  floor max(bytes/B, F/P)        {r['step_seconds_floor']:.3g} s → "
+        f"{r['tokens_per_second']:.4g} tokens/s (all GPUs)",
+        f"  crossover T*                   {r['crossover_tokens_per_step']:.4g} tokens per GPU "
+        "step (compute-bound above it)",
+    ]
+    if "steps" in r:
+        lines += [
+            "",
+            f"Run: {r['steps']} steps, {r['tokens']:.4g} tokens, {_dur(r['wall_seconds'])} at "
+            "the floor (a lower bound)",
+        ]
+        if r["cost_usd"] is not None:
+            lines.append(
+                f"  cost ≥ ${r['cost_usd']:,.2f} at ${r['usd_per_gpu_hour']:.4g} per GPU-hour "
+                f"({r['price_source']})"
+            )
+        else:
+            lines.append(f"  cost: no on-demand price for {r['gpu']}; give --price-per-hour")
+    lines.append("")
+    if r["fits"]:
+        lines.append("fits: yes")
+    else:
+        lines.append("fits: NO — " + "; ".join(r["problems"]))
+        lines += [f"  fix: {f}" for f in r["fixes"]]
+    return "\n".join(lines)
+
+
+def _shape(r: dict) -> list[str]:
+    """The shape flags and where each came from (given, or train's default)."""
+    out = []
+    for flag, key in (("--seq-len", "seq_len"), ("--micro-batch-size", "micro_batch_size")):
+        source = "train's default" if key in r["train_defaults"] else "given"
+        out.append(f"{flag} {r[key]} ({source})")
+    m = r["micro_batches_per_step"]
+    out.append(f"--micro-batches-per-step {m} ({r['micro_batches_per_step_why']})")
+    return out
+
+
+def run_plan(p: PlanInput, as_json: bool) -> dict:
+    """Compute and print the plan; returns it."""
+    r = make_plan(p)
+    print(json.dumps(r, indent=2) if as_json else format_plan(r))
+    return r

@@ -1,0 +1,594 @@
+"""One training run on Ray: the actors, the step loop, checkpoints and recovery.
+
+`driver.py` checks the inputs and starts (or joins) Ray; a `Run` then owns the actors:
+
+    WeightStore   one per trainer node, the base model in shared memory (survives restarts)
+    ShardWorker   N tokenizer workers, each packing a disjoint shard into micro-batches
+    Trainer       R data-parallel ranks (one per GPU), each the streamed engine + LoRA +
+                  optimizer, beside its node's store; one torch.distributed group
+
+and drives them: a bounded window of batch requests in flight; each optimizer step hands rank r
+the r-th M of the step's R×M micro-batches; checkpoints (rank 0's state) every
+--checkpoint-every steps; recovery from a dead trainer (all ranks recreated, a fresh group,
+restored) or worker (recreated at its cursor).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from appliance.actors.tokenize_worker import ACTOR_OPTIONS, ShardWorker, default_num_workers
+from appliance.actors.trainer import Trainer, TrainerSettings
+from appliance.actors.weight_store import WeightStore
+from appliance.adapter import model_card
+from appliance.cluster.start import Slot, local_slots, on_node
+from appliance.config import CHECKPOINT_MINUTES, TrainConfig, flag
+from appliance.engine.step import lr_at
+from appliance.errors import ConfigError, TrainingError, cause_chain
+from appliance.interrupt import GracefulStop, RunInterrupted
+from appliance.metrics.recorders import DriverMetrics
+from appliance.run.failures import RestartsExhausted, gather, unrecoverable
+from appliance.run.feed import count_batches, schedule, skipped_warning, worker_kwargs
+from appliance.run.progress import Progress
+from appliance.run.record import write_run_file
+from appliance.run.state import Inputs, RunState
+from appliance.storage.checkpoints import (
+    CONFIG_FILE,
+    DRIVER_STATE,
+    json_bytes,
+    list_checkpoints,
+    load_latest_checkpoint,
+)
+from appliance.storage.hub import cached_repo
+
+
+def trainer_settings(inp: Inputs, world_size: int = 1) -> TrainerSettings:
+    cfg = inp.cfg
+    base = cached_repo(str(cfg.model))  # a hub id's snapshot: the adapter names the id
+    return TrainerSettings(
+        lora=cfg.lora_spec(),
+        device=inp.device,
+        dtype=inp.dtype,
+        gpu_memory_budget=cfg.budget_bytes(),
+        weight_decay=cfg.weight_decay,
+        grad_clip=cfg.grad_clip,
+        seed=cfg.seed,
+        base_model=base.repo_id if base else str(cfg.model),
+        base_revision=base.revision if base else None,
+        world_size=world_size,
+        compile_blocks=cfg.compile_blocks,
+    )
+
+
+# ---------------------------------------------------------------------- the run
+
+
+class Run:
+    """One training run on Ray (embedded, or a cluster given by --cluster)."""
+
+    trainer_class: type = Trainer  # the actor class of each rank (tests subclass it to observe)
+
+    def __init__(self, inp: Inputs, progress: Progress, slots: list[Slot] | None = None):
+        self.inp, self.cfg, self.progress = inp, inp.cfg, progress
+        self.slots = slots  # --cluster: where trainers can go (cluster.trainer_slots)
+        self.state = RunState()
+        self.metrics = DriverMetrics()
+        self.restarts = 0
+        self.trained = False
+        self.interrupt: GracefulStop | None = None  # set by the driver: Ctrl-C/SIGTERM requests
+        self.last_checkpoint = time.monotonic()  # for the time-based default --checkpoint-every
+        self._eval_refs: list | None = None  # the validation micro-batches, in the object store
+
+    # ------------------------------------------------------------ setup
+
+    def nothing_left_to_train(self) -> str | None:
+        """--resume of a run whose latest checkpoint already reaches its length (--steps, or the
+        steps its --epochs came to): the note that says so, before anything loads or is written,
+        so run.json and the model card keep the flags the run trained with. None otherwise (and
+        for --epochs other than the checkpoint's, which only counting them can tell)."""
+        cfg = self.cfg
+        if not cfg.resume:
+            return None
+        ckpt = load_latest_checkpoint(cfg.output, only=(DRIVER_STATE,))
+        if ckpt is None:
+            return None
+        before = json.loads(ckpt.files[DRIVER_STATE])
+        if cfg.steps:
+            total, length = int(cfg.steps), f"--steps {cfg.steps}"
+        elif "total_steps" in before and before.get("epochs") == (cfg.epochs or 1):
+            total, length = int(before["total_steps"]), f"--epochs {before['epochs']}"
+        else:
+            return None
+        if before["step"] < total:
+            return None
+        return (
+            f"--resume: the run is at step {before['step']}, which {length} ({total} steps in "
+            "all) already reaches: nothing is left to train, and the run is left as it is. "
+            "--steps counts the run's steps from its start: give more to train further"
+        )
+
+    def create_actors(self) -> None:
+        """Trainer and worker counts (a resumed run keeps its own), one weight store per trainer
+        node, the data schedule, then the trainers (in one group) and, from the resumed state if
+        any, the tokenizer workers."""
+        import ray
+
+        cfg, inp = self.cfg, self.inp
+        # the driver reads only its own state of the checkpoint here; rank 0 reads the rest
+        ckpt = load_latest_checkpoint(cfg.output, only=(DRIVER_STATE,)) if cfg.resume else None
+        if cfg.resume and ckpt is None:
+            self.progress.note(
+                f"--resume: {cfg.output} has no checkpoint yet (its run stopped before the "
+                "first): starting that run from step 0"
+            )
+        before = json.loads(ckpt.files[DRIVER_STATE]) if ckpt else {}
+        R = _kept_on_resume(cfg, "trainers", before.get("trainers"), "it sets the global batch")
+        slots = self.slots if self.slots is not None else local_slots(inp.device, R)
+        R = R or len(slots)
+        if not 0 < R <= len(slots):
+            where = "trainer slots (GPUs of trainer nodes)" if self.slots is not None else "GPUs"
+            asked = f"--trainers {R}" if cfg.trainers else "training"
+            raise ConfigError(f"{asked}: Ray sees {len(slots)} {where}; each trainer needs one")
+        self.num_trainers, self.ranks = R, slots[:R]
+        cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
+        W = _kept_on_resume(
+            cfg,
+            "tokenize_workers",
+            before.get("tokenize_workers"),
+            "its data cursors are per worker",
+        )
+        self.num_workers = W or default_num_workers(cpus - (R - 1), inp.documents)
+        if self.num_workers + R > cpus:  # an actor without a CPU would wait forever
+            if cfg.tokenize_workers and W > 1 and cpus > R:
+                raise ConfigError(
+                    f"--tokenize-workers {W} needs {W + R} CPUs (one per worker and one per "
+                    f"trainer); Ray has {cpus}: pass a smaller --tokenize-workers"
+                )
+            if R > 1:  # the trainers take the CPUs: fewer of them is the fix
+                asked = f"--trainers {R}" if cfg.trainers else f"{R} trainers (one per GPU)"
+                raise ConfigError(
+                    f"{asked} and {self.num_workers} tokenizer worker(s) need "
+                    f"{R + self.num_workers} CPUs (one each); Ray has {cpus}: pass --trainers "
+                    f"{max(cpus - 1, 1)} or fewer, or run where Ray has more CPUs"
+                )
+            raise ConfigError(
+                f"training needs at least {R + 1} CPUs (one per trainer and one tokenizer "
+                f"worker); Ray has {cpus}: run on a machine or cluster with more CPUs"
+            )
+        # the resolved config, as used: run.json and every checkpoint's config.json say so
+        cfg.device, cfg.dtype = inp.device, inp.dtype
+        cfg.trainers, cfg.tokenize_workers = R, self.num_workers
+
+        store = ray.remote(num_cpus=0)(WeightStore)
+        nodes = list(dict.fromkeys(s.node_id for s in self.ranks))  # each trainer node once
+        self.stores = {
+            n: store.options(**on_node(n)).remote(cfg.model, inp.dtype, cfg.base_quant)
+            for n in nodes
+        }
+        handles = ray.get([self.stores[n].handles.remote() for n in nodes])
+        self.handles = dict(zip(nodes, handles, strict=True))
+        loaded = ray.get(self.stores[nodes[0]].stats.remote())
+        size, seconds = loaded["nbytes"], max(loaded["load_seconds"], 1e-9)
+        shown = f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
+        self.progress.note(
+            f"base weights loaded: {shown} in {seconds:.1f} s ({size / 1e9 / seconds:.2f} GB/s)"
+        )
+        self.epochs = None if cfg.steps else (cfg.epochs or 1)
+        G = R * cfg.micro_batches_per_step  # micro-batches per optimizer step, all ranks
+        if self.epochs is None:
+            self.counts = None
+            self.total_steps = int(cfg.steps)
+        else:
+            count = ray.remote(**ACTOR_OPTIONS)(count_batches)
+            per_epoch = ray.get(
+                [
+                    count.remote(worker_kwargs(inp, w, self.num_workers, 1))
+                    for w in range(self.num_workers)
+                ]
+            )
+            self.counts = [n * self.epochs for n in per_epoch]
+            self.total_steps = math.ceil(sum(self.counts) / G)
+        self.order = schedule(self.counts, self.num_workers, self.total_steps * G)
+        try:
+            self.trainers = self._make_trainers()
+            if ckpt is not None:
+                self.restore()
+                self.metrics.restart("driver")  # this process continues a killed one's run
+        except Exception as e:  # noqa: BLE001 - an actor that cannot start is not retried here
+            raise unrecoverable(e) or e from None
+        if ckpt is not None and self.state.step >= self.total_steps:
+            length = f"--steps {cfg.steps}" if cfg.steps else f"--epochs {self.epochs}"
+            self.progress.note(
+                f"--resume: the run is at step {self.state.step}, which {length} "
+                f"({self.total_steps} steps in all) already reaches: nothing is left to train. "
+                "--steps counts the run's steps from its start: give more to train further"
+            )
+        self.workers = [self._make_worker(w) for w in range(self.num_workers)]
+        self.progress.note(
+            f"started {R} trainer{'s' if R > 1 else ''} and {self.num_workers} tokenizer "
+            f"worker{'s' if self.num_workers > 1 else ''}"
+        )
+        self.record("running")  # now with the resolved config
+
+    def _make_trainers(self) -> list:
+        """R trainer actors, each beside its node's weight store; with R > 1 one process group
+        (rank 0 picks the address) that every rank joins before its engine is built."""
+        import ray
+
+        R, device = self.num_trainers, self.inp.device
+        settings = trainer_settings(self.inp, R)
+        gpus = {"num_gpus": 1} if device == "cuda" else {}
+        actor = ray.remote(self.trainer_class)
+        trainers = [
+            actor.options(num_cpus=1, **gpus, **on_node(slot.node_id)).remote(
+                self.handles[slot.node_id], settings, rank
+            )
+            for rank, slot in enumerate(self.ranks)
+        ]
+        if R > 1:
+            address = ray.get(trainers[0].group_address.remote())
+            gather([t.join_group.remote(address) for t in trainers])
+        return trainers
+
+    def _make_worker(self, w: int):
+        import ray
+
+        kwargs = worker_kwargs(
+            self.inp, w, self.num_workers, self.epochs, self.state.cursors.get(w)
+        )
+        return ray.remote(**ACTOR_OPTIONS)(ShardWorker).remote(**kwargs)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self) -> None:
+        """Rank 0 writes it (every rank holds the same adapter and optimizer state), with the
+        driver's state and the run's config beside its own: the big files never come here."""
+        import ray
+
+        t0 = time.perf_counter()
+        driver = {
+            **self.state.to_json(),
+            "trainers": self.num_trainers,
+            "tokenize_workers": self.num_workers,
+            "epochs": self.epochs,  # with total_steps: a resume knows the run's length up front
+            "total_steps": self.total_steps,
+        }
+        files = {DRIVER_STATE: json_bytes(driver), CONFIG_FILE: json_bytes(self.cfg.to_dict())}
+        cfg, step = self.cfg, self.state.step
+        save = self.trainers[0].save_checkpoint.remote(
+            cfg.output, step, files, cfg.keep_checkpoints
+        )
+        ray.get(save)
+        self.metrics.checkpoint_seconds(time.perf_counter() - t0)
+        self.last_checkpoint = time.monotonic()
+
+    def checkpoint_due(self) -> bool:
+        """After a step: at the end, every --checkpoint-every steps, or (flag unset) at the first
+        step boundary CHECKPOINT_MINUTES after the last checkpoint."""
+        step, every = self.state.step, self.cfg.checkpoint_every
+        if step == self.total_steps:
+            return True
+        if every:
+            return step % every == 0
+        return time.monotonic() - self.last_checkpoint >= CHECKPOINT_MINUTES * 60
+
+    def stop_if_asked(self, checkpointed: bool) -> None:
+        """After a step: when SIGINT/SIGTERM asked to stop, make sure this step is checkpointed,
+        then raise RunInterrupted saying where the run is and how to go on."""
+        from appliance.storage.checkpoints import checkpoints_uri
+
+        asked = self.interrupt.requested if self.interrupt else None
+        if asked is None or self.state.step == self.total_steps:
+            return  # the last step is checkpointed anyway; the run ends by itself
+        if not checkpointed:
+            self.save_checkpoint()
+        out, step = self.cfg.output, self.state.step
+        self.record("interrupted", {"steps": step, "losses": self.state.losses})
+        cluster = {None: "", "auto": " --cluster"}.get(
+            self.cfg.cluster, f" --cluster {self.cfg.cluster}"
+        )
+        raise RunInterrupted(
+            f"interrupted by {asked.name} after step {step}/{self.total_steps}: checkpoint "
+            f"step-{step:06d} written in {checkpoints_uri(out)}\n"
+            f"resume with: appliance train --output {out} --resume{cluster}",
+            130,  # the issue's contract for both signals: 130, "stopped by the user"
+        )
+
+    def restore(self) -> None:
+        """Put every trainer and the run state back to the latest good checkpoint (the start
+        when there is none); the weight stores are untouched. Rank 0 reads the checkpoint and
+        loads it; the other ranks load its trainer state from the object store (one copy)."""
+        import ray
+
+        found = ray.get(self.trainers[0].restore_latest_checkpoint.remote(self.cfg.output))
+        if found is None:
+            self.state = RunState()
+            return
+        for problem in found["skipped"]:
+            self.progress.note(f"warning: skipped a damaged checkpoint: {problem}")
+        self.state = RunState.from_json(json.loads(found["files"][DRIVER_STATE]))
+        state = found["state"]  # [ref] with several ranks
+        gather([t.load_state_bytes.remote(state[0]) for t in self.trainers[1:]])
+        self.progress.note(f"resumed from {found['name']} (step {self.state.step})")
+
+    # ------------------------------------------------------------ faults
+
+    def recover(self, error: BaseException) -> None:
+        """Recreate what died and rewind to a consistent point, or raise.
+
+        A dead trainer: every trainer is recreated (a fresh group) over the same weight stores
+        and restored from the last checkpoint. A dead tokenizer worker: the workers are recreated
+        from the cursors of the last batches the trainers consumed (with several trainers the
+        trainers are reset too: the ranks that got their batches are inside a collective the
+        others never join). User errors, actors that cannot start, and bugs are not retried.
+        """
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        fatal = unrecoverable(error)
+        if fatal is not None:
+            raise fatal
+        chain = cause_chain(error)
+        if not any(isinstance(c, RayActorError) for c in chain):
+            raise error
+        trainer_died = isinstance(error, RayActorError) and not isinstance(error, RayTaskError)
+        kind = "trainer" if trainer_died else "tokenizer"
+        if self.restarts >= self.cfg.max_restarts:  # this failure is not a restart
+            raise RestartsExhausted(
+                f"giving up after {self.cfg.max_restarts} restarts "
+                f"(--max-restarts); last failure ({kind}): {chain[-1]}"
+            )
+        self.restarts += 1
+        self.progress.restarts = self.restarts
+        self.metrics.restart(kind)
+        self.progress.note(
+            f"{kind} failed ({type(chain[-1]).__name__}); restart "
+            f"{self.restarts}/{self.cfg.max_restarts}"
+        )
+        if trainer_died or self.num_trainers > 1:
+            for t in self.trainers:
+                ray.kill(t)
+            self.trainers = self._make_trainers()
+            self.restore()
+        for w in self.workers:  # queued requests are void: every worker restarts at its cursor
+            ray.kill(w)
+        self.workers = [self._make_worker(w) for w in range(self.num_workers)]
+
+    def _retrying(self, call: Callable[[], Any]) -> Any:
+        """`call()`, through recovery when an actor dies; a restore that rewound a trained run
+        trains it to the end again first."""
+        while True:
+            try:
+                return call()
+            except Exception as e:  # noqa: BLE001 - recover() re-raises what it cannot handle
+                self.recover(e)
+                if self.trained and self.state.step < self.total_steps:
+                    self.train()
+
+    # ------------------------------------------------------------ the step loop
+
+    def train(self) -> RunState:
+        """The step loop with a bounded window of batch requests in flight: each optimizer step
+        takes R×M micro-batches in schedule order, rank r the r-th M of them."""
+        cfg = self.cfg
+        G = self.num_trainers * cfg.micro_batches_per_step
+        window = cfg.prefetch * G  # micro-batches requested ahead of the trainers
+        pending: deque = deque()  # (worker, ref) requested and not consumed, schedule order
+        requested = self.state.consumed
+        self.progress.start(self.total_steps, self.state.step)
+        while self.state.step < self.total_steps:
+            st = self.state
+            while requested < len(self.order) and requested - st.consumed < window + G:
+                w = self.order[requested]
+                pending.append((w, self.workers[w].next_batch.remote()))
+                requested += 1
+            refs = [pending.popleft()[1] for _ in range(min(G, len(self.order) - st.consumed))]
+            lr = lr_at(
+                st.step,
+                lr=cfg.lr,
+                warmup_steps=cfg.warmup_steps,
+                total_steps=self.total_steps,
+                min_lr_ratio=cfg.min_lr_ratio,
+            )
+            try:
+                stats = self._step(refs, lr)
+                self._check_finite(st.step + 1, stats, lr)
+                st.step += 1
+                st.consumed += len(refs)
+                st.cursors.update({int(w): c for w, c in stats["cursors"].items()})
+                st.losses.append(stats["loss"])
+                st.skipped_steps += bool(stats.get("skipped_step"))
+                stats["skipped_steps"] = st.skipped_steps  # the run's so far, for the display
+                st.target_tokens += stats["target_tokens"]
+                st.row_tokens += stats["tokens"]
+                stats["packing_efficiency"] = st.target_tokens / max(st.row_tokens, 1)
+                self.metrics.packing_efficiency(stats["packing_efficiency"])
+                st.skipped.update({int(w): n for w, n in stats["skipped_records"].items()})
+                st.tokenizer_pids.update(stats["pids"])
+                stats["batches_in_flight"] = len(pending)
+                self.metrics.batches_in_flight(len(pending))
+                for w in range(self.num_workers):
+                    self.metrics.queue_depth(w, sum(1 for v, _ in pending if v == w))
+                if self.eval_due(st.step):
+                    stats["eval_loss"] = self._eval_loss()
+                    st.eval_losses.append([st.step, stats["eval_loss"]])
+                    self.metrics.eval_loss(stats["eval_loss"])
+                self.progress.step(st.step, stats)
+                due = self.checkpoint_due()
+                if due:
+                    self.save_checkpoint()
+                self.stop_if_asked(checkpointed=due)
+            except RunInterrupted:
+                raise
+            except Exception as e:  # noqa: BLE001 - recover() re-raises what it cannot handle
+                self.recover(e)
+                pending.clear()
+                requested = self.state.consumed
+        skipped = sum(self.state.skipped.values())
+        if skipped and not self.trained:  # once: which records were left out, and why
+            self.progress.note(skipped_warning(skipped, self.workers, self.state.cursors))
+        self.trained = True
+        return self.state
+
+    def _check_finite(self, step: int, stats: dict, lr: float) -> None:
+        """TrainingError when step `step`'s loss is not finite: its update made the adapter NaN
+        (or will), and every step after it would train on that; a run that went on would publish
+        an adapter of NaNs as complete. float16's overflowed steps (no update) are the loss
+        scaler's to skip, not errors. The last checkpoint stays, before the bad step."""
+        loss = stats["loss"]
+        if math.isfinite(loss) or stats.get("skipped_step"):
+            return
+        import ray
+
+        saved = list_checkpoints(self.cfg.output)
+        kept = f"its last checkpoint, step {saved[-1].step}, is kept" if saved else "no checkpoint"
+        try:  # which weight, if one is: what to fix differs
+            bad = ray.get(next(iter(self.stores.values())).first_non_finite.remote())
+        except Exception:  # noqa: BLE001 - the error below is the one to raise either way
+            bad = "?"
+        if bad not in (None, "?"):
+            raise TrainingError(
+                f"step {step}: the loss is {loss}: the base model's weight {bad} holds inf or NaN "
+                f"(a damaged download, or a model saved from a run that diverged). The run stops "
+                f"here ({kept}): fetch the model again, or give another"
+            )
+        again = "resume with" if saved else "run it again with"
+        cause = "the data or" if bad is None else "the base model's weights or the data hold"
+        raise TrainingError(
+            f"step {step}: the loss is {loss}: {cause} values that are not finite, or --lr "
+            f"{lr:g} is too high for them. The run stops here ({kept}): {again} a lower --lr"
+        )
+
+    def _step(self, refs: list, lr: float) -> dict:
+        """One optimizer step on every rank; rank 0's stats (loss, grad norm and target tokens
+        are the global batch's), with tokens, cursors, pids and skipped records of all ranks."""
+        M = self.cfg.micro_batches_per_step
+        shares = [refs[r * M : (r + 1) * M] for r in range(self.num_trainers)]  # maybe empty
+        per_rank = gather(
+            [
+                t.step.remote(s, lr, r * M)
+                for r, (t, s) in enumerate(zip(self.trainers, shares, strict=True))
+            ]
+        )
+        stats = dict(per_rank[0])
+        stats["tokens"] = sum(s["tokens"] for s in per_rank)
+        for key in ("cursors", "skipped_records"):  # rank order is schedule order: later wins
+            stats[key] = {w: v for s in per_rank for w, v in s[key].items()}
+        stats["pids"] = sorted({p for s in per_rank for p in s["pids"]})
+        return stats
+
+    # ------------------------------------------------------------ the end
+
+    def has_eval(self) -> bool:
+        """Is there validation data: --eval-data (the demo's held-out corpus too), --eval-split?"""
+        return bool(self.cfg.eval_data or self.cfg.eval_split)
+
+    def eval_due(self, step: int) -> bool:
+        """Validate after `step`: every --eval-every steps, and after the last step."""
+        if not self.has_eval():
+            return False
+        every = self.cfg.eval_every
+        return step == self.total_steps or bool(every and step % every == 0)
+
+    def eval_refs(self) -> list:
+        """The validation set as packed micro-batches in the object store (built once)."""
+        import ray
+
+        from appliance.adapter.evaluate import validation_batches
+
+        if self._eval_refs is None:
+            batches = validation_batches(
+                self.cfg, self.inp, warn=lambda m: self.progress.note(f"validation: {m}")
+            )
+            self._eval_refs = [ray.put(b) for b in batches]
+        return self._eval_refs
+
+    def _eval_loss(self) -> float:
+        """Mean next-token loss over the validation set's target tokens, via rank 0."""
+        import ray
+
+        nll, n = ray.get(self.trainers[0].eval_loss.remote(self.eval_refs()))
+        return nll / max(n, 1)
+
+    def evaluate(self) -> float:
+        """The validation loss now (recovering from a dead trainer like a step does)."""
+        return self._retrying(self._eval_loss)
+
+    def final_eval_loss(self) -> float | None:
+        """The validation loss after the last step (the step loop computed it)."""
+        last = self.state.eval_losses[-1] if self.state.eval_losses else None
+        if last is not None and last[0] == self.state.step:
+            return float(last[1])
+        return self.evaluate() if self.has_eval() else None
+
+    def finish(self, eval_loss: float | None = None) -> None:
+        """Publish the adapter, its model card, and run.json's `complete` record (last)."""
+        import ray
+
+        self._retrying(lambda: ray.get(self.trainers[0].write_adapter.remote(self.cfg.output)))
+        loads = sum(
+            s["load_count"] for s in ray.get([s.stats.remote() for s in self.stores.values()])
+        )
+        done = {
+            "steps": self.state.step,
+            "losses": self.state.losses,
+            "restarts": self.restarts,
+            "skipped_records": sum(self.state.skipped.values()),
+            "skipped_steps": self.state.skipped_steps,
+            "weight_store_loads": loads,  # one per trainer node, however many restarts
+            "target_tokens": self.state.target_tokens,
+            "eval_loss": eval_loss,
+            "device": self.inp.device,
+            "dtype": self.inp.dtype,
+            "trainers": len(self.trainers),
+            "finished": model_card.today(),
+            "version": model_card.appliance_version(),
+        }
+        self._write_card(done)
+        self.record("complete", done)
+
+    def _write_card(self, done: dict) -> None:
+        """The adapter's README.md (model_card.py). A card is documentation: failing to write
+        one is said, and the run still completes."""
+        base = model_card.base_model(str(self.cfg.model), self.inp.model_dir)
+        try:
+            note = model_card.write_adapter_card(
+                {"config": self.cfg.to_dict(), **done}, base, str(self.cfg.output)
+            )
+        except Exception as e:  # noqa: BLE001 - e.g. an s3:// output that refused the write
+            note = f"the model card (README.md) was not written: {e}"
+        if note:
+            self.progress.note(note)
+
+    def record(self, status: str, extra: dict | None = None) -> None:
+        """run.json: the run's identity, resolved config and `status` (with `extra`)."""
+        inp = self.inp
+        fingerprints = (inp.model_fingerprint, inp.data_fingerprint, inp.eval_data_fingerprint)
+        write_run_file(self.cfg, status, extra, *fingerprints)
+
+    def stop(self) -> None:
+        """End this run's actors (the driver's ray.shutdown does it too; tests share one Ray)."""
+        import ray
+
+        for actor in [*self.workers, *self.trainers, *self.stores.values()]:
+            ray.kill(actor)
+
+
+def _kept_on_resume(cfg: TrainConfig, name: str, before: int | None, why: str) -> int | None:
+    """The count `name` a run resumed from a checkpoint keeps (`why`: what depends on it); a
+    different explicit flag is refused. Without a checkpoint, the flag's value (None: default)."""
+    given = getattr(cfg, name)
+    if before is None:
+        return given
+    if given is not None and given != before:
+        raise ConfigError(
+            f"--resume: {cfg.output} was trained with {flag(name)} {before} ({why}); "
+            f"pass {flag(name)} {before} or leave it out"
+        )
+    return before
