@@ -154,7 +154,14 @@ class TrainConfig:
         "Continue the run in --output if it holds one (as --resume), else start it there: one "
         "command for the first run and every rerun (Kubernetes, docker --restart).",
     )
-    overwrite: bool = _f(False, "Replace an --output that holds a different run.")
+    overwrite: bool = _f(
+        False,
+        "Replace the appliance run in --output: removes only what appliance wrote there (where "
+        "its run.json or checkpoint manifests show it): adapter_config.json, "
+        "adapter_model.safetensors, checkpoints/step-N and checkpoints/latest, its own README.md "
+        "card, run.json. Never touches other files (another tool's checkpoints, notes, data); an "
+        "--output with no appliance run is refused, nothing deleted.",
+    )
     allow_data_change: bool = _f(
         False,
         "With --resume or --auto-resume: continue although --data's files changed since the run "

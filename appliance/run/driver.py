@@ -52,6 +52,7 @@ from appliance.run.record import (
     IDENTITY_KEYS,
     LEGACY_IDENTITY,
     RUN_FILE,
+    _parse_record,
     data_changes,
     data_fingerprint,
     model_fingerprint,
@@ -60,7 +61,13 @@ from appliance.run.record import (
 )
 from appliance.run.state import Inputs
 from appliance.storage import uri as storage
-from appliance.storage.checkpoints import LATEST_MARKER, checkpoints_uri, list_checkpoints
+from appliance.storage.checkpoints import (
+    LATEST_MARKER,
+    checkpoints_uri,
+    is_appliance_checkpoint,
+    list_checkpoints,
+    temp_dirs,
+)
 from appliance.storage.hub import resolve_dataset, resolve_model
 from appliance.storage.localize import localize, localize_data, localize_model
 
@@ -268,7 +275,8 @@ def check_output(
     `data_fingerprint`, when the caller has it (else the data is known by its path alone);
     `eval_data`: --eval-data's, for a note when the run's validation set changed."""
     out = cfg.output
-    if cfg.overwrite:  # remove_previous_run replaces whatever run is there, readable or not
+    if cfg.overwrite:  # remove_previous_run replaces the run there, readable or not
+        _check_overwrite(out)
         return []
     previous = read_run_file(out)
     if previous is not None:
@@ -367,10 +375,77 @@ def check_output(
         )
     if [f for f in storage.list_files(out) if f != LOCK_FILE]:
         raise ConfigError(
-            f"--output {out} is not empty and holds no appliance run; choose an "
-            "empty directory or pass --overwrite"
+            f"--output {out} is not empty and holds no appliance run ({RUN_FILE} not found); "
+            "choose an empty or new directory (--overwrite replaces only an appliance run)"
         )
     return []
+
+
+def _recorded_run(output: str) -> bool:
+    """Whether `output` holds an appliance run's record: a run.json that is appliance's (its
+    identity or config), or one torn beyond reading (appliance's writes are what tear it; the
+    error that names it offers --overwrite)."""
+    run_file = storage.join(output, RUN_FILE)
+    if storage.is_s3(run_file):
+        if not storage.exists(run_file):
+            return False
+    elif not storage.to_local(run_file).is_file():
+        return False
+    record, _ = _parse_record(storage.read_bytes(run_file))
+    return record is None or "identity" in record or "config" in record
+
+
+def previous_run_files(output: str) -> list[tuple[str, bool]]:
+    """What --overwrite deletes in `output`, in the order it deletes them: (uri, whether it is a
+    directory/prefix). Only what appliance wrote there, where its run.json or its checkpoints'
+    manifests show it: with appliance's run.json, its adapter files, the `latest` marker, every
+    `checkpoints/step-N` directory and the temp dirs of an interrupted save, its model card
+    (when the card says appliance wrote it) and run.json itself; without one, only the
+    checkpoints whose manifest appliance wrote (and `latest`). Anything else (another tool's
+    checkpoints, `checkpoints/epoch-3`, notes, data) is the user's and stays."""
+    recorded = _recorded_run(output)
+    steps = [i.uri for i in list_checkpoints(output) if recorded or is_appliance_checkpoint(i.uri)]
+    if not recorded and not steps:
+        return []
+    gone: list[tuple[str, bool]] = []
+    if recorded:  # adapter_config.json first: no moment shows a complete-looking adapter
+        gone += [(storage.join(output, ADAPTER_CONFIG), False)]
+        gone += [(storage.join(output, ADAPTER_WEIGHTS), False)]
+    gone += [(storage.join(checkpoints_uri(output), LATEST_MARKER), False)]  # none restored
+    gone += [(uri, True) for uri in steps]
+    gone += [(str(p), True) for p in temp_dirs(output)]
+    if recorded:
+        card = storage.join(output, model_card.CARD)
+        if model_card.is_ours(card):
+            gone += [(card, False)]
+        gone += [(storage.join(output, RUN_FILE), False)]
+    return gone
+
+
+def _check_overwrite(out: str) -> None:
+    """--overwrite replaces an appliance run, and only that: an --output that holds none (no
+    run.json of appliance's, no checkpoint of appliance's) but other files is refused, nothing
+    deleted; so is one whose adapter files no run.json accounts for (the new run would write
+    over them)."""
+    recorded = _recorded_run(out)
+    if recorded:
+        return
+    files = [f for f in storage.list_files(out) if f != LOCK_FILE]
+    if not files:
+        return
+    ours = bool(previous_run_files(out))
+    adapter = [f for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if f in files]
+    if ours and not adapter:
+        return
+    what = (
+        f"its {' and '.join(adapter)} are not recorded by an appliance {RUN_FILE}"
+        if ours
+        else f"it holds no appliance run ({RUN_FILE} not found, no appliance checkpoint)"
+    )
+    raise ConfigError(
+        f"--overwrite: --output {out} {what}, and --overwrite removes only what appliance wrote; "
+        "choose an empty or new --output (or move those files out)"
+    )
 
 
 def _the_runs_model_moved_to(fingerprint: str | None, previous: dict) -> bool:
@@ -391,19 +466,17 @@ def recorded_config(output: str) -> dict | None:
 
 
 def remove_previous_run(output: str) -> None:
-    """--overwrite: delete what a previous run left in `output` (local or s3://): its adapter
-    (adapter_config.json first, so no moment shows a complete-looking adapter), its checkpoints
-    (the `latest` marker first, so none is ever restored into the new run), its model card when
-    appliance wrote it, then run.json. Other files are the user's and stay."""
-    storage.delete(storage.join(output, ADAPTER_CONFIG))
-    storage.delete(storage.join(output, ADAPTER_WEIGHTS))
+    """--overwrite: delete what a previous run left in `output` (local or s3://), as
+    `previous_run_files` lists it: its adapter (adapter_config.json first, so no moment shows a
+    complete-looking adapter), its checkpoints (the `latest` marker first, so none is ever
+    restored into the new run), its model card when appliance wrote it, then run.json. Other
+    files are the user's and stay; so does a checkpoints/ directory that still holds them."""
+    for uri, is_dir in previous_run_files(output):
+        (storage.delete_prefix if is_dir else storage.delete)(uri)
     checkpoints = checkpoints_uri(output)
-    storage.delete(storage.join(checkpoints, LATEST_MARKER))
-    storage.delete_prefix(checkpoints)
-    card = storage.join(output, model_card.CARD)
-    if model_card.is_ours(card):
-        storage.delete(card)
-    storage.delete(storage.join(output, RUN_FILE))
+    if not storage.is_s3(checkpoints):
+        with contextlib.suppress(OSError):  # not there, or the user's files are in it
+            storage.to_local(checkpoints).rmdir()
 
 
 def connect(cfg: TrainConfig, progress: Progress) -> Run:

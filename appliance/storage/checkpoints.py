@@ -263,6 +263,30 @@ def list_checkpoints(output_uri: str) -> list[CheckpointInfo]:
     return sorted(infos, key=lambda i: (i.step, i.name))
 
 
+def is_appliance_checkpoint(uri: str) -> bool:
+    """Whether the step directory at ``uri`` holds a manifest appliance wrote (its ``format``):
+    what lets --overwrite tell appliance's checkpoints from another tool's of the same name."""
+    try:
+        manifest = json.loads(storage.read_bytes(storage.join(uri, MANIFEST)))
+    except StorageError as e:
+        if e.kind == NOT_FOUND:
+            return False
+        raise
+    except ValueError:
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT
+
+
+def temp_dirs(output_uri: str) -> list[Path]:
+    """The hidden temp step dirs an interrupted local save left under ``<output>/checkpoints``
+    (none on S3)."""
+    root = checkpoints_uri(output_uri)
+    if storage.is_s3(root):
+        return []
+    base = Path(root).expanduser()
+    return sorted(p for p in base.glob(f"{_TMP_PREFIX}step-*") if p.is_dir() and not p.is_symlink())
+
+
 def _read_marker(output_uri: str) -> str | None:
     uri = storage.join(checkpoints_uri(output_uri), LATEST_MARKER)
     try:
