@@ -28,8 +28,8 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 # have no gpu test; where Ray is missing they are not collected (CI and `make test` have Ray).
 if importlib.util.find_spec("ray") is None:
     collect_ignore = [
-        "test_cluster.py", "test_data_parallel.py", "test_quant_store.py", "test_train_e2e.py",
-        "test_weight_store.py",
+        "actors/test_weight_store.py", "e2e/test_cluster.py", "e2e/test_train_e2e.py",
+        "quant/test_quant_store.py", "run/test_data_parallel.py",
     ]  # fmt: skip
 
 
