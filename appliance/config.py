@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from appliance.engine.memory import gpu_budget_problem
 from appliance.errors import ConfigError
 from appliance.metrics.endpoint import is_tcp_port
 from appliance.models import TARGETS
@@ -576,8 +577,6 @@ def validate(cfg: TrainConfig, label: Callable[[str], str] = flag) -> list[str]:
     if cfg.allow_model_change and not (cfg.resume or cfg.auto_resume):
         errs.append(f"{label('allow_model_change')} goes with --resume or --auto-resume")
     if cfg.gpu_memory_budget is not None:
-        from appliance.plan.estimate import gpu_budget_problem  # (plan.py imports this module)
-
         try:
             budget = parse_bytes(cfg.gpu_memory_budget)
         except ValueError as e:

@@ -73,3 +73,12 @@ def cause_chain(e: BaseException) -> list[BaseException]:
     while isinstance(getattr(chain[-1], "cause", None), BaseException) and len(chain) < 10:
         chain.append(chain[-1].cause)  # type: ignore[attr-defined]
     return chain
+
+
+def type_name(value: Any) -> str:
+    """How an error names a value's type: JSON's words, and a table column's Python type."""
+    if value is None:
+        return "null"
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
+    names |= {int: "a number", float: "a number", bytes: "bytes (a binary column)"}
+    return names.get(type(value), f"a {type(value).__name__} value")

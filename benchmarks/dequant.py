@@ -8,7 +8,7 @@ A quantized base (--base-quant int8|nf4) is dequantized on the compute device on
 pass (streaming.DeviceWeights.get): once in the forward, once in the backward. This times that for
 one block of a preset (its seven projections, q/k/v/o/gate/up/down, at the preset's shapes, from
 random codes and scales: the time does not depend on their values) with each implementation:
-`triton` (quant_gpu's fused kernels, what quant.dequantize uses on CUDA) and `pytorch` (quant.py's
+`triton` (quant_gpu's fused kernels, what quant.dequantize uses on CUDA) and `pytorch` (reference.py's
 functions, its fallback), and checks that the two give the same bits.
 
 Against it, the block's matmul time at the preset's step shape (GPU: micro-batch 1 × seq 2048 ×
@@ -37,10 +37,10 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from appliance import models
+from appliance import models, quant
 from appliance.hardware.measure import cuda_seconds
 from appliance.models.presets import PRESETS
-from appliance.quant import formats as quant
+from appliance.quant import formats, reference
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -57,7 +57,7 @@ def random_quantized(
     """Codes and scales of `shape` quantized as `kind`, random, drawn on `device` from `gen`
     (a generator of that device: a 70B block's 0.9 G values drawn on one CPU core took longer
     than the benchmark's time limit on the GPU machine, 2026-11-27)."""
-    n_codes, n_scales = quant._counts(shape, kind)
+    n_codes, n_scales = formats._counts(shape, kind)
     if kind == "int8":
         codes = torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8, device=device)
     else:
@@ -107,7 +107,7 @@ def triton_kernels(device: torch.device, dtype: torch.dtype):
 def dequant_fns(qs: dict[str, quant.QuantizedTensor], dtype: torch.dtype, kernels) -> dict:
     """implementation → a function dequantizing every weight of the block once."""
 
-    def every_weight(impl):  # quant (PyTorch) or quant_gpu (Triton): the same signatures
+    def every_weight(impl):  # reference (PyTorch) or gpu (Triton): the same signatures
         return lambda: [
             impl.dequantize_int8(q.codes, q.scales, dtype)
             if q.kind == "int8"
@@ -115,7 +115,7 @@ def dequant_fns(qs: dict[str, quant.QuantizedTensor], dtype: torch.dtype, kernel
             for q in qs.values()
         ]
 
-    fns = {"pytorch": every_weight(quant)}
+    fns = {"pytorch": every_weight(reference)}
     if kernels is not None:
         fns["triton"] = every_weight(kernels)
     return fns

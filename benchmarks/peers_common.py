@@ -49,6 +49,7 @@ from appliance.bench.step import LR, _batches, _release_cuda, model_facts
 from appliance.bench.synthetic import SyntheticBlockSource
 from appliance.engine.device_weights import with_index
 from appliance.hardware.measure import device_name, host_memory_available
+from appliance.models import param_count
 from appliance.models.layers import ModelArgs
 from appliance.models.lora import LoraSpec, LoraWeights
 from appliance.models.presets import PRESETS, Shape
@@ -346,7 +347,7 @@ def check_host_memory(setup: Setup, pinned: bool = False) -> None:
         shapes = expected_shapes(setup.args).values()
         need = sum(1 << max(0, (math.prod(s) * size - 1).bit_length()) for s in shapes)
     else:
-        need = setup.args.param_count() * size
+        need = param_count(setup.args) * size
     available = host_memory_available()
     if available is not None and need > 0.9 * available:
         kept = " page-locked (each rounded up to a power of two)" if pinned else ""

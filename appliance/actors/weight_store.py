@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from appliance import quant
 from appliance.engine.blocks import (
     FlatBlockSource,
     FlatIndex,
@@ -40,9 +41,8 @@ from appliance.engine.blocks import (
 from appliance.errors import ModelError
 from appliance.metrics.recorders import WeightStoreMetrics
 from appliance.models import hf_checkpoint
-from appliance.models.hf_checkpoint import ST_DTYPES, TensorLocation
+from appliance.models.hf_checkpoint import ST_DTYPES, TensorLocation, read_model_args
 from appliance.models.layers import ModelArgs
-from appliance.quant import formats as quant
 from appliance.storage.localize import localize_model
 
 
@@ -91,7 +91,7 @@ class WeightStore:
     """Loads `model_dir` once in `dtype` and hands out handles to its flat block buffers.
 
     `base_quant` (int8 | nf4): every block's linear projection weights are quantized on load
-    (quant.py), from the checkpoint's values in fp32; everything else is kept in `dtype`.
+    (reference.py), from the checkpoint's values in fp32; everything else is kept in `dtype`.
     `read_threads`: blocks read and converted at once (default: the CPUs, at most 4)."""
 
     def __init__(
@@ -358,3 +358,10 @@ def store_nbytes(args: ModelArgs, dtype: str, base_quant: str = "none") -> int:
 def local_source(model_dir: str | Path, dtype: str, base_quant: str = "none") -> FlatBlockSource:
     """The same flat layout without Ray (for in-process runs and tests)."""
     return WeightStore(model_dir, dtype, base_quant).handles().source()
+
+
+def weight_store_bytes(model_dir: str | Path, dtype: str, base_quant: str = "none") -> int:
+    """Bytes the base model's weight store takes in the object store: every tensor the model reads
+    (config.json's shapes), in the compute dtype or quantized (store_nbytes). Reads
+    config.json only."""
+    return store_nbytes(read_model_args(model_dir), dtype, base_quant)

@@ -248,7 +248,7 @@ def write_adapter_card(record: dict[str, Any], base: BaseModel, output: str) -> 
 
 def completed_record(adapter_dir: Path) -> dict[str, Any] | None:
     """The run.json beside an adapter, when it records a completed run (whose adapter it is)."""
-    from appliance.run.record import RUN_FILE, json_object
+    from appliance.storage.checkpoints import RUN_FILE, json_object
 
     record = json_object(adapter_dir / RUN_FILE)
     ok = record is not None and record.get("status") == "complete"
@@ -258,8 +258,7 @@ def completed_record(adapter_dir: Path) -> dict[str, Any] | None:
 def checkpoint_record(adapter_dir: Path) -> dict[str, Any] | None:
     """For a checkpoint's adapter (`OUTPUT/checkpoints/step-N`), a record of the run up to that
     step in run.json's form, from the checkpoint's config and driver state; None otherwise."""
-    from appliance.run.record import json_object
-    from appliance.storage.checkpoints import CONFIG_FILE, DRIVER_STATE, MANIFEST
+    from appliance.storage.checkpoints import CONFIG_FILE, DRIVER_STATE, MANIFEST, json_object
 
     if not (adapter_dir / MANIFEST).is_file():
         return None

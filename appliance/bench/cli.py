@@ -11,9 +11,9 @@ from appliance.actors.trainer import resolve_device
 from appliance.bench.step import MODES, run_bench
 from appliance.bench.table import check_json_path, print_table, write_json
 from appliance.engine.blocks import dtype_from_name
+from appliance.engine.memory import gpu_budget_problem
 from appliance.errors import ConfigError
 from appliance.models.presets import PRESETS, presets_help
-from appliance.plan.estimate import gpu_budget_problem
 
 
 def parser(prog: str = "python -m appliance.bench") -> argparse.ArgumentParser:

@@ -37,12 +37,13 @@ from pathlib import Path
 
 import torch
 
+from appliance import quant
 from appliance.actors.weight_store import WeightStore
 from appliance.bench.table import check_json_path, write_json
 from appliance.cluster.start import SHM_DIR, tmpfs_huge_policy
 from appliance.engine.blocks import entry_nbytes
 from appliance.errors import ConfigError
-from appliance.quant import formats as quant
+from appliance.quant import reference
 
 GB = 1e9
 READ_CHUNK = 16 * 2**20
@@ -222,14 +223,14 @@ def kernel_rates(kinds: list[str], repeats: int = 5) -> list[dict]:
     """ns per value of each quantizer on one (8192, 2048) bf16 weight, best of `repeats`, on one
     thread (the store runs one per reader thread): the fused kernel against the PyTorch one."""
     w = (torch.randn(8192, 2048, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16()
-    fused = quant._fused_kernels()
+    fused = reference._fused_kernels()
     impls = {
-        "int8": {"torch": quant.quantize_int8},
-        "nf4": {"torch": quant.quantize_nf4},
+        "int8": {"torch": reference.quantize_int8},
+        "nf4": {"torch": reference.quantize_nf4},
     }
     if fused is not None:
         impls["int8"]["fused"] = fused.quantize_int8
-        impls["nf4"]["fused"] = lambda x: fused.quantize_nf4(x, quant.NF4_THRESHOLDS)
+        impls["nf4"]["fused"] = lambda x: fused.quantize_nf4(x, reference.NF4_THRESHOLDS)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     rows = []

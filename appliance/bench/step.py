@@ -36,12 +36,12 @@ import gc
 import math
 import os
 import statistics
-import sys
 from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
 
+from appliance import quant
 from appliance.actors.trainer import resolve_dtype
 from appliance.bench.synthetic import SyntheticBlockSource
 from appliance.engine.blocks import dtype_from_name
@@ -60,11 +60,16 @@ from appliance.hardware.measure import (
     measure_bandwidth,
     measure_matmul,
 )
-from appliance.models import block_shapes, linear_weight_names, resolve_targets
+from appliance.models import (
+    block_param_count,
+    block_shapes,
+    linear_weight_names,
+    param_count,
+    resolve_targets,
+)
 from appliance.models.layers import ModelArgs
 from appliance.models.lora import LoraSpec, LoraWeights
 from appliance.models.presets import PRESETS, Shape
-from appliance.quant import formats as quant
 
 LR = 1e-4
 MODES = ("streamed", "resident")  # the rows, in order
@@ -256,9 +261,9 @@ def model_facts(args: ModelArgs, dtype: torch.dtype) -> dict:
         "num_layers": args.num_layers,
         "num_heads": args.num_heads,
         "num_kv_heads": args.num_kv_heads,
-        "params": args.param_count(),
-        "block_bytes": args.block_param_count() * dtype.itemsize,
-        "weight_bytes": args.param_count() * dtype.itemsize,
+        "params": param_count(args),
+        "block_bytes": block_param_count(args) * dtype.itemsize,
+        "weight_bytes": param_count(args) * dtype.itemsize,
     }
 
 
@@ -342,7 +347,7 @@ def run_bench(
     if shape.warmup < 0:
         raise ConfigError(f"--warmup must be ≥ 0, got {shape.warmup}")
     args = p.args
-    weight_bytes = args.param_count() * dtype.itemsize
+    weight_bytes = param_count(args) * dtype.itemsize
     if base_quant != "none":  # the blocks' linear weights quantized, the rest in dtype
         shapes = block_shapes(args)
         linear = [shapes[name] for name in linear_weight_names(args)]

@@ -10,10 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from appliance import quant
 from appliance.engine.blocks import FlatIndex, layout, pack, unpack
 from appliance.models import block_shapes
 from appliance.models.layers import ModelArgs
-from appliance.quant import formats as quant
 
 
 class SyntheticBlockSource:

@@ -213,8 +213,9 @@ def adapter_defaults(adapter: str, adapter_dir, given: dict, device: str | None 
 
     from appliance.errors import ConfigError
     from appliance.models.lora import ADAPTER_CONFIG
-    from appliance.run.record import adapter_run_config, json_object
+    from appliance.run.record import adapter_run_config
     from appliance.storage import uri as storage
+    from appliance.storage.checkpoints import json_object
     from appliance.storage.globs import has_glob, split_glob
     from appliance.storage.hub import is_hub_id
 
@@ -338,11 +339,11 @@ def eval_cmd(
     """Print {"loss": mean next-token NLL, "tokens": target tokens} as one JSON line."""
     from appliance.actors.trainer import resolve_device, resolve_dtype
     from appliance.adapter.evaluate import check_device, evaluate
-    from appliance.data.files import dataset_notes
+    from appliance.data.files import dataset_notes, resolve_dataset
     from appliance.data.records import Holdout
     from appliance.engine.blocks import dtype_from_name
     from appliance.run.record import other_model_note
-    from appliance.storage.hub import resolve_dataset, resolve_model
+    from appliance.storage.hub import resolve_model
     from appliance.storage.localize import localize_adapter, localize_data, localize_model
 
     dev = resolve_device(device)
@@ -506,7 +507,8 @@ def plan_cmd(model, preset, gpu, micro_batches_per_step, gpu_memory_budget, as_j
     or host RAM), naming what to change."""
     from click.core import ParameterSource
 
-    from appliance.plan.estimate import plan_input, run_plan
+    from appliance.plan.estimate import plan_input
+    from appliance.plan.report import run_plan
     from appliance.storage.hub import resolve_model
 
     ctx = click.get_current_context()

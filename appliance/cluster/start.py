@@ -23,11 +23,11 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from appliance.cluster import auth as ray_auth
 from appliance.config import DEFAULT_METRICS_PORT, TrainConfig, parse_bytes
 from appliance.errors import ApplianceError, ConfigError, first_line
-from appliance.run.progress import Progress
 from appliance.storage import uri as storage
 
 TRAINER_NODE_RESOURCE = "appliance_trainer_node"  # marks nodes for trainers, beside "GPU"
@@ -44,6 +44,12 @@ RAY_MIN_OBJECT_STORE_BYTES = 75 * 1024**2
 #: all of it): a store sized to /dev/shm alone would leave them nothing, and Ray refuses to
 #: start when the store leaves tasks under 5% of RAM.
 RAM_RESERVE_FRACTION = 0.2
+
+
+class Notes(Protocol):
+    """What start_ray says as it goes (run/progress.Progress is one)."""
+
+    def note(self, text: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -144,16 +150,6 @@ def ram_available_bytes() -> int:
     return available
 
 
-def weight_store_bytes(model_dir: str | Path, dtype: str, base_quant: str = "none") -> int:
-    """Bytes the base model's weight store takes in the object store: every tensor the model reads
-    (config.json's shapes), in the compute dtype or quantized (weight_store.store_nbytes). Reads
-    config.json only."""
-    from appliance.actors.weight_store import store_nbytes
-    from appliance.models.hf_checkpoint import read_model_args
-
-    return store_nbytes(read_model_args(model_dir), dtype, base_quant)
-
-
 def check_weights_fit(weight_bytes: int, store_bytes: int, source: str) -> None:
     """Refuse, before loading anything, a weight store larger than the object store: Ray would
     spill it to disk and every step would stream the model from there."""
@@ -175,7 +171,7 @@ def shm_gib_for(weight_bytes: float) -> int:
     return math.ceil(max(weight_bytes * 1.1, weight_bytes + SHM_MARGIN_BYTES) / GIB)
 
 
-def start_ray(cfg: TrainConfig, progress: Progress, weight_bytes: int | None = None) -> None:
+def start_ray(cfg: TrainConfig, progress: Notes, weight_bytes: int | None = None) -> None:
     """Embedded Ray (address="local", metrics on --metrics-port, the object store sized by
     `object_store_bytes`), or join --cluster. `weight_bytes` (embedded Ray: the model's weight
     store, `weight_store_bytes`) is checked against the object store before Ray starts."""

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance.errors import ApplianceError
+from appliance.errors import ApplianceError, type_name
 
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "tool": "tool"}
@@ -210,10 +210,6 @@ def messages_of(obj: dict, where: str) -> list[dict] | None:
     default, trains an assistant turn; 0 renders it without training it (the record's `tools`:
     `tools_of`). ShareGPT `conversations` (`{"from": "human", "value": "..."}`) are mapped onto
     role and content (system, human, gpt, tool: system, user, assistant, tool)."""
-    from appliance.data.records import (
-        _type_name,  # (data.py imports this module: imported when first called)
-    )
-
     if "messages" in obj:
         raw, key, role_key, content_key, roles = (
             obj["messages"],
@@ -229,7 +225,7 @@ def messages_of(obj: dict, where: str) -> list[dict] | None:
         return None
     shape = f'a list of {{"{role_key}": ..., "{content_key}": "..."}} objects'
     if not isinstance(raw, list):
-        raise ChatError(f'{where}: "{key}" must be {shape} (found {_type_name(raw)})')
+        raise ChatError(f'{where}: "{key}" must be {shape} (found {type_name(raw)})')
     if not raw:
         raise ChatError(
             f'{where}: "{key}" is empty: a conversation needs at least one assistant turn'
@@ -253,9 +249,7 @@ def messages_of(obj: dict, where: str) -> list[dict] | None:
             if content_key not in m:
                 raise ChatError(f'{at} must be {{"{role_key}", "{content_key}"}}')
             if not isinstance(content, str):
-                raise ChatError(
-                    f"{at}.{content_key} must be a string (found {_type_name(content)})"
-                )
+                raise ChatError(f"{at}.{content_key} must be a string (found {type_name(content)})")
         if content_key in m:
             message["content"] = content
         message.update(others)
@@ -279,8 +273,6 @@ def tools_of(obj: dict, where: str) -> list[dict] | None:
     """A conversation record's `tools` for its template: None, or a list of objects; a JSON
     string holding that list is decoded (ShareGPT function-calling sets store it so). ChatError
     naming `where` otherwise."""
-    from appliance.data.records import _type_name
-
     tools = obj.get("tools")
     if isinstance(tools, str):
         try:
@@ -290,10 +282,10 @@ def tools_of(obj: dict, where: str) -> list[dict] | None:
     if tools is None:
         return None
     if not isinstance(tools, list):
-        raise ChatError(f'{where}: "tools" must be a list of objects (found {_type_name(tools)})')
+        raise ChatError(f'{where}: "tools" must be a list of objects (found {type_name(tools)})')
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
-            raise ChatError(f'{where}: "tools"[{i}] must be an object (found {_type_name(tool)})')
+            raise ChatError(f'{where}: "tools"[{i}] must be an object (found {type_name(tool)})')
     return tools
 
 

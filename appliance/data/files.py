@@ -36,6 +36,8 @@ from typing import Any, BinaryIO
 
 from appliance.errors import DataError
 from appliance.storage.globs import brace_hint, glob_match, has_glob, split_glob
+from appliance.storage.hub import is_hub_id, resolve_repo
+from appliance.storage.uri import is_s3
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".txt")
 TABLES = ("parquet", "arrow")  # a row is a document, the columns its keys
@@ -548,3 +550,20 @@ def count_documents(files: Sequence[Path], limit: int) -> int:
 def has_documents(files: Sequence[Path]) -> bool:
     """True as soon as one document is found (cheap: stops at the first)."""
     return count_documents(files, 1) > 0
+
+
+def resolve_dataset(data: str, flag: str = "--data") -> str:
+    """`resolve_model` for a dataset: a hub id as the snapshot directory of the dataset repo
+    `hf download org/name --repo-type dataset` filled, and `org/name/PATTERN` as that glob
+    pattern inside it (`org/name/data/train-*`: one split, as `datasets`' data_files picks it).
+    DataError (naming `flag`) when the id is not cached. A name like a data file's
+    (`dir/train.jsonl`) is a path, missing or not, and so is a pattern whose directory exists."""
+    if has_glob(data) and not is_s3(data):
+        parts = data.split("/", 2)  # org, name, the pattern inside (a hub id holds no wildcard)
+        repo_id = "/".join(parts[:2])
+        if len(parts) == 3 and is_hub_id(repo_id) and not Path(split_glob(data)[0]).exists():
+            return str(Path(resolve_repo(repo_id, flag, "dataset", DataError)) / parts[2])
+        return data
+    if data_format(Path(data)) is not None:
+        return data
+    return resolve_repo(data, flag, "dataset", DataError)

@@ -46,7 +46,7 @@ from appliance.data.files import (
     table_num_rows,
     table_rows,
 )
-from appliance.errors import DataError
+from appliance.errors import DataError, type_name
 
 IGNORE_INDEX = -100  # label of a position without loss (PyTorch cross_entropy's ignore_index)
 ON_BAD_RECORD = ("fail", "skip")
@@ -218,15 +218,6 @@ def _decode_utf8(data: bytes, where: str) -> str:
         raise BadRecord(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
 
 
-def _type_name(value: Any) -> str:
-    """How an error names a value's type: JSON's words, and a table column's Python type."""
-    if value is None:
-        return "null"
-    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
-    names |= {int: "a number", float: "a number", bytes: "bytes (a binary column)"}
-    return names.get(type(value), f"a {type(value).__name__} value")
-
-
 def _json_line(text: str, where: str) -> Any:
     """A .jsonl line's value; BadRecord naming `where` and the column when it is not JSON."""
     try:
@@ -253,22 +244,20 @@ def parse_document(raw: RawDocument, chat: ChatTemplate | None = None) -> Record
             return Record(text=text)
         obj = _json_line(text, raw.where)
     if not isinstance(obj, dict):
-        raise BadRecord(f"{raw.where}: expected a JSON object, found {_type_name(obj)}")
+        raise BadRecord(f"{raw.where}: expected a JSON object, found {type_name(obj)}")
     # a null is a key left out: a table's column where this row has no value, or what
     # `datasets`' to_json writes for it ({"text": null, "messages": [...]} is a chat record)
     nulls = sorted(k for k, v in obj.items() if v is None)
     obj = {k: v for k, v in obj.items() if v is not None}
     if "text" in obj:
         if not isinstance(obj["text"], str):
-            raise BadRecord(
-                f'{raw.where}: "text" must be a string, found {_type_name(obj["text"])}'
-            )
+            raise BadRecord(f'{raw.where}: "text" must be a string, found {type_name(obj["text"])}')
         return Record(text=obj["text"])
     if "prompt" in obj and "completion" in obj:
         for key in ("prompt", "completion"):
             if not isinstance(obj[key], str):
                 raise BadRecord(
-                    f'{raw.where}: "{key}" must be a string, found {_type_name(obj[key])}'
+                    f'{raw.where}: "{key}" must be a string, found {type_name(obj[key])}'
                 )
         return Record(prompt=obj["prompt"], completion=obj["completion"])
     try:

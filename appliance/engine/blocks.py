@@ -16,10 +16,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from appliance import quant
 from appliance.models import hf_checkpoint
 from appliance.models.layers import ModelArgs
-from appliance.quant import formats as quant
-from appliance.quant.formats import QuantizedTensor
+from appliance.quant import QuantizedTensor
 
 _DTYPES = {
     "float32": torch.float32,

@@ -24,7 +24,7 @@ import torch
 
 from appliance.engine.blocks import BlockSource, pack, readonly_tensor, unpack
 from appliance.hardware.measure import cuda_copy_seconds
-from appliance.quant.formats import QuantizedTensor, dequantize, quantized_nbytes
+from appliance.quant import QuantizedTensor, dequantize, quantized_nbytes
 
 
 class HostEvent:

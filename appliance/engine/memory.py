@@ -7,8 +7,10 @@ with the same numbers, and nothing here needs weights or a GPU.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
+from appliance.models import block_param_count
 from appliance.models.layers import HEAD_CHUNK_VALUES, ModelArgs
 
 
@@ -63,7 +65,8 @@ class MemoryPlan:
 
 #: Device memory the plan leaves unplanned: what lives outside the planned parts but inside the
 #: card (cuBLAS workspaces, NCCL buffers, the caching allocator's rounding and fragmentation).
-CUDA_MARGIN_BYTES = 768 * 2**20
+MiB, GiB = 2**20, 2**30
+CUDA_MARGIN_BYTES = 768 * MiB
 
 
 def effective_budget(requested: int | None, total: int, free: int, reserved: int) -> int:
@@ -160,4 +163,23 @@ def blocks_uploaded_per_step(num_blocks: int, resident_blocks: int) -> int:
 def step_flops(args: ModelArgs, tokens: int) -> float:
     """≈ 6·N·T for LoRA with recompute: forward, recompute, input-gradient (DESIGN.md); N counts
     the blocks' parameters only (not attention scores, embeddings or the head)."""
-    return 6.0 * args.num_layers * args.block_param_count() * tokens
+    return 6.0 * args.num_layers * block_param_count(args) * tokens
+
+
+def gpu_budget_problem(text: str, n: int) -> str | None:
+    """What is wrong with `--gpu-memory-budget TEXT` (`n`: its bytes, config.parse_bytes), or
+    None: a bare number under 1 MiB (`24` is 24 bytes: a unit left out, said when `24GiB` would
+    do), or a budget not above CUDA_MARGIN_BYTES, which the engine keeps off every
+    budget (0 included), so that nothing would be left to plan."""
+    text = str(text).strip()
+    bare = re.fullmatch(r"\d+(\.\d+)?", text) and n < MiB  # and TEXT GiB would do:
+    if bare and float(text) * GiB > CUDA_MARGIN_BYTES:
+        unit = "byte" if n == 1 else "bytes"
+        return f"--gpu-memory-budget {text} is {n} {unit}: did you mean {text}GiB?"
+    if n <= CUDA_MARGIN_BYTES:
+        return (
+            f"--gpu-memory-budget {text} leaves nothing to plan: the engine keeps "
+            f"{CUDA_MARGIN_BYTES // MiB} MiB of any budget for cuBLAS, NCCL and fragmentation; "
+            "give more (e.g. 20GiB), or leave it out for 90% of the card"
+        )
+    return None

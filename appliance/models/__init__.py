@@ -18,6 +18,7 @@ SDPA cannot do, and writes its scores out in full (softmax in fp32). See docs/mo
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 
 import torch
@@ -180,3 +181,16 @@ def resolve_targets(args: M.ModelArgs, targets: tuple[str, ...]) -> tuple[str, .
             f"its targets are {','.join(fam.TARGETS)}"
         )
     return tuple(t for t in fam.TARGETS if t in wanted)
+
+
+def block_param_count(args: M.ModelArgs) -> int:
+    """Parameters in one block: every tensor block_shapes lists."""
+    return sum(math.prod(shape) for shape in block_shapes(args).values())
+
+
+def param_count(args: M.ModelArgs) -> int:
+    """Parameters of the whole model: the blocks, the embedding, the head (unless tied), the
+    final norm."""
+    embed = args.vocab_size * args.hidden_size
+    head = 0 if args.tie_word_embeddings else embed
+    return args.num_layers * block_param_count(args) + embed + head + args.hidden_size

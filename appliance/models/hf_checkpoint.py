@@ -132,7 +132,7 @@ def _eos_elsewhere(model_dir: Path) -> int | None:
     `eos_token`, as transformers' generate and tokenizer find them."""
     from tokenizers import Tokenizer
 
-    from appliance.run.record import json_object
+    from appliance.storage.checkpoints import json_object
 
     eos = (json_object(model_dir / "generation_config.json") or {}).get("eos_token_id")
     if isinstance(eos, list):

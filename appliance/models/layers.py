@@ -97,18 +97,6 @@ class ModelArgs:
             "mlp.gate_up_proj": (2 * inter, C),
         }[module]
 
-    def block_param_count(self) -> int:
-        from appliance.models import (
-            block_shapes,  # the families' tensor layout (models imports this file)
-        )
-
-        return sum(math.prod(shape) for shape in block_shapes(self).values())
-
-    def param_count(self) -> int:
-        embed = self.vocab_size * self.hidden_size
-        head = 0 if self.tie_word_embeddings else embed
-        return self.num_layers * self.block_param_count() + embed + head + self.hidden_size
-
 
 # ---------------------------------------------------------------- RoPE
 

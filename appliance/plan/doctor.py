@@ -31,6 +31,7 @@ from pathlib import Path
 from appliance.cluster.start import HUGE_POLICIES, tmpfs_huge_policy
 from appliance.config import DEFAULT_METRICS_PORT
 from appliance.errors import ApplianceError, ConfigError, first_line
+from appliance.models import param_count
 from appliance.models.layers import ModelArgs
 from appliance.storage import localize as s3_cache
 from appliance.storage import uri as storage
@@ -103,7 +104,7 @@ def needs_for(
     store = -(-globals_bytes(args, dtype_bytes) // 64) * 64 + args.num_layers * block
     ram = store + TRAINER_PROCESS_BYTES + TOKENIZER_WORKERS * TOKENIZER_WORKER_BYTES
     page_locked = args.num_layers * block if cuda else 0
-    return Needs(store, page_locked, ram, args.param_count() * 2, base_quant)
+    return Needs(store, page_locked, ram, param_count(args) * 2, base_quant)
 
 
 # ---------------------------------------------------------------- the checks
@@ -279,11 +280,11 @@ def check_triton(cuda: bool) -> Check:
         )
     import warnings
 
-    from appliance.quant import formats as quant
+    from appliance.quant import reference
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ok = quant._gpu_kernels() is not None
+        ok = reference._gpu_kernels() is not None
     if not ok:
         why = str(caught[-1].message) if caught else "Triton's kernels did not launch"
         return Check("triton", "warn", why, "check the Triton install against this torch")

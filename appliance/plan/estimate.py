@@ -27,9 +27,7 @@ ratios). Nothing here reads weights or needs a GPU.
 
 from __future__ import annotations
 
-import json
 import math
-import re
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,11 +35,11 @@ from pathlib import Path
 from appliance.actors.tokenize_worker import MAX_DEFAULT_WORKERS
 from appliance.config import TrainConfig
 from appliance.engine.memory import (
-    CUDA_MARGIN_BYTES,
     MemoryPlan,
     blocks_uploaded_per_step,
     device_saved_bytes,
     effective_budget,
+    gpu_budget_problem,
     plan_memory,
     step_flops,
 )
@@ -49,7 +47,7 @@ from appliance.errors import ConfigError
 from appliance.hardware import gpus as hardware
 from appliance.models.hf_checkpoint import block_shapes, read_model_args, seq_len_problems
 from appliance.models.layers import TARGET_MODULES, ModelArgs
-from appliance.quant.formats import is_linear_weight, quantized_nbytes
+from appliance.quant import is_linear_weight, quantized_nbytes
 from appliance.storage import uri as storage
 
 GiB, MiB = 2**30, 2**20
@@ -63,25 +61,6 @@ AUTO_SLACK = 1.10  # `auto`: within 10 % of compute-bound
 TRAINER_PROCESS_BYTES = 3 * GiB
 TOKENIZER_WORKER_BYTES = GiB // 2
 TOKENIZER_WORKERS = MAX_DEFAULT_WORKERS  # the default count's upper bound
-
-
-def gpu_budget_problem(text: str, n: int) -> str | None:
-    """What is wrong with `--gpu-memory-budget TEXT` (`n`: its bytes, config.parse_bytes), or
-    None: a bare number under 1 MiB (`24` is 24 bytes: a unit left out, said when `24GiB` would
-    do), or a budget not above planner.CUDA_MARGIN_BYTES, which the engine keeps off every
-    budget (0 included), so that nothing would be left to plan."""
-    text = str(text).strip()
-    bare = re.fullmatch(r"\d+(\.\d+)?", text) and n < MiB  # and TEXT GiB would do:
-    if bare and float(text) * GiB > CUDA_MARGIN_BYTES:
-        unit = "byte" if n == 1 else "bytes"
-        return f"--gpu-memory-budget {text} is {n} {unit}: did you mean {text}GiB?"
-    if n <= CUDA_MARGIN_BYTES:
-        return (
-            f"--gpu-memory-budget {text} leaves nothing to plan: the engine keeps "
-            f"{CUDA_MARGIN_BYTES // MiB} MiB of any budget for cuBLAS, NCCL and fragmentation; "
-            "give more (e.g. 20GiB), or leave it out for 90% of the card"
-        )
-    return None
 
 
 def smaller_quants(base_quant: str) -> tuple[str, ...]:
@@ -408,157 +387,3 @@ def choose_micro_batches(p: PlanInput) -> tuple[int, str]:
         return 1, "no M fits; showing M = 1"
     best = max(fitting)
     return -best[1], f"no M ≤ {AUTO_MAX_M} is within 10% of compute-bound; the fastest that fits"
-
-
-def make_plan(p: PlanInput) -> dict:
-    """The whole plan as one JSON-able object (what `--json` prints)."""
-    from appliance.plan.fixes import fixes, problems
-
-    if p.micro_batches_per_step is None:
-        m, why = choose_micro_batches(p)
-    elif "micro_batches_per_step" in p.train_defaults:
-        m, why = p.micro_batches_per_step, "train's default"
-    else:
-        m, why = p.micro_batches_per_step, "given"
-    r = evaluate(p, m)
-    card = p.card
-    result = {
-        "model": p.model,
-        "params": p.args.param_count(),
-        "gpu": p.gpu,
-        "gpu_name": card.name,
-        "gpus": p.gpus,
-        "gpu_source": card.source,
-        "gpu_paper_flops_per_second": card.paper_flops_per_second,
-        "gpu_memory_bytes": card.memory_bytes,
-        "base_quant": p.base_quant,
-        "seq_len": p.seq_len,
-        "micro_batch_size": p.micro_batch_size,
-        "lora_rank": p.lora_rank,
-        "micro_batches_per_step_why": why,
-        "train_defaults": list(p.train_defaults),
-        **r,
-        "problems": problems(p, r),
-        "fixes": [] if r["fits"] else fixes(p, m, r),
-    }
-    steps = p.steps
-    if steps is None and p.tokens is not None:
-        steps = math.ceil(p.tokens / r["tokens_per_step"])
-    if steps is not None:
-        seconds = steps * r["step_seconds_floor"]
-        price = p.price_per_hour
-        source = "--price-per-hour"
-        if price is None:
-            price = card.instance.usd_per_gpu_hour
-            source = f"{card.instance.name} on-demand ({hardware.PRICES_AS_OF})"
-        result.update(
-            steps=steps,
-            tokens=steps * r["tokens_per_step"],
-            wall_seconds=seconds,
-            usd_per_gpu_hour=price,
-            price_source=source if price is not None else None,
-            cost_usd=None if price is None else seconds / 3600 * price * p.gpus,
-        )
-    return result
-
-
-# ---------------------------------------------------------------- output
-
-
-def _b(n: float) -> str:
-    return f"{n / GiB:.2f} GiB"
-
-
-def _dur(s: float) -> str:
-    if s < 120:
-        return f"{s:.3g} s"
-    if s < 7200:
-        return f"{s / 60:.1f} min"
-    if s < 3 * 86400:
-        return f"{s / 3600:.1f} h"
-    return f"{s / 86400:.1f} days"
-
-
-def format_plan(r: dict) -> str:
-    """The plan for a person: host memory, GPU memory, time, cost, and the verdict."""
-    g, h = r["gpu_bytes"], r["host_bytes"]
-    L = r["blocks"]
-    lines = [
-        f"{r['model']}: {r['params'] / 1e9:.3g}B params, {L} blocks of {_b(r['block_bytes'])} "
-        f"(base weights {r['base_quant']}) on {r['gpus']}× {r['gpu_name']}",
-        "shape: " + ", ".join(_shape(r)),
-        f"step: {r['micro_batches_per_step']} × {r['micro_batch_size']} × {r['seq_len']} = "
-        f"{r['micro_batches_per_step'] * r['micro_batch_size'] * r['seq_len']} tokens per GPU, "
-        f"{r['tokens_per_step']} per step",
-        "",
-        "Host memory (one node)",
-        f"  weight store (/dev/shm)        {_b(h['weight_store'])}",
-        f"  page-locked per trainer        {_b(h['page_locked_per_trainer'])}"
-        " (the store's pages, registered in place, + offloaded activations)",
-        f"  offloaded activations          {_b(h['offloaded_activations'])}",
-        f"  trainer processes              {_b(h['trainer_processes'])} (assumed)",
-        f"  tokenizer workers              {_b(h['tokenizer_workers'])} (assumed)",
-        f"  needs: /dev/shm ≥ {_b(h['shm_needed'])}, RAM ≥ {_b(h['ram_needed'])}",
-        "",
-        f"GPU memory (per GPU, budget {_b(r['gpu_budget_bytes'])})",
-        f"  resident blocks                {_b(g['resident_blocks'])} "
-        f"({r['resident_blocks']} of {L} stay)",
-        f"  streaming slots                {_b(g['streaming_slots'])}",
-        f"  saved activations              {_b(g['activations'])}"
-        + (" (offloaded to host)" if r["offload_activations"] else ""),
-        f"  LoRA + AdamW state (fp32)      {_b(g['lora_optimizer'])}",
-        f"  embeddings, norm, head         {_b(g['globals'])}",
-        f"  working set (transient)        {_b(g['working_set'])}",
-        f"  total                          {_b(g['total'])}",
-        "",
-        "Time (per optimizer step, per GPU)",
-        f"  host→device                    {r['streamed_bytes_per_step'] / 1e9:.3g} GB "
-        f"({r['blocks_uploaded_per_step']} block copies, both passes) at "
-        f"B = {r['h2d_bytes_per_second'] / 1e9:.3g} GB/s → {r['h2d_seconds']:.3g} s",
-        f"  compute                        {r['flops_per_step'] / 1e12:.4g} TFLOP (6·N·T, blocks) "
-        f"at P = {r['flops_per_second'] / 1e12:.4g} TFLOP/s → {r['compute_seconds']:.3g} s",
-        f"  not in the floor               attention {r['attention_flops_per_step'] / 1e12:.3g} "
-        f"TFLOP, LM head {r['head_flops_per_step'] / 1e12:.3g} TFLOP",
-        f"  floor max(bytes/B, F/P)        {r['step_seconds_floor']:.3g} s → "
-        f"{r['tokens_per_second']:.4g} tokens/s (all GPUs)",
-        f"  crossover T*                   {r['crossover_tokens_per_step']:.4g} tokens per GPU "
-        "step (compute-bound above it)",
-    ]
-    if "steps" in r:
-        lines += [
-            "",
-            f"Run: {r['steps']} steps, {r['tokens']:.4g} tokens, {_dur(r['wall_seconds'])} at "
-            "the floor (a lower bound)",
-        ]
-        if r["cost_usd"] is not None:
-            lines.append(
-                f"  cost ≥ ${r['cost_usd']:,.2f} at ${r['usd_per_gpu_hour']:.4g} per GPU-hour "
-                f"({r['price_source']})"
-            )
-        else:
-            lines.append(f"  cost: no on-demand price for {r['gpu']}; give --price-per-hour")
-    lines.append("")
-    if r["fits"]:
-        lines.append("fits: yes")
-    else:
-        lines.append("fits: NO — " + "; ".join(r["problems"]))
-        lines += [f"  fix: {f}" for f in r["fixes"]]
-    return "\n".join(lines)
-
-
-def _shape(r: dict) -> list[str]:
-    """The shape flags and where each came from (given, or train's default)."""
-    out = []
-    for flag, key in (("--seq-len", "seq_len"), ("--micro-batch-size", "micro_batch_size")):
-        source = "train's default" if key in r["train_defaults"] else "given"
-        out.append(f"{flag} {r[key]} ({source})")
-    m = r["micro_batches_per_step"]
-    out.append(f"--micro-batches-per-step {m} ({r['micro_batches_per_step_why']})")
-    return out
-
-
-def run_plan(p: PlanInput, as_json: bool) -> dict:
-    """Compute and print the plan; returns it."""
-    r = make_plan(p)
-    print(json.dumps(r, indent=2) if as_json else format_plan(r))
-    return r

@@ -1,16 +1,16 @@
 """Fused CPU kernels for quantizing on load: one pass per value, in C (appliance/quant/_quantize.c).
 
-The WeightStore quantizes every linear weight of a model as it loads it. quant.py's PyTorch
+The WeightStore quantizes every linear weight of a model as it loads it. reference.py's PyTorch
 functions make ~10 passes over each value (convert, abs, amax, divide, bin, two lookups, pack);
 these kernels read each value once: bf16 bits widened to fp32, the absmax of a row (int8) or of a
 64-value block (nf4), the division, the code and the packing, on a small chunk that stays in the
 cache. The arithmetic is the definition's, in fp32, operation for operation (tests compare them
-bit for bit with quant.py and with the direct definition), so the codes are the same. The kernels
+bit for bit with reference.py and with the direct definition), so the codes are the same. The kernels
 release the GIL, so the store's reader threads quantize side by side.
 
 The extension is compiled when the package is installed (setup.py; optional). Where it was not
 built (no C compiler at install, or a source tree used without installing it, as on a bare GPU
-image) this module does not import, and quant.py quantizes with its PyTorch functions: the same
+image) this module does not import, and reference.py quantizes with its PyTorch functions: the same
 codes, ~5x slower. `appliance doctor` says which one a machine has.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from appliance.quant import _quantize
+import appliance.quant._quantize as _quantize
 
 
 def isa() -> str:

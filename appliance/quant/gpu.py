@@ -1,14 +1,14 @@
 """Fused GPU kernels for dequantizing on the device: one pass per value, in Triton.
 
 `streaming.DeviceWeights.get` dequantizes a quantized block's projections once per block per pass,
-on the compute device. quant.py's PyTorch functions take several passes over each weight there
+on the compute device. reference.py's PyTorch functions take several passes over each weight there
 (codes widened to an fp32 tensor, multiplied by the scales in place, converted to the compute
 dtype; NF4 adds a table lookup and a copy to drop the padding), each writing and reading back an
 fp32 temporary the size of the weight. These kernels read the codes and scales once and write the
 weight once, in the compute dtype.
 
-The arithmetic is quant.py's, operation for operation, so the result is the same bit for bit
-(tests/test_quant_gpu.py checks it for bf16, fp16 and fp32):
+The arithmetic is reference.py's, operation for operation, so the result is the same bit for bit
+(tests/test_gpu.py.py checks it for bf16, fp16 and fp32):
 
     int8  fp32(code) · scale[row], in fp32, rounded to the dtype (round to nearest even)
     nf4   LEVELS[nibble] · absmax[value // 64], in fp32, rounded to the dtype; value i's code is
@@ -17,8 +17,8 @@ The arithmetic is quant.py's, operation for operation, so the result is the same
 
 A single fp32 multiply, then a conversion: no fused multiply-add can change a rounding.
 
-Without Triton (CI, a CPU-only image) this module does not import and quant.py uses its PyTorch
-functions; quant.py imports it on first use with codes on a CUDA device. With TRITON_INTERPRET=1
+Without Triton (CI, a CPU-only image) this module does not import and reference.py uses its PyTorch
+functions; reference.py imports it on first use with codes on a CUDA device. With TRITON_INTERPRET=1
 set before the import the kernels run on CPU tensors (Triton's interpreter: how the tests check
 them on a machine without a GPU).
 """

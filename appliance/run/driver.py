@@ -22,17 +22,23 @@ from pathlib import Path
 
 from appliance.actors.tokenize_worker import MAX_DEFAULT_WORKERS
 from appliance.actors.trainer import resolve_device, resolve_dtype
+from appliance.actors.weight_store import weight_store_bytes
 from appliance.adapter import model_card
 from appliance.cluster.start import (
     check_shared_output,
     on_node,
     start_ray,
     trainer_slots,
-    weight_store_bytes,
 )
 from appliance.config import TrainConfig, flag, shown
 from appliance.data.chat import load_chat_template
-from appliance.data.files import count_documents, dataset_notes, file_names, not_held_out_notes
+from appliance.data.files import (
+    count_documents,
+    dataset_notes,
+    file_names,
+    not_held_out_notes,
+    resolve_dataset,
+)
 from appliance.data.records import Holdout, check_dataset, check_has_targets, check_tokenizer_fits
 from appliance.errors import NOT_FOUND, ConfigError, StorageError, cause_chain
 from appliance.interrupt import GracefulStop, RunInterrupted
@@ -68,7 +74,7 @@ from appliance.storage.checkpoints import (
     list_checkpoints,
     temp_dirs,
 )
-from appliance.storage.hub import resolve_dataset, resolve_model
+from appliance.storage.hub import resolve_model
 from appliance.storage.localize import localize, localize_data, localize_model
 
 

@@ -14,8 +14,8 @@ from appliance.data.files import file_names, some_of
 from appliance.errors import ConfigError
 from appliance.run.output_lock import output_lock
 from appliance.storage import uri as storage
+from appliance.storage.checkpoints import RUN_FILE, json_object
 
-RUN_FILE = "run.json"
 #: what an unreadable run.json is kept as, beside the one rebuilt from a checkpoint
 UNREADABLE = ".unreadable"
 
@@ -153,16 +153,6 @@ def write_run_file(
         **(extra or {}),
     }
     storage.write_bytes(storage.join(cfg.output, RUN_FILE), json.dumps(record, indent=2).encode())
-
-
-def json_object(path: Path) -> dict | None:
-    """The JSON object in the file at `path`; None when the file is missing or unreadable, is
-    not JSON, or holds something other than an object."""
-    try:
-        found = json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return None
-    return found if isinstance(found, dict) else None
 
 
 def adapter_run_config(adapter_dir: Path) -> tuple[dict, Path] | None:

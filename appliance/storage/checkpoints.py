@@ -42,6 +42,7 @@ from appliance.storage import uri as storage
 
 logger = logging.getLogger(__name__)
 
+RUN_FILE = "run.json"  # beside the checkpoints: the run's record (run/record.py)
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_MARKER = "latest"
 MANIFEST = "manifest.json"
@@ -440,3 +441,13 @@ def _prune(output_uri: str, step: int, keep: int) -> None:
         base = Path(root).expanduser()
         for tmp in base.glob(f"{_TMP_PREFIX}*"):
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def json_object(path: Path) -> dict | None:
+    """The JSON object in the file at `path`; None when the file is missing or unreadable, is
+    not JSON, or holds something other than an object."""
+    try:
+        found = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None

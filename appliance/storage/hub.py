@@ -15,10 +15,8 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
-from appliance.data.files import data_format
-from appliance.errors import DataError, ModelError
+from appliance.errors import ModelError
 from appliance.storage import uri as storage
-from appliance.storage.globs import has_glob, split_glob
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(@[\w./-]+)?$")
 
@@ -59,27 +57,10 @@ def cached_repo(path: str | Path, repo_type: str = "model") -> CachedRepo | None
 def resolve_model(model: str, flag: str = "--model") -> str:
     """A local path or s3:// URI as it is; a hub id as its snapshot directory in the local
     Hugging Face cache. ModelError (naming `flag`) when the id is not cached."""
-    return _resolve(model, flag, "model", ModelError)
+    return resolve_repo(model, flag, "model", ModelError)
 
 
-def resolve_dataset(data: str, flag: str = "--data") -> str:
-    """`resolve_model` for a dataset: a hub id as the snapshot directory of the dataset repo
-    `hf download org/name --repo-type dataset` filled, and `org/name/PATTERN` as that glob
-    pattern inside it (`org/name/data/train-*`: one split, as `datasets`' data_files picks it).
-    DataError (naming `flag`) when the id is not cached. A name like a data file's
-    (`dir/train.jsonl`) is a path, missing or not, and so is a pattern whose directory exists."""
-    if has_glob(data) and not storage.is_s3(data):
-        parts = data.split("/", 2)  # org, name, the pattern inside (a hub id holds no wildcard)
-        repo_id = "/".join(parts[:2])
-        if len(parts) == 3 and is_hub_id(repo_id) and not Path(split_glob(data)[0]).exists():
-            return str(Path(_resolve(repo_id, flag, "dataset", DataError)) / parts[2])
-        return data
-    if data_format(Path(data)) is not None:
-        return data
-    return _resolve(data, flag, "dataset", DataError)
-
-
-def _resolve(uri: str, flag: str, repo_type: str, error: type[Exception]) -> str:
+def resolve_repo(uri: str, flag: str, repo_type: str, error: type[Exception]) -> str:
     if not is_hub_id(uri):
         return uri
     from huggingface_hub import constants, snapshot_download

@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from appliance.errors import INVALID, NO_SPACE, NOT_FOUND, ApplianceError, StorageError
-from appliance.storage.checkpoints import LATEST_MARKER, list_checkpoints
+from appliance.storage.checkpoints import LATEST_MARKER, RUN_FILE, list_checkpoints
 from appliance.storage.globs import brace_hint, glob_match, has_glob, split_glob
 from appliance.storage.s3 import S3_SCHEME, s3_client, s3_error
+from appliance.storage.safe_open import NotARegularFile, open_regular
 from appliance.storage.uri import (
     ObjectInfo,
     atomic_local_write,
@@ -33,6 +34,7 @@ from appliance.storage.uri import (
     is_s3,
     join,
     list_objects,
+    read_bytes,
     split_s3,
     to_local,
 )
@@ -167,15 +169,14 @@ def localize_adapter(uri: str, cache_dir: str | os.PathLike[str] | None = None) 
 def _no_adapter(uri: str) -> str:
     """What to say of an --adapter `uri` without adapter_config.json: a run's output before its
     run completed (interrupted, failed, running) names its latest checkpoint, an adapter too."""
-    from appliance.run.record import read_run_file  # (it imports config, which is heavier)
-
     none = f"no adapter_config.json under {uri}/: pass a directory written by appliance train (or PEFT)"
+    run_file = join(uri, RUN_FILE)
     try:
-        record = read_run_file(uri)
-        saved = list_checkpoints(uri) if record is not None else []
-    except ApplianceError:  # an unreadable run.json: nothing more to say than `none`
+        record = json.loads(read_bytes(run_file)) if exists(run_file) else None
+        saved = list_checkpoints(uri) if isinstance(record, dict) else []
+    except (ApplianceError, ValueError):  # an unreadable run.json: nothing more to say than `none`
         return none
-    if record is None:
+    if not isinstance(record, dict):
         return none
     status = record.get("status", "unknown")
     latest = [c for c in saved if c.complete]
@@ -292,7 +293,10 @@ def _prefix_lock(index_path: Path) -> Iterator[None]:
     kernel lets go if the process dies)."""
     lock = index_path.parent / f".{index_path.name}.lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o666)  # read-only: another uid's file will do
+    try:  # read-only: another uid's file will do; never through a link planted there
+        fd = open_regular(lock, os.O_RDONLY | os.O_CREAT, 0o666)
+    except NotARegularFile as e:
+        raise StorageError(f"the S3 cache's lock {e}", str(lock), INVALID) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

@@ -25,7 +25,7 @@ from appliance.bench import step as B
 from appliance.bench.table import format_table, write_json
 from appliance.engine.step import StreamedEngine
 from appliance.errors import ConfigError
-from appliance.models import block_shapes
+from appliance.models import block_param_count, block_shapes, param_count
 from appliance.models.hf_checkpoint import block_names, read_model_args
 from appliance.models.lora import LoraSpec, LoraWeights
 from tests.helpers_model import write_config
@@ -63,7 +63,7 @@ def test_tiny_on_cpu_measures_every_field(tiny_run):
     assert result["preset"] == "tiny" and result["device"] == "cpu"
     assert result["dtype"] == "float32"
     assert result["shape"]["tokens_per_step"] == 1 * 32 * 2
-    assert result["model"]["params"] == args.param_count()
+    assert result["model"]["params"] == param_count(args)
     assert result["bandwidth"]["bytes_per_second"] > 0
     assert "memcpy" in result["bandwidth"]["kind"]
     assert result["matmul"]["flops_per_second"] > 0
@@ -73,7 +73,7 @@ def test_tiny_on_cpu_measures_every_field(tiny_run):
 
     streamed, resident = result["modes"]
     assert (streamed["mode"], resident["mode"]) == ("streamed", "resident")
-    block_bytes = args.block_param_count() * 4
+    block_bytes = block_param_count(args) * 4
     # nominal on CPU: as if every block streamed, each copied once per pass but block 0, which
     # stays from a step's backward into the next forward, and the last, from forward to backward
     L = args.num_layers
@@ -87,7 +87,7 @@ def test_tiny_on_cpu_measures_every_field(tiny_run):
         assert row["peak_gpu_bytes"] is None  # measured on CUDA only
         assert row["offload_h2d_bytes_per_step"] == 0  # activations are offloaded on CUDA only
         assert row["step_seconds"] > 0 and row["tokens_per_second"] > 0
-        assert row["flops_per_step"] == 6 * args.num_layers * args.block_param_count() * 64
+        assert row["flops_per_step"] == 6 * args.num_layers * block_param_count(args) * 64
         assert row["floor_seconds"] > 0 and row["ratio"] > 0
         assert row["floor_seconds"] == max(row["floor_h2d_seconds"], row["floor_compute_seconds"])
         assert math.isclose(
@@ -409,7 +409,7 @@ FAMILY_PARAMS = {
 @pytest.mark.parametrize("preset", sorted(FAMILY_PARAMS))
 def test_family_presets_have_their_models_real_size_and_run_shrunk_on_a_cpu(preset):
     args = B.PRESETS[preset].args
-    assert abs(args.param_count() / FAMILY_PARAMS[preset] - 1) < 0.01, args.param_count()
+    assert abs(param_count(args) / FAMILY_PARAMS[preset] - 1) < 0.01, param_count(args)
     # the same family and features at a tiny width: the synthetic source builds its blocks and
     # a streamed step runs on them (windows and soft caps on: seq_len 32 > 16)
     tiny = dataclasses.replace(

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from appliance.bench import cli as bench_cli
 from appliance.bench import step as B
+from appliance.models import param_count
 from appliance.models.lora import LoraSpec, LoraWeights
 from benchmarks import compare
 from benchmarks import peers_common as pc
@@ -199,7 +200,7 @@ def test_config_mapping_matches_the_preset():
             import transformers
 
             n = sum(p.numel() for p in transformers.LlamaForCausalLM(cfg).parameters())
-        assert n == args.param_count(), name
+        assert n == param_count(args), name
 
 
 def test_compare_makes_the_table(bench_run, hf_run, fsdp_run, tmp_path):

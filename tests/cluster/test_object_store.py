@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.actors.weight_store import WeightStore
+from appliance.actors.weight_store import WeightStore, weight_store_bytes
 from appliance.cluster import start as cluster
 from appliance.config import TrainConfig, build_config
 from appliance.errors import ConfigError
@@ -100,9 +100,9 @@ def test_the_weight_store_estimate_is_what_the_store_holds(tmp_path) -> None:
     model = make_model(tmp_path / "m", with_tokenizer=False)
     for dtype in ("float32", "bfloat16"):
         held = WeightStore(model, dtype).handles().nbytes  # no Ray: the real buffers
-        assert cluster.weight_store_bytes(model, dtype) == held
+        assert weight_store_bytes(model, dtype) == held
     held = WeightStore(model, "bfloat16", base_quant="nf4").handles().nbytes
-    assert cluster.weight_store_bytes(model, "bfloat16", "nf4") == held
+    assert weight_store_bytes(model, "bfloat16", "nf4") == held
 
 
 def test_a_model_too_big_for_the_object_store_is_refused_with_what_to_do() -> None:

@@ -19,6 +19,7 @@ from appliance.bench.synthetic import SyntheticBlockSource
 from appliance.engine.blocks import DictBlockSource
 from appliance.engine.memory import CUDA_MARGIN_BYTES, plan_memory
 from appliance.engine.step import StreamedEngine
+from appliance.models import block_param_count
 from appliance.models.layers import HEAD_CHUNK_VALUES
 from appliance.models.lora import LoraSpec, LoraWeights
 from appliance.models.presets import _llama
@@ -69,7 +70,7 @@ def half_streaming_budget(source, mbs, dtype) -> int:
     of them in flight), plus half a block of slack; the tests assert that blocks did stream.
     """
     a, es, L = source.args, dtype.itemsize, source.args.num_layers
-    block = a.block_param_count() * es
+    block = block_param_count(a) * es
     fixed = sum(t.numel() for t in source.globals().values()) * es
     fixed += LoraWeights(a, SPEC).num_parameters() * 4 * 4
     biggest = max(ids.numel() for ids, _ in mbs)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from appliance.engine import memory as planner
 from appliance.engine.memory import plan_memory
+from appliance.models import block_param_count
 from appliance.models import layers as M
 from appliance.models.presets import _llama
 
@@ -73,7 +74,7 @@ def test_a_128k_vocabulary_does_not_force_activation_offload(monkeypatch):
     def plan():
         return plan_memory(
             args, dtype_bytes=2, budget=24 * 2**30, tokens=4 * 8192, biggest=8192,
-            block_bytes=args.block_param_count() * 2, globals_bytes=2 * 128256 * 4096 * 2,
+            block_bytes=block_param_count(args) * 2, globals_bytes=2 * 128256 * 4096 * 2,
             lora_params=0,
         )  # fmt: skip
 

@@ -27,6 +27,7 @@ from appliance.engine.memory import (
     streaming_budget,
 )
 from appliance.hardware import gpus as hardware
+from appliance.models import block_param_count
 from appliance.models.presets import PRESETS
 from appliance.plan.estimate import (
     PlanInput,
@@ -36,9 +37,9 @@ from appliance.plan.estimate import (
     evaluate,
     globals_bytes,
     lora_param_count,
-    make_plan,
     plan_input,
 )
+from appliance.plan.report import make_plan
 
 OLD_SHAPE = ("--seq-len", "2048", "--micro-batch-size", "1", "--micro-batches-per-step", "8")
 A10_BUDGET = int(0.9 * 23028 * 2**20)  # the engine's default budget: 90 % of what the card has
@@ -591,7 +592,7 @@ def test_streaming_budget_is_the_largest_that_streams_half_the_blocks(preset):
     args = PRESETS[preset].args
     inputs = dict(
         dtype_bytes=2, tokens=8 * 2048, biggest=2048, longest=2048,
-        block_bytes=args.block_param_count() * 2,
+        block_bytes=block_param_count(args) * 2,
         globals_bytes=(2 - args.tie_word_embeddings) * args.vocab_size * args.hidden_size * 2,
         lora_params=0,
     )  # fmt: skip

@@ -1,7 +1,7 @@
 """Quantized base weights: the codes equal the definitions; the flat layout and the store's bytes.
 
 The reference implementations below are written value by value from the definitions in the
-issue (and quant.py's docstring), in numpy, independently of the vectorised torch code.
+issue (and reference.py's docstring), in numpy, independently of the vectorised torch code.
 """
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from appliance import quant
 from appliance.actors.weight_store import WeightStore, local_source, store_nbytes
 from appliance.engine.blocks import pack, quantized_view, unpack
 from appliance.errors import ModelError
+from appliance.models import param_count
 from appliance.models.layers import ModelArgs
-from appliance.quant import formats as quant
-from appliance.quant.formats import NF4_LEVELS, QuantizedTensor
+from appliance.quant import NF4_LEVELS, QuantizedTensor, reference
 from tests.helpers_model import make_model
 
 LEVELS = np.array(NF4_LEVELS, dtype=np.float32)
@@ -91,7 +92,7 @@ def nf4_cases() -> list[torch.Tensor]:
     big[7] = 0
     # the code's edges: each level's threshold (the smallest fp32 nearer the level above, as the
     # definition's fp32 distances decide) and the fp32 just below it, with absmax 1
-    t = quant.NF4_THRESHOLDS
+    t = reference.NF4_THRESHOLDS
     edges = torch.zeros(64)
     edges[0] = 1.0
     edges[1:16] = t
@@ -113,18 +114,18 @@ def fused():
     with a C compiler (as `make test`'s): a missing build fails here rather than skipping."""
     from appliance.quant import cpu as quant_cpu
 
-    assert quant._fused_kernels() is quant_cpu
+    assert reference._fused_kernels() is quant_cpu
     return quant_cpu
 
 
 # the two implementations of each definition: the fused CPU kernel and the PyTorch functions
 # (what an install without the C extension, or a CUDA tensor, uses); each must equal the
 # reference exactly
-INT8 = {"fused": lambda w: fused().quantize_int8(w), "torch": quant.quantize_int8}
+INT8 = {"fused": lambda w: fused().quantize_int8(w), "torch": reference.quantize_int8}
 NF4_PATHS = ["x86-64-v4", "x86-64-v3", "count"]  # the C kernel's ways to find the codes
 
 
-def fused_nf4(w: torch.Tensor, path: str | None = None, thresholds=quant.NF4_THRESHOLDS):
+def fused_nf4(w: torch.Tensor, path: str | None = None, thresholds=reference.NF4_THRESHOLDS):
     """The fused NF4 kernel, by its default path or by one named (skipped on a CPU without it:
     CI's and this machine's run all three)."""
     if path is not None and path not in fused().paths():
@@ -135,7 +136,7 @@ def fused_nf4(w: torch.Tensor, path: str | None = None, thresholds=quant.NF4_THR
 NF4 = {
     "fused": fused_nf4,
     **{f"fused-{p}": lambda w, p=p: fused_nf4(w, p) for p in NF4_PATHS},
-    "torch": quant.quantize_nf4,
+    "torch": reference.quantize_nf4,
 }
 
 
@@ -183,7 +184,7 @@ def test_inf_or_nan_weights_are_refused_naming_the_tensor_and_where(kind, impl, 
     """A damaged checkpoint (an inf or a NaN in a weight) is refused before it is coded: its
     absmax would make every code of the row or block meaningless."""
     if impl == "torch":
-        monkeypatch.setattr(quant, "_fused_kernels", lambda: None)
+        monkeypatch.setattr(reference, "_fused_kernels", lambda: None)
     w = torch.randn(6, 100, dtype=torch.bfloat16)
     w[4, 70] = float("nan")
     w[5, 3] = float("inf")
@@ -198,15 +199,15 @@ def test_inf_or_nan_weights_are_refused_naming_the_tensor_and_where(kind, impl, 
 def test_the_fused_kernels_equal_the_pytorch_functions_on_real_sized_weights(dtype):
     """Bit for bit, on a weight of a real model's width (the 1B shape's k_proj: 512 x 2048, and
     an MLP row of 8192) with values spread over many binades, tiny and large: the C kernels'
-    vectorized loops, chunk edges and tails against quant.py's PyTorch functions (which the
+    vectorized loops, chunk edges and tails against reference.py's PyTorch functions (which the
     tests above hold to the definition value by value)."""
     g = torch.Generator().manual_seed(7)
     for shape in [(512, 2048), (24, 8192 + 64 * 3)]:
         w = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-20, 8, shape, generator=g))
         w = w.to(dtype)
-        nf4 = quant.quantize_nf4(w)
+        nf4 = reference.quantize_nf4(w)
         for kind, ours, theirs in [
-            ("int8", fused().quantize_int8(w), quant.quantize_int8(w)),
+            ("int8", fused().quantize_int8(w), reference.quantize_int8(w)),
             *((f"nf4 {p}", fused_nf4(w, p), nf4) for p in fused().paths()),
         ]:
             assert ours[2] == -1 and theirs[2] == -1, kind
@@ -220,7 +221,7 @@ def test_the_c_kernels_refuse_buffers_of_the_wrong_size():
     from appliance.quant import _quantize
 
     src = np.zeros(128, np.uint16)
-    thresholds = quant.NF4_THRESHOLDS.numpy()
+    thresholds = reference.NF4_THRESHOLDS.numpy()
     with pytest.raises(ValueError, match="codes"):
         _quantize.nf4(src, 2, thresholds, np.zeros(63, np.uint8), np.zeros(2, np.float32))
     with pytest.raises(ValueError, match="absmax"):
@@ -265,22 +266,22 @@ def test_without_the_c_extension_quantize_warns_and_codes_the_same(monkeypatch):
     codes with the PyTorch functions, the same values."""
     import sys
 
-    import appliance
+    import appliance.quant
 
     fused()  # imported once, as in any process that quantized before
     w = nf4_cases()[0]
     want = quant.quantize(w, "nf4")
     monkeypatch.setitem(sys.modules, "appliance.quant._quantize", None)  # its import now fails
     monkeypatch.delitem(sys.modules, "appliance.quant.cpu")
-    for name in ("_quantize", "quant_cpu"):  # else `from . import name` finds the attribute
-        monkeypatch.delattr(appliance, name)
-    quant._fused_kernels.cache_clear()
+    for name in ("_quantize", "cpu"):  # else the import finds the package's attribute
+        monkeypatch.delattr(appliance.quant, name)
+    reference._fused_kernels.cache_clear()
     try:
         with pytest.warns(UserWarning, match="not built.*C compiler"):
             got = quant.quantize(w, "nf4")
-        assert quant._fused_kernels() is None
+        assert reference._fused_kernels() is None
     finally:
-        quant._fused_kernels.cache_clear()
+        reference._fused_kernels.cache_clear()
     assert torch.equal(got.codes, want.codes) and torch.equal(got.scales, want.scales)
 
 
@@ -312,7 +313,7 @@ def test_quantize_into_a_buffer_writes_the_codes_in_place(kind, fused_kernels, m
     w = (int8_cases() if kind == "int8" else nf4_cases())[0]
     want = quant.quantize(w, kind)
     if not fused_kernels:
-        monkeypatch.setattr(quant, "_fused_kernels", lambda: None)
+        monkeypatch.setattr(reference, "_fused_kernels", lambda: None)
     size = quant.quantized_nbytes(tuple(w.shape), kind)
     flat = torch.full((64 + size + 64,), 0xAB, dtype=torch.uint8)  # a neighbour on each side
     out = quantized_view(flat, 64, tuple(w.shape), kind)
@@ -406,7 +407,7 @@ def test_store_bytes_of_the_1b_and_70b_shapes():
     blocks, and for the whole 70B shape within 1%."""
     one_b = llama_shape(128256, 2048, 8192, 16, 32, 8, tied=True)
     bf16 = store_nbytes(one_b, "bfloat16")
-    assert bf16 == pytest.approx(one_b.param_count() * 2, rel=1e-4)
+    assert bf16 == pytest.approx(param_count(one_b) * 2, rel=1e-4)
     embed = math.prod((128256, 2048)) * 2 + 2048 * 2  # embeddings + final norm, in bf16
     ratios = {k: store_nbytes(one_b, "bfloat16", k) / bf16 for k in ("int8", "nf4")}
     blocks = {k: (store_nbytes(one_b, "bfloat16", k) - embed) / (bf16 - embed) for k in ratios}

@@ -1,4 +1,4 @@
-"""quant_gpu, Triton's fused dequantizers: bit for bit quant.py's PyTorch path, and the dispatch.
+"""quant_gpu, Triton's fused dequantizers: bit for bit reference.py's PyTorch path, and the dispatch.
 
 Three ways, as the machine allows:
 
@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from appliance.quant import formats as quant
-from appliance.quant.formats import QuantizedTensor
+from appliance import quant
+from appliance.quant import QuantizedTensor, reference
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -73,8 +73,8 @@ def cases() -> list[tuple[str, QuantizedTensor]]:
 
 def _torch_path(q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
     if q.kind == "int8":
-        return quant.dequantize_int8(q.codes, q.scales, dtype)
-    return quant.dequantize_nf4(q.codes, q.scales, q.shape, dtype)
+        return reference.dequantize_int8(q.codes, q.scales, dtype)
+    return reference.dequantize_nf4(q.codes, q.scales, q.shape, dtype)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -133,7 +133,7 @@ def test_kernels_equal_the_pytorch_path_under_the_interpreter():
         pytest.skip("triton is not installed here (as in CI); set APPLIANCE_TRITON_PYTHON to run")
     script = (
         "import json, sys; from appliance import quant; "
-        "quant._GPU_DEVICES = ('cpu',); "  # dequantize of CPU codes takes the Triton path
+        "reference._GPU_DEVICES = ('cpu',); "  # dequantize of CPU codes takes the Triton path
         "from tests.quant.test_quant_gpu import compare; print(json.dumps(compare('cpu')))"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
@@ -164,7 +164,7 @@ def test_kernels_equal_the_pytorch_path_on_cuda():
     pytest.importorskip("triton", reason="this CUDA torch comes without triton")
     from appliance.quant import gpu as quant_gpu
 
-    assert quant._gpu_kernels() is quant_gpu
+    assert reference._gpu_kernels() is quant_gpu
     result = compare("cuda")
     assert result["bad"] == []
     assert result["dispatched"] == result["checked"] == len(cases()) * len(DTYPES)
@@ -180,8 +180,8 @@ def test_without_triton_dequantize_warns_once_and_uses_pytorch(monkeypatch):
     the PyTorch path, equal values, no error."""
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
     monkeypatch.delitem(sys.modules, "appliance.quant.gpu", raising=False)
-    monkeypatch.setattr(quant, "_GPU_DEVICES", ("cpu",))  # take the GPU branch with CPU codes
-    quant._gpu_kernels.cache_clear()
+    monkeypatch.setattr(reference, "_GPU_DEVICES", ("cpu",))  # take the GPU branch with CPU codes
+    reference._gpu_kernels.cache_clear()
     try:
         for n, (name, q) in enumerate(cases()):
             with warnings.catch_warnings(record=True) as caught:
@@ -194,9 +194,9 @@ def test_without_triton_dequantize_warns_once_and_uses_pytorch(monkeypatch):
             else:
                 assert messages == []  # the import is tried once
             assert _same_bits(got, _torch_path(q, torch.bfloat16)), name
-        assert quant._gpu_kernels() is None
+        assert reference._gpu_kernels() is None
     finally:
-        quant._gpu_kernels.cache_clear()  # the next test imports triton afresh, where it can
+        reference._gpu_kernels.cache_clear()  # the next test imports triton afresh, where it can
 
 
 @contextlib.contextmanager
@@ -209,13 +209,13 @@ def stand_in_kernels(monkeypatch, launch):
     stand_in = types.ModuleType("appliance.quant.gpu")
     stand_in.dequantize_int8 = stand_in.dequantize_nf4 = launch
     monkeypatch.setitem(sys.modules, "appliance.quant.gpu", stand_in)
-    monkeypatch.setattr(quant, "_probe_device", lambda: torch.device("cpu"))
-    monkeypatch.setattr(quant, "_GPU_DEVICES", ("cpu",))  # take the GPU branch with CPU codes
-    quant._gpu_kernels.cache_clear()
+    monkeypatch.setattr(reference, "_probe_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(reference, "_GPU_DEVICES", ("cpu",))  # take the GPU branch with CPU codes
+    reference._gpu_kernels.cache_clear()
     try:
         yield
     finally:
-        quant._gpu_kernels.cache_clear()
+        reference._gpu_kernels.cache_clear()
 
 
 def dequantize_warning(q: QuantizedTensor) -> tuple[torch.Tensor, list[str]]:

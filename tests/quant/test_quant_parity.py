@@ -13,11 +13,11 @@ import pytest
 import torch
 from peft import PeftModel
 
+from appliance import quant
 from appliance.actors.weight_store import local_source
 from appliance.adapter.evaluate import evaluate
 from appliance.engine.step import StreamedEngine
 from appliance.models.lora import LoraSpec, LoraWeights
-from appliance.quant import formats as quant
 from tests.adapter.test_evaluate import reference, write_jsonl
 from tests.engine.test_engine_parity import assert_gradients_match, peft_reference, reference_loss
 from tests.helpers_model import batch, load_hf, lora_with_random_b, make_model, rel_err
