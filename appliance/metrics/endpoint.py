@@ -80,17 +80,23 @@ def _claim(port: int) -> bool:
     """Take this machine's lock for `port` (a file in the temp dir, locked for this process's
     life): two runs starting at once must not both see the port free and both take it."""
     import fcntl
+    import os
     import tempfile
     from pathlib import Path
 
+    from appliance.storage.safe_open import open_regular
+
     path = Path(tempfile.gettempdir()) / f"appliance-metrics-port-{port}.lock"
-    f = open(path, "a")  # noqa: SIM115 - held open on purpose: the lock lives as long as the file
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:  # never through a link planted in the shared temp dir; another's file: not claimable
+        fd = open_regular(path, os.O_RDONLY | os.O_CREAT, 0o644)
     except OSError:
-        f.close()
         return False
-    _claimed.append(f)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    _claimed.append(fd)  # held open on purpose: the lock lives as long as the descriptor
     return True
 
 

@@ -32,6 +32,7 @@ from typing import Any
 from appliance.errors import ConfigError
 from appliance.storage import uri as storage
 from appliance.storage.s3 import error_code, s3_client, s3_error
+from appliance.storage.safe_open import NotARegularFile, open_regular
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,9 @@ class OutputLock:
         while self.fd is None:
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                fd = open_regular(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except NotARegularFile as e:  # a planted symlink: its target is never touched
+                raise ConfigError(f"--output {self.dir}: {e}") from None
             except OSError as e:
                 raise ConfigError(
                     f"--output {self.dir}: cannot create the run's directory there "
@@ -99,7 +102,7 @@ class OutputLock:
 
     def _still_the_lock_file(self, fd: int) -> bool:
         try:
-            return os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            return os.lstat(self.path).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
             return False
 
