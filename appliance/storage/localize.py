@@ -26,7 +26,6 @@ from appliance.storage.checkpoints import LATEST_MARKER, RUN_FILE, list_checkpoi
 from appliance.storage.globs import brace_hint, glob_match, has_glob, split_glob
 from appliance.storage.s3 import S3_SCHEME, s3_client, s3_error
 from appliance.storage.safe_open import NotARegularFile, open_regular
-from appliance.storage.safe_open import NotARegularFile, open_regular
 from appliance.storage.uri import (
     ObjectInfo,
     atomic_local_write,
