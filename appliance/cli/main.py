@@ -103,7 +103,8 @@ class GroupedHelp(PatternHint):
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(_version(), "--version", "-V", prog_name="appliance")
 def main() -> None:
-    """Fine-tune Llama-family models larger than one GPU by streaming blocks from host memory."""
+    """Fine-tune LoRA and QLoRA adapters for models larger than one GPU (Llama, Mistral, Qwen2/3,
+    Gemma 2/3, Phi-3) by streaming their blocks from host memory."""
 
 
 METAVARS = {"micro_batches_per_step": "[N|auto]"}  # fields whose type alone misleads

@@ -1,1 +1,28 @@
-"""TODO"""
+"""Training data: files → records → tokens → packed rows.
+
+files.py    what is a data file (jsonl, json, parquet, arrow, txt, compressed), finding them
+            under --data (dirs, globs, hub datasets), reading them line by line
+records.py  one document or conversation per record, checked, tokenized, held out
+chat.py     chat templates (rendered as transformers renders them) and which tokens train
+packing.py  documents packed into rows of --seq-len tokens
+"""
+
+from appliance.data.chat import ChatError, ChatTemplate, load_chat_template
+from appliance.data.files import data_format, find_data_files, resolve_dataset
+from appliance.data.packing import fill_rows, split_document
+from appliance.data.records import BadRecord, Holdout, Record, load_tokenizer
+
+__all__ = [
+    "BadRecord",
+    "ChatError",
+    "ChatTemplate",
+    "Holdout",
+    "Record",
+    "data_format",
+    "fill_rows",
+    "find_data_files",
+    "load_chat_template",
+    "load_tokenizer",
+    "resolve_dataset",
+    "split_document",
+]

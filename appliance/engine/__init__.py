@@ -1,1 +1,16 @@
-"""TODO"""
+"""The streamed step and GPU memory, in plain PyTorch (no Ray here).
+
+step.py            StreamedEngine: one optimizer step over M micro-batches, layer-major —
+                   each block copied host → GPU once per pass, forward for every micro-batch,
+                   then recompute + backward block by block; LoRA gradients and AdamW
+device_weights.py  the blocks on the device: copies on a side stream, page-locked host memory
+saved_inputs.py    block inputs saved for the backward, offloaded to host memory
+blocks.py          a block's tensors as one flat buffer (the layout the store and GPU share)
+memory.py          how much of the GPU the step needs, and how many blocks stay resident
+loss_scale.py      the fp16 loss scaler
+"""
+
+from appliance.engine.memory import MemoryPlan, plan_memory
+from appliance.engine.step import StepStats, StreamedEngine
+
+__all__ = ["MemoryPlan", "StepStats", "StreamedEngine", "plan_memory"]

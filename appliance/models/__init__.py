@@ -13,6 +13,12 @@ Attention kernels (model.attention, model.attend): Llama, Mistral, Qwen2, Qwen3 
 SDPA's causal fast path; Gemma 3's sliding layers (and Phi-3 with a sliding_window) give SDPA an
 explicit mask when the sequence is longer than the window; Gemma 2 soft-caps its scores, which
 SDPA cannot do, and writes its scores out in full (softmax in fp32). See docs/models.md.
+
+The package: layers.py (ModelArgs and the shared layers: RoPE, attention, MLP, LoRA'd linear,
+loss), attention.py, one file per family (llama, qwen3, gemma, phi3; multimodal.py for the text
+model inside image-text checkpoints), hf_config.py and hf_checkpoint.py (reading a Hugging Face
+model directory), lora.py (adapter shapes and files, PEFT's format), presets.py (named shapes for
+the plan and the bench). This file is the families' table and the block's tensor layout.
 """
 
 from __future__ import annotations
