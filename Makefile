@@ -1,12 +1,13 @@
 # appliance — every command a person runs twice.
 #   make train   install into .venv and run the built-in demo fine-tune on embedded Ray
-#   make test    install and run the whole test suite (what CI runs)
+#   make test    install and run the whole test suite (what CI runs), the 30 slowest listed
+#   make test-fast  the edit loop: no integration, slow or gpu test (tests/conftest.py marks them)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/pip --disable-pip-version-check -q
 
-.PHONY: install train test lint format tools clean
+.PHONY: install train test test-fast lint format tools clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +29,10 @@ tools:
 	bash scripts/install-prometheus.sh
 
 test: install tools
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not integration and not slow and not gpu"
 
 lint: install
 	$(BIN)/ruff check .
