@@ -28,12 +28,8 @@ import weakref
 
 import torch
 
-from appliance.engine.device_weights import (
-    SideStream,
-    event_seconds,
-    page_locked_empty,
-    unregister_all,
-)
+from appliance.engine.cuda_host import page_locked_empty, unregister_all
+from appliance.engine.device_weights import SideStream, event_seconds
 
 
 class SavedInputs:

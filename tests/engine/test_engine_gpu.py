@@ -224,7 +224,7 @@ class BackToBack(SyntheticBlockSource):
 
 def test_blocks_sharing_pages_are_page_locked_together():
     """cudaHostRegister refuses a range touching a page already registered: blocks packed back
-    to back are registered as one range (streaming.shared_page_spans), so every one is pinned
+    to back are registered as one range (cuda_host.shared_page_spans), so every one is pinned
     and none goes through staging; their bytes reach the device intact."""
     source = BackToBack(_llama(512, 256, 688, 3, 4, 2), torch.bfloat16)
     engine = StreamedEngine(  # in the source's dtype: its packed blocks are read in place
@@ -367,7 +367,7 @@ def test_page_locking_is_not_bounded_by_memlock():
     here) still registers 256 MiB in place, and torch pins 256 MiB too."""
     import resource
 
-    from appliance.engine.device_weights import host_register, host_unregister
+    from appliance.engine.cuda_host import host_register, host_unregister
 
     device = torch.device("cuda", torch.cuda.current_device())
     torch.zeros(1, device=device)  # the runtime is loaded: host_register finds it

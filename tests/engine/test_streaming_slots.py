@@ -247,10 +247,10 @@ def test_host_memory_registered_by_an_object_dropped_without_close_is_unregister
     them instead of calling CUDA.)"""
     import gc
 
-    from appliance.engine import device_weights as streaming
+    from appliance.engine import cuda_host
 
     undone = []
-    monkeypatch.setattr(streaming, "host_unregister", undone.append)
+    monkeypatch.setattr(cuda_host, "host_unregister", undone.append)
     _, _, eng = engines()
     eng.weights._registered.extend([0x1000, 0x2000])
     eng.saved._registered.append(0x3000)
@@ -279,7 +279,7 @@ def test_host_ranges_that_share_a_page_are_registered_as_one():
     """cudaHostRegister locks whole pages and refuses a range touching a page already locked:
     blocks packed back to back (the object store) are merged into one range; blocks on pages
     of their own stay apart; empty ones are left out."""
-    from appliance.engine.device_weights import shared_page_spans
+    from appliance.engine.cuda_host import shared_page_spans
 
     page = 4096
     spans = [
