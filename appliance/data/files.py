@@ -37,6 +37,7 @@ from typing import Any, BinaryIO
 from appliance.errors import DataError
 from appliance.storage.globs import brace_hint, glob_match, has_glob, split_glob
 from appliance.storage.hub import is_hub_id, resolve_repo
+from appliance.storage.names import why_outside
 from appliance.storage.uri import is_s3
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".txt")
@@ -562,6 +563,8 @@ def resolve_dataset(data: str, flag: str = "--data") -> str:
         parts = data.split("/", 2)  # org, name, the pattern inside (a hub id holds no wildcard)
         repo_id = "/".join(parts[:2])
         if len(parts) == 3 and is_hub_id(repo_id) and not Path(split_glob(data)[0]).exists():
+            if (why := why_outside(parts[2])) is not None:  # the pattern stays in the snapshot
+                raise DataError(f"{flag} {data}: {parts[2]!r} leaves the dataset repo ({why})")
             return str(Path(resolve_repo(repo_id, flag, "dataset", DataError)) / parts[2])
         return data
     if data_format(Path(data)) is not None:

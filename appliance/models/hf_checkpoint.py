@@ -22,6 +22,7 @@ from appliance import models
 from appliance.errors import ModelError
 from appliance.models import hf_config, multimodal
 from appliance.models.layers import ModelArgs
+from appliance.storage.names import why_outside
 
 # the text architectures, then the multimodal ones whose language model is trained (see
 # models/multimodal.py: the vision tower is left as it is)
@@ -207,6 +208,12 @@ class SafetensorsCheckpoint:
         single = self.dir / "model.safetensors"
         if index.is_file():
             weight_map = _read_json(index, "safetensors index")["weight_map"]
+            for f in set(weight_map.values()):  # shards are in the model's directory
+                if (why := why_outside(str(f))) is not None:
+                    raise ModelError(
+                        f"{index}: names the shard {f!r}, outside {self.dir} ({why}); "
+                        "download the model again"
+                    )
             files = {name: self.dir / f for name, f in weight_map.items()}
         elif single.is_file():
             with _opened(single) as f:

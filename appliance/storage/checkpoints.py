@@ -39,6 +39,7 @@ from typing import Any
 
 from appliance.errors import NOT_FOUND, ApplianceError, StorageError
 from appliance.storage import uri as storage
+from appliance.storage.names import why_outside
 
 logger = logging.getLogger(__name__)
 
@@ -324,6 +325,9 @@ def _load_verified(
     files: dict[str, bytes] = {}
     problems: list[str] = []
     for fname, (want_size, want_sha) in expected.items():
+        if (why := why_outside(fname)) is not None:  # a tampered manifest: never read outside
+            problems.append(f"{manifest_uri}: names {fname!r}, outside the checkpoint ({why})")
+            continue
         furi = storage.join(uri, fname)
         size_only = only is not None and fname not in only
         try:

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 from appliance.errors import ModelError
 from appliance.storage import uri as storage
+from appliance.storage.names import why_outside
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(@[\w./-]+)?$")
 
@@ -66,6 +67,11 @@ def resolve_repo(uri: str, flag: str, repo_type: str, error: type[Exception]) ->
     from huggingface_hub import constants, snapshot_download
 
     repo_id, _, revision = uri.partition("@")
+    if revision and (why := why_outside(revision)) is not None:  # refs/<revision> is a path
+        raise error(
+            f"{flag} {uri}: the revision {revision!r} is not a branch, tag or commit ({why}); "
+            "give one as the hub names it"
+        )
     try:
         return snapshot_download(
             repo_id, repo_type=repo_type, revision=revision or None, local_files_only=True

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.errors import INVALID, NO_SPACE, NOT_FOUND, ApplianceError, StorageError
+from appliance.storage import names
 from appliance.storage.checkpoints import LATEST_MARKER, RUN_FILE, list_checkpoints
 from appliance.storage.globs import brace_hint, glob_match, has_glob, split_glob
 from appliance.storage.s3 import S3_SCHEME, s3_client, s3_error
@@ -229,7 +230,10 @@ def _localize_s3(
     if is_dir and not objects:
         raise StorageError(f"nothing under {uri}: the prefix is empty", uri, NOT_FOUND)
 
-    dest = root / bucket / key if key else root / bucket
+    dest = _cache_path(root, f"{bucket}/{key}" if key else bucket, uri)
+    for o in objects:  # every key below the prefix lands inside dest, or none is fetched
+        if o.name:
+            _cache_path(dest, o.name, join(uri, o.name))
     index_path = root / _INDEX_DIR / bucket / f"{key or '_'}.json"
     todo, gone = _stale(objects, _read_index(index_path), dest, wanted)
     if not (todo or gone):
@@ -251,10 +255,14 @@ def _localize_s3(
         index = _read_index(index_path)
         todo, gone = _stale(objects, index, dest, wanted)  # what is still missing
         for name in gone:
-            stale = dest / name if name else dest
+            del index[name]
+            try:  # an index entry that leads out of the cache (a tampered index) deletes nothing
+                stale = names.inside(dest, name) if name else dest
+            except ValueError:
+                logger.warning("not deleting %r: its name leads out of %s", name, dest)
+                continue
             if stale.is_file():
                 stale.unlink()
-            del index[name]
         if gone and not todo:
             _write_index(index_path, index, uri)
         if todo:
@@ -262,7 +270,7 @@ def _localize_s3(
             logger.info("localizing %s: %d files, %s", uri, len(todo), _fmt_bytes(needed))
         for o in todo:
             src = join(uri, o.name) if o.name else f"{S3_SCHEME}{bucket}/{key}"
-            download_file(src, dest / o.name if o.name else dest)
+            download_file(src, _cache_path(dest, o.name, src) if o.name else dest)
             index[o.name] = {"size": o.size, "etag": o.etag}
             _write_index(index_path, index, uri)  # after each file: an interrupted run resumes
     return dest
@@ -302,6 +310,20 @@ def _prefix_lock(index_path: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def _cache_path(root: Path, name: str, uri: str) -> Path:
+    """Where the object `uri`, `name` below `root`, goes in the S3 cache; StorageError when that
+    would be outside `root` (a key with `..` in it, a link in the cache)."""
+    try:
+        return names.inside(root, name)
+    except ValueError as e:
+        raise StorageError(
+            f"{uri}: its key leads out of the S3 cache ({e}); appliance writes only inside "
+            f"{root}: rename or delete that object, or give a prefix without it",
+            uri,
+            INVALID,
+        ) from None
 
 
 def _check_cache_writable(root: Path, uri: str) -> None:
