@@ -12,7 +12,7 @@ import pytest
 from appliance.errors import ConfigError, StorageError
 from appliance.metrics import endpoint
 from appliance.run.output_lock import LOCK_FILE, OutputLock
-from appliance.storage import localize
+from appliance.storage.localize import _prefix_lock
 from appliance.storage.safe_open import NotARegularFile, open_regular
 
 
@@ -55,7 +55,7 @@ def test_a_symlinked_s3_cache_lock_is_refused_and_its_target_untouched(tmp_path,
     index.parent.mkdir()
     (index.parent / f".{index.name}.lock").symlink_to(precious)
     with pytest.raises(StorageError, match="is a symbolic link"):
-        with localize._prefix_lock(index):
+        with _prefix_lock(index):
             pass
     assert precious.read_text() == "the user's work"
 
