@@ -14,10 +14,11 @@ once (KeyboardInterrupt), losing the steps since the last checkpoint. Before the
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
+
+from appliance.quiet import write_fd
 
 
 def _stop_now(signum: int, frame: object) -> None:
@@ -38,6 +39,19 @@ def sigterm_stops_at_once() -> bool:
     """Whether `stop_at_once_on_sigterm` is in force (ray.init would replace it with its own
     handler, a silent sys.exit(15): cluster.start_ray keeps it, holding signals meanwhile)."""
     return signal.getsignal(signal.SIGTERM) is _stop_now
+
+
+def stopped_at_once(e: BaseException) -> bool:
+    """Whether `e` is a stop at once (the second Ctrl-C): KeyboardInterrupt, or the SystemError
+    that a Cython function interrupted by it (Ray's `CoreWorker.wait`) makes of it ("returned a
+    result with an exception set", the KeyboardInterrupt its cause)."""
+    for _ in range(10):
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        if not isinstance(e, SystemError) or (e.__cause__ or e.__context__) is None:
+            return False
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return False
 
 
 class RunInterrupted(Exception):
@@ -64,8 +78,9 @@ class GracefulStop:
             raise KeyboardInterrupt  # the second signal: stop now
         self.requested = signal.Signals(signum)
         # os.write, not print: a handler that prints while the main thread is printing to the same
-        # buffered stream raises "reentrant call"
-        os.write(
+        # buffered stream raises "reentrant call"; write_fd: a dead pipe (`| tee`, whose Ctrl-C
+        # ended tee too) must not raise into the ray.wait this interrupted
+        write_fd(
             sys.stderr.fileno(),
             f"\n{self.requested.name}: stopping after the step in flight to write a checkpoint "
             "(press Ctrl-C again to stop at once, losing the steps since the last one)\n".encode(),

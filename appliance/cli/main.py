@@ -15,7 +15,7 @@ import click
 from appliance import config as C
 from appliance.errors import ApplianceError, cause_chain
 from appliance.hardware.gpus import GPUS as GPU_CLASSES
-from appliance.interrupt import RunInterrupted
+from appliance.interrupt import RunInterrupted, stopped_at_once
 
 
 def friendly_errors(fn):
@@ -31,6 +31,11 @@ def friendly_errors(fn):
             click.echo(str(e), err=True)
             sys.exit(e.exit_code)
         except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+        except SystemError as e:  # a Ctrl-C inside Ray's Cython code comes out as one
+            if not stopped_at_once(e):
+                raise
             click.echo("interrupted", err=True)
             sys.exit(130)
         except ModuleNotFoundError as e:  # a dependency left out (pip --no-deps, a GPU image)

@@ -41,7 +41,7 @@ from appliance.data.files import (
 )
 from appliance.data.records import Holdout, check_dataset, check_has_targets, check_tokenizer_fits
 from appliance.errors import NOT_FOUND, ConfigError, StorageError, cause_chain
-from appliance.interrupt import GracefulStop, RunInterrupted
+from appliance.interrupt import GracefulStop, RunInterrupted, stopped_at_once
 from appliance.models import resolve_targets
 from appliance.models.hf_checkpoint import (
     SafetensorsCheckpoint,
@@ -553,6 +553,15 @@ def resolve_micro_batches(inp: Inputs, progress: Progress) -> None:
     )
 
 
+def _record_stop(run: Run) -> None:
+    """run.json says a run stopped at once (a second Ctrl-C, or one before its step loop) was
+    interrupted: its last checkpoint is where --resume continues."""
+    try:
+        run.record("interrupted", {"stopped_at_once": True})
+    except BaseException:  # noqa: BLE001 - a third Ctrl-C, or the output failing: it stops
+        pass
+
+
 def _record_failure(run: Run, error: BaseException) -> None:
     """run.json says a run that raised failed, and why, so the next `appliance train` into its
     output does not show it as running. Its checkpoints stay: `--resume` continues it."""
@@ -615,12 +624,18 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
                 run.finish(after)
             if started_here:
                 _let_metrics_report(cfg)
-    except Exception as e:
-        if recorded and not isinstance(e, RunInterrupted):  # interrupted: run.py recorded it
-            _record_failure(run, e)
+    except BaseException as e:
+        at_once = stopped_at_once(e)  # a second Ctrl-C, or one before the step loop
+        if recorded and at_once:  # not left `running`: its checkpoints are what --resume takes
+            _record_stop(run)
+        elif recorded and isinstance(e, Exception) and not isinstance(e, RunInterrupted):
+            _record_failure(run, e)  # interrupted at a step: run.py recorded it
         # a failed demo leaves nothing worth keeping (a stopped one can be resumed)
-        if demo and cfg.model is not None and not isinstance(e, RunInterrupted):
+        failed = isinstance(e, Exception) and not isinstance(e, RunInterrupted)
+        if demo and cfg.model is not None and failed and not at_once:
             shutil.rmtree(Path(cfg.model).parent, ignore_errors=True)
+        if at_once and not isinstance(e, KeyboardInterrupt):
+            raise KeyboardInterrupt from None  # Ray's SystemError around it: what it is
         raise
     finally:
         progress.stop()  # the live table stops before any error line is printed
