@@ -11,6 +11,7 @@ never pass through the driver, which on a cluster runs on a small head node.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -27,7 +28,10 @@ from safetensors.torch import save as safetensors_bytes
 
 from appliance.actors.weight_store import WeightHandles
 from appliance.engine.blocks import dtype_from_name
+from appliance.engine.device_weights import with_index
+from appliance.engine.memory import gpu_memory_cap
 from appliance.engine.step import StreamedEngine
+from appliance.errors import first_line
 from appliance.hardware.gpu_monitor import NvmlSampler
 from appliance.hardware.gpus import peak_flops_per_second
 from appliance.metrics.recorders import TrainerMetrics
@@ -39,7 +43,12 @@ from appliance.models.lora import (
     adapter_config,
 )
 from appliance.storage import uri as storage
-from appliance.storage.checkpoints import fault_injection, load_latest_checkpoint, save_checkpoint
+from appliance.storage.checkpoints import (
+    CheckpointError,
+    fault_injection,
+    load_latest_checkpoint,
+    save_checkpoint,
+)
 
 TRAINER_STATE = "trainer_state.pt"  # a checkpoint's LoRA weights + optimizer + step + RNG
 BIG_FILES = (TRAINER_STATE, ADAPTER_WEIGHTS)  # what only rank 0 reads and writes
@@ -52,6 +61,11 @@ def write_adapter(output: str, files: dict[str, bytes]) -> None:
         storage.delete(config_uri)  # an old config beside new weights would look complete
     storage.write_bytes(storage.join(output, ADAPTER_WEIGHTS), files[ADAPTER_WEIGHTS])
     storage.write_bytes(config_uri, files[ADAPTER_CONFIG])
+
+
+class UntrustedState(CheckpointError):
+    """A checkpoint's trainer_state.pt that matches its manifest but is not a trainer state
+    (tampered with, or another tool's): not loaded; the previous checkpoint is tried."""
 
 
 @dataclass(frozen=True)
@@ -107,10 +121,17 @@ class Trainer:
         device = torch.device(settings.device)
         self.device = device
         self.lora = LoraWeights(self.source.args, settings.lora, device, seed=settings.seed)
+        # the GPU memory budget caps this process's allocator for as long as the trainer lives
+        self._owned = contextlib.ExitStack()
+        self._owned.enter_context(gpu_memory_cap(with_index(device), settings.gpu_memory_budget))
         # with several ranks the engine needs the process group: join_group makes it
         self.engine: StreamedEngine | None = None
-        if settings.world_size == 1:
-            self.engine = self._make_engine(None)
+        try:
+            if settings.world_size == 1:
+                self.engine = self._make_engine(None)
+        except BaseException:
+            self._owned.close()  # no trainer is left to close: the cap goes now
+            raise
         cuda = device.type == "cuda"
         peak = peak_flops_per_second(torch.cuda.get_device_name(device)) if cuda else None
         self.metrics = TrainerMetrics(rank=rank, peak_flops=peak)  # a no-op without Ray
@@ -157,12 +178,13 @@ class Trainer:
         return os.getpid()
 
     def close(self) -> None:
-        """Stop the NVML sampler and unpin the weights the engine page-locked (a plain-class
-        trainer; an actor's process ends with ray.kill, which frees both)."""
+        """Stop the NVML sampler, unpin the weights the engine page-locked and lift the memory
+        cap (a plain-class trainer; an actor's process ends with ray.kill, which frees all)."""
         if self.nvml is not None:
             self.nvml.stop()
         if self.engine is not None:
             self.engine.close()
+        self._owned.close()
 
     def step(self, batches: list[Any], lr: float, first: int = 0) -> dict:
         """One optimizer step over `batches` (data.Batch objects or object refs to them): this
@@ -220,16 +242,28 @@ class Trainer:
         the object store for the other ranks' load_state_bytes."""
         import ray
 
-        ckpt = load_latest_checkpoint(output)
-        if ckpt is None:
-            return None
-        state = ckpt.files[TRAINER_STATE]
-        self.load_state_bytes(state)
+        untrusted: list[str] = []  # a trainer state that is not one: the previous checkpoint
+        older_than = None
+        while True:
+            ckpt = load_latest_checkpoint(output, older_than=older_than)
+            if ckpt is None and untrusted:
+                raise CheckpointError(
+                    f"no usable checkpoint under {output}: " + "; ".join(untrusted), untrusted
+                )
+            if ckpt is None:
+                return None
+            state = ckpt.files[TRAINER_STATE]
+            try:
+                self.load_state_bytes(state)
+                break
+            except UntrustedState as e:
+                untrusted += [*ckpt.skipped, f"{storage.join(ckpt.uri, TRAINER_STATE)}: {e}"]
+                older_than = ckpt.step
         small = {name: data for name, data in ckpt.files.items() if name not in BIG_FILES}
         shared = self.settings.world_size > 1  # one rank: nobody else to read it
         return {
             "name": ckpt.name,
-            "skipped": ckpt.skipped,
+            "skipped": [*untrusted, *ckpt.skipped],
             "files": small,
             "state": [ray.put(state)] if shared else [],
         }
@@ -267,7 +301,15 @@ class Trainer:
         assert self.engine is not None
         # to the CPU: RNG states must be CPU byte tensors; load_state_dict moves the optimizer's
         # state to its parameters' device
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        try:  # weights_only: tensors and numbers; anything else is not a state this wrote
+            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            if not isinstance(state, dict) or not {"lora", "rng"} <= state.keys():
+                raise ValueError("it does not hold a trainer's state (lora, rng)")
+        except Exception as e:  # noqa: BLE001 - whatever the file is, it is not trusted
+            raise UntrustedState(
+                f"not trusted, not loaded ({type(e).__name__}: {first_line(e)[:200]}): a "
+                "checkpoint's trainer state holds tensors and numbers only"
+            ) from None
         self.lora.load_peft_state_dict(state["lora"], "checkpoint")
         self.engine.load_state_dict(state)
         torch.set_rng_state(state["rng"])

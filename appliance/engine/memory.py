@@ -2,13 +2,18 @@
 
 `StreamedEngine.plan` calls `plan_memory` with what it holds (its blocks' bytes, its LoRA
 parameters, the real batch); `appliance plan` calls it with what config.json implies. Both decide
-with the same numbers, and nothing here needs weights or a GPU.
+with the same numbers, and nothing here needs weights or a GPU — but for `gpu_memory_cap`, which
+holds a process's allocator to the budget the plan was made for.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+import torch
 
 from appliance.models import block_param_count
 from appliance.models.layers import HEAD_CHUNK_VALUES, ModelArgs
@@ -183,3 +188,22 @@ def gpu_budget_problem(text: str, n: int) -> str | None:
             "give more (e.g. 20GiB), or leave it out for 90% of the card"
         )
     return None
+
+
+@contextlib.contextmanager
+def gpu_memory_cap(device: torch.device, budget: int | None) -> Iterator[None]:
+    """Hold this process's CUDA allocator to `budget` bytes of `device` inside the block, and lift
+    the cap when it ends, however it ends. The cap is process-wide (torch's
+    set_per_process_memory_fraction), so it belongs to whoever owns the process's GPU work — the
+    Trainer, the bench — not to an engine: an engine left unclosed would otherwise hold the next
+    one to its budget (on the first GPU run a 24 MiB cap was left behind, and the next three
+    tests ran out of memory). Nothing on a CPU or without a budget."""
+    capped = device.type == "cuda" and bool(budget)
+    if capped:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
+    try:
+        yield
+    finally:
+        if capped:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)

@@ -145,18 +145,7 @@ class StreamedEngine:
         self.budget = gpu_memory_budget
         if loss_scaler is not None and dtype != torch.float16:
             raise ValueError(f"loss scaling is for float16 compute, not {dtype}")
-        # the budget caps the whole process's allocator: close() lifts it (or a failure here)
-        self._capped = self.device.type == "cuda" and bool(gpu_memory_budget)
-        if self._capped:
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(
-                min(1.0, gpu_memory_budget / total), self.device
-            )
-        try:
-            self.weights = DeviceWeights(source, self.device, dtype, copies=copy_blocks)
-        except BaseException:
-            self._lift_cap()
-            raise
+        self.weights = DeviceWeights(source, self.device, dtype, copies=copy_blocks)
         self.optimizer = None
         if lora is not None:
             self.optimizer = torch.optim.AdamW(
@@ -178,16 +167,9 @@ class StreamedEngine:
 
     def close(self) -> None:
         """Unregister page-locked host memory and free device weights (DeviceWeights.close,
-        SavedInputs.close), and lift the memory cap the budget set: the process's next engine,
-        eval or allocation is not held to this one's budget."""
+        SavedInputs.close)."""
         self.weights.close()
         self.saved.close()
-        self._lift_cap()
-
-    def _lift_cap(self) -> None:
-        if self._capped:
-            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
-            self._capped = False
 
     def __enter__(self) -> StreamedEngine:
         return self
@@ -590,14 +572,3 @@ class StreamedEngine:
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         self._busy_events.append((start, end))
-
-
-def lr_at(
-    step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1
-) -> float:
-    """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at `total_steps`."""
-    if warmup_steps > 0 and step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    span = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / span)
-    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))

@@ -29,7 +29,7 @@ from appliance.actors.weight_store import WeightStore
 from appliance.adapter import model_card
 from appliance.cluster.start import Slot, local_slots, on_node
 from appliance.config import CHECKPOINT_MINUTES, TrainConfig, flag
-from appliance.engine.step import lr_at
+from appliance.engine.schedule import lr_at
 from appliance.errors import ConfigError, TrainingError, cause_chain
 from appliance.interrupt import GracefulStop, RunInterrupted
 from appliance.metrics.recorders import DriverMetrics

@@ -309,7 +309,7 @@ def test_synthetic_weights_are_the_same_in_every_process():
     """Two bench runs are comparable (same weights, same losses): the tensor offsets into the
     random pool do not depend on Python's per-process string hash."""
     code = (
-        "import torch, zlib; from appliance import bench as B; "
+        "import torch, zlib; from appliance.bench import step as B; "
         "src = B.SyntheticBlockSource(B.PRESETS['tiny'].args, torch.float32); "
         "print(zlib.crc32(src.flat_block(1)[0].tobytes()))"
     )

@@ -27,7 +27,8 @@ from appliance.actors.weight_store import WeightStore
 from appliance.cli.main import main
 from appliance.config import build_config
 from appliance.engine.blocks import DictBlockSource
-from appliance.engine.step import StreamedEngine, lr_at
+from appliance.engine.schedule import lr_at
+from appliance.engine.step import StreamedEngine
 from appliance.models.hf_checkpoint import read_model_args
 from appliance.models.lora import load_adapter
 from appliance.run.driver import prepare, train

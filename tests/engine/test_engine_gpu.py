@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from appliance.bench.synthetic import SyntheticBlockSource
 from appliance.engine.blocks import DictBlockSource
-from appliance.engine.memory import CUDA_MARGIN_BYTES, plan_memory
+from appliance.engine.memory import CUDA_MARGIN_BYTES, gpu_memory_cap, plan_memory
 from appliance.engine.step import StreamedEngine
 from appliance.models import block_param_count
 from appliance.models.layers import HEAD_CHUNK_VALUES
@@ -42,7 +42,7 @@ def _fresh_cuda():
     torch.set_float32_matmul_precision("highest")  # fp32 matmuls in fp32, not TF32
     yield
     torch.set_float32_matmul_precision(precision)
-    # engines cap the whole process's GPU memory: lift the cap for the tests that follow
+    # a test that capped the process's GPU memory by hand: lift the cap for the tests that follow
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction(1.0)
@@ -382,15 +382,17 @@ def test_page_locking_is_not_bounded_by_memlock():
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (soft, hard))
 
 
-def test_closing_an_engine_lifts_the_memory_cap_of_its_budget():
-    """The budget caps the whole process's allocator (set_per_process_memory_fraction); close()
-    lifts the cap, so what runs next in the process is not held to it. On the first GPU run
-    (2026-11-27) one test's engine left a 24 MiB cap behind and the next three tests ran out of
-    memory."""
+def test_the_memory_cap_holds_an_engine_to_its_budget_and_lifts_after():
+    """The budget caps the whole process's allocator (engine.memory.gpu_memory_cap, which the
+    Trainer and the bench own); leaving the block lifts the cap, so what runs next in the
+    process is not held to it. On the first GPU run (2026-11-27) one test's engine left a
+    24 MiB cap behind and the next three tests ran out of memory."""
     source = SyntheticBlockSource(_llama(512, 256, 688, 2, 4, 2), torch.bfloat16)
     budget = CUDA_MARGIN_BYTES + 2**30
-    with StreamedEngine(
-        source, None, device="cuda", dtype=torch.bfloat16, gpu_memory_budget=budget
+    device = torch.device("cuda", torch.cuda.current_device())
+    with (
+        gpu_memory_cap(device, budget),
+        StreamedEngine(source, None, device="cuda", dtype=torch.bfloat16, gpu_memory_budget=budget),
     ):
         with pytest.raises(torch.OutOfMemoryError):
             torch.empty(2 * budget, dtype=torch.uint8, device="cuda")

@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from appliance import models
 from appliance.engine.blocks import DictBlockSource
-from appliance.engine.step import StreamedEngine, lr_at
+from appliance.engine.schedule import lr_at
+from appliance.engine.step import StreamedEngine
 from appliance.errors import ModelError
 from appliance.models import layers as M
 from appliance.models import lora as lora_module

@@ -132,7 +132,7 @@ def test_kernels_equal_the_pytorch_path_under_the_interpreter():
     if python is None:
         pytest.skip("triton is not installed here (as in CI); set APPLIANCE_TRITON_PYTHON to run")
     script = (
-        "import json, sys; from appliance import quant; "
+        "import json, sys; from appliance.quant import reference; "
         "reference._GPU_DEVICES = ('cpu',); "  # dequantize of CPU codes takes the Triton path
         "from tests.quant.test_quant_gpu import compare; print(json.dumps(compare('cpu')))"
     )

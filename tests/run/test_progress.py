@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.file_proxy import FileProxy
 
 from appliance.data.records import DataError
-from appliance.engine.step import lr_at
+from appliance.engine.schedule import lr_at
 from appliance.run.driver import train
 from appliance.run.progress import Progress
 from tests.helpers_model import make_model, tiny_train_config
