@@ -237,7 +237,7 @@ def test_recorders_never_import_ray_and_do_nothing_without_it():
     """In a fresh process: recording everything neither imports Ray nor creates metrics."""
     code = """
 import sys
-from appliance import metrics as M
+from appliance.metrics import recorders as M
 from appliance.errors import ConfigError
 from tests.metrics.test_metrics import RecordEverything
 RecordEverything().record()
