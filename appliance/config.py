@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -360,6 +361,9 @@ def _coerce(name: str, value: Any, errors: list[str], where: str) -> Any:
             if str(value).lower() in ("true", "yes", "1", "false", "no", "0"):
                 return str(value).lower() in ("true", "yes", "1")
             raise ValueError
+        if "\0" in str(value):  # no path, URI or name holds one (os calls raise on it)
+            errors.append(f"{where}: {value!r} holds a NUL byte: give it without one")
+            return FIELDS[name].default
         if kind is tuple:
             items = value.split(",") if isinstance(value, str) else list(value)
             return tuple(str(i).strip() for i in items if str(i).strip())
@@ -370,7 +374,11 @@ def _coerce(name: str, value: Any, errors: list[str], where: str) -> Any:
         if kind is float:
             if isinstance(value, bool):
                 raise ValueError
-            return float(value)
+            number = float(value)
+            if not math.isfinite(number):  # nan passed every range check: it trained on nan
+                errors.append(f"{where}: {value!r} is not a finite number")
+                return FIELDS[name].default
+            return number
         return str(value)
     except (TypeError, ValueError):
         errors.append(f"{where}: {value!r} is not a valid {kind.__name__}")

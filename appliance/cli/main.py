@@ -8,20 +8,37 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import sys
 
 import click
 
 from appliance import config as C
-from appliance.errors import ApplianceError, cause_chain
+from appliance.errors import ApplianceError, ConfigError, cause_chain
 from appliance.hardware.gpus import GPUS as GPU_CLASSES
 from appliance.interrupt import RunInterrupted, stopped_at_once
+
+
+def _check_values(kwargs: dict) -> None:
+    """Any command's options: a NUL byte (os calls raise a bare ValueError on one) or a number
+    that is not finite (nan passes every range check) is one line naming the option."""
+    problems = []
+    for name, value in kwargs.items():
+        option = "--" + name.replace("_", "-")
+        for v in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(v, str) and "\0" in v:
+                problems.append(f"{option}: {v!r} holds a NUL byte: give it without one")
+            elif isinstance(v, float) and not math.isfinite(v):
+                problems.append(f"{option}: {v} is not a finite number")
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 def friendly_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
+            _check_values(kwargs)
             return fn(*args, **kwargs)
         except ApplianceError as e:
             for line in str(cause_chain(e)[-1]).splitlines() or [type(e).__name__]:

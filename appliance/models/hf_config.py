@@ -31,8 +31,49 @@ def model_fields(arch: str, cfg: dict, where: Path) -> dict[str, Any]:
     return fields
 
 
+#: the shapes config.json gives: each a whole number ≥ 1 where present
+_SHAPES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+
+
+def check_shapes(cfg: dict, where: Path) -> None:
+    """ModelError, one line naming the field, for a shape in config.json that no model has: zero,
+    negative or not a whole number (`hidden_size: 1e9`), or heads that do not divide (query heads
+    by key/value heads; hidden_size by the heads, with no head_dim). Checked before anything is
+    sized from them (the RAM estimate blamed the box's RAM for them)."""
+    for key in _SHAPES:
+        value = cfg.get(key)
+        if value is None:  # left out: a required one is named by read_model_args
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ModelError(
+                f"{where}: {key} is {value!r}, not a whole number ≥ 1; fix config.json (or "
+                "download the model again)"
+            )
+    heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise ModelError(
+            f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+            f"{kv}; fix config.json (or download the model again)"
+        )
+    hidden = cfg.get("hidden_size")
+    if heads and hidden and not cfg.get("head_dim") and hidden % heads:
+        raise ModelError(
+            f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
+            "(and no head_dim is given); fix config.json (or download the model again)"
+        )
+
+
 def _common_fields(arch: str, cfg: dict, where: Path) -> dict[str, Any]:
     """What every family reads the same way (the family readers below override some)."""
+    check_shapes(cfg, where)
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     eos = cfg.get("eos_token_id")

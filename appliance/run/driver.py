@@ -143,8 +143,15 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
             "--cluster give s3:// URIs or paths shared by every node"
         ) from None
     args = read_model_args(model_dir)  # refuses unsupported architectures before any weight
+    # every tensor there, readable, of the shape config.json implies (headers only): before the
+    # RAM estimate, which a wrong shape in config.json would make blame the box's RAM; with no
+    # weights at all, the RAM a model that big needs is said first
+    has_weights = any(Path(model_dir).glob("*.safetensors"))
+    if has_weights:
+        SafetensorsCheckpoint(model_dir).check(args)
     check_box(cfg, args)  # /dev/shm, RAM: fail in seconds, not with an OOM kill later
-    SafetensorsCheckpoint(model_dir).check(args)  # every tensor there, readable, right shape
+    if not has_weights:
+        SafetensorsCheckpoint(model_dir).check(args)  # names what is missing
     tok = tokenizer_path(model_dir)
     tokenizer = check_tokenizer_fits(tok, args.vocab_size, model_dir)  # ids past the embedding
     # errors here are clear; inside an actor they'd be wrapped
@@ -162,9 +169,11 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
         check_has_targets(data_path, tokenizer, args.eos_token_id, chat, holdout, cfg.on_bad_record)
     problems = seq_len_problems(args, cfg.seq_len)
     try:  # --lora-targets against the model's family (Phi-3's fused modules)
-        resolve_targets(args, tuple(cfg.lora_targets))
+        targets = resolve_targets(args, tuple(cfg.lora_targets))
     except ConfigError as e:
         problems.append(str(e))
+    else:
+        problems += lora_rank_problems(args, cfg.lora_rank, targets)
     if args.eos_token_id is None:
         problems.append(
             f"{model_dir}/config.json has no eos_token_id, nor does generation_config.json or "
@@ -254,6 +263,28 @@ def _nothing_kept(out: str, previous: dict) -> bool:
     if previous.get("status") == "complete":
         return False
     return not list_checkpoints(out) and not storage.exists(storage.join(out, ADAPTER_CONFIG))
+
+
+def lora_rank_problems(args: ModelArgs, rank: int, targets: tuple[str, ...]) -> list[str]:
+    """--lora-rank larger than a layer it adapts (min of its inputs and outputs): a rank past
+    that learns nothing more, and a huge one failed as an allocation traceback in the trainer."""
+    from appliance.models import TARGETS
+    from appliance.models.hf_checkpoint import block_shapes
+
+    modules = {TARGETS[t] for t in targets}
+    smallest: tuple[int, str] | None = None
+    for i in range(args.num_layers):
+        for name, shape in block_shapes(args, i).items():
+            module = name.split(".", 3)[-1].removesuffix(".weight")  # model.layers.i.<module>
+            if name.endswith(".weight") and module in modules and len(shape) == 2:
+                smallest = min(smallest or (min(shape), name), (min(shape), name))
+    if smallest is None or rank <= smallest[0]:
+        return []
+    size, name = smallest
+    return [
+        f"--lora-rank {rank} is larger than the layer it adapts: {name} is {size} wide at its "
+        f"narrowest, so a rank above {size} adds nothing; give --lora-rank {size} or less"
+    ]
 
 
 def check_box(cfg: TrainConfig, args: ModelArgs) -> None:

@@ -367,11 +367,12 @@ def load_checkpoint(uri: str) -> Checkpoint:
 
 
 def load_latest_checkpoint(
-    output_uri: str, only: Collection[str] | None = None
+    output_uri: str, only: Collection[str] | None = None, older_than: int | None = None
 ) -> Checkpoint | None:
     """The newest good checkpoint under ``<output>/checkpoints``, or None if there is none yet.
     ``only``: read and verify just those files of it (e.g. the driver's small state, without the
     trainer state that rank 0 reads itself); the checkpoint's ``files`` then hold only those.
+    ``older_than``: only checkpoints of a lower step (the caller found that one untrusted).
 
     Starts from the one ``latest`` names (or, without a marker, the newest complete one); if it
     is corrupt, truncated or incomplete, warns naming the bad files and tries the previous
@@ -381,11 +382,11 @@ def load_latest_checkpoint(
     """
     root = checkpoints_uri(output_uri)
     infos = list_checkpoints(output_uri)
-    marker = _read_marker(output_uri)
+    marker = _read_marker(output_uri) if older_than is None else None
 
     candidates: list[str] = []
     problems: list[str] = []
-    below: int | None = None
+    below: int | None = older_than
     if marker:
         m = _NAME_RE.match(marker)
         if m is None:

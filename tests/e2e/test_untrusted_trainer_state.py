@@ -1,0 +1,66 @@
+"""A tampered trainer_state.pt (its manifest rewritten to match) is not trusted: the resume says
+so in one line and falls back to the previous checkpoint, as for a corrupt one (issue 44, item
+8). It was a 67-line traceback advising `weights_only=False`."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from appliance.storage.checkpoints import MANIFEST
+from tests.helpers_model import make_model
+from tests.helpers_net import free_port
+from tests.helpers_tokenizer import sentences
+
+pytestmark = pytest.mark.integration
+
+
+def train(*argv) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "appliance", "train", *map(str, argv),
+         "--metrics-port", str(free_port()), "--log-format", "plain"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def tamper(step_dir: Path) -> None:
+    """Replace the trainer state with a pickle of something else, and the manifest's entry to
+    match it: the checksums pass, the content is not a trainer's."""
+    buf = io.BytesIO()
+    torch.save({"lora": {}, "rng": datetime.datetime(2026, 1, 1)}, buf)
+    data = buf.getvalue()
+    (step_dir / "trainer_state.pt").write_bytes(data)
+    manifest = json.loads((step_dir / MANIFEST).read_text())
+    for entry in manifest["files"]:
+        if entry["name"] == "trainer_state.pt":
+            entry.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (step_dir / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_a_tampered_trainer_state_falls_back_to_the_previous_checkpoint(tmp_path):
+    model = make_model(tmp_path / "model", "llama-mha")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(30)))
+    out = tmp_path / "o"
+    common = ("--seq-len", "16", "--micro-batch-size", "2", "--tokenize-workers", "1")
+    first = train("--model", model, "--data", data, "--output", out, "--steps", "2",
+                  "--checkpoint-every", "1", *common)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    tamper(out / "checkpoints" / "step-000002")
+
+    resumed = train("--output", out, "--resume", "--steps", "3")
+    text = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, text[-3000:]
+    assert "Traceback" not in text and "weights_only=False" not in text
+    warned = [line for line in text.splitlines() if "step-000002/trainer_state.pt" in line]
+    assert len(warned) == 1 and "not trusted" in warned[0], text[-3000:]
+    assert "resumed from step-000001" in text
+    assert json.loads((out / "run.json").read_text())["status"] == "complete"
