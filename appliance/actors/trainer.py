@@ -32,7 +32,6 @@ from appliance.engine.device_weights import with_index
 from appliance.engine.memory import gpu_memory_cap
 from appliance.engine.step import StreamedEngine
 from appliance.errors import first_line
-from appliance.errors import first_line
 from appliance.hardware.gpu_monitor import NvmlSampler
 from appliance.hardware.gpus import peak_flops_per_second
 from appliance.metrics.recorders import TrainerMetrics
@@ -62,11 +61,6 @@ def write_adapter(output: str, files: dict[str, bytes]) -> None:
         storage.delete(config_uri)  # an old config beside new weights would look complete
     storage.write_bytes(storage.join(output, ADAPTER_WEIGHTS), files[ADAPTER_WEIGHTS])
     storage.write_bytes(config_uri, files[ADAPTER_CONFIG])
-
-
-class UntrustedState(CheckpointError):
-    """A checkpoint's trainer_state.pt that matches its manifest but is not a trainer state
-    (tampered with, or another tool's): not loaded; the previous checkpoint is tried."""
 
 
 class UntrustedState(CheckpointError):
