@@ -89,9 +89,25 @@ RUN_ENV = "APPLIANCE_RUN"
 _run_label: str | None = None
 
 
+#: a label longer than this is shortened: its head, then a digest of the whole
+MAX_LABEL = 200
+
+
 def run_label(output: str | None) -> str:
-    """The `run` label of a run: its --output (unique per run on a cluster, kept by --resume)."""
-    return output or "demo"
+    """The `run` label of a run: its --output (unique per run on a cluster, kept by --resume).
+    Ray's tags must be printable ASCII: anything else in the path (`runs/jürgen`, a home with an
+    accent) is percent-encoded (`runs/j%C3%BCrgen`, as a URL writes it; still one label per
+    output), and a path past MAX_LABEL characters is cut, a digest of the whole after it."""
+    import hashlib
+    import string
+    from urllib.parse import quote
+
+    ascii_path = set(string.printable) - set("\t\n\r\x0b\x0c")  # an ASCII path: as it is
+    label = quote(output, safe="".join(ascii_path)) if output else "demo"
+    if len(label) > MAX_LABEL:
+        digest = hashlib.sha256(label.encode()).hexdigest()[:12]
+        label = f"{label[: MAX_LABEL - 14]}..{digest}"
+    return label
 
 
 def set_run_label(label: str) -> None:
