@@ -35,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from appliance import models
-from appliance.models import layers as M
+from appliance.models import layers
 from appliance.models.lora import LoraSpec, LoraWeights
 
 # family → ModelArgs fields beyond the shared shape (the features whose math differs)
@@ -63,8 +63,8 @@ class OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def block_args(family: str, hidden: int, heads: int, kv_heads: int) -> M.ModelArgs:
-    return M.ModelArgs(
+def block_args(family: str, hidden: int, heads: int, kv_heads: int) -> layers.ModelArgs:
+    return layers.ModelArgs(
         vocab_size=256,
         hidden_size=hidden,
         intermediate_size=hidden * 11 // 4,  # Llama's ratio (2816 for 1024)
@@ -80,7 +80,7 @@ def block_args(family: str, hidden: int, heads: int, kv_heads: int) -> M.ModelAr
 
 
 def time_block(
-    args: M.ModelArgs,
+    args: layers.ModelArgs,
     dropout: float,
     batch: int,
     seq: int,
@@ -104,14 +104,14 @@ def time_block(
     with torch.no_grad():
         for _, B in lora.blocks[0].values():
             B.copy_(torch.randn(B.shape, generator=gen) * 0.02)  # B = 0: LoRA would add nothing
-    cos, sin = M.rope_cos_sin(args, seq, dev, dtype)
+    cos, sin = layers.rope_cos_sin(args, seq, dev, dtype)
     x = torch.randn(batch, seq, args.hidden_size, generator=gen).to(dev, dtype)
     grad_out = torch.randn(batch, seq, args.hidden_size, generator=gen).to(dev, dtype)
     block = None
     if compile_block:
         block = models.compiled_block_forward
 
-    def context() -> M.LoraContext:
+    def context() -> layers.LoraContext:
         ctx = lora.context(0, dtype)
         ctx.generator = torch.Generator(dev).manual_seed(1)  # the same masks every call
         return ctx

@@ -29,7 +29,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine", "data", "metrics"),
     ("models", "quant"),
     ("storage", "hardware"),
-    ("errors", "interrupt"),
+    ("interrupt",),
+    ("errors", "quiet"),
 )
 
 #: modules whose import would make `import appliance.<package>` heavy

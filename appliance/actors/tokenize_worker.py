@@ -39,7 +39,6 @@ from appliance.data.chat import ChatTemplate
 from appliance.data.files import find_data_files, named_files
 from appliance.data.packing import fill_rows, split_document
 from appliance.data.records import (
-    IGNORE_INDEX,
     ON_BAD_RECORD,
     SKIP_EXAMPLES,
     Batch,
@@ -54,6 +53,7 @@ from appliance.data.records import (
     with_skip_hint,
 )
 from appliance.metrics.recorders import TokenizerMetrics
+from appliance.models.layers import IGNORE_INDEX
 from appliance.storage.localize import localize, localize_data
 
 ENCODE_CHUNK = 64  # documents per encode_batch call: amortizes the call, keeps read-ahead small

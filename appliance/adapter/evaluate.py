@@ -43,6 +43,7 @@ from appliance.data.records import (
 from appliance.engine.step import MicroBatch, StreamedEngine
 from appliance.errors import ConfigError
 from appliance.models import hf_checkpoint
+from appliance.models.layers import IGNORE_INDEX
 from appliance.models.lora import load_adapter
 
 DEFAULT_BATCH_TOKENS = 16384  # tokens per engine call: bounds activation memory, not the result
@@ -107,9 +108,9 @@ def check_device(device: str | torch.device) -> None:
 def micro_batch(ids: np.ndarray, mask: np.ndarray) -> MicroBatch:
     """One document as a (1, n) micro-batch; labels[t] = ids[t+1] where that token is a target."""
     x = torch.from_numpy(np.array(ids, dtype=np.int64))[None]
-    labels = torch.full_like(x, -100)
+    labels = torch.full_like(x, IGNORE_INDEX)
     targets = torch.from_numpy(np.array(mask[1:], dtype=bool))
-    labels[0, :-1] = torch.where(targets, x[0, 1:], -100)
+    labels[0, :-1] = torch.where(targets, x[0, 1:], IGNORE_INDEX)
     return x, labels
 
 
@@ -130,7 +131,7 @@ def eval_batches(
                 worker=0,
                 pid=os.getpid(),
                 epoch=0,
-                n_tokens=int((labels[rows] != -100).sum()),
+                n_tokens=int((labels[rows] != IGNORE_INDEX).sum()),
                 skipped_records=0,
                 positions=positions[rows],
                 segments=segments[rows],

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from appliance.data.records import IGNORE_INDEX
+from appliance.models.layers import IGNORE_INDEX
 
 PAD_SEGMENT = -1
 

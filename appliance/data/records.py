@@ -48,7 +48,6 @@ from appliance.data.files import (
 )
 from appliance.errors import DataError, type_name
 
-IGNORE_INDEX = -100  # label of a position without loss (PyTorch cross_entropy's ignore_index)
 ON_BAD_RECORD = ("fail", "skip")
 
 

@@ -111,10 +111,10 @@ def plan_memory(
     work = 2 * tokens * C * dtype_bytes
     # one micro-batch through one block
     work += biggest * (6 * C + 4 * args.intermediate_size) * dtype_bytes * 2
-    # the head, one sequence chunk at a time (model.HEAD_CHUNK_VALUES): fp32 logits, their
+    # the head, one sequence chunk at a time (layers.HEAD_CHUNK_VALUES): fp32 logits, their
     # softmax and its gradient
     work += min(biggest * args.vocab_size, HEAD_CHUNK_VALUES) * 4 * 3
-    if args.attn_softcap is not None:  # Gemma 2: model.attend writes out (B, nh, T, T) scores
+    if args.attn_softcap is not None:  # Gemma 2: layers.attend writes out (B, nh, T, T) scores
         # (`longest` = T), kept for the backward with their tanh and fp32 softmax
         work += biggest * longest * args.num_heads * (4 + 3 * dtype_bytes)
     free = budget - globals_bytes - lora - work

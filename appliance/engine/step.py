@@ -32,7 +32,9 @@ import contextlib
 import hashlib
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -44,22 +46,36 @@ from appliance.engine.loss_scale import LossScaler
 from appliance.engine.memory import CUDA_MARGIN_BYTES, effective_budget, plan_memory, step_flops
 from appliance.engine.saved_inputs import SavedInputs
 from appliance.errors import ConfigError
-from appliance.models import layers as M
+from appliance.models import layers
 from appliance.models.lora import LoraSpec, LoraWeights
 
 #: What a plan is sized for, of a batch (batch_sizes)
 SIZES = ("tokens", "biggest", "longest")
 
-# (input_ids (B, T), labels (B, T)), labels shifted; packed documents add a third element, the
-# layout (positions (B, T), segments (B, T)): per-row RoPE positions and document ids (model.py)
-MicroBatch = tuple[torch.Tensor, ...]
+
+class MicroBatch(NamedTuple):
+    """One micro-batch. The engine's entries take plain tuples in this order too (as the data
+    pipeline and the tests make them) and name their parts with `micro_batches`."""
+
+    ids: torch.Tensor  # input token ids (B, T)
+    labels: torch.Tensor  # the next tokens (B, T), IGNORE_INDEX where a position has no loss
+    # packed documents: (positions (B, T), segments (B, T)): per-row RoPE positions and document
+    # ids, so RoPE and attention restart at each document (models/layers.py); None for plain rows
+    packing: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def micro_batches_of(batches: Sequence[Sequence[torch.Tensor | None]]) -> list[MicroBatch]:
+    """`batches` as MicroBatch tuples (plain (ids, labels[, packing]) tuples accepted)."""
+    return [mb if isinstance(mb, MicroBatch) else MicroBatch(*mb) for mb in batches]
 
 
 def count_targets(micro_batches: list[MicroBatch]) -> int:
-    """Positions with a label (labels != -100) over `micro_batches`, counted on the tensors the
-    caller passed: host tensors from the data pipeline, so the count costs no device sync (counting
-    the device copies would make the host wait for the GPU once per micro-batch)."""
-    return sum(int((mb[1] != -100).sum()) for mb in micro_batches)
+    """Positions with a label (labels != IGNORE_INDEX) over `micro_batches`, counted on the tensors
+    the caller passed: host tensors from the data pipeline, so the count costs no device sync
+    (counting the device copies would make the host wait for the GPU once per micro-batch)."""
+    return sum(
+        int((mb.labels != layers.IGNORE_INDEX).sum()) for mb in micro_batches_of(micro_batches)
+    )
 
 
 @dataclass
@@ -94,10 +110,11 @@ class StepStats:
 def batch_sizes(micro_batches: list[MicroBatch]) -> dict[str, int]:
     """A global batch's sizes the plan depends on: its tokens, its biggest micro-batch's tokens,
     its longest sequence."""
+    micro_batches = micro_batches_of(micro_batches)
     return {
-        "tokens": sum(mb[0].numel() for mb in micro_batches),
-        "biggest": max(mb[0].numel() for mb in micro_batches),
-        "longest": max(mb[0].shape[-1] for mb in micro_batches),
+        "tokens": sum(mb.ids.numel() for mb in micro_batches),
+        "biggest": max(mb.ids.numel() for mb in micro_batches),
+        "longest": max(mb.ids.shape[-1] for mb in micro_batches),
     }
 
 
@@ -186,6 +203,7 @@ class StreamedEngine:
         planned before; a step or eval whose batch the plan does not hold plans again (_plan_for).
         ConfigError if even streaming every block does not fit the budget.
         """
+        micro_batches = micro_batches_of(micro_batches)
         inputs = self.plan_inputs(micro_batches)
         for k in SIZES:  # never smaller than a batch already planned for
             inputs[k] = max(inputs[k], self._sized_for.get(k, 0))
@@ -224,6 +242,7 @@ class StreamedEngine:
     def plan_inputs(self, micro_batches: list[MicroBatch]) -> dict:
         """What `plan` tells planner.plan_memory besides the budget: the bytes this engine holds
         and the batch it is sized for (also what bench asks for a budget that streams)."""
+        micro_batches = micro_batches_of(micro_batches)
         w = self.weights
         return dict(
             dtype_bytes=self.dtype.itemsize,
@@ -240,27 +259,27 @@ class StreamedEngine:
     def _cos_sin(self, T: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables for T positions; `local`: Gemma 3's sliding layers' (ModelArgs.local_rope)."""
         if (T, local) not in self._rope:
-            self._rope[T, local] = M.rope_cos_sin(self.args, T, self.device, self.dtype, local)
+            self._rope[T, local] = layers.rope_cos_sin(self.args, T, self.device, self.dtype, local)
         return self._rope[T, local]
 
     def _attention_inputs(self, mb: MicroBatch) -> tuple[torch.Tensor | None, object, dict]:
         """(positions, mask, RoPE tables by `local`) for one micro-batch, once per pass: plain
         causal rows (None, None); packed documents their per-row positions and the document mask:
-        a flex_attention BlockMask on CUDA where the block runs model.attention (the Llama
-        family), a boolean (B, 1, T, T) mask otherwise (model.attend takes that)."""
-        if len(mb) < 3 or mb[2] is None:
+        a flex_attention BlockMask on CUDA where the block runs layers.attention (the Llama
+        family), a boolean (B, 1, T, T) mask otherwise (layers.attend takes that)."""
+        if mb.packing is None:
             return None, None, {}
-        positions, segments = (t.to(self.device) for t in mb[2])
+        positions, segments = (t.to(self.device) for t in mb.packing)
         if self.device.type == "cuda" and models.takes_block_mask(self.args):
-            return positions, M.document_block_mask(segments), {}
-        return positions, M.document_mask(segments), {}
+            return positions, layers.document_block_mask(segments), {}
+        return positions, layers.document_mask(segments), {}
 
     def _mask_bytes(self, micro_batches: list[MicroBatch]) -> int:
         """Device bytes of the boolean (B, 1, T, T) document masks `_attention_inputs` makes for
         a pass's packed micro-batches (a BlockMask, where one replaces them, is small)."""
         if self.device.type == "cuda" and models.takes_block_mask(self.args):
             return 0
-        packed = [mb[0].shape for mb in micro_batches if len(mb) > 2 and mb[2] is not None]
+        packed = [mb.ids.shape for mb in micro_batches if mb.packing is not None]
         return sum(B * T * T for B, T in packed)
 
     def _block_inputs(
@@ -273,7 +292,7 @@ class StreamedEngine:
         local = self.args.local_rope(i)
         if local not in tables:
             cos, sin = self._cos_sin(T, local)
-            tables[local] = (cos, sin) if positions is None else M.rope_at(cos, sin, positions)
+            tables[local] = (cos, sin) if positions is None else layers.rope_at(cos, sin, positions)
         return (*tables[local], mask)
 
     def _generator(self, step: int, i: int, m: int) -> torch.Generator | None:
@@ -308,7 +327,8 @@ class StreamedEngine:
         with torch.no_grad():
             with self._busy():
                 hs = [
-                    M.embed(mb[0].to(self.device), g, self.args.embed_scale) for mb in micro_batches
+                    layers.embed(mb.ids.to(self.device), g, self.args.embed_scale)
+                    for mb in micro_batches
                 ]
                 if attn is None:
                     attn = [self._attention_inputs(mb) for mb in micro_batches]
@@ -341,6 +361,7 @@ class StreamedEngine:
         returned loss, target tokens and the LoRA gradients are those of the whole global batch.
         Call it once per optimizer step then: the gradients are summed over ranks in place.
         """
+        micro_batches = micro_batches_of(micro_batches)
         if self.optimizer is None:
             raise ValueError("this engine was built with lora=None: it evaluates, it cannot train")
         self._plan_for(micro_batches)
@@ -351,7 +372,7 @@ class StreamedEngine:
         self.weights.clear_timings()
         self._busy_events.clear()
         n_target = count_targets(micro_batches)  # before the labels move: no device sync
-        labels = [mb[1].to(self.device) for mb in micro_batches]
+        labels = [mb.labels.to(self.device) for mb in micro_batches]
         if self.group is not None:  # every rank divides by the global batch's target tokens
             count = torch.tensor([n_target], dtype=torch.int64, device=self.device)
             dist.all_reduce(count, group=self.group)
@@ -369,7 +390,7 @@ class StreamedEngine:
             with self._busy():
                 for h, lab in zip(hs, labels, strict=True):
                     scale = 1.0 if self.scaler is None else self.scaler.scale
-                    part, grad = M.loss_and_grad(h, lab, g, self.args, denom, scale)
+                    part, grad = layers.loss_and_grad(h, lab, g, self.args, denom, scale)
                     loss += part
                     grads.append(grad)
             del hs
@@ -475,6 +496,7 @@ class StreamedEngine:
         `gpu_busy_ratio` = gpu_busy_seconds / step_seconds (this method's own wall time); a
         trainer that also waits for data should divide by its longer step time instead.
         """
+        micro_batches = micro_batches_of(micro_batches)
         t0 = time.perf_counter()
         scale = None if self.scaler is None else self.scaler.scale  # before the step updates it
         loss, n_target, phases = self.forward_backward(micro_batches, self.step_count, first)
@@ -494,7 +516,7 @@ class StreamedEngine:
             busy = event_seconds(self._busy_events) + w["dequant"]
             ratio = busy / (t2 - t0)
         self._busy_events.clear()
-        tokens = sum(mb[0].numel() for mb in micro_batches)
+        tokens = sum(mb.ids.numel() for mb in micro_batches)
         return StepStats(
             loss=loss,
             tokens=tokens,
@@ -521,6 +543,7 @@ class StreamedEngine:
     @torch.no_grad()
     def eval_loss(self, micro_batches: list[MicroBatch]) -> tuple[float, int]:
         """(summed NLL, predicted tokens) without dropout or gradients."""
+        micro_batches = micro_batches_of(micro_batches)
         self._plan_for(micro_batches)
         self.weights.clear_timings()  # an eval's copies and waits are not reported: no pile-up
         self._busy_events.clear()
@@ -528,17 +551,18 @@ class StreamedEngine:
         # summed on the device in fp64 (as Python floats would) and read once: no sync per batch
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for h, mb in zip(hs, micro_batches, strict=True):
-            total += M.loss_sum(h, mb[1].to(self.device), self.weights.globals, self.args)
+            total += layers.loss_sum(h, mb.labels.to(self.device), self.weights.globals, self.args)
         return float(total), count_targets(micro_batches)
 
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full logits (B, T, vocab) in fp32, for parity tests and export checks."""
         ids = input_ids.to(self.device)
-        self._plan_for([(ids, ids)])
+        batch = [MicroBatch(ids, ids)]  # (the labels are not read)
+        self._plan_for(batch)
         self.weights.clear_timings()
-        hs = self._forward([(ids, ids)], step=0, dropout=False, save=False)
-        return M.logits(hs[0], self.weights.globals, self.args)
+        hs = self._forward(batch, step=0, dropout=False, save=False)
+        return layers.logits(hs[0], self.weights.globals, self.args)
 
     # ------------------------------------------------------------ state
 

@@ -6,10 +6,10 @@ A family is a module of pure functions and tables (see llama.py, qwen3.py, gemma
 - TARGETS: the LoRA target short names it has (and FUSED, for fused modules, the Llama
   targets each one stands for);
 - block_forward(x, w, args, layer, cos, sin, lora, mask): one block, (B·T, C) → (B·T, C): the
-  rows flattened (T: the RoPE table's length; model.heads).
+  rows flattened (T: the RoPE table's length; layers.heads).
 
 Everything here is keyed by the block's HF tensor names without the `model.layers.{i}.` prefix.
-Attention kernels (model.attention, model.attend): Llama, Mistral, Qwen2, Qwen3 and Phi-3 run
+Attention kernels (layers.attention, layers.attend): Llama, Mistral, Qwen2, Qwen3 and Phi-3 run
 SDPA's causal fast path; Gemma 3's sliding layers (and Phi-3 with a sliding_window) give SDPA an
 explicit mask when the sequence is longer than the window; Gemma 2 soft-caps its scores, which
 SDPA cannot do, and writes its scores out in full (softmax in fp32). See docs/models.md.
@@ -30,8 +30,7 @@ import types
 import torch
 
 from appliance.errors import ConfigError
-from appliance.models import gemma, llama, phi3, qwen3
-from appliance.models import layers as M
+from appliance.models import gemma, layers, llama, phi3, qwen3
 
 FAMILIES: dict[str, types.ModuleType] = {
     "LlamaForCausalLM": llama,
@@ -45,20 +44,20 @@ FAMILIES: dict[str, types.ModuleType] = {
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 
 # LoRA target short name → the HF module it adapts, over every family
-TARGETS = {**M.TARGET_MODULES, "qkv": "self_attn.qkv_proj", "gate_up": "mlp.gate_up_proj"}
+TARGETS = {**layers.TARGET_MODULES, "qkv": "self_attn.qkv_proj", "gate_up": "mlp.gate_up_proj"}
 
 
-def family(args: M.ModelArgs) -> types.ModuleType:
+def family(args: layers.ModelArgs) -> types.ModuleType:
     return FAMILIES[args.architecture]
 
 
-def _has_bias(args: M.ModelArgs, module: str) -> bool:
+def _has_bias(args: layers.ModelArgs, module: str) -> bool:
     if module == "self_attn.o_proj":
         return args.o_bias
     return args.attention_bias if module.startswith("self_attn.") else args.mlp_bias
 
 
-def block_shapes(args: M.ModelArgs) -> dict[str, tuple[int, ...]]:
+def block_shapes(args: layers.ModelArgs) -> dict[str, tuple[int, ...]]:
     """Every tensor of one block (names without the layer prefix) with the shape config.json
     implies, in checkpoint order: norms, q/k head norms, then each linear's weight and bias."""
     fam = family(args)
@@ -74,15 +73,15 @@ def block_shapes(args: M.ModelArgs) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def linear_weight_names(args: M.ModelArgs) -> list[str]:
+def linear_weight_names(args: layers.ModelArgs) -> list[str]:
     """The weights of a block's linear projections, fused ones included (what quantization
     covers): e.g. `self_attn.q_proj.weight`, or Phi-3's `self_attn.qkv_proj.weight`."""
     return [f"{module}.weight" for module in family(args).LINEARS]
 
 
-def takes_block_mask(args: M.ModelArgs) -> bool:
-    """Whether the family's attention is model.attention, which takes a flex_attention BlockMask
-    for packed documents on CUDA (the Llama family); the others go through model.attend, which
+def takes_block_mask(args: layers.ModelArgs) -> bool:
+    """Whether the family's attention is layers.attention, which takes a flex_attention BlockMask
+    for packed documents on CUDA (the Llama family); the others go through layers.attend, which
     takes a boolean mask."""
     return family(args) is llama
 
@@ -90,16 +89,16 @@ def takes_block_mask(args: M.ModelArgs) -> bool:
 def block_forward(
     x: torch.Tensor,
     w: dict[str, torch.Tensor],
-    args: M.ModelArgs,
+    args: layers.ModelArgs,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    lora: M.LoraContext | None = None,
+    lora: layers.LoraContext | None = None,
     mask: torch.Tensor | None = None,
     layer: int = 0,
 ) -> torch.Tensor:
     """Block `layer` of the model's family: (B, T, C) → (B, T, C). cos/sin: the table that block
-    takes (ModelArgs.local_rope); `mask`: see model.attend (None: causal). The family's block runs
-    on the rows flattened, (B·T, C): fewer operator calls (model.heads)."""
+    takes (ModelArgs.local_rope); `mask`: see layers.attend (None: causal). The family's block runs
+    on the rows flattened, (B·T, C): fewer operator calls (layers.heads)."""
     B, T, C = x.shape
     y = family(args).block_forward(x.reshape(B * T, C), w, args, layer, cos, sin, lora, mask)
     return y.view(B, T, C)
@@ -111,10 +110,10 @@ _compiled = None
 def compiled_block_forward(
     x: torch.Tensor,
     w: dict[str, torch.Tensor],
-    args: M.ModelArgs,
+    args: layers.ModelArgs,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    lora: M.LoraContext | None = None,
+    lora: layers.LoraContext | None = None,
     mask: torch.Tensor | None = None,
     layer: int = 0,
 ) -> torch.Tensor:
@@ -138,7 +137,7 @@ def compiled_block_forward(
 
 
 def dropout_masks(
-    x: torch.Tensor, args: M.ModelArgs, lora: M.LoraContext
+    x: torch.Tensor, args: layers.ModelArgs, lora: layers.LoraContext
 ) -> dict[str, torch.Tensor]:
     """The LoRA dropout masks the eager block draws, one per adapted projection, drawn here
     instead: from the same generator, in the order the block calls its projections (the
@@ -153,13 +152,13 @@ def dropout_masks(
     }
 
 
-def first_layer_like(args: M.ModelArgs, layer: int) -> int:
+def first_layer_like(args: layers.ModelArgs, layer: int) -> int:
     """The first block whose attention window is block `layer`'s (ModelArgs.window)."""
     window = args.window(layer)
     return next(i for i in range(args.num_layers) if args.window(i) == window)
 
 
-def resolve_targets(args: M.ModelArgs, targets: tuple[str, ...]) -> tuple[str, ...]:
+def resolve_targets(args: layers.ModelArgs, targets: tuple[str, ...]) -> tuple[str, ...]:
     """The LoRA targets `targets` (short names) mean on this model, in the family's order.
 
     On a fused family (Phi-3) the Llama names of all the parts of a fused module stand for it
@@ -189,12 +188,12 @@ def resolve_targets(args: M.ModelArgs, targets: tuple[str, ...]) -> tuple[str, .
     return tuple(t for t in fam.TARGETS if t in wanted)
 
 
-def block_param_count(args: M.ModelArgs) -> int:
+def block_param_count(args: layers.ModelArgs) -> int:
     """Parameters in one block: every tensor block_shapes lists."""
     return sum(math.prod(shape) for shape in block_shapes(args).values())
 
 
-def param_count(args: M.ModelArgs) -> int:
+def param_count(args: layers.ModelArgs) -> int:
     """Parameters of the whole model: the blocks, the embedding, the head (unless tied), the
     final norm."""
     embed = args.vocab_size * args.hidden_size

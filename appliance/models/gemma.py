@@ -3,7 +3,7 @@
 Every RMSNorm scales by (1 + w) in fp32 (ModelArgs.norm_offset = 1), including Gemma 3's q/k
 head norms; the residual stream sees norm(attention(norm(x))) and norm(mlp(norm(x))). Scores are
 scaled by query_pre_attn_scalar^-1/2 (ModelArgs.attn_scale). Gemma 2 soft-caps attention scores
-and the final logits (model.attend, model.logits); both alternate sliding-window and full layers
+and the final logits (layers.attend, layers.logits); both alternate sliding-window and full layers
 (ModelArgs.layer_types); Gemma 3's sliding layers take their own RoPE base (ModelArgs.local_rope).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from appliance.models import layers as M
+from appliance.models import layers
 from appliance.models.attention import self_attention
 
 NORMS = (
@@ -21,27 +21,31 @@ NORMS = (
     "pre_feedforward_layernorm",
     "post_feedforward_layernorm",
 )
-LINEARS = tuple(M.TARGET_MODULES.values())
-TARGETS = tuple(M.TARGET_MODULES)
+LINEARS = tuple(layers.TARGET_MODULES.values())
+TARGETS = tuple(layers.TARGET_MODULES)
 
 
-def norm(x: torch.Tensor, w: dict[str, torch.Tensor], name: str, args: M.ModelArgs) -> torch.Tensor:
-    return M.rms_norm(x, w[f"{name}.weight"], args.rms_norm_eps, args.norm_offset)
+def norm(
+    x: torch.Tensor, w: dict[str, torch.Tensor], name: str, args: layers.ModelArgs
+) -> torch.Tensor:
+    return layers.rms_norm(x, w[f"{name}.weight"], args.rms_norm_eps, args.norm_offset)
 
 
-def mlp(x: torch.Tensor, w: dict[str, torch.Tensor], lora: M.LoraContext | None) -> torch.Tensor:
-    gate = F.gelu(M.linear(x, w, "mlp.gate_proj", lora), approximate="tanh")
-    return M.linear(gate * M.linear(x, w, "mlp.up_proj", lora), w, "mlp.down_proj", lora)
+def mlp(
+    x: torch.Tensor, w: dict[str, torch.Tensor], lora: layers.LoraContext | None
+) -> torch.Tensor:
+    gate = F.gelu(layers.linear(x, w, "mlp.gate_proj", lora), approximate="tanh")
+    return layers.linear(gate * layers.linear(x, w, "mlp.up_proj", lora), w, "mlp.down_proj", lora)
 
 
 def block_forward(
     x: torch.Tensor,
     w: dict[str, torch.Tensor],
-    args: M.ModelArgs,
+    args: layers.ModelArgs,
     layer: int,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    lora: M.LoraContext | None,
+    lora: layers.LoraContext | None,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(B·T, C) → (B·T, C)."""

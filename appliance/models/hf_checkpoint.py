@@ -391,7 +391,7 @@ def seq_len_problems(args: ModelArgs, seq_len: int) -> list[str]:
             f"({args.max_position_embeddings}): give --seq-len {args.max_position_embeddings} "
             "or less"
         )
-    # sliding windows are implemented by every family but Llama's (model.attention: Mistral)
+    # sliding windows are implemented by every family but Llama's (layers.attention: Mistral)
     llama = models.FAMILIES[args.architecture] is models.llama
     if llama and args.sliding_window and seq_len > args.sliding_window:
         problems.append(

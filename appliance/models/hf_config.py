@@ -142,7 +142,7 @@ def _rope(
     if kind == "longrope":
         items["short_factor"] = tuple(float(x) for x in rope["short_factor"])
         items["long_factor"] = tuple(float(x) for x in rope["long_factor"])
-        for k in ("factor", "attention_factor"):  # optional (model.rope_attention_factor)
+        for k in ("factor", "attention_factor"):  # optional (layers.rope_attention_factor)
             if rope.get(k) is not None:
                 items[k] = float(rope[k])
     return rope_theta, tuple(sorted(items.items()))

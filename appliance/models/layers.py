@@ -440,6 +440,9 @@ def logits(h: torch.Tensor, g: dict[str, torch.Tensor], args: ModelArgs) -> torc
 #: of at most this many, so the fp32 logits and their softmax never exist for a whole micro-batch
 #: (at T = 2048 and a 128k vocabulary those are 1 GiB each per row), and a big vocabulary does
 #: not force activation offload by itself (planner.plan_memory counts one chunk).
+#: the label of a position without loss (PyTorch cross_entropy's ignore_index)
+IGNORE_INDEX = -100
+
 HEAD_CHUNK_VALUES = 2**24
 
 
@@ -453,7 +456,7 @@ def head_chunks(h: torch.Tensor, vocab_size: int) -> list[slice]:
 def loss_sum(
     h: torch.Tensor, labels: torch.Tensor, g: dict[str, torch.Tensor], args: ModelArgs
 ) -> torch.Tensor:
-    """Summed next-token NLL (fp32) over positions whose label is not -100.
+    """Summed next-token NLL (fp32) over positions whose label is not IGNORE_INDEX.
 
     `labels[b, t]` is the target for position t (already shifted by the data pipeline). Made
     chunk by chunk over the sequence (`head_chunks`): without grad only one chunk's logits exist
@@ -463,7 +466,7 @@ def loss_sum(
     for c in head_chunks(h, args.vocab_size):
         lg = logits(h[:, c], g, args)
         total = total + F.cross_entropy(
-            lg.reshape(-1, lg.size(-1)), labels[:, c].reshape(-1), ignore_index=-100,
+            lg.reshape(-1, lg.size(-1)), labels[:, c].reshape(-1), ignore_index=IGNORE_INDEX,
             reduction="sum",
         )  # fmt: skip
     return total

@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import torch
 
-from appliance.models import layers as M
+from appliance.models import layers
 
 NORMS = ("input_layernorm", "post_attention_layernorm")
-LINEARS = tuple(M.TARGET_MODULES.values())  # q, k, v, o, gate, up, down
-TARGETS = tuple(M.TARGET_MODULES)
+LINEARS = tuple(layers.TARGET_MODULES.values())  # q, k, v, o, gate, up, down
+TARGETS = tuple(layers.TARGET_MODULES)
 
 
 def block_forward(
     x: torch.Tensor,
     w: dict[str, torch.Tensor],
-    args: M.ModelArgs,
+    args: layers.ModelArgs,
     layer: int,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    lora: M.LoraContext | None,
+    lora: layers.LoraContext | None,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return M.block_forward(x, w, args, cos, sin, lora, mask)
+    return layers.block_forward(x, w, args, cos, sin, lora, mask)

@@ -43,7 +43,7 @@ class LoraSpec:
 
 def folds_scale(scale: float, dtype: torch.dtype) -> bool:
     """Whether LoraWeights.context folds `scale` into B: a power of two other than 1 (a scale of
-    1 needs no multiply at all: model.linear skips it), not in float16."""
+    1 needs no multiply at all: layers.linear skips it), not in float16."""
     return dtype != torch.float16 and scale > 0 and scale != 1.0 and math.frexp(scale)[0] == 0.5
 
 

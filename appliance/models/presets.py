@@ -117,7 +117,7 @@ PRESETS: dict[str, Preset] = {
                 rope_theta=1e6, max_position_embeddings=40960, qk_norm=True),
         gpu=_GPU_SHAPE, cpu=None,
     ),
-    # soft-capped attention: scores written out in full (model.attend)
+    # soft-capped attention: scores written out in full (layers.attend)
     "gemma2-9b": Preset(
         _gemma("Gemma2ForCausalLM", 256000, 3584, 14336, 42, 16, 8, 256, window=4096, pattern=2,
                attn_softcap=50.0, final_softcap=30.0),

@@ -5,26 +5,26 @@ from __future__ import annotations
 
 import torch
 
-from appliance.models import layers as M
+from appliance.models import layers
 from appliance.models.attention import self_attention
 
 NORMS = ("input_layernorm", "post_attention_layernorm")
-LINEARS = tuple(M.TARGET_MODULES.values())
-TARGETS = tuple(M.TARGET_MODULES)
+LINEARS = tuple(layers.TARGET_MODULES.values())
+TARGETS = tuple(layers.TARGET_MODULES)
 
 
 def block_forward(
     x: torch.Tensor,
     w: dict[str, torch.Tensor],
-    args: M.ModelArgs,
+    args: layers.ModelArgs,
     layer: int,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    lora: M.LoraContext | None,
+    lora: layers.LoraContext | None,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(B·T, C) → (B·T, C)."""
     eps = args.rms_norm_eps
-    h = M.rms_norm(x, w["input_layernorm.weight"], eps)
+    h = layers.rms_norm(x, w["input_layernorm.weight"], eps)
     x = x + self_attention(h, w, args, layer, cos, sin, lora, mask=mask)
-    return x + M.mlp(M.rms_norm(x, w["post_attention_layernorm.weight"], eps), w, lora)
+    return x + layers.mlp(layers.rms_norm(x, w["post_attention_layernorm.weight"], eps), w, lora)

@@ -13,7 +13,8 @@ from tokenizers import Tokenizer
 
 from appliance.actors.tokenize_worker import ACTOR_OPTIONS, TokenizeWorker, default_num_workers
 from appliance.data.files import DATA_FILES, file_names
-from appliance.data.records import IGNORE_INDEX, SKIP_HINT, Batch, DataError, check_dataset
+from appliance.data.records import SKIP_HINT, Batch, DataError, check_dataset
+from appliance.models.layers import IGNORE_INDEX
 from tests.helpers_ray import ray_session
 from tests.helpers_tokenizer import make_tokenizer, sentences
 

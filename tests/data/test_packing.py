@@ -15,9 +15,9 @@ from tokenizers import Tokenizer
 from appliance.actors.tokenize_worker import PACK_GROUP_ROWS, TokenizeWorker
 from appliance.actors.trainer import _tensors
 from appliance.data.packing import best_fit, fill_rows, split_document
-from appliance.data.records import IGNORE_INDEX
 from appliance.engine.blocks import DictBlockSource
 from appliance.engine.step import StreamedEngine
+from appliance.models.layers import IGNORE_INDEX
 from tests.engine.test_engine_parity import assert_gradients_match, peft_reference
 from tests.helpers_model import lora_with_random_b, make_model, rel_err
 from tests.helpers_tokenizer import make_tokenizer, sentences
@@ -64,7 +64,7 @@ def test_flex_block_mask_equals_the_dense_document_mask():
 
     from torch.nn.attention.flex_attention import flex_attention
 
-    from appliance.models import layers as M
+    from appliance.models import layers
 
     g = torch.Generator().manual_seed(0)
     seg = torch.zeros(2, 160, dtype=torch.long)
@@ -72,8 +72,8 @@ def test_flex_block_mask_equals_the_dense_document_mask():
     q, k, v = (torch.randn(2, 2, 160, 8, generator=g) for _ in range(3))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        flex = flex_attention(q, k, v, block_mask=M.document_block_mask(seg))
-    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=M.document_mask(seg))
+        flex = flex_attention(q, k, v, block_mask=layers.document_block_mask(seg))
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=layers.document_mask(seg))
     torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
 
 

@@ -10,8 +10,7 @@ import torch.nn.functional as F
 
 from appliance.engine import memory as planner
 from appliance.engine.memory import plan_memory
-from appliance.models import block_param_count
-from appliance.models import layers as M
+from appliance.models import block_param_count, layers
 from appliance.models.presets import _llama
 
 ARGS = _llama(97, 32, 64, 2, 4, 2)
@@ -32,7 +31,7 @@ def head_inputs(B: int = 2, T: int = 13):
 def whole(h, labels, glob, denom):
     """The head in one piece, differentiated by autograd: the reference."""
     h = h.detach().requires_grad_(True)
-    lg = M.logits(h, glob, ARGS)
+    lg = layers.logits(h, glob, ARGS)
     loss = F.cross_entropy(
         lg.view(-1, lg.size(-1)), labels.reshape(-1), ignore_index=-100, reduction="sum"
     )
@@ -42,26 +41,26 @@ def whole(h, labels, glob, denom):
 
 @pytest.mark.parametrize("values", [1, 97 * 2 * 3, 97 * 2 * 5, 2**24])  # 1 position ... all
 def test_chunked_head_equals_the_whole_sequence(monkeypatch, values):
-    monkeypatch.setattr(M, "HEAD_CHUNK_VALUES", values)
+    monkeypatch.setattr(layers, "HEAD_CHUNK_VALUES", values)
     h, labels, glob = head_inputs()
-    chunks = M.head_chunks(h, ARGS.vocab_size)
+    chunks = layers.head_chunks(h, ARGS.vocab_size)
     assert [i for c in chunks for i in range(c.start, c.stop)] == list(range(h.shape[1]))
     if values < 2**24:
         assert len(chunks) > 1
     ref_loss, ref_grad = whole(h, labels, glob, denom=7)
-    loss, grad = M.loss_and_grad(h, labels, glob, ARGS, denom=7)
+    loss, grad = layers.loss_and_grad(h, labels, glob, ARGS, denom=7)
     assert torch.allclose(loss, ref_loss, rtol=1e-6, atol=0)  # summed in another order
     # per position the same arithmetic, but the head's matmuls over fewer rows may block their
     # sums differently
     torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
     with torch.no_grad():
-        assert torch.allclose(M.loss_sum(h, labels, glob, ARGS) / 7, ref_loss, rtol=1e-6)
+        assert torch.allclose(layers.loss_sum(h, labels, glob, ARGS) / 7, ref_loss, rtol=1e-6)
 
 
 def test_loss_scale_scales_the_gradient_not_the_loss():
     h, labels, glob = head_inputs()
-    loss, grad = M.loss_and_grad(h, labels, glob, ARGS, denom=3)
-    loss_s, grad_s = M.loss_and_grad(h, labels, glob, ARGS, denom=3, scale=1024.0)
+    loss, grad = layers.loss_and_grad(h, labels, glob, ARGS, denom=3)
+    loss_s, grad_s = layers.loss_and_grad(h, labels, glob, ARGS, denom=3, scale=1024.0)
     assert loss_s == loss
     assert torch.equal(grad_s, grad * 1024)  # a power of two: exact
 

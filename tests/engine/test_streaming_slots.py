@@ -17,7 +17,7 @@ import torch
 
 from appliance.bench.synthetic import SyntheticBlockSource
 from appliance.engine.memory import blocks_uploaded_per_step
-from appliance.engine.step import StreamedEngine, batch_sizes
+from appliance.engine.step import MicroBatch, StreamedEngine, batch_sizes
 from appliance.models.presets import _llama
 from tests.helpers_model import lora_with_random_b
 
@@ -177,7 +177,7 @@ def test_the_plan_counts_the_packed_documents_masks_a_pass_keeps():
     packed = [(ids, labels, (positions, segments)) for ids, labels in plain]
     extra = eng.plan_inputs(packed)["globals_bytes"] - eng.plan_inputs(plain)["globals_bytes"]
     assert extra == 3 * 2 * 16 * 16
-    mask = eng._attention_inputs(packed[0])[1]
+    mask = eng._attention_inputs(MicroBatch(*packed[0]))[1]
     assert mask.dtype == torch.bool and mask.numel() * mask.element_size() == 2 * 16 * 16
 
 
