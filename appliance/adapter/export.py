@@ -256,6 +256,9 @@ def export_merged(
                 ):
                     shutil.copy2(f, tmp / f.name)
             (tmp / model_card.CARD).write_text(card)
+            mode = storage.file_mode()  # save_file makes 0600, copy2 copies the model's mode
+            for f in tmp.iterdir():
+                f.chmod(mode)  # every file of the export follows the umask, as train's do
             _check_output(output)  # someone may have written there meanwhile
             if output.exists():
                 output.rmdir()  # empty: replace it
