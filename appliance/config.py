@@ -194,6 +194,12 @@ class TrainConfig:
         f"Port of the Prometheus metrics endpoint (embedded Ray). Default {DEFAULT_METRICS_PORT}, "
         "or the next free port when that one is taken; a port given here must be free.",
     )
+    metrics_host: str = _f(
+        "127.0.0.1",
+        "Where the metrics endpoint (embedded Ray) listens: 127.0.0.1, this machine only (its "
+        "labels name --output paths and buckets), or 0.0.0.0, every interface (a container "
+        "whose port is published, a Prometheus on another host).",
+    )
     object_store_memory: str | None = _f(
         None,
         "Ray object store size for embedded Ray, e.g. 100GiB; it holds the base model's weights "
@@ -224,6 +230,7 @@ CHOICES = {
     "on_bad_record": ("fail", "skip"),
     "packing": ("documents", "stream"),
     "log_format": ("auto", "rich", "json", "plain"),
+    "metrics_host": ("127.0.0.1", "0.0.0.0"),
 }
 
 # `train --help` shows its flags in these groups, in this order; a flag not listed lands in
@@ -268,7 +275,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         "allow_model_change",
         "max_restarts",
     ),
-    "Output": ("log_format", "metrics_port"),
+    "Output": ("log_format", "metrics_port", "metrics_host"),
 }
 
 # The built-in demo's settings (no --model): small rows, enough steps for the adapter to learn the
@@ -415,6 +422,7 @@ PER_INVOCATION = (
     "cluster",
     "log_format",
     "metrics_port",
+    "metrics_host",
 )
 
 

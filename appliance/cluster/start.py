@@ -180,7 +180,13 @@ def start_ray(cfg: TrainConfig, progress: Notes, weight_bytes: int | None = None
     if ray.is_initialized():
         return
     from appliance.interrupt import sigterm_stops_at_once
-    from appliance.metrics.endpoint import choose_metrics_port, metrics_url, ray_init_kwargs
+    from appliance.metrics.endpoint import (
+        EVERY_INTERFACE,
+        choose_metrics_port,
+        metrics_bound_to,
+        metrics_url,
+        ray_init_kwargs,
+    )
     from appliance.metrics.recorders import RUN_ENV, run_label, set_run_label
     from appliance.storage.checkpoints import FAULT_ENV, FAULT_PID_ENV
 
@@ -234,9 +240,10 @@ def start_ray(cfg: TrainConfig, progress: Notes, weight_bytes: int | None = None
         ray_auth.token_in_env_if_home_is_read_only()
         t0 = time.perf_counter()
         try:
-            _init_ray(
-                ours,
-                starts_ray=True,
+            with metrics_bound_to(cfg.metrics_host):  # loopback unless --metrics-host 0.0.0.0
+                _init_ray(
+                    ours,
+                    starts_ray=True,
                 address="local",
                 include_dashboard=False,
                 log_to_driver=False,
@@ -259,7 +266,8 @@ def start_ray(cfg: TrainConfig, progress: Notes, weight_bytes: int | None = None
         progress.note(f"Ray ready in {time.perf_counter() - t0:.1f} s")
         if store is not None:
             progress.note(f"object store: {store / GIB:.1f} GiB ({source})")
-        progress.note(f"metrics: {metrics_url(port)}")
+        every = " (listening on every interface)" if cfg.metrics_host == EVERY_INTERFACE else ""
+        progress.note(f"metrics: {metrics_url(port)}{every}")
 
 
 def _init_ray(stop_at_once: bool, starts_ray: bool, **kwargs) -> None:

@@ -8,6 +8,8 @@ check doctor and the tests use too.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from appliance.errors import ConfigError
@@ -42,6 +44,31 @@ def ray_init_kwargs(
         "_metrics_export_port": int(metrics_port),
         "_system_config": {"metrics_report_interval_ms": int(report_interval_ms)},
     }
+
+
+#: --metrics-host: this machine only (the default), or every interface
+LOOPBACK, EVERY_INTERFACE = "127.0.0.1", "0.0.0.0"
+
+
+@contextlib.contextmanager
+def metrics_bound_to(host: str) -> Iterator[None]:
+    """Around the `ray.init` that starts the embedded Ray: its metrics endpoint listens on
+    loopback unless `host` is EVERY_INTERFACE. Ray's metrics agent binds loopback only when the
+    node's IP is loopback (reporter_agent: `get_localhost_ip() if is_localhost(ip) else ""`),
+    and takes loopback as the node's IP only with its cluster mode off
+    (`ray_constants.ENABLE_RAY_CLUSTER`, off by default on macOS and Windows): turned off while
+    this single-node Ray starts, so nothing of it is reachable from another host."""
+    if host == EVERY_INTERFACE:
+        yield
+        return
+    from ray._private import ray_constants
+
+    was = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = was
 
 
 def is_tcp_port(port: int) -> bool:
