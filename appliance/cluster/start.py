@@ -244,14 +244,14 @@ def start_ray(cfg: TrainConfig, progress: Notes, weight_bytes: int | None = None
                 _init_ray(
                     ours,
                     starts_ray=True,
-                address="local",
-                include_dashboard=False,
-                log_to_driver=False,
-                logging_level=logging.WARNING,  # Ray's own INFO lines stay out of the log
-                object_store_memory=store,
-                runtime_env=runtime_env,
-                **ray_init_kwargs(port),
-            )
+                    address="local",
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    logging_level=logging.WARNING,  # Ray's own INFO lines stay out of the log
+                    object_store_memory=store,
+                    runtime_env=runtime_env,
+                    **ray_init_kwargs(port),
+                )
         except ApplianceError:
             raise
         except Exception as e:  # noqa: BLE001 - whatever Ray raised, the user gets one line
