@@ -26,6 +26,8 @@ rendering is refused.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,22 +65,89 @@ class ChatTemplate:
         `where` (the record) if the template fails on them."""
         import jinja2
 
+        compiled = _compiled(self.template, self.source)
+        at = f"{where}: " if where else ""
+        deadline = time.monotonic() + RENDER_SECONDS
+        _limits.deadline = deadline  # environment.tick() in every loop of the template checks it
         try:
-            return _compiled(self.template, self.source).render(
+            parts, size = [], 0
+            for part in compiled.generate(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,
                 documents=None,
                 **self.special_tokens,
-            )
+            ):
+                size += len(part)
+                if size > RENDER_CHARS:
+                    raise RenderLimit(f"its text passed {RENDER_CHARS:,} characters")
+                if time.monotonic() > deadline:
+                    raise RenderLimit(f"it ran past {RENDER_SECONDS:g} s")
+                parts.append(part)
+            return "".join(parts)
+        except RenderLimit as e:  # a template that loops, or writes without end
+            raise ChatError(
+                f"{at}chat template {self.source} stopped rendering one record: {e} (a loop "
+                "that does not end?); fix the template or pass --chat-template FILE"
+            ) from None
         except Exception as e:  # a template is a program: whatever it raises, it fails on this
             # record: raise_exception(), or `None + '...'` on a message without content
             problem = str(e) if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: {e}"
-            at = f"{where}: " if where else ""
             raise ChatError(f"{at}chat template {self.source} failed: {problem}") from None
+        finally:
+            _limits.deadline = None
 
 
 _CACHE: dict[str, Any] = {}
+
+#: one record's rendering stops past either: a template that loops or writes without end
+RENDER_SECONDS = 10.0
+RENDER_CHARS = 64 * 2**20
+_limits = threading.local()  # the deadline of the rendering on this thread
+
+
+class RenderLimit(Exception):
+    """A rendering that ran past RENDER_SECONDS or RENDER_CHARS."""
+
+
+def _bounded_environment() -> type:
+    """jinja2's immutable sandbox, bounded: every `for` loop of a compiled template calls
+    `environment.tick()` on each pass (inserted into the Python jinja generates), which raises
+    RenderLimit past the rendering's deadline: a nested `range(100000)` loop, which emits
+    nothing and calls nothing, hung the driver. `*` and `**` are checked before they build a
+    string, list or number past the limits."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedEnvironment(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**"})
+
+        def _generate(self, source: Any, name: Any, filename: Any, defer_init: bool = False):
+            code = super()._generate(source, name, filename, defer_init)
+            lines = []
+            for line in code.splitlines():
+                lines.append(line)
+                stripped = line.lstrip()
+                if stripped.startswith(("for ", "async for ")) and stripped.endswith(":"):
+                    indent = line[: len(line) - len(stripped)]
+                    lines.append(f"{indent}    environment.tick()")
+            return "\n".join(lines)
+
+        def tick(self) -> None:
+            deadline = getattr(_limits, "deadline", None)
+            if deadline is not None and time.monotonic() > deadline:
+                raise RenderLimit(f"it ran past {RENDER_SECONDS:g} s")
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+                        if len(seq) * n > RENDER_CHARS:
+                            raise RenderLimit(f"`*` would make {len(seq) * n:,} items")
+            if operator == "**" and isinstance(right, (int, float)) and abs(right) > 4096:
+                raise RenderLimit(f"`**` with an exponent of {right}")
+            return super().call_binop(context, operator, left, right)
+
+    return BoundedEnvironment
 
 
 def _compiled(template: str, source: str):
@@ -87,7 +156,6 @@ def _compiled(template: str, source: str):
     compile."""
     if template not in _CACHE:
         from jinja2.exceptions import TemplateError, TemplateSyntaxError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str):
             raise TemplateError(message)
@@ -95,7 +163,7 @@ def _compiled(template: str, source: str):
         def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, **kw) -> str:
             return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, **kw)
 
-        env = ImmutableSandboxedEnvironment(
+        env = _bounded_environment()(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
         env.filters["tojson"] = tojson
