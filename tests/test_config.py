@@ -209,8 +209,8 @@ def test_a_run_recorded_before_packing_and_quantization_resumes_as_it_was(tmp_pa
     command that asks for document packing is refused, naming both values."""
     import json
 
-    from appliance.run.driver import check_output, recorded_config
     from appliance.run.record import LEGACY_IDENTITY, RUN_FILE, run_identity
+    from appliance.run.resume import decide_output, recorded_config
 
     out = tmp_path / "out"
     out.mkdir()
@@ -224,17 +224,16 @@ def test_a_run_recorded_before_packing_and_quantization_resumes_as_it_was(tmp_pa
         {}, {"output": str(out), "resume": True}, run_values=recorded_config(str(out))
     )
     assert (resumed.packing, resumed.base_quant, resumed.eval_split) == ("stream", "none", None)
-    check_output(resumed)  # the same run: no error
+    decide_output(resumed)  # the same run: no error
 
     asked = C.build_config({}, {"model": "m", "data": "d", "output": str(out), "resume": True})
     with pytest.raises(ConfigError, match="--packing documents \\(the run: stream\\)"):
-        check_output(asked)
+        decide_output(asked)
     # --auto-resume (a Kubernetes job's rerun) with another run's flags is refused the same way,
     # naming the flag it was given and how to start another run instead
     auto = C.build_config({}, {"model": "m", "data": "d", "output": str(out), "auto_resume": True})
-    auto.resume = True  # what resolve_inputs makes of --auto-resume when run.json is there
     with pytest.raises(ConfigError) as e:
-        check_output(auto)
+        decide_output(auto)
     assert str(e.value).startswith(f"--auto-resume: {out} holds a run with different --packing")
     assert str(e.value).endswith("give another --output (or --overwrite this one)")
 
@@ -249,8 +248,8 @@ def test_a_resume_checks_its_data_follows_it_when_moved_and_names_what_changed(
     import shutil
 
     from appliance.data.records import check_dataset
-    from appliance.run.driver import check_output
     from appliance.run.record import RUN_FILE, data_fingerprint, write_run_file
+    from appliance.run.resume import decide_output
 
     data, out = tmp_path / "data", tmp_path / "out"
     (data / "sub").mkdir(parents=True)
@@ -266,7 +265,9 @@ def test_a_resume_checks_its_data_follows_it_when_moved_and_names_what_changed(
         return C.build_config({}, {"model": "m", "data": str(path), "output": str(out), **flags})
 
     def resumed(path, **flags):
-        return check_output(config(path, resume=True, **flags), None, fingerprint(path))
+        return list(
+            decide_output(config(path, resume=True, **flags), None, fingerprint(path)).notes
+        )
 
     write_run_file(config(data), "interrupted", data=fingerprint(data))
     assert resumed(data) == []  # the same files
@@ -328,8 +329,8 @@ def test_a_resume_on_a_model_changed_in_place_is_refused_unless_allowed(tmp_path
     run.json then recorded the new ones, so eval and export said nothing either)."""
     from safetensors.torch import load_file, save_file
 
-    from appliance.run.driver import check_output
     from appliance.run.record import model_fingerprint, write_run_file
+    from appliance.run.resume import decide_output
     from tests.helpers_model import make_model
 
     model, out, other = make_model(tmp_path / "m", "llama-mha"), tmp_path / "out", tmp_path / "o"
@@ -340,7 +341,9 @@ def test_a_resume_on_a_model_changed_in_place_is_refused_unless_allowed(tmp_path
         return C.build_config({}, {"model": str(path), "data": "d", "output": str(out), **flags})
 
     def resumed(path, **flags):
-        return check_output(config(path, resume=True, **flags), model_fingerprint(str(path)))
+        return list(
+            decide_output(config(path, resume=True, **flags), model_fingerprint(str(path))).notes
+        )
 
     write_run_file(config(model), "interrupted", fingerprint=model_fingerprint(str(model)))
     assert resumed(model) == []  # as it was
@@ -373,8 +376,8 @@ def test_a_resume_on_a_changed_eval_data_goes_on_and_says_so(tmp_path):
     """--eval-data is not what the run trains on: a resume with its files changed goes on, and
     a note says the validation losses from then on compare with the earlier ones no more."""
     from appliance.data.records import check_dataset
-    from appliance.run.driver import check_output
     from appliance.run.record import data_fingerprint, write_run_file
+    from appliance.run.resume import decide_output
 
     data, held_out, out = tmp_path / "d.jsonl", tmp_path / "eval", tmp_path / "out"
     data.write_text('{"text": "one"}\n')
@@ -391,7 +394,7 @@ def test_a_resume_on_a_changed_eval_data_goes_on_and_says_so(tmp_path):
 
     def resumed(**flags):
         resume = C.build_config({}, {**cfg, "resume": True, **flags})
-        return check_output(resume, None, fingerprint(data), fingerprint(held_out))
+        return list(decide_output(resume, None, fingerprint(data), fingerprint(held_out)).notes)
 
     assert resumed() == []
     (held_out / "b.jsonl").write_text('{"text": "three"}\n')
@@ -411,8 +414,8 @@ def test_a_resume_with_other_training_settings_says_so(tmp_path):
     silently: a note names each, with the run's value."""
     import json
 
-    from appliance.run.driver import check_output
     from appliance.run.record import write_run_file
+    from appliance.run.resume import decide_output
 
     out = tmp_path / "out"
     out.mkdir()
@@ -421,9 +424,8 @@ def test_a_resume_with_other_training_settings_says_so(tmp_path):
     run = json.loads((out / "run.json").read_text())["config"]
 
     def resumed(**flags):
-        return check_output(
-            C.build_config({}, {"output": str(out), "resume": True, **flags}, run_values=run)
-        )
+        cfg = C.build_config({}, {"output": str(out), "resume": True, **flags}, run_values=run)
+        return list(decide_output(cfg).notes)
 
     assert resumed() == []
     assert resumed(lr="0.5", dtype="bfloat16") == [

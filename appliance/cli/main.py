@@ -185,9 +185,9 @@ def train(config_file: str | None, **flags) -> None:
     `--output O --resume` alone continues the run recorded in O/run.json; flags beside it change
     what does not break that run (--steps, --log-format, --metrics-port, ...). Flags override
     the config file, which overrides the recorded run."""
-    from appliance.run.driver import recorded_config
     from appliance.run.driver import train as run_train
     from appliance.run.record import rebuild_unreadable_run_file
+    from appliance.run.resume import recorded_config
 
     file_values = C.read_config_file(config_file) if config_file else {}
     run_values, output = None, flags.get("output") or file_values.get("output")

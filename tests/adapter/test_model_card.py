@@ -12,7 +12,7 @@ from huggingface_hub import ModelCard
 from appliance.adapter import model_card
 from appliance.adapter.export import export_merged
 from appliance.config import build_config
-from appliance.run.driver import remove_previous_run
+from appliance.run.resume import remove_previous_run
 from appliance.storage.hub import CachedRepo, cached_repo
 from tests.adapter.test_export import save_random_adapter
 from tests.helpers_model import make_model

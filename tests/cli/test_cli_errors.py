@@ -18,9 +18,9 @@ from click.testing import CliRunner
 
 from appliance import config as C
 from appliance.cli.main import main
-from appliance.run.driver import check_output, remove_previous_run
 from appliance.run.output_lock import LOCK_FILE, OutputLock
 from appliance.run.record import rebuild_unreadable_run_file, run_identity, write_run_file
+from appliance.run.resume import decide_output, remove_previous_run
 from appliance.storage import uri as storage
 from appliance.storage.checkpoints import list_checkpoints, load_latest_checkpoint, save_checkpoint
 from tests.helpers_model import make_model
@@ -273,7 +273,7 @@ def test_an_unreadable_run_json_is_named_and_overwrite_replaces_it(tmp_path, mod
     code, text = train("--output", out, "--resume")  # the resume that reads the run's config
     assert_one_user_error(code, text, out, "run.json is unreadable")
     cfg = C.build_config({}, {"model": "m", "data": "d", "output": str(out), "overwrite": True})
-    check_output(cfg)  # --overwrite does not need to read it: the run is replaced
+    decide_output(cfg)  # --overwrite does not need to read it: the run is replaced
     remove_previous_run(str(out))
     assert sorted(f.name for f in out.iterdir()) == ["notes.txt"]
 
@@ -335,7 +335,7 @@ def test_an_unreadable_run_json_on_s3_is_rebuilt_from_its_latest_checkpoint(s3_b
 
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_run_left_running_is_shown_as_stopped_before_it_finished(where, tmp_path, request):
-    """check_output runs under the output's lock (a local flock, an S3 lease), so a run.json
+    """decide_output runs under the output's lock (a local flock, an S3 lease), so a run.json
     that says `running` is a run that stopped: on S3 too, where nothing told them apart."""
     if where == "s3":
         out = f"s3://{request.getfixturevalue('s3_bucket')}/o"
@@ -345,14 +345,15 @@ def test_a_run_left_running_is_shown_as_stopped_before_it_finished(where, tmp_pa
     cfg = C.build_config({}, {"model": "m", "data": "d", "output": out})
     write_run_file(cfg, "running")
     # before its first checkpoint it left nothing to keep: the new run takes its place
-    assert check_output(cfg) == [
+    decision = decide_output(cfg)
+    assert decision.notes == (
         f"--output {out} held the same run that ended (stopped before it finished) before its "
-        "first checkpoint: nothing of it to keep, starting this run in its place"
-    ]
-    cfg.overwrite = False  # (check_output set it, for `train` to clear the old run.json)
+        "first checkpoint: nothing of it to keep, starting this run in its place",
+    )
+    assert decision.replace and not cfg.overwrite  # `train` clears the old run.json; cfg as given
     storage.write_bytes(storage.join(out, "checkpoints", "step-000004", "adapter.bin"), b"")
     with pytest.raises(C.ConfigError, match=r"holds the same run \(stopped before it finished\)"):
-        check_output(cfg)
+        decide_output(cfg)
 
 
 def run_cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -31,8 +31,9 @@ from appliance.engine.schedule import lr_at
 from appliance.engine.step import StreamedEngine
 from appliance.models.hf_checkpoint import read_model_args
 from appliance.models.lora import load_adapter
-from appliance.run.driver import prepare, train
+from appliance.run.driver import train
 from appliance.run.feed import schedule, worker_kwargs
+from appliance.run.inputs import prepare
 from appliance.run.loop import Run, trainer_settings
 from appliance.run.progress import Progress
 from appliance.storage.checkpoints import CheckpointError

@@ -522,11 +522,13 @@ def test_auto_on_a_cpu_means_4_and_run_json_records_it(tmp_path):
     assert record["config"]["micro_batches_per_step"] == 4
     assert record["identity"]["micro_batches_per_step"] == 4
     # --resume with auto continues with the M the run started with
-    from appliance.run.driver import check_output
+    from appliance.run.resume import decide_output
 
     resumed = _cfg(tmp_path, micro_batches_per_step="auto", resume="true")
-    check_output(resumed)
-    assert resumed.micro_batches_per_step == 4
+    decision = decide_output(resumed)
+    assert decision.micro_batches_per_step == 4
+    assert decision.applied_to(resumed).micro_batches_per_step == 4
+    assert resumed.micro_batches_per_step == "auto"  # the config given is not changed
 
 
 def test_auto_on_a_gpu_uses_plans_rule_with_the_measured_figures():

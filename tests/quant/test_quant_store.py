@@ -17,9 +17,10 @@ from appliance.cli.main import main
 from appliance.config import build_config
 from appliance.errors import ConfigError
 from appliance.models import param_count
-from appliance.run.driver import check_output, train
+from appliance.run.driver import train
 from appliance.run.progress import Progress
 from appliance.run.record import RUN_FILE
+from appliance.run.resume import decide_output
 from tests.helpers_model import load_hf, make_model, tiny_train_config
 from tests.helpers_tokenizer import sentences
 
@@ -74,9 +75,9 @@ def test_train_on_an_nf4_base_and_resume_keeps_its_quantization(
     assert plain.exit_code == 0 and json.loads(plain.stdout)["loss"] != summary["eval_loss"]
 
     same = {"eval_split": 0.25, "resume": True}
-    check_output(tiny_train_config(model_dir, data, out, base_quant="nf4", **same))
+    decide_output(tiny_train_config(model_dir, data, out, base_quant="nf4", **same))
     with pytest.raises(ConfigError, match="different --base-quant"):
-        check_output(tiny_train_config(model_dir, data, out, **same))  # base_quant: none
+        decide_output(tiny_train_config(model_dir, data, out, **same))  # base_quant: none
 
 
 def test_base_quant_is_a_checked_flag():

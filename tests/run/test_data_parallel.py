@@ -17,7 +17,7 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from appliance.run.driver import prepare
+from appliance.run.inputs import prepare
 from appliance.run.loop import Run
 from appliance.run.progress import Progress
 from tests.helpers_model import make_model, tiny_train_config

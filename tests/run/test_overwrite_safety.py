@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from appliance import config as C
 from appliance.cli.main import main
 from appliance.errors import ConfigError
-from appliance.run.driver import check_output, remove_previous_run
+from appliance.run.resume import decide_output, remove_previous_run
 from appliance.storage.checkpoints import list_checkpoints, save_checkpoint
 from tests.helpers_model import make_model
 from tests.helpers_tokenizer import sentences
@@ -84,7 +84,7 @@ def test_a_home_directory_is_refused_and_its_checkpoints_stay(tmp_path):
     mine = users_checkpoints(home)
     (home / ".bashrc").write_text("alias x=y")
     with pytest.raises(ConfigError, match="holds no appliance run"):
-        check_output(overwrite_cfg(home))
+        decide_output(overwrite_cfg(home))
     assert mine.read_text() == "x" and (home / ".bashrc").is_file()
 
 
@@ -93,7 +93,7 @@ def test_the_refusal_of_a_non_empty_output_does_not_suggest_overwrite(tmp_path):
     users_checkpoints(out)
     cfg = C.build_config({}, {"model": "m", "data": "d", "output": str(out)})
     with pytest.raises(ConfigError) as e:
-        check_output(cfg)
+        decide_output(cfg)
     assert "holds no appliance run" in str(e.value)
     assert "or pass --overwrite" not in str(e.value)
 
@@ -107,7 +107,7 @@ def test_overwrite_of_an_appliance_run_removes_only_what_it_wrote(tmp_path):
     stray = out / "checkpoints" / ".tmp-step-000006-abcd"  # an interrupted save of the run
     stray.mkdir()
     (stray / "manifest.json").write_text("{}")
-    check_output(overwrite_cfg(out))
+    decide_output(overwrite_cfg(out))
     remove_previous_run(str(out))
     left = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     assert left == ["README.md", "checkpoints/epoch-3/model.pt", "notes.txt"]
@@ -123,7 +123,7 @@ def test_checkpoints_whose_manifest_is_appliances_go_without_run_json_others_sta
     other.mkdir()
     (other / "manifest.json").write_text('{"format": "another-tool", "step": 9, "files": []}')
     (other / "weights.bin").write_text("theirs")
-    check_output(overwrite_cfg(out))
+    decide_output(overwrite_cfg(out))
     remove_previous_run(str(out))
     assert [c.name for c in list_checkpoints(str(out))] == ["step-000009"]
     assert (other / "weights.bin").read_text() == "theirs"
@@ -135,7 +135,7 @@ def test_adapter_files_no_run_json_accounts_for_are_refused(tmp_path):
     save_checkpoint(str(out), 2, {"a.bin": b"w"}, keep=3)
     (out / "adapter_model.safetensors").write_bytes(b"theirs")
     with pytest.raises(ConfigError, match="adapter_model.safetensors are not recorded"):
-        check_output(overwrite_cfg(out))
+        decide_output(overwrite_cfg(out))
     assert (out / "adapter_model.safetensors").read_bytes() == b"theirs"
 
 

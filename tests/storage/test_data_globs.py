@@ -20,7 +20,7 @@ from appliance.data.files import (
     split_pattern,
 )
 from appliance.errors import DataError, StorageError
-from appliance.run.driver import prepare
+from appliance.run.inputs import prepare
 from appliance.storage import uri as storage
 from appliance.storage.globs import glob_match, split_glob
 from appliance.storage.localize import localize_data

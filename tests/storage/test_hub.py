@@ -19,7 +19,7 @@ import transformers
 from appliance.adapter.evaluate import evaluate
 from appliance.errors import DataError, ModelError
 from appliance.models.hf_checkpoint import SafetensorsCheckpoint, read_model_args
-from appliance.run.driver import prepare
+from appliance.run.inputs import prepare
 from tests.helpers_model import make_model, tiny_train_config
 from tests.helpers_tokenizer import sentences
 
