@@ -18,6 +18,7 @@ from click.testing import CliRunner
 
 from appliance import config as C
 from appliance.cli.main import main
+from appliance.errors import ConfigError
 from appliance.run.output_lock import LOCK_FILE, OutputLock
 from appliance.run.record import rebuild_unreadable_run_file, run_identity, write_run_file
 from appliance.run.resume import decide_output, remove_previous_run
@@ -352,7 +353,7 @@ def test_a_run_left_running_is_shown_as_stopped_before_it_finished(where, tmp_pa
     )
     assert decision.replace and not cfg.overwrite  # `train` clears the old run.json; cfg as given
     storage.write_bytes(storage.join(out, "checkpoints", "step-000004", "adapter.bin"), b"")
-    with pytest.raises(C.ConfigError, match=r"holds the same run \(stopped before it finished\)"):
+    with pytest.raises(ConfigError, match=r"holds the same run \(stopped before it finished\)"):
         decide_output(cfg)
 
 
