@@ -452,7 +452,7 @@ def bench(options: tuple[str, ...]) -> None:
 
 
 def _help(name: str) -> str:
-    """A train flag's help text (config.py), for the same flag of another command."""
+    """A train flag's help text (config/schema.py), for the same flag of another command."""
     return C.FIELDS[name].metadata["help"]
 
 
