@@ -158,6 +158,8 @@ class TokenizeWorker:
         self.batches_total = 0
         self.tokenize_seconds = 0.0
         self.last_skip_reason: str | None = None
+        self._cut_note: str | None = None  # the first record cut, until a batch carries it
+        self._cut_said = False
         self._skip_examples: dict[int, tuple[int, str]] = {}  # shard doc -> (epoch, why)
         self.metrics = TokenizerMetrics(worker_index)  # a no-op without Ray
 
@@ -234,7 +236,13 @@ class TokenizeWorker:
             skipped_records=cursor["skipped"],
             positions=positions,
             segments=segments,
+            cut_note=self._take_cut_note(),
         )
+
+    def _take_cut_note(self) -> str | None:
+        """The note of the first record this worker cut, on one batch only."""
+        note, self._cut_note = self._cut_note, None
+        return note
 
     def stats(self) -> dict[str, Any]:
         """Counters: `tokens`/`documents` tokenized by this process, `skipped_records` as in the
@@ -466,6 +474,8 @@ class TokenizeWorker:
         for raw in raws:
             try:
                 good.append((raw.doc, parse_document(raw, self.chat_template)))
+                if good[-1][1].cut and not self._cut_said:  # said once: the first one cut
+                    self._cut_note, self._cut_said = good[-1][1].cut, True
             except DataError as e:
                 if self.on_bad_record == "fail":
                     raise with_skip_hint(e) from None

@@ -211,6 +211,7 @@ class Trainer:
         stats["cursors"] = {b.worker: b.cursor for b in batches}
         stats["pids"] = sorted({b.pid for b in batches})
         stats["skipped_records"] = {b.worker: b.skipped_records for b in batches}
+        stats["cut_notes"] = [b.cut_note for b in batches if b.cut_note]
         if self.settings.device == "cuda":
             stats["gpu_mem_allocated"] = torch.cuda.memory_allocated()
             stats["gpu_mem_reserved"] = torch.cuda.memory_reserved()

@@ -82,11 +82,28 @@ def open_data(path: Path) -> BinaryIO:
     return open(path, "rb")  # noqa: SIM115 - the caller closes it (with open_data(...) as fh)
 
 
-def read_lines(path: Path) -> Iterator[bytes]:
+#: a JSON Lines line longer than this is not read into memory: the record is left out (a 256 MB
+#: line drove the driver to 23 GB and an OOM kill)
+MAX_LINE_BYTES = 16 << 20
+
+
+def read_lines(path: Path, max_bytes: int | None = None) -> Iterator[bytes | int]:
     """The lines of a data file, decompressed; a file that cannot be read or decompressed (a
-    truncated download, another format under the suffix) is a DataError naming it."""
+    truncated download, another format under the suffix) is a DataError naming it. With
+    `max_bytes`, a longer line is read in pieces of that size and dropped: its length (an int)
+    stands for it, so no line past `max_bytes` is ever held."""
     with _reading(path) as fh:
-        yield from fh
+        if max_bytes is None:
+            yield from fh
+            return
+        while line := fh.readline(max_bytes + 1):
+            if len(line) <= max_bytes or line.endswith(b"\n"):
+                yield line
+                continue
+            size = len(line)
+            while (piece := fh.readline(max_bytes)) and not piece.endswith(b"\n"):
+                size += len(piece)
+            yield size + len(piece)
 
 
 def read_chunks(path: Path, size: int = 1 << 20) -> Iterator[bytes]:
@@ -122,8 +139,10 @@ def is_json_array(path: Path) -> bool:
             if start.startswith(b"["):
                 return True
             break
-    lines = enumerate(read_lines(path), 1)  # the first non-blank one
+    lines = enumerate(read_lines(path, MAX_LINE_BYTES), 1)  # the first non-blank one
     for lineno, line in lines:
+        if isinstance(line, int):  # too long to read: a record, left out when it is read
+            break
         if first := line.removeprefix(b"\xef\xbb\xbf").strip():
             try:
                 json.loads(first.decode("utf-8", errors="replace"))
@@ -538,7 +557,11 @@ def count_documents(files: Sequence[Path], limit: int) -> int:
             if kind == "json" and is_json_array(f):
                 documents: Iterator = json_array_items(f)
             else:  # JSON Lines: a blank line is no document
-                documents = (line for line in read_lines(f) if line.strip())
+                documents = (
+                    line
+                    for line in read_lines(f, MAX_LINE_BYTES)
+                    if isinstance(line, int) or line.strip()
+                )
             for _ in documents:
                 n += 1
                 if n >= limit:

@@ -36,12 +36,13 @@ from appliance.data.chat import (
     tools_of,
 )
 from appliance.data.files import (
+    MAX_LINE_BYTES,
     TABLES,
     data_format,
     find_data_files,
     is_json_array,
     json_array_items,
-    read_all,
+    read_chunks,
     read_lines,
     table_num_rows,
     table_rows,
@@ -95,6 +96,8 @@ class Batch:
     # document) and document ids within each row (-1 on padding); None with --packing stream
     positions: np.ndarray | None = None
     segments: np.ndarray | None = None
+    # the first record this worker cut (Record.cut), on the batch after it: the driver says it once
+    cut_note: str | None = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,45 @@ class Record:
     messages: list[dict] | None = None
     tools: list[dict] | None = None
     spans: tuple[tuple[int, int], ...] | None = None
+    cut: str | None = None  # what of the record was cut to keep memory bounded (cut_record)
+
+
+#: a record's text (each of prompt and completion; a conversation's rendering) past this many
+#: characters is cut: the tokenizer's memory grows about 100 bytes a character (a 16 MB line
+#: took 1.8 GB), and 1 Mi characters are some 250k tokens, more than any row holds
+MAX_RECORD_CHARS = 1 << 20
+MAX_TXT_BYTES = 4 * MAX_RECORD_CHARS  # of a .txt document: UTF-8's longest characters
+CUT_ADVICE = (
+    "appliance reads at most {chars:,} characters of one record (and lines of at most "
+    "{line:,} bytes), so that memory stays bounded: split long documents into several records "
+    "to train on all of them (said once: later records cut alike are not named)"
+)
+
+
+def cut_record(record: Record, where: str) -> Record:
+    """`record` with its text (or prompt and completion) cut to MAX_RECORD_CHARS, saying so in
+    its `cut`; a conversation's spans end at the cut. The record itself when nothing is over."""
+    import dataclasses
+
+    fields = {k: getattr(record, k) for k in ("text", "prompt", "completion")}
+    over = {k: len(v) for k, v in fields.items() if v is not None and len(v) > MAX_RECORD_CHARS}
+    if not over:
+        return record
+    cut = {k: fields[k][:MAX_RECORD_CHARS] for k in over}
+    if record.spans is not None:
+        spans = tuple(
+            (a, min(b, MAX_RECORD_CHARS)) for a, b in record.spans if a < MAX_RECORD_CHARS
+        )
+        cut["spans"] = spans
+    said = ", ".join(
+        f"{k} cut to {MAX_RECORD_CHARS:,} of its {n:,} characters" for k, n in over.items()
+    )
+    return dataclasses.replace(record, **cut, cut=cut_note(where, said))
+
+
+def cut_note(where: str, said: str) -> str:
+    """What was cut of the record at `where` (`said`), and why and what to do."""
+    return f"{where}: {said}; " + CUT_ADVICE.format(chars=MAX_RECORD_CHARS, line=MAX_LINE_BYTES)
 
 
 @dataclass(frozen=True)
@@ -175,7 +217,7 @@ class ShardReader:
             kind = data_format(f)
             if kind == "txt":
                 if self._mine(g, first):
-                    yield RawDocument(g // self.num_workers, str(f), read_all(f), "txt")
+                    yield RawDocument(g // self.num_workers, str(f), _head(f), "txt")
                 g += 1
                 self.total_documents = g
                 continue
@@ -200,13 +242,29 @@ class ShardReader:
                     g += 1
                 self.total_documents = g
                 continue
-            for lineno, line in enumerate(read_lines(f), 1):
-                if not line.strip():
+            for lineno, line in enumerate(read_lines(f, MAX_LINE_BYTES), 1):
+                if isinstance(line, int):  # too long to hold: its length, the record left out
+                    kind = "oversize"
+                elif not line.strip():
                     continue  # blank lines are not documents
+                else:
+                    kind = "jsonl"
                 if self._mine(g, first):
-                    yield RawDocument(g // self.num_workers, f"{f}:{lineno}", line, "jsonl")
+                    yield RawDocument(g // self.num_workers, f"{f}:{lineno}", line, kind)
                 g += 1
                 self.total_documents = g
+
+
+def _head(path: Path) -> bytes:
+    """A .txt document: the whole file, or its first MAX_TXT_BYTES and a byte past them (so
+    that parse_document knows it was cut), never more."""
+    out, size = [], 0
+    for chunk in read_chunks(path, 1 << 20):
+        out.append(chunk[: MAX_TXT_BYTES + 1 - size])
+        size += len(out[-1])
+        if size > MAX_TXT_BYTES:
+            break
+    return b"".join(out)
 
 
 def _decode_utf8(data: bytes, where: str) -> str:
@@ -235,12 +293,19 @@ def parse_document(raw: RawDocument, chat: ChatTemplate | None = None) -> Record
 
     A conversation is rendered with `chat` (the model's template) into `text` + `spans`;
     without a template it is an error that says to pass --chat-template."""
+    if raw.kind == "oversize":  # a line too long to hold: left out, said once
+        said = f"a line of {raw.data:,} bytes (over {MAX_LINE_BYTES:,}) is left out"
+        return Record(text="", cut=cut_note(raw.where, said))
     if raw.kind == "object":
         obj = raw.data
     else:
+        if raw.kind == "txt" and len(raw.data) > MAX_TXT_BYTES:  # cut at a character's start
+            text = raw.data[:MAX_TXT_BYTES].decode("utf-8-sig", errors="ignore")[:MAX_RECORD_CHARS]
+            said = f"text cut to {len(text):,} characters (the file: over {MAX_TXT_BYTES:,} bytes)"
+            return Record(text=text, cut=cut_note(raw.where, said))
         text = _decode_utf8(raw.data, raw.where)
         if raw.kind == "txt":
-            return Record(text=text)
+            return cut_record(Record(text=text), raw.where)
         obj = _json_line(text, raw.where)
     if not isinstance(obj, dict):
         raise BadRecord(f"{raw.where}: expected a JSON object, found {type_name(obj)}")
@@ -251,14 +316,14 @@ def parse_document(raw: RawDocument, chat: ChatTemplate | None = None) -> Record
     if "text" in obj:
         if not isinstance(obj["text"], str):
             raise BadRecord(f'{raw.where}: "text" must be a string, found {type_name(obj["text"])}')
-        return Record(text=obj["text"])
+        return cut_record(Record(text=obj["text"]), raw.where)
     if "prompt" in obj and "completion" in obj:
         for key in ("prompt", "completion"):
             if not isinstance(obj[key], str):
                 raise BadRecord(
                     f'{raw.where}: "{key}" must be a string, found {type_name(obj[key])}'
                 )
-        return Record(prompt=obj["prompt"], completion=obj["completion"])
+        return cut_record(Record(prompt=obj["prompt"], completion=obj["completion"]), raw.where)
     try:
         messages = messages_of(obj, raw.where)
         if messages is not None:
@@ -270,7 +335,8 @@ def parse_document(raw: RawDocument, chat: ChatTemplate | None = None) -> Record
                 )
             tools = tools_of(obj, raw.where)
             text, spans = render_with_spans(chat, messages, raw.where, tools)
-            return Record(text=text, messages=messages, tools=tools, spans=tuple(spans))
+            record = Record(text=text, messages=messages, tools=tools, spans=tuple(spans))
+            return cut_record(record, raw.where)
     except ChatError as e:
         raise BadRecord(str(e)) from None
     keys = sorted(obj)

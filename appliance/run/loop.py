@@ -82,6 +82,7 @@ class Run:
         self.restarts = 0
         self.trained = False
         self.interrupt: GracefulStop | None = None  # set by the driver: Ctrl-C/SIGTERM requests
+        self.cut_said = False  # a record cut to keep memory bounded: said once a run
         self.last_checkpoint = time.monotonic()  # for the time-based default --checkpoint-every
         self._eval_refs: list | None = None  # the validation micro-batches, in the object store
 
@@ -410,6 +411,10 @@ class Run:
                 stats["packing_efficiency"] = st.target_tokens / max(st.row_tokens, 1)
                 self.metrics.packing_efficiency(stats["packing_efficiency"])
                 st.skipped.update({int(w): n for w, n in stats["skipped_records"].items()})
+                for note in stats.get("cut_notes", ())[:1]:
+                    if not self.cut_said:
+                        self.progress.note(f"warning: {note}")
+                        self.cut_said = True
                 st.tokenizer_pids.update(stats["pids"])
                 stats["batches_in_flight"] = len(pending)
                 self.metrics.batches_in_flight(len(pending))
