@@ -152,6 +152,13 @@ class DeviceWeights:
         g = source.globals()
         self.globals = {k: v.to(device=device, dtype=dtype) for k, v in g.items()}
         self._copier = SideStream(device)
+        # with copies: each block's host buffer (flat, index, page-locked?), the biggest's size,
+        # and two page-locked staging buffers for the blocks that could not be locked in place
+        self._host: list[tuple[torch.Tensor, dict, bool]] = []
+        self._biggest = 0
+        self._staging: list[torch.Tensor] = []  # none when every block is page-locked
+        self._staging_free: list[torch.cuda.Event | None] = [None, None]
+        self._next_staging = 0
         if self.copies:
             blocks = [_flat_block(source, i, dtype) for i in range(source.num_blocks)]
             # on a CPU nothing needs page-locking: every buffer is copied from directly
@@ -162,14 +169,12 @@ class DeviceWeights:
                 if self._register(start, nbytes):
                     for j in members:
                         pinned[todo[j]] = True
-            self._host: list[tuple[torch.Tensor, dict, bool]] = [
+            self._host = [
                 (flat, index, p) for (flat, index, _), p in zip(blocks, pinned, strict=True)
             ]
             self._biggest = max(f.numel() for f, _, _ in self._host)
             if not all(p for _, _, p in self._host):
                 self._staging = [self._page_locked(self._biggest) for _ in range(2)]
-                self._staging_free: list[torch.cuda.Event | None] = [None, None]
-                self._next_staging = 0
 
     def configure(self, resident: set[int], slots: int = 2) -> None:
         """Keep the blocks `resident` on the device once uploaded, and stream the others through
