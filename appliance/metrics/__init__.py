@@ -1,7 +1,7 @@
 """Prometheus metrics.
 
-names.py      every metric's name, type, unit and help, once (`python -m
-              appliance.metrics.names` prints the table in docs/metrics.md)
+names.py      every metric's name, type, unit and help, once (`python -m appliance.metrics`
+              prints them as the table in docs/metrics.md: __main__.py)
 recorders.py  what the driver, trainers, workers and the store record (through Ray's
               metrics API where Ray runs)
 endpoint.py   the port Ray exports them on, and its checks

@@ -275,6 +275,3 @@ def markdown_table() -> str:
     """The metrics table of docs/metrics.md (a test keeps the file equal to this)."""
     return "\n".join([*TABLE_HEADER, *(markdown_row(s) for s in REGISTRY)])
 
-
-if __name__ == "__main__":
-    print(markdown_table())

@@ -219,7 +219,7 @@ def test_docs_table_equals_the_registry():
     assert set(documented) == set(expected), (
         f"docs/metrics.md lists {sorted(set(documented) - set(expected))} that the code lacks "
         f"and lacks {sorted(set(expected) - set(documented))}; regenerate the table with "
-        "`python -m appliance.metrics.names`"
+        "`python -m appliance.metrics`"
     )
     for name, spec in expected.items():
         _, kind, unit, labels, meaning = documented[name]
