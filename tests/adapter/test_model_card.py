@@ -94,6 +94,8 @@ def test_the_adapter_card_says_what_the_run_did(tmp_path):
 def test_a_readme_that_is_not_appliances_is_never_overwritten_or_deleted(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
+    run_json = json.dumps({"identity": {"model": "/m"}, "status": "complete"})
+    (out / "run.json").write_text(run_json)  # an appliance run: --overwrite replaces it
     (out / "adapter_config.json").write_text(json.dumps({"target_modules": ["q_proj"]}))
     base = model_card.BaseModel("/m")
     readme = out / "README.md"
@@ -106,6 +108,7 @@ def test_a_readme_that_is_not_appliances_is_never_overwritten_or_deleted(tmp_pat
     assert not (out / "adapter_config.json").exists()  # what --overwrite does delete
 
     readme.unlink()
+    (out / "run.json").write_text(run_json)
     (out / "adapter_config.json").write_text(json.dumps({"target_modules": ["q_proj"]}))
     assert model_card.write_adapter_card(record(tmp_path), base, str(out)) is None
     first = readme.read_text()
