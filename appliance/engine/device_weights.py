@@ -15,6 +15,7 @@ import mmap
 import statistics
 import time
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -152,9 +153,9 @@ class DeviceWeights:
         g = source.globals()
         self.globals = {k: v.to(device=device, dtype=dtype) for k, v in g.items()}
         self._copier = SideStream(device)
-        # with copies: each block's host buffer (flat, index, page-locked?), the biggest's size,
-        # and two page-locked staging buffers for the blocks that could not be locked in place
-        self._host: list[tuple[torch.Tensor, dict, bool]] = []
+        # with copies: each block's host buffer, the biggest's size, and two page-locked
+        # staging buffers for the blocks that could not be locked in place
+        self._host: list[HostBlock] = []
         self._biggest = 0
         self._staging: list[torch.Tensor] = []  # none when every block is page-locked
         self._staging_free: list[torch.cuda.Event | None] = [None, None]
@@ -162,18 +163,16 @@ class DeviceWeights:
         if self.copies:
             blocks = [_flat_block(source, i, dtype) for i in range(source.num_blocks)]
             # on a CPU nothing needs page-locking: every buffer is copied from directly
-            pinned = [not self.cuda or torch_pinned for _, _, torch_pinned in blocks]
+            pinned = [not self.cuda or b.pinned for b in blocks]
             todo = [i for i, p in enumerate(pinned) if not p]
-            spans = [(blocks[i][0].data_ptr(), blocks[i][0].numel()) for i in todo]
+            spans = [(blocks[i].flat.data_ptr(), blocks[i].flat.numel()) for i in todo]
             for start, nbytes, members in shared_page_spans(spans, mmap.PAGESIZE):
                 if self._register(start, nbytes):
                     for j in members:
                         pinned[todo[j]] = True
-            self._host = [
-                (flat, index, p) for (flat, index, _), p in zip(blocks, pinned, strict=True)
-            ]
-            self._biggest = max(f.numel() for f, _, _ in self._host)
-            if not all(p for _, _, p in self._host):
+            self._host = [b._replace(pinned=p) for b, p in zip(blocks, pinned, strict=True)]
+            self._biggest = max(b.flat.numel() for b in self._host)
+            if not all(b.pinned for b in self._host):
                 self._staging = [self._page_locked(self._biggest) for _ in range(2)]
 
     def configure(self, resident: set[int], slots: int = 2) -> None:
@@ -201,7 +200,7 @@ class DeviceWeights:
         # each resident block's own buffer, allocated now with the slots (the plan counts both):
         # not in the middle of the first step, between its activations
         self._resident_buffers = {
-            i: torch.empty(self._host[i][0].numel(), dtype=torch.uint8, device=self.device)
+            i: torch.empty(self._host[i].flat.numel(), dtype=torch.uint8, device=self.device)
             for i in sorted(self.resident)
             if i not in self._on_device and 0 <= i < self.source.num_blocks
         }
@@ -427,8 +426,16 @@ def _entry_bytes(t: torch.Tensor | QuantizedTensor, dtype: torch.dtype) -> int:
     return quantized_nbytes(tuple(t.shape), "none", dtype)
 
 
-def _flat_block(source: BlockSource, i: int, dtype: torch.dtype) -> tuple[torch.Tensor, dict, bool]:
-    """Block i as (one flat uint8 host buffer, its index, whether torch itself pinned it).
+class HostBlock(NamedTuple):
+    """One block in host memory, as DeviceWeights copies it from."""
+
+    flat: torch.Tensor  # every tensor of the block in one uint8 buffer (blocks.pack's layout)
+    index: dict  # where each tensor is in it (blocks.layout)
+    pinned: bool  # page-locked: copied from directly (else through a staging buffer)
+
+
+def _flat_block(source: BlockSource, i: int, dtype: torch.dtype) -> HostBlock:
+    """Block i as one flat uint8 host buffer, its index, and whether torch itself pinned it.
 
     Converted once here if the source holds another dtype; the WeightStore already stores the
     compute dtype, so no copy then. Buffers from numpy (the object store, `pack`) are never
@@ -445,5 +452,5 @@ def _flat_block(source: BlockSource, i: int, dtype: torch.dtype) -> tuple[torch.
             {k: v if isinstance(v, QuantizedTensor) else v.to(dtype) for k, v in w.items()}
         )
     if isinstance(buf, np.ndarray):  # read-only shared memory: we never write through it
-        return readonly_tensor(buf), index, False
-    return buf, index, buf.is_pinned()
+        return HostBlock(readonly_tensor(buf), index, False)
+    return HostBlock(buf, index, buf.is_pinned())

@@ -332,7 +332,7 @@ def test_blocks_through_the_staging_buffers_equal_blocks_read_in_place():
     state copies the bytes the planner counts."""
     source, ref, eng = engines()
     w = eng.weights
-    w._host = [(flat, index, False) for flat, index, _ in w._host]  # none page-locked in place
+    w._host = [b._replace(pinned=False) for b in w._host]  # none page-locked in place
     w._staging = [torch.full((w._biggest,), 0xAB, dtype=torch.uint8) for _ in range(2)]
     w._staging_free, w._next_staging = [None, None], 0
     mbs = micro_batches()
