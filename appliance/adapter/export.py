@@ -29,8 +29,7 @@ import math
 import os
 import re
 import shutil
-import tempfile
-import uuid
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from appliance.adapter import model_card
+from appliance.adapter.scratch import clean_dead, scratch_dir
 from appliance.errors import NO_SPACE, OTHER, ConfigError, ModelError, StorageError, first_line
 from appliance.models import hf_checkpoint
 from appliance.models.lora import ADAPTER_CONFIG, LoraWeights, load_adapter
@@ -49,6 +49,8 @@ DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
 # the base model's files that are weights (the export writes its own): every other file at the
 # top of the model directory is copied as it is
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", *OTHER_WEIGHT_FILES)
+#: in an s3:// --output while an export uploads it: what a killed export left is known by it
+EXPORT_MARKER = ".appliance-export-uploading"
 _DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2}  # else 1
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -174,21 +176,42 @@ def export_to(
     if not storage.is_s3(output):
         export_merged(model_dir, adapter_dir, output, shown_as=shown_as)
         return
-    if storage.list_files(output):
-        raise ConfigError(
-            f"--output {output} already holds objects; choose a new prefix (export never "
-            "overwrites)"
-        )
+    from appliance.run.output_lock import LOCK_FILE, S3Lease
     from appliance.storage.localize import cache_root
 
-    root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".export-", dir=root) as tmp:
-        local = export_merged(model_dir, adapter_dir, Path(tmp) / "merged", shown_as=shown_as)
+    def say(line: str) -> None:
+        print(line, file=sys.stderr)
+
+    with contextlib.ExitStack() as stack:
+        try:  # one export (or train) writes a prefix at a time: the lease says which, and when
+            stack.enter_context(S3Lease(output, say))  # its holder was killed (not renewed)
+        except ConfigError:
+            raise ConfigError(
+                f"--output {output} is being written by another appliance export (its lease is "
+                "renewed): wait for it to end, or choose another prefix"
+            ) from None
+        found = [f for f in storage.list_files(output) if f != LOCK_FILE]
+        if EXPORT_MARKER in found and "config.json" not in found:  # a killed export's upload
+            for f in sorted(found, key=lambda f: f == EXPORT_MARKER):  # the marker last
+                storage.delete(storage.join(output, f))
+            say(f"removed {len(found)} objects under {output}: a killed export's upload")
+        elif found:
+            raise ConfigError(
+                f"--output {output} already holds objects; choose a new prefix (export never "
+                "overwrites)"
+            )
+        root = cache_root()
+        root.mkdir(parents=True, exist_ok=True)
+        _clean_dead(root)  # the local copies killed exports left, never a live one's
+        tmp = stack.enter_context(scratch_dir(root, ".export"))
+        # first: what a killed export leaves is known as such (and cleaned by the next one)
+        storage.write_bytes(storage.join(output, EXPORT_MARKER), b"an appliance export uploads\n")
+        local = export_merged(model_dir, adapter_dir, tmp / "merged", shown_as=shown_as)
         files = sorted(f for f in local.rglob("*") if f.is_file())
         files.sort(key=lambda f: f.name == "config.json")  # last: the model is complete then
         for f in files:
             storage.upload_file(f, storage.join(output, f.relative_to(local).as_posix()))
+        storage.delete(storage.join(output, EXPORT_MARKER))
 
 
 def export_merged(
@@ -210,12 +233,13 @@ def export_merged(
     shards = plan_shards(sizes, max_shard_bytes)
     needed = sum(sizes.values())  # about what the export writes: the merged weights
 
-    with _writing(output, needed):
-        output.parent.mkdir(parents=True, exist_ok=True)
-        # beside the output (same filesystem, so the final rename is atomic); mkdir honours umask
-        tmp = output.parent / f".{output.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-    try:
+    with contextlib.ExitStack() as stack:
+        with _writing(output, needed):
+            output.parent.mkdir(parents=True, exist_ok=True)
+            _clean_dead(output.parent)  # what a killed export left here, never a live one's
+            # beside the output (same filesystem, so the final rename is atomic), its lock held
+            # while this export runs (scratch.py); removed at the end unless renamed into place
+            tmp = stack.enter_context(scratch_dir(output.parent, f".{output.name}.partial"))
         weight_map: dict[str, str] = {}
         total_bytes, merged = 0, 0
         for k, names in enumerate(shards):
@@ -263,7 +287,10 @@ def export_merged(
             if output.exists():
                 output.rmdir()  # empty: replace it
             os.rename(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return output
+
+
+def _clean_dead(parent: Path) -> None:
+    """Remove the scratch directories killed exports left in `parent`, saying so."""
+    for dead in clean_dead(parent):
+        print(f"removed {dead}: left by an export that was killed", file=sys.stderr)
