@@ -40,9 +40,9 @@ import torch
 from appliance import quant
 from appliance.actors.weight_store import WeightStore
 from appliance.bench.table import check_json_path, write_json
-from appliance.cluster.start import SHM_DIR, tmpfs_huge_policy
 from appliance.engine.blocks import entry_nbytes
 from appliance.errors import ConfigError
+from appliance.hardware.host import SHM_DIR, tmpfs_huge_policy
 from appliance.quant import reference
 
 GB = 1e9

@@ -1,6 +1,7 @@
 """Ray, and the processes around it.
 
-    start.py    start embedded Ray or join a cluster (the object store sized to /dev/shm and RAM),
+    start.py    start embedded Ray or join a cluster (the object store sized to /dev/shm and RAM:
+                hardware/host.py measures them),
                 where trainers go (trainer_slots, on_node), a shared --output check
     auth.py     Ray's token authentication: what a user is told about it
     exit.py     how an `appliance` process exits safely while Ray's threads still run

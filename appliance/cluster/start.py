@@ -28,12 +28,16 @@ from typing import Protocol
 from appliance.cluster import auth as ray_auth
 from appliance.config import DEFAULT_METRICS_PORT, TrainConfig, parse_bytes
 from appliance.errors import ApplianceError, ConfigError, first_line
+from appliance.hardware.host import (
+    SHM_DIR,
+    ram_available_bytes,
+    shm_available_bytes,
+)
 from appliance.storage import uri as storage
 
 TRAINER_NODE_RESOURCE = "appliance_trainer_node"  # marks nodes for trainers, beside "GPU"
 
 GIB = 1024**3
-SHM_DIR = "/dev/shm"
 #: Left free in /dev/shm beside the object store (NCCL's and torch's shared-memory segments):
 #: 1 GiB, or a tenth of a smaller /dev/shm.
 SHM_MARGIN_BYTES = GIB
@@ -60,58 +64,6 @@ class Slot:
     address: str | None = None
 
 
-def shm_available_bytes(shm_dir: str = SHM_DIR) -> int | None:
-    """Bytes free in the shared-memory file system (`df /dev/shm`'s Avail), None without one."""
-    try:
-        st = os.statvfs(shm_dir)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
-
-
-SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
-HUGE_POLICIES = ("always", "within_size")  # 2 MiB pages without madvise (Ray does not madvise)
-
-
-def tmpfs_huge_policy(
-    path: Path, mounts: str | None = None, shmem_enabled: str | None = None
-) -> str | None:
-    """The `huge=` policy of the tmpfs that holds `path` ("never" when the mount does not say),
-    or None when `path` is not on a tmpfs. The system-wide shmem_enabled overrides it when it says
-    `deny` (never) or `force` (always). `mounts` and `shmem_enabled` default to /proc/self/mounts
-    and the sysfs file."""
-    if mounts is None:
-        try:
-            mounts = Path("/proc/self/mounts").read_text()
-        except OSError:
-            return None
-    target = os.path.realpath(path)
-    best: tuple[str, str, str] | None = None  # mount point, type, options: the longest prefix
-    for line in mounts.splitlines():
-        fields = line.split()
-        if len(fields) < 4:
-            continue
-        point = fields[1].replace("\\040", " ")
-        inside = target == point or target.startswith(point.rstrip("/") + "/")
-        if inside and (best is None or len(point) >= len(best[0])):
-            best = (point, fields[2], fields[3])
-    if best is None or best[1] != "tmpfs":
-        return None
-    options = dict(o.split("=", 1) if "=" in o else (o, "") for o in best[2].split(","))
-    policy = options.get("huge", "never")
-    if shmem_enabled is None:
-        try:
-            shmem_enabled = Path(SHMEM_ENABLED).read_text()
-        except OSError:
-            shmem_enabled = ""
-    chosen = next((w[1:-1] for w in shmem_enabled.split() if w.startswith("[")), "")
-    if chosen == "deny":
-        return "never"
-    if chosen == "force":
-        return "always"
-    return policy
-
-
 def object_store_bytes(cfg: TrainConfig, shm_dir: str = SHM_DIR) -> tuple[int | None, str]:
     """The embedded Ray object store's size in bytes and where it came from.
 
@@ -135,19 +87,6 @@ def object_store_bytes(cfg: TrainConfig, shm_dir: str = SHM_DIR) -> tuple[int | 
         size = ram_cap
         source = f"{1 - RAM_RESERVE_FRACTION:.0%} of the {ram / GIB:.1f} GiB of RAM available"
     return max(size, RAY_MIN_OBJECT_STORE_BYTES), source
-
-
-def ram_available_bytes() -> int:
-    """RAM available to new allocations now: MemAvailable bounded by this container's memory
-    limit (measure.host_memory_available); psutil's figure where there is no /proc (macOS)."""
-    from appliance.hardware.measure import host_memory_available
-
-    available = host_memory_available()
-    if available is None:
-        import psutil
-
-        available = psutil.virtual_memory().available
-    return available
 
 
 def check_weights_fit(weight_bytes: int, store_bytes: int, source: str) -> None:

@@ -28,9 +28,9 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from appliance.cluster.start import HUGE_POLICIES, tmpfs_huge_policy
 from appliance.config import DEFAULT_METRICS_PORT
 from appliance.errors import ApplianceError, ConfigError, first_line
+from appliance.hardware.host import HUGE_POLICIES, tmpfs_huge_policy
 from appliance.models import param_count
 from appliance.models.layers import ModelArgs
 from appliance.storage import localize as s3_cache

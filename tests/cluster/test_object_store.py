@@ -49,7 +49,8 @@ def with_shm(size: str, python: str, timeout: int = 120) -> dict:
 CASES = {"600m": ("600m", 0), "3g": ("3g", 0), "3g-256m-taken": ("3g", 256), "20m": ("20m", 0)}
 SIZES = f"""
     import json, subprocess
-    from appliance.cluster.start import object_store_bytes, shm_available_bytes
+    from appliance.cluster.start import object_store_bytes
+    from appliance.hardware.host import shm_available_bytes
     from appliance.config import TrainConfig
     out = {{}}
     for name, (size, fill) in {CASES!r}.items():

@@ -287,7 +287,7 @@ tmpfs /mnt/big\\040shm/inner tmpfs rw,huge=always 0 0
 
 
 def test_the_huge_page_policy_is_the_mount_holding_the_path():
-    from appliance.cluster.start import tmpfs_huge_policy
+    from appliance.hardware.host import tmpfs_huge_policy
 
     plain = "always within_size advise [never] deny force"
     assert tmpfs_huge_policy(Path("/dev/shm"), MOUNTS, plain) == "never"  # not said: never
@@ -304,7 +304,7 @@ def test_the_huge_page_policy_is_the_mount_holding_the_path():
 
 @pytest.mark.parametrize("huge, status", [("never", "warn"), ("within_size", "ok")])
 def test_shm_pages_reads_the_real_mount(monkeypatch, huge, status):
-    from appliance.cluster.start import SHMEM_ENABLED
+    from appliance.hardware.host import SHMEM_ENABLED
 
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
