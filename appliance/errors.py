@@ -12,7 +12,7 @@ from typing import Any
 class ApplianceError(Exception):
     """Base class for errors caused by the user's input, not by a bug: bad config (ConfigError),
     model (ModelError), data (DataError), storage (StorageError) or checkpoints
-    (checkpoint.CheckpointError). The CLI prints these; anything else is a bug and keeps its
+    (checkpoints.CheckpointError). The CLI prints these; anything else is a bug and keeps its
     traceback."""
 
 

@@ -37,7 +37,7 @@ def stop_at_once_on_sigterm() -> None:
 
 def sigterm_stops_at_once() -> bool:
     """Whether `stop_at_once_on_sigterm` is in force (ray.init would replace it with its own
-    handler, a silent sys.exit(15): cluster.start_ray keeps it, holding signals meanwhile)."""
+    handler, a silent sys.exit(15): start.start_ray keeps it, holding signals meanwhile)."""
     return signal.getsignal(signal.SIGTERM) is _stop_now
 
 

@@ -116,7 +116,7 @@ class TokenizeWorker:
     ):
         """`chat_template`: renders conversation records (None: they are refused). `holdout`:
         the documents of `--eval-split` this worker skips (or, for evaluation, only reads).
-        `files`: the data files by name (`data_files.file_names`), as the run listed them when it
+        `files`: the data files by name (`files.file_names`), as the run listed them when it
         started: a worker restarted mid-run reads those, whatever the directory holds by then
         (None: the files `data_path` names now)."""
         if num_workers < 1 or not 0 <= worker_index < num_workers:

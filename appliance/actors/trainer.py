@@ -94,7 +94,7 @@ def resolve_device(device: str) -> str:
 def resolve_dtype(dtype: str, device: str) -> str:
     """The compute dtype `dtype` names on `device` (already resolved: cpu | cuda). `auto` is
     bfloat16 on a GPU that computes it natively (Ampere and newer), float16 with loss scaling on
-    an older one (engine.py), float32 on the CPU. The one place that decides: train, eval, bench
+    an older one (engine/step.py), float32 on the CPU. The one place that decides: train, eval, bench
     and doctor all ask it."""
     if dtype != "auto":
         return dtype
@@ -187,7 +187,7 @@ class Trainer:
         self._owned.close()
 
     def step(self, batches: list[Any], lr: float, first: int = 0) -> dict:
-        """One optimizer step over `batches` (data.Batch objects or object refs to them): this
+        """One optimizer step over `batches` (records.Batch objects or object refs to them): this
         rank's share of the global batch, possibly none (the last step of an epoch), starting at
         index `first` of the global batch.
 

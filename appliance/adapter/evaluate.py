@@ -3,7 +3,7 @@
 The dataset is read exactly as `train` reads it (any accepted format: `.jsonl`, `.json`,
 `.parquet`, `.arrow`, `.txt`, compressed or not, or a directory of them; text, prompt + completion,
 and conversations rendered with the model's chat template), and every document has the targets
-training gives it (`data.py`): a text record predicts every token and the appended EOS, prompt +
+training gives it (`data/records.py`): a text record predicts every token and the appended EOS, prompt +
 completion only the completion and EOS, a conversation only its assistant turns. Each document is
 truncated to `seq_len` tokens and scored alone: the result is the summed NLL over the target tokens
 of all documents divided by their number, i.e. what transformers' model gives summed over the same
@@ -48,7 +48,7 @@ from appliance.models.lora import load_adapter
 
 DEFAULT_BATCH_TOKENS = 16384  # tokens per engine call: bounds activation memory, not the result
 
-Document = tuple[np.ndarray, np.ndarray]  # (ids int64, target mask bool), as data.encode_records
+Document = tuple[np.ndarray, np.ndarray]  # (ids int64, target mask bool), as records.encode_records
 
 
 def read_documents(
@@ -67,7 +67,7 @@ def read_documents(
     `file:row N`) for a bad record, unless `on_bad_record="skip"` (then it is left out).
     `holdout`: only the documents --eval-split holds out. `warn` is told of skipped records and
     of truncated documents (how many, the tokens not scored). `files`: the data files by name,
-    as the run listed them when it started (`data_files.file_names`; None: what `data_path`
+    as the run listed them when it started (`files.file_names`; None: what `data_path`
     names now): --eval-split's documents are counted over those, as the workers count them."""
     found = find_data_files(data_path) if files is None else named_files(data_path, files)
     records, skipped = [], []

@@ -1,5 +1,5 @@
 """The bench's command line: `python -m appliance.bench` and `appliance bench` parse the same
-options (`parser`) and run `bench.run_bench` with them (`run_from_args`); bench.py says what is
+options (`parser`) and run `step.run_bench` with them (`run_from_args`); bench/step.py says what is
 measured."""
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def run_from_args(a: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None, prog: str = "python -m appliance.bench") -> int:
     """Parse `argv`, run, return the exit status (user errors: one `error:` line, status 1)."""
     argv = sys.argv[1:] if argv is None else argv
-    if "--load" in argv:  # the WeightStore load benchmark (load_bench.py), its own options
+    if "--load" in argv:  # the WeightStore load benchmark (bench/load.py), its own options
         from appliance.bench.load import main as load_main
 
         return load_main([x for x in argv if x != "--load"], prog=f"{prog} --load")

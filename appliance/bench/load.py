@@ -16,7 +16,7 @@ sharded safetensors) into a temporary directory, and deletes it at the end. Then
 
 GB/s is checkpoint bytes / seconds for both, so the ratio store/read is the fraction of the disk
 (page-cache) rate the store reaches. Then the quantizers alone: ns per value of the fused CPU
-kernels (quant_cpu: C, what the store uses) and of the PyTorch functions, one thread, on one
+kernels (quant/cpu.py: C, what the store uses) and of the PyTorch functions, one thread, on one
 (8192, 2048) bf16 weight (the 1B shape's MLP). Prints tables; --json writes every number.
 """
 

@@ -12,13 +12,13 @@ whole model fits the device; else the row says "does not fit"). Each mode runs w
 then timed optimizer steps.
 
 On CUDA the streamed row runs at `--gpu-memory-budget`, or by default at the largest budget under
-which at least half the blocks stream (planner.streaming_budget); a budget that keeps every block
+which at least half the blocks stream (memory.streaming_budget); a budget that keeps every block
 resident is refused, since it would time ordinary training.
 
 The floor of one step (docs/architecture.md, "The speed floor") is max(W / B, F / P): W = the
 bytes the engine copies host→device in one step (each streamed block once per pass, less block 0,
 which stays from one step's backward into the next forward, and less the last block when none is
-resident: planner.blocks_uploaded_per_step; the engine's own count is reported beside it),
+resident: memory.blocks_uploaded_per_step; the engine's own count is reported beside it),
 B = bandwidth measured from the memory the engine copies from (one of its own page-locked blocks
 into the device, median of 10, on CUDA; a host memcpy of 256 MiB on CPU, where nothing is
 really copied: weights are read in place, so the row is nominal), F = the
@@ -383,7 +383,7 @@ def run_bench(
                 f"--preset {preset}: no GPU memory budget streams half its blocks at this shape; "
                 "give --gpu-memory-budget"
             )
-        budget_kind = "the largest under which half the blocks stream (planner.streaming_budget)"
+        budget_kind = "the largest under which half the blocks stream (memory.streaming_budget)"
     spec = LoraSpec()
     head = {
         "preset": preset,
@@ -447,7 +447,7 @@ def run_bench(
 
 
 def _dequant_kernels(base_quant: str, device: torch.device, dtype: torch.dtype) -> str | None:
-    """What dequantized the blocks: "triton" (quant_gpu's fused kernels), or "pytorch" (on a CPU,
+    """What dequantized the blocks: "triton" (quant/gpu.py's fused kernels), or "pytorch" (on a CPU,
     or where the Triton kernels did not load or launch: quant warned why); None unquantized."""
     if base_quant == "none":
         return None

@@ -1,4 +1,4 @@
-"""The bench's report: a result (bench.run_bench) as a header and a Markdown table, and as
+"""The bench's report: a result (step.run_bench) as a header and a Markdown table, and as
 JSON."""
 
 from __future__ import annotations

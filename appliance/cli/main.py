@@ -457,7 +457,7 @@ def _help(name: str) -> str:
 
 
 PLAN_SHAPE = ("seq_len", "micro_batch_size", "micro_batches_per_step")  # train's defaults
-PLAN_DTYPES = tuple(d for d in C.CHOICES["dtype"] if d != "auto")  # plan.DTYPES
+PLAN_DTYPES = tuple(d for d in C.CHOICES["dtype"] if d != "auto")  # estimate.DTYPES
 
 
 @main.command("plan", short_help="Memory, time and cost of a run, before renting a GPU.")

@@ -3,7 +3,7 @@
 - `start_ray`: embedded Ray (address="local", metrics on --metrics-port, its object store sized
   to what /dev/shm holds: `object_store_bytes`; a model that cannot fit is refused first), or
   ray.init of --cluster (bare: $RAY_ADDRESS). Either way every process of the job gets the run's
-  metrics label (metrics.RUN_ENV).
+  metrics label (recorders.RUN_ENV).
 - `trainer_slots`: one slot per trainer a --cluster can host: each GPU of a trainer node (a node
   with the appliance_trainer_node resource, else any GPU node), one per trainer node without GPUs.
 - `check_shared_output`: with --cluster the driver writes run.json and rank 0, on a trainer node,
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from appliance.cluster import auth as ray_auth
+from appliance.cluster import auth
 from appliance.config import DEFAULT_METRICS_PORT, TrainConfig, parse_bytes
 from appliance.errors import ApplianceError, ConfigError, first_line
 from appliance.hardware.host import (
@@ -147,9 +147,9 @@ def start_ray(cfg: TrainConfig, progress: Notes, weight_bytes: int | None = None
         if address == "auto":
             address = os.environ.get("RAY_ADDRESS") or "auto"
         try:
-            problem = ray_auth.local_token_problem()
+            problem = auth.local_token_problem()
             if problem:  # Ray's client would abort this process on it
-                raise ConnectionError(f"{problem}: {ray_auth.HOW}")
+                raise ConnectionError(f"{problem}: {auth.HOW}")
             _reachable(address)
             _answers_as_gcs(address)
             _init_ray(
@@ -166,7 +166,7 @@ def start_ray(cfg: TrainConfig, progress: Notes, weight_bytes: int | None = None
         except AuthenticationError as e:  # ray.init's own check ("auto": no probe above)
             raise ConfigError(
                 f"--cluster {address}: cannot connect to a Ray cluster: {first_line(e)}; "
-                f"{ray_auth.HOW}"
+                f"{auth.HOW}"
             ) from None
         progress.note(f"connected to Ray cluster at {address}")
     else:
@@ -175,8 +175,8 @@ def start_ray(cfg: TrainConfig, progress: Notes, weight_bytes: int | None = None
         if store is not None and weight_bytes is not None:
             check_weights_fit(weight_bytes, store, source)
         progress.note("starting Ray (embedded)")
-        ray_auth.quiet_default_notice()
-        ray_auth.token_in_env_if_home_is_read_only()
+        auth.quiet_default_notice()
+        auth.token_in_env_if_home_is_read_only()
         t0 = time.perf_counter()
         try:
             with metrics_bound_to(cfg.metrics_host):  # loopback unless --metrics-host 0.0.0.0
@@ -281,8 +281,8 @@ def _answers_as_gcs(address: str) -> None:
     if isinstance(e, AuthenticationError):
         raise ConnectionError(
             f"it uses Ray's token authentication, and this process sent "
-            f"{ray_auth.what_was_sent()}: {ray_auth.HOW} (the Helm chart's: "
-            f"{ray_auth.CHART_TOKEN})"
+            f"{auth.what_was_sent()}: {auth.HOW} (the Helm chart's: "
+            f"{auth.CHART_TOKEN})"
         ) from None
     if isinstance(e, RpcError):
         raise ConnectionError(

@@ -10,11 +10,11 @@ holds one JSON array, whose items are the documents (`file:[N]` in errors; parse
 file is read, so an array takes no more memory than JSON Lines), a `.parquet` or `.arrow` row is
 one document (read with pyarrow, the same columns as the JSON keys, `file:row N` in errors;
 `.arrow` is what `datasets` writes: save_to_disk, its cache), a `.txt` file is one document.
-`data.ShardReader` deals them out to the tokenizer workers.
+`records.ShardReader` deals them out to the tokenizer workers.
 
 Also what a run says about a dataset directory before it reads it (`dataset_notes`: files
 skipped, files named for several splits; `not_held_out_notes`: --eval-data files that are
---data's too). Records inside the documents are parsed by `data.py`.
+--data's too). Records inside the documents are parsed by `data/records.py`.
 """
 
 from __future__ import annotations

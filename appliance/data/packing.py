@@ -1,6 +1,6 @@
 """Packing documents into rows without cross-document attention (`--packing documents`).
 
-A document of n tokens (ids, with the loss mask of data.encode_records) fills n − 1 row slots:
+A document of n tokens (ids, with the loss mask of records.encode_records) fills n − 1 row slots:
 its inputs are ids[:-1], its targets ids[1:] where the mask allows. A document longer than
 `seq_len` + 1 tokens is split into pieces of seq_len + 1 tokens overlapping by one (so every token
 but the document's first is still a target once), each piece its own document. In a row each

@@ -1,6 +1,6 @@
 """Shard reading, record parsing, tokenization and the batch type. Pure Python: no Ray here.
 
-A dataset (`data_files.py`: which files, each format read as what documents) is numbered in
+A dataset (`files.py`: which files, each format read as what documents) is numbered in
 document order over its files. Worker `w` of `N` owns the documents whose global index `% N ==
 w`; its documents are numbered 0, 1, ... within its shard, and the cursor (see
 `tokenize_worker.py`) refers to those shard indices.

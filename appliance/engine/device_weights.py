@@ -1,6 +1,6 @@
 """Block weights on the compute device: resident, streamed from host memory, or read in place.
 
-`DeviceWeights` is what the streamed step (engine.py) asks for block i's weights. On CUDA it copies
+`DeviceWeights` is what the streamed step (engine/step.py) asks for block i's weights. On CUDA it copies
 block i±1 on a side stream from page-locked memory while block i computes (one flat byte copy per
 block), keeps the blocks that the memory budget lets stay resident, and times the copies and the
 compute stream's waits for them with CUDA events. On CPU the weights are read in place (nothing

@@ -46,7 +46,7 @@ class MemoryPlan:
     @property
     def device_activation_bytes(self) -> int:
         """Saved inputs on the device: all of them, or offloaded, the two blocks' worth in the
-        device slots they come back through (offload.SavedInputs)."""
+        device slots they come back through (saved_inputs.SavedInputs)."""
         return device_saved_bytes(self.activation_bytes, self.num_blocks, self.offload_activations)
 
     @property
@@ -128,7 +128,7 @@ def plan_memory(
 
 def device_saved_bytes(saved: int, num_blocks: int, offload: bool) -> int:
     """Device bytes of the saved block inputs: all of them, or offloaded, two blocks' worth (the
-    device slots they come back through, offload.SavedInputs)."""
+    device slots they come back through, saved_inputs.SavedInputs)."""
     return 2 * saved // num_blocks if offload else saved
 
 

@@ -1,7 +1,7 @@
 """Saved block inputs of the streamed step: on the device, or offloaded to page-locked host memory.
 
 The forward saves every block's input for every micro-batch; the backward recomputes block i
-from them (engine.py). When they do not fit the budget (planner.plan_memory says
+from them (engine/step.py). When they do not fit the budget (memory.plan_memory says
 `offload_activations`) they go to the host:
 
 - one page-locked host buffer for all of them, allocated once at plan time (`allocate`), each

@@ -20,7 +20,7 @@ Data parallel (`group=`): each rank runs steps 1–3 on its share of the global 
 none); the target-token count is summed over ranks before the head, and the LoRA gradients and
 the loss after the backward (one flat all-reduce), so step 4 is identical on every rank.
 
-Weights come from a `BlockSource` (host tensors) through `streaming.DeviceWeights`: on CUDA it
+Weights come from a `BlockSource` (host tensors) through `device_weights.DeviceWeights`: on CUDA it
 copies block i±1 on a side stream from page-locked memory while block i computes, keeps the
 blocks that fit the memory budget resident, and measures the copies; on CPU every path reduces to
 plain tensor access. No Ray here: the engine is tested on its own against a full-model reference.
@@ -240,7 +240,7 @@ class StreamedEngine:
             self.plan(micro_batches)
 
     def plan_inputs(self, micro_batches: list[MicroBatch]) -> dict:
-        """What `plan` tells planner.plan_memory besides the budget: the bytes this engine holds
+        """What `plan` tells memory.plan_memory besides the budget: the bytes this engine holds
         and the batch it is sized for (also what bench asks for a budget that streams)."""
         micro_batches = micro_batches_of(micro_batches)
         w = self.weights

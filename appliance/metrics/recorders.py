@@ -1,4 +1,4 @@
-"""The appliance's metrics: one small recorder per actor, for the names metric_names.py declares.
+"""The appliance's metrics: one small recorder per actor, for the names metrics/names.py declares.
 
 Each actor records what it observes with Ray's metrics API (`ray.util.metrics`); the Ray metrics
 agent on every node serves those numbers at `http://<node>:<port>/metrics`, next to Ray's own node
@@ -6,7 +6,7 @@ metrics (CPU, memory, object store, and, where a GPU exists, GPU utilization and
 Prometheus scrapes that endpoint; Grafana draws `helm/appliance/dashboards/*.json`.
 
 Names in code start with `appliance_`; Prometheus shows them with Ray's `ray_` prefix, and counters
-with a `_total` suffix (`appliance_tokens` → `ray_appliance_tokens_total`). metric_names.py holds
+with a `_total` suffix (`appliance_tokens` → `ray_appliance_tokens_total`). metrics/names.py holds
 them all (`REGISTRY`), and docs/metrics.md is its table.
 
 Recorders are cheap no-ops until Ray is initialized in the process (the engine and the actor
@@ -21,7 +21,7 @@ classes run without Ray in tests); the Ray metric objects are created on first u
     WeightStoreMetrics().record(bytes_held)              # WeightStore, after loading
 
 The embedded Ray started by `appliance train` serves the endpoint on a fixed port
-(metrics_endpoint.py: `choose_metrics_port`, `ray_init_kwargs`, `metrics_url`).
+(metrics/endpoint.py: `choose_metrics_port`, `ray_init_kwargs`, `metrics_url`).
 
 Every metric also carries the label `run` (RUN_TAG): the run's --output, which the driver sets
 (`set_run_label`) and hands to every process of its Ray job in the environment variable RUN_ENV.

@@ -1,4 +1,4 @@
-"""Self-attention of the newer families (Qwen3, Gemma 2/3, Phi-3), built on model.py's parts.
+"""Self-attention of the newer families (Qwen3, Gemma 2/3, Phi-3), built on models/layers.py's parts.
 
 What it adds to Llama's `layers.attention`: a fused qkv projection (Phi-3), RMSNorm over each
 head of q and k (Qwen3, Gemma 3), RoPE on only the first dimensions of a head (Phi-4-mini), and

@@ -439,7 +439,7 @@ def logits(h: torch.Tensor, g: dict[str, torch.Tensor], args: ModelArgs) -> torc
 #: Logit values (positions × vocabulary) the head makes at once: its sequence is cut into chunks
 #: of at most this many, so the fp32 logits and their softmax never exist for a whole micro-batch
 #: (at T = 2048 and a 128k vocabulary those are 1 GiB each per row), and a big vocabulary does
-#: not force activation offload by itself (planner.plan_memory counts one chunk).
+#: not force activation offload by itself (memory.plan_memory counts one chunk).
 #: the label of a position without loss (PyTorch cross_entropy's ignore_index)
 IGNORE_INDEX = -100
 

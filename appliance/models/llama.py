@@ -1,4 +1,4 @@
-"""Llama, Mistral, Qwen2: the block of model.py (pre-norm attention and SwiGLU MLP)."""
+"""Llama, Mistral, Qwen2: the block of models/layers.py (pre-norm attention and SwiGLU MLP)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`train --micro-batches-per-step auto` on a GPU: `appliance plan`'s rule for M
-(plan.choose_micro_batches), fed with the B, P and memory measured on the trainer's own GPU
+(estimate.choose_micro_batches), fed with the B, P and memory measured on the trainer's own GPU
 instead of a class's figures from hardware.GPUS. On a CPU weights are read in place and M is
 CPU_AUTO_M.
 """

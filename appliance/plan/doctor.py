@@ -72,7 +72,7 @@ def suggested_sizes(needs: Needs) -> tuple[int, int]:
     """(/dev/shm, available RAM), whole GiB, that hold this run: what every fix line suggests.
 
     Embedded Ray's object store takes what /dev/shm holds less a margin, at most 80 % of the RAM
-    available (cluster.object_store_bytes); it must hold the weight store, and the RAM the whole
+    available (start.object_store_bytes); it must hold the weight store, and the RAM the whole
     run (`needs.ram`). Both with 10 % headroom."""
     from appliance.cluster.start import RAM_RESERVE_FRACTION, shm_gib_for
 
@@ -88,7 +88,7 @@ def _gib(n: float) -> str:
 def needs_for(
     args: ModelArgs, cuda: bool, base_quant: str = "none", dtype_bytes: int | None = None
 ) -> Needs:
-    """The host needs of training `args` here, by plan's own arithmetic (plan.host_bytes);
+    """The host needs of training `args` here, by plan's own arithmetic (estimate.host_bytes);
     `dtype_bytes` defaults to the trainer's `--dtype auto` (trainer.resolve_dtype)."""
     from appliance.plan.estimate import (
         TOKENIZER_WORKER_BYTES,
@@ -450,7 +450,7 @@ def check_port(port: int | None) -> Check:
 
 def check_ray(needs: Needs | None) -> Check:
     """The object store embedded Ray gets here: what `appliance train` sizes it to
-    (cluster.object_store_bytes: /dev/shm less a margin, at most 80% of the RAM available)."""
+    (start.object_store_bytes: /dev/shm less a margin, at most 80% of the RAM available)."""
     from appliance.cluster.start import object_store_bytes
     from appliance.config import TrainConfig
 

@@ -9,17 +9,17 @@ The run's shape (--seq-len, --micro-batch-size, --micro-batches-per-step, --lora
 node's weight store):
 
 - GPU memory by part, and which blocks stay resident: the engine's own planner
-  (`planner.plan_memory`, what `StreamedEngine.plan` calls), fed with the bytes config.json
+  (`memory.plan_memory`, what `StreamedEngine.plan` calls), fed with the bytes config.json
   implies instead of real tensors.
 - Host memory: the weight store (shared memory, one per node), what page-locking registers, the
   saved activations offloaded to pinned host memory, the trainer and tokenizer processes.
-- Time: host→device bytes per optimizer step (`planner.blocks_uploaded_per_step` blocks, both
+- Time: host→device bytes per optimizer step (`memory.blocks_uploaded_per_step` blocks, both
   passes), FLOPs (≈ 6·N·T over the blocks' parameters, as the engine counts them; attention
   scores and the LM head are reported beside it, not in the floor), the floor max(bytes/B, F/P)
   with B and P from hardware.GPUS, tokens/s at the floor, and the crossover T*.
 - Cost: hours at the floor × $ per GPU-hour (the class's on-demand instance, or --price-per-hour).
 - Fits: GPU and host both, or what each needs against what there is and the flags that fix it
-  (plan_fixes.py); the command exits 1 when it does not fit.
+  (plan/fixes.py); the command exits 1 when it does not fit.
 
 The floor is a lower bound: a real step takes longer (see docs/benchmarks.md for measured
 ratios). Nothing here reads weights or needs a GPU.
@@ -149,7 +149,7 @@ class PlanInput:
 
     @property
     def budget(self) -> int:
-        """What the engine's plan would take on an idle card (planner.effective_budget)."""
+        """What the engine's plan would take on an idle card (memory.effective_budget)."""
         total = self.card.memory_bytes
         return effective_budget(self.gpu_memory_budget, total, free=total, reserved=0)
 

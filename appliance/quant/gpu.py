@@ -1,6 +1,6 @@
 """Fused GPU kernels for dequantizing on the device: one pass per value, in Triton.
 
-`streaming.DeviceWeights.get` dequantizes a quantized block's projections once per block per pass,
+`device_weights.DeviceWeights.get` dequantizes a quantized block's projections once per block per pass,
 on the compute device. reference.py's PyTorch functions take several passes over each weight there
 (codes widened to an fp32 tensor, multiplied by the scales in place, converted to the compute
 dtype; NF4 adds a table lookup and a copy to drop the padding), each writing and reading back an

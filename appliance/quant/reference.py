@@ -7,7 +7,7 @@ codes plus fp32 scales, stored in the block's flat buffer as one entry (codes fi
 next 64-byte boundary; `entry_layout`), so the bytes in shared memory and the bytes copied to the
 device are the quantized ones. `dequantize` turns it back into the compute dtype on whatever
 device its codes live on, once per block per pass (DeviceWeights.get): on a CUDA device with
-Triton in one fused pass (quant_gpu), else with the PyTorch functions below.
+Triton in one fused pass (quant/gpu.py), else with the PyTorch functions below.
 
 Definitions (the tests check these exactly against a direct implementation):
 
@@ -44,7 +44,7 @@ def quantize(
 ) -> QuantizedTensor:
     """Quantize a 2-D weight (any float dtype; converted to fp32 first) as `kind`.
 
-    On a CPU, quant_cpu's fused C kernels (one pass per value) where built; else the PyTorch
+    On a CPU, quant/cpu.py's fused C kernels (one pass per value) where built; else the PyTorch
     functions below. Both give the same codes and scales (tests compare them bit for bit).
     `out`: where to write the codes and scales (views into a block's buffer: the fused kernels
     write there directly, with no array of their own); returned."""
@@ -76,7 +76,7 @@ def quantize(
 
 @functools.cache
 def _fused_kernels():
-    """quant_cpu (the fused C kernels), imported on first use; None where the extension was not
+    """quant/cpu.py (the fused C kernels), imported on first use; None where the extension was not
     built at install (then the PyTorch functions code the same values, ~5x slower)."""
     try:
         from appliance.quant import cpu as quant_cpu
@@ -92,7 +92,7 @@ def _fused_kernels():
 
 @functools.cache
 def _gpu_kernels():
-    """quant_gpu (Triton's fused kernels), imported on first use with codes on a CUDA device;
+    """quant/gpu.py (Triton's fused kernels), imported on first use with codes on a CUDA device;
     None where Triton is missing or does not import (then the PyTorch functions give the same
     values, in several passes over the weight)."""
     try:
@@ -132,13 +132,13 @@ def _launch_each(kernels, device: torch.device) -> None:  # type: ignore[no-unty
         torch.cuda.synchronize(device)
 
 
-# where dequantize uses quant_gpu: codes on these device types, into these dtypes (those tested)
+# where dequantize uses quant/gpu.py: codes on these device types, into these dtypes (those tested)
 _GPU_DEVICES = ("cuda",)  # the tests add "cpu" to run the dispatch under Triton's interpreter
 _GPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def gpu_dequantizers(device: torch.device, dtype: torch.dtype):  # type: ignore[no-untyped-def]
-    """quant_gpu's fused kernels where `dequantize` uses them (codes on a GPU, into a dtype they
+    """quant/gpu.py's fused kernels where `dequantize` uses them (codes on a GPU, into a dtype they
     are tested in, Triton loaded and launched), else None: the PyTorch functions below."""
     if device.type in _GPU_DEVICES and dtype in _GPU_DTYPES:
         return _gpu_kernels()
@@ -148,7 +148,7 @@ def gpu_dequantizers(device: torch.device, dtype: torch.dtype):  # type: ignore[
 def dequantize(q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
     """The weight back in `dtype`, on the codes' device (shape q.shape).
 
-    On a CUDA device with Triton, quant_gpu's fused kernels (one pass: codes and scales read
+    On a CUDA device with Triton, quant/gpu.py's fused kernels (one pass: codes and scales read
     once, the weight written once in `dtype`); else the PyTorch functions below. Both give the
     same values bit for bit (tests/test_quant_gpu.py)."""
     fused = gpu_dequantizers(q.codes.device, dtype)

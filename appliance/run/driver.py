@@ -153,6 +153,7 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
     try:
         with lock:
             run = connect(cfg, progress)
+            run.lease = lock  # an S3 lease taken over stops the run's writes (Run.check_lease)
             cfg = run.cfg
             if cfg.overwrite:
                 remove_previous_run(cfg.output)  # before the new run writes anything

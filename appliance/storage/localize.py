@@ -47,7 +47,7 @@ DEFAULT_CACHE_ROOT = Path("~/.cache/appliance/s3")
 OTHER_WEIGHT_FILES = ("*.bin", "*.bin.index.json", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack",
                       "*.gguf")  # fmt: skip
 # an adapter directory's files that are read: lora.ADAPTER_CONFIG and ADAPTER_WEIGHTS; the run's
-# settings and record (run_record.RUN_FILE beside a run's adapter; checkpoint.CONFIG_FILE,
+# settings and record (record.RUN_FILE beside a run's adapter; checkpoint.CONFIG_FILE,
 # DRIVER_STATE and MANIFEST in a checkpoint), eval's and export's defaults and the card's table;
 # and model_card.CARD (this module stays light: the tokenizer workers import it, and torch is not
 # theirs to load)

@@ -1,4 +1,4 @@
-"""S3 for storage.py: the boto3 client and what its failures mean.
+"""S3 for storage/uri.py: the boto3 client and what its failures mean.
 
 `s3_client()` is cached per endpoint and credentials (boto3 clients are thread-safe), retries
 adaptively (`APPLIANCE_S3_MAX_ATTEMPTS`), and honours `AWS_ENDPOINT_URL_S3`/`AWS_ENDPOINT_URL`

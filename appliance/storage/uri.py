@@ -13,7 +13,7 @@ environment when a client or transfer is made:
   (botocore's ``max_attempts``).
 - ``APPLIANCE_S3_MULTIPART_THRESHOLD`` / ``APPLIANCE_S3_MULTIPART_CHUNKSIZE`` (default 64 MiB):
   files at least this big are uploaded/downloaded in parts of this size, in parallel.
-- ``APPLIANCE_S3_CACHE`` (default ``~/.cache/appliance/s3``): where ``s3_cache.localize`` puts
+- ``APPLIANCE_S3_CACHE`` (default ``~/.cache/appliance/s3``): where ``localize.localize`` puts
   downloads.
 """
 
