@@ -14,11 +14,11 @@ def entry() -> None:
     """`cli.main`, then an exit that is safe with Ray's threads still running
     (appliance/cluster/exit.py says why)."""
     from appliance import quiet
-    from appliance.cluster import exit as E
+    from appliance.cluster import exit as safe_exit
     from appliance.interrupt import stop_at_once_on_sigterm
 
     quiet.install()  # a dead pipe on stdout/stderr (`| tee`, then Ctrl-C) never fails a run
-    E.install()  # before Ray is imported, so that it runs after Ray's own exit hook
+    safe_exit.install()  # before Ray is imported, so that it runs after Ray's own exit hook
     stop_at_once_on_sigterm()  # `docker stop` ends a container's PID 1 before the step loop too
     try:
         try:
@@ -28,7 +28,7 @@ def entry() -> None:
             sys.exit(130)
         main()
     except SystemExit as e:
-        E.set_exit_code(E.exit_code_of(e))
+        safe_exit.set_exit_code(safe_exit.exit_code_of(e))
         raise
 
 

@@ -13,7 +13,17 @@ import sys
 
 import click
 
-from appliance import config as C
+from appliance.config import (
+    CHOICES,
+    DEFAULT_METRICS_PORT,
+    FIELDS,
+    HELP_GROUPS,
+    TrainConfig,
+    base_type,
+    build_config,
+    flag,
+    read_config_file,
+)
 from appliance.errors import ApplianceError, ConfigError, cause_chain
 from appliance.hardware.gpus import GPUS as GPU_CLASSES
 from appliance.interrupt import RunInterrupted, stopped_at_once
@@ -115,7 +125,7 @@ class GroupedHelp(PatternHint):
             record = param.get_help_record(ctx)
             if record is not None:
                 records[self.ALIASES.get(param.name or "", param.name or "")] = record
-        for title, names in [*C.HELP_GROUPS.items(), ("Other options", tuple(records))]:
+        for title, names in [*HELP_GROUPS.items(), ("Other options", tuple(records))]:
             rows = [records.pop(n) for n in names if n in records]
             if rows:
                 with formatter.section(title):
@@ -138,24 +148,24 @@ def _train_options(fn):
     Values reach config.build_config as the strings typed: it converts and checks them all, so
     every bad flag is reported at once (click's own types stop at the first). The metavar still
     shows the type or the choices in --help."""
-    for name in reversed(list(C.FIELDS)):
-        f = C.FIELDS[name]
+    for name in reversed(list(FIELDS)):
+        f = FIELDS[name]
         if not f.metadata.get("cli", True):
             continue
-        kind = C.base_type(name)
+        kind = base_type(name)
         help_text = f.metadata["help"]
         if f.default is not None and kind is not bool:
             shown = ",".join(f.default) if kind is tuple else f.default
             help_text += f"  [default: {shown}]"
         if kind is bool:
-            opt = click.option(C.flag(name), name, is_flag=True, default=None, help=help_text)
+            opt = click.option(flag(name), name, is_flag=True, default=None, help=help_text)
         else:
             metavar = {int: "INTEGER", float: "FLOAT", tuple: "LIST"}.get(kind, "TEXT")
-            if name in C.CHOICES:
-                metavar = "[" + "|".join(C.CHOICES[name]) + "]"
+            if name in CHOICES:
+                metavar = "[" + "|".join(CHOICES[name]) + "]"
             metavar = METAVARS.get(name, metavar)
             opt = click.option(
-                C.flag(name), name, type=str, default=None, metavar=metavar, help=help_text
+                flag(name), name, type=str, default=None, metavar=metavar, help=help_text
             )
         fn = opt(fn)
     return fn
@@ -189,7 +199,7 @@ def train(config_file: str | None, **flags) -> None:
     from appliance.run.record import rebuild_unreadable_run_file
     from appliance.run.resume import recorded_config
 
-    file_values = C.read_config_file(config_file) if config_file else {}
+    file_values = read_config_file(config_file) if config_file else {}
     run_values, output = None, flags.get("output") or file_values.get("output")
     resuming = any(v.get(k) for v in (flags, file_values) for k in ("resume", "auto_resume"))
     notes: list[str] = []
@@ -197,7 +207,7 @@ def train(config_file: str | None, **flags) -> None:
         if rebuilt := rebuild_unreadable_run_file(str(output)):
             notes.append(rebuilt)
         run_values = recorded_config(str(output))
-    cfg = C.build_config(
+    cfg = build_config(
         file_values,
         flags,
         source=f"--config {config_file}",
@@ -264,7 +274,7 @@ def adapter_defaults(adapter: str, adapter_dir, given: dict, device: str | None 
         if value is None and known.get(key) is not None:
             given[key] = taken[key] = known[key]
     if "data" in taken and split:
-        given["eval_split"], given["seed"] = split, config.get("seed", C.TrainConfig.seed)
+        given["eval_split"], given["seed"] = split, config.get("seed", TrainConfig.seed)
         taken["data"] += f" (the {split} of it that --seed {given['seed']} held out)"
     no_run = f"{adapter} holds no run record (run.json, or a checkpoint's config.json)"
     for key in ("model", "seq_len", "data"):
@@ -277,18 +287,18 @@ def adapter_defaults(adapter: str, adapter_dir, given: dict, device: str | None 
             why += " to take it from"
         else:
             why = f"{no_run} to take it from"
-        raise ConfigError(f"{C.flag(key)} needed: {why}")
+        raise ConfigError(f"{flag(key)} needed: {why}")
     for key in ("model", "data"):  # a local path taken from the run, moved since
         value = given[key] if key in taken else None
         if value and not storage.is_s3(value) and not is_hub_id(value):
             if not Path(split_glob(value)[0] if has_glob(value) else value).exists():
                 raise ConfigError(
-                    f"{C.flag(key)} {value} (from {source}) is not there any more: if it moved, "
-                    f"give its new place with {C.flag(key)} PATH"
+                    f"{flag(key)} {value} (from {source}) is not there any more: if it moved, "
+                    f"give its new place with {flag(key)} PATH"
                 )
-    said = {k: v for k, v in taken.items() if k not in QUIET or v != C.FIELDS[k].default}
+    said = {k: v for k, v in taken.items() if k not in QUIET or v != FIELDS[k].default}
     if said:
-        shown = " ".join(f"{C.flag(k)} {v}" for k, v in said.items())
+        shown = " ".join(f"{flag(k)} {v}" for k, v in said.items())
         click.echo(f"note: {shown} (from {source})", err=True)
     return given
 
@@ -321,14 +331,14 @@ def adapter_defaults(adapter: str, adapter_dir, given: dict, device: str | None 
 )
 @click.option(
     "--dtype",
-    type=click.Choice(C.CHOICES["dtype"]),
+    type=click.Choice(CHOICES["dtype"]),
     default=None,
     help="Compute dtype: auto is bfloat16 on GPU (float16 without bf16), float32 on CPU (default: "
     "auto; with --adapter, its run's --dtype).",
 )
 @click.option(
     "--base-quant",
-    type=click.Choice(C.CHOICES["base_quant"]),
+    type=click.Choice(CHOICES["base_quant"]),
     default=None,
     help="Quantize the base model's linear weights, as `train --base-quant` (default: none; with "
     "--adapter, its run's, so a QLoRA run's adapter is scored as it trained: give none for the "
@@ -342,7 +352,7 @@ def adapter_defaults(adapter: str, adapter_dir, given: dict, device: str | None 
 )
 @click.option(
     "--on-bad-record",
-    type=click.Choice(C.CHOICES["on_bad_record"]),
+    type=click.Choice(CHOICES["on_bad_record"]),
     default="fail",
     show_default=True,
     help="A malformed record: stop naming it (fail), or leave it out with a warning (skip).",
@@ -388,7 +398,7 @@ def eval_cmd(
                 f"{' and '.join(missing)} needed (without --adapter there is no run to take "
                 f"{'them' if len(missing) > 1 else 'it'} from)"
             )
-    base_quant, dtype = base_quant or C.TrainConfig.base_quant, dtype or C.TrainConfig.dtype
+    base_quant, dtype = base_quant or TrainConfig.base_quant, dtype or TrainConfig.dtype
     model_dir = localize_model(resolve_model(model))  # the model's errors before the data's
     if adapter_dir is not None and (note := other_model_note(adapter_dir, model_dir, model)):
         click.echo(f"note: {note}", err=True)
@@ -453,11 +463,11 @@ def bench(options: tuple[str, ...]) -> None:
 
 def _help(name: str) -> str:
     """A train flag's help text (config/schema.py), for the same flag of another command."""
-    return C.FIELDS[name].metadata["help"]
+    return FIELDS[name].metadata["help"]
 
 
 PLAN_SHAPE = ("seq_len", "micro_batch_size", "micro_batches_per_step")  # train's defaults
-PLAN_DTYPES = tuple(d for d in C.CHOICES["dtype"] if d != "auto")  # estimate.DTYPES
+PLAN_DTYPES = tuple(d for d in CHOICES["dtype"] if d != "auto")  # estimate.DTYPES
 
 
 @main.command("plan", short_help="Memory, time and cost of a run, before renting a GPU.")
@@ -474,20 +484,20 @@ PLAN_DTYPES = tuple(d for d in C.CHOICES["dtype"] if d != "auto")  # estimate.DT
 @click.option(
     "--seq-len",
     type=int,
-    default=C.TrainConfig.seq_len,
+    default=TrainConfig.seq_len,
     show_default=True,
     help=_help("seq_len"),
 )
 @click.option(
     "--micro-batch-size",
     type=int,
-    default=C.TrainConfig.micro_batch_size,
+    default=TrainConfig.micro_batch_size,
     show_default=True,
     help=_help("micro_batch_size"),
 )
 @click.option(
     "--micro-batches-per-step",
-    default=str(C.TrainConfig.micro_batches_per_step),
+    default=str(TrainConfig.micro_batches_per_step),
     show_default=True,
     metavar="[N|auto]",
     help="Micro-batches per optimizer step (M), or auto: the smallest M within 10% of "
@@ -495,15 +505,15 @@ PLAN_DTYPES = tuple(d for d in C.CHOICES["dtype"] if d != "auto")  # estimate.DT
 )
 @click.option(
     "--base-quant",
-    type=click.Choice(C.CHOICES["base_quant"]),
-    default=C.TrainConfig.base_quant,
+    type=click.Choice(CHOICES["base_quant"]),
+    default=TrainConfig.base_quant,
     show_default=True,
     help=_help("base_quant"),
 )
 @click.option(
     "--lora-rank",
     type=int,
-    default=C.TrainConfig.lora_rank,
+    default=TrainConfig.lora_rank,
     show_default=True,
     help=_help("lora_rank").rstrip(".") + ", on all seven projections.",
 )
@@ -548,14 +558,14 @@ def plan_cmd(model, preset, gpu, micro_batches_per_step, gpu_memory_budget, as_j
 @click.option("--preset", default=None, help="A bench preset instead of --model.")
 @click.option(
     "--base-quant",
-    type=click.Choice(C.CHOICES["base_quant"]),
+    type=click.Choice(CHOICES["base_quant"]),
     default="none",
     show_default=True,
     help="Count the weight store as train --base-quant would store it.",
 )
 @click.option(
     "--device",
-    type=click.Choice(C.CHOICES["device"]),
+    type=click.Choice(CHOICES["device"]),
     default="auto",
     show_default=True,
     help="The device train would use: auto takes CUDA when a GPU is visible; cuda fails the "
@@ -566,7 +576,7 @@ def plan_cmd(model, preset, gpu, micro_batches_per_step, gpu_memory_budget, as_j
     type=int,
     default=None,
     help="The metrics port train would be given: checked to be free. Without it, the port train "
-    f"takes by default ({C.DEFAULT_METRICS_PORT}, or the next free one).",
+    f"takes by default ({DEFAULT_METRICS_PORT}, or the next free one).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @friendly_errors
