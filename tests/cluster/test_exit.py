@@ -14,7 +14,7 @@ import pytest
 PROGRAM = textwrap.dedent(
     """
     import sys
-    from appliance import exit as E
+    from appliance.cluster import exit as E
 
     E.install()
 
