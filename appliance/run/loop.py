@@ -83,6 +83,7 @@ class Run:
         self.trained = False
         self.interrupt: GracefulStop | None = None  # set by the driver: Ctrl-C/SIGTERM requests
         self.cut_said = False  # a record cut to keep memory bounded: said once a run
+        self.lease: Any = None  # the output's lock (set by the driver): S3Lease.check
         self.last_checkpoint = time.monotonic()  # for the time-based default --checkpoint-every
         self._eval_refs: list | None = None  # the validation micro-batches, in the object store
 
@@ -252,6 +253,7 @@ class Run:
         driver's state and the run's config beside its own: the big files never come here."""
         import ray
 
+        self.check_lease()  # its lease taken over: another run writes the output now
         t0 = time.perf_counter()
         driver = {
             **self.state.to_json(),
@@ -398,6 +400,7 @@ class Run:
                 min_lr_ratio=cfg.min_lr_ratio,
             )
             try:
+                self.check_lease()  # each step: a run whose lease was taken over stops
                 stats = self._step(refs, lr)
                 self._check_finite(st.step + 1, stats, lr)
                 st.step += 1
@@ -536,6 +539,7 @@ class Run:
         """Publish the adapter, its model card, and run.json's `complete` record (last)."""
         import ray
 
+        self.check_lease()
         self._retrying(lambda: ray.get(self.trainers[0].write_adapter.remote(self.cfg.output)))
         loads = sum(
             s["load_count"] for s in ray.get([s.stats.remote() for s in self.stores.values()])
@@ -571,8 +575,15 @@ class Run:
         if note:
             self.progress.note(note)
 
+    def check_lease(self) -> None:
+        """LeaseLost when the output's S3 lease was taken over: nothing more is written there."""
+        check = getattr(self.lease, "check", None)
+        if check is not None:
+            check()
+
     def record(self, status: str, extra: dict | None = None) -> None:
         """run.json: the run's identity, resolved config and `status` (with `extra`)."""
+        self.check_lease()
         inp = self.inp
         fingerprints = (inp.model_fingerprint, inp.data_fingerprint, inp.eval_data_fingerprint)
         write_run_file(self.cfg, status, extra, *fingerprints)

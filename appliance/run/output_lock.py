@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from appliance.errors import ConfigError
+from appliance.errors import ApplianceError, ConfigError
 from appliance.storage import uri as storage
 from appliance.storage.s3 import error_code, s3_client, s3_error
 from appliance.storage.safe_open import NotARegularFile, open_regular
@@ -50,6 +50,10 @@ def output_lock(output: str, note: Callable[[str], None] | None = None) -> Any:
     """The lock for `output`, as a context manager: an flock for a local directory, a lease for
     an s3:// prefix. `note` is told when taking an S3 lease means waiting."""
     return S3Lease(output, note) if storage.is_s3(output) else OutputLock(output)
+
+
+class LeaseLost(ApplianceError):
+    """The run's S3 lease was taken over: it stops writing its output and exits 1."""
 
 
 def _in_use(output: str, holder: str) -> ConfigError:
@@ -125,8 +129,9 @@ class S3Lease:
     cut off for longer than that) logs an error: two drivers then write one output, which is
     what the lease is for, so the message says so."""
 
-    RENEW_S = 10.0  # how often the holder rewrites the lease
-    STALE_S = 45.0  # a lease not rewritten for this long has no live holder
+    # (the environment variables: for tests, which cannot wait minutes for a lease)
+    RENEW_S = float(os.environ.get("APPLIANCE_LEASE_RENEW_S", 10.0))  # how often it is rewritten
+    STALE_S = float(os.environ.get("APPLIANCE_LEASE_STALE_S", 45.0))  # no live holder past this
     POLL_S = 2.0  # how often a driver waiting on a lease looks at it again
 
     def __init__(self, output: str, note: Callable[[str], None] | None = None):
@@ -240,6 +245,17 @@ class S3Lease:
                 )
                 return
             self.etag = etag
+
+    def check(self) -> None:
+        """LeaseLost once another driver has taken this run's lease over: the run must stop
+        writing its output (the step loop, checkpoints and run.json call this first)."""
+        if self.lost:
+            raise LeaseLost(
+                f"--output {self.output}: this run's lease was taken over by another appliance "
+                f"train (its renewals were cut off for over {self.STALE_S:.0f} s), so this run "
+                "stopped writing there: no checkpoint, run.json or adapter from it since; the "
+                "run that took it over writes that output now"
+            )
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
