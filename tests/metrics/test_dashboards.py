@@ -416,7 +416,7 @@ def test_compose_prometheus_scrapes_the_appliance_metrics_port(compose):
     app = services["appliance"]
     port = re.search(r"--metrics-port[ =](\d+)", app["command"]).group(1)
     assert targets == [f"appliance:{port}"]
-    assert f"{port}:{port}" in app["ports"]
+    assert f"127.0.0.1:{port}:{port}" in app["ports"]  # loopback only (issue 44, item 11)
     if shutil.which("promtool"):
         out = subprocess.run(
             ["promtool", "check", "config", str(config_path)],
