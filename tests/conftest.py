@@ -53,23 +53,44 @@ def ray_local():
 # markers come from where a test lives and what it uses, so a new test lands in its tier without
 # anyone remembering to mark it:
 #
-# - integration: every test under tests/e2e/ and tests/deploy/; any test that uses, through its
-#   fixtures or its own code, embedded Ray (`ray_local`, `ray_session`, `ray_start`), the moto S3
-#   server (`moto_server_url`, under every s3_* fixture) or an `appliance` child process
-#   (tests/helpers_cli.py's `cli`). Explicit `@pytest.mark.integration` marks stay valid.
-# - slow: what compiles with Inductor, spawns process groups or sweeps every model family
-#   through a parity check (SLOW below); each costs seconds to minutes of CPU and proves
-#   something an edit to one module rarely breaks.
+# - integration: every test under tests/e2e/ and tests/deploy/; and any test that uses, through
+#   its fixtures or its own code, embedded Ray (`ray_local`, tests/helpers_ray.py's `ray_session`
+#   and `ray_start`), the moto S3 server (`moto_server_url`, under every s3_* fixture, also when
+#   fetched with request.getfixturevalue) or an `appliance` child process (tests/helpers_cli.py's
+#   `cli`, `python -m appliance`, `appliance.cli.main` or `appliance.__main__` in a child) or
+#   any other child of this interpreter (`sys.executable`). Code is followed into the suite's
+#   own functions and classes it names. Marks written by hand stay valid.
+# - slow: Inductor compiles, spawned process groups, the peer baselines' training runs, the GPU
+#   image's collection of the whole suite, a QLoRA fine-tune compared with a bf16 one, and the
+#   parity sweeps over every model family (SLOW, SLOW_FIXTURES, PARITY_SWEEPS below): seconds
+#   to minutes of CPU each, for what an edit to one module rarely breaks.
 # - gpu: marked by hand (`@pytest.mark.gpu`); skipped without CUDA.
 
 INTEGRATION_DIRS = {"e2e", "deploy"}
 INTEGRATION_FIXTURES = {"ray_local", "moto_server_url"}
+# fixtures a test may fetch by name (request.getfixturevalue) that start a server
+_SERVER_FIXTURE_NAMES = INTEGRATION_FIXTURES | {"s3_endpoint", "s3_client", "s3_bucket"}
+# source that starts the CLI in a child process (`-c` programs, wrappers)
+_CLI_SOURCE = ("from appliance.cli.main import main", "from appliance.__main__ import entry")
 
-# path (relative to tests/) -> test names (prefixes) that are slow; None: the whole module.
+# path (relative to tests/) -> names (prefixes) of its slow tests; None: every test in it
 SLOW: dict[str, tuple[str, ...] | None] = {
     "engine/test_compiled_blocks.py": None,  # Inductor compiles C++ for every variant
     "engine/test_data_parallel_engine.py": None,  # mp.spawn of gloo process groups
     "bench/test_block_step.py": ("test_the_compiled_block_equals_the_eager_block",),  # Inductor
+    "bench/test_bench.py": ("test_compile_blocks_runs_the_engines_blocks_compiled",),  # Inductor
+    "bench/test_gpu_collect.py": None,  # a child process collects the whole suite
+    "quant/test_quant_parity.py": ("test_qlora_on_nf4_learns",),  # two fine-tunes, compared
+}
+# fixtures whose tests are slow: the peer baselines' runs (FSDP2 on a gloo group, HF + PEFT)
+SLOW_FIXTURES = {"hf_run", "fsdp_run", "peer_run"}
+# parity sweeps: in these modules, a test's instances for the model families beyond the Llama,
+# Mistral and Qwen 2 variants (tests/helpers_model.py's FAMILY_VARIANTS) are slow; the first
+# variants stay in the fast tier, so an edit still meets one parity check of each kind
+PARITY_SWEEPS = {
+    "engine/test_engine_parity.py",
+    "adapter/test_evaluate.py",
+    "adapter/test_export.py",
 }
 
 _TESTS_DIR = Path(__file__).resolve().parent
@@ -81,10 +102,30 @@ def _integration_helpers() -> set:
     return {helpers_cli.cli, helpers_ray.ray_session, helpers_ray.ray_start}
 
 
-def _code_uses(fn, targets: set, integration_names: set, seen: set) -> bool:
-    """Whether `fn`'s code refers to one of `targets`, or names a fixture in `integration_names`
-    (request.getfixturevalue("s3_bucket")), directly or through a function of this test suite it
-    calls (followed by name, transitively)."""
+def _flat(consts) -> list:
+    out = []
+    for k in consts:
+        out += _flat(k) if isinstance(k, tuple | frozenset) else [k]
+    return out
+
+
+def _starts_something(consts: list, names: tuple = ()) -> bool:
+    """Whether one code object (its constants, the names it uses) names a server fixture, starts
+    the CLI in a child or starts a child of this interpreter (`sys.executable`)."""
+    if "sys" in names and "executable" in names:
+        return True
+    strings = [k for k in consts if isinstance(k, str)]
+    if any(k in _SERVER_FIXTURE_NAMES for k in strings):
+        return True
+    if "-m" in strings and "appliance" in strings:  # [sys.executable, "-m", "appliance", ...]
+        return True
+    return any(source in k for k in strings for source in _CLI_SOURCE)
+
+
+def _code_uses(fn, targets: set, seen: set) -> bool:
+    """Whether `fn`'s code (nested functions included) refers to one of `targets` or starts
+    something (_starts_something), itself or through a function, class or string of this test
+    suite it names (followed transitively)."""
     fn = inspect.unwrap(fn)
     code = getattr(fn, "__code__", None)
     if code is None or fn in seen:
@@ -94,12 +135,17 @@ def _code_uses(fn, targets: set, integration_names: set, seen: set) -> bool:
     stack = [code]
     while stack:
         c = stack.pop()
-        stack += [k for k in c.co_consts if inspect.iscode(k)]
-        if any(isinstance(k, str) and k in integration_names for k in c.co_consts):
+        consts = _flat(c.co_consts)
+        stack += [k for k in consts if inspect.iscode(k)]
+        if _starts_something(consts, c.co_names):
             return True
         for name in c.co_names:
             obj = glob.get(name)
             if obj is None:
+                continue
+            if isinstance(obj, str):
+                if _starts_something([obj]):
+                    return True
                 continue
             try:
                 if obj in targets:
@@ -107,13 +153,11 @@ def _code_uses(fn, targets: set, integration_names: set, seen: set) -> bool:
             except TypeError:  # unhashable
                 continue
             if inspect.isclass(obj):
-                obj_fns = [v for v in vars(obj).values() if inspect.isfunction(v)]
+                fns = [v for v in vars(obj).values() if inspect.isfunction(v)]
             else:
-                obj_fns = [obj] if inspect.isfunction(obj) else []
-            for f in obj_fns:
-                if f.__module__.startswith("tests") and _code_uses(
-                    f, targets, integration_names, seen
-                ):
+                fns = [obj] if inspect.isfunction(obj) else []
+            for f in fns:
+                if f.__module__.startswith("tests") and _code_uses(f, targets, seen):
                     return True
     return False
 
@@ -121,29 +165,35 @@ def _code_uses(fn, targets: set, integration_names: set, seen: set) -> bool:
 def _is_integration(item: pytest.Item, rel: Path, targets: set) -> bool:
     if rel.parts[0] in INTEGRATION_DIRS:
         return True
-    names = set(getattr(item, "fixturenames", ()))
-    if names & INTEGRATION_FIXTURES:
+    if set(getattr(item, "fixturenames", ())) & INTEGRATION_FIXTURES:
         return True
-    integration_names = INTEGRATION_FIXTURES | {"s3_endpoint", "s3_client", "s3_bucket"}
     params = getattr(getattr(item, "callspec", None), "params", {})
     seen: set = set()
     defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
     for name, fixturedefs in defs.items():
+        if params.get(name) == "local":  # the local half of a ["local", "s3"] fixture
+            continue
         for fixturedef in fixturedefs:
-            if params.get(name) == "local":  # the local half of a ["local", "s3"] fixture
-                continue
-            if _code_uses(fixturedef.func, targets, integration_names, seen):
+            if _code_uses(fixturedef.func, targets, seen):
                 return True
     func = getattr(item, "function", None)
-    return func is not None and _code_uses(func, targets, integration_names, seen)
+    return func is not None and _code_uses(func, targets, seen)
+
+
+def _family_sweep(item: pytest.Item) -> bool:
+    from tests.helpers_model import FAMILY_VARIANTS
+
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return any(v in FAMILY_VARIANTS for v in _flat(params.values()) if isinstance(v, str))
 
 
 def _is_slow(item: pytest.Item, rel: Path) -> bool:
-    key = rel.as_posix()
-    if key not in SLOW:
-        return False
-    names = SLOW[key]
-    return names is None or item.originalname.startswith(names)
+    if set(getattr(item, "fixturenames", ())) & SLOW_FIXTURES:
+        return True
+    if rel.as_posix() in PARITY_SWEEPS and _family_sweep(item):
+        return True
+    names = SLOW.get(rel.as_posix(), ())
+    return names is None or getattr(item, "originalname", item.name).startswith(names)
 
 
 def pytest_collection_modifyitems(config, items):
