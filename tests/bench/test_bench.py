@@ -30,6 +30,10 @@ from appliance.models.hf_checkpoint import block_names, read_model_args
 from appliance.models.lora import LoraSpec, LoraWeights
 from tests.helpers_model import write_config
 
+# one short micro-batch a step: the tiny preset's CPU shape (several of 128 tokens) costs a step
+# of seconds, and no test that takes this shape reads a number that depends on it
+SMALL = ["--micro-batch-size", "1", "--seq-len", "32", "--micro-batches-per-step", "1"]
+
 ROW_FIELDS = {
     "mode", "tokens_per_step", "fits", "resident_blocks", "blocks", "streamed_bytes",
     "step_seconds", "step_seconds_min", "tokens_per_second", "flops_per_step",
@@ -227,7 +231,7 @@ def test_the_json_holds_each_row_as_soon_as_it_is_measured(tmp_path, monkeypatch
         return real(mode, *args)
 
     monkeypatch.setattr(B, "_run_mode", dies_in_resident)
-    argv = ["--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0"]
+    argv = ["--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0", *SMALL]
     with pytest.raises(MemoryError):
         BC.main([*argv, "--json", str(path)])
     kept = json.loads(path.read_text())
@@ -273,7 +277,7 @@ def test_write_json_makes_missing_directories_and_never_leaves_its_temp_file(tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "somedir"]
 
     path = tmp_path / "made" / "bench.json"
-    argv = ["--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0"]
+    argv = ["--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0", *SMALL]
     assert BC.main([*argv, "--modes", "streamed", "--json", str(path)]) == 0
     assert [r["mode"] for r in json.loads(path.read_text())["modes"]] == ["streamed"]
     capsys.readouterr()
@@ -296,7 +300,7 @@ def test_modes_runs_only_the_rows_asked_for(tmp_path, capsys):
     """--modes streamed: a big model's resident row (several full steps) is left out where only
     the streamed one is wanted (gpu_proof.sh's 70b-nf4); an unknown row is one error line."""
     path = tmp_path / "bench.json"
-    argv = ["--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0"]
+    argv = ["--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0", *SMALL]
     assert BC.main([*argv, "--modes", "streamed", "--json", str(path)]) == 0
     assert [r["mode"] for r in json.loads(path.read_text())["modes"]] == ["streamed"]
     assert "| resident |" not in capsys.readouterr().out
@@ -488,7 +492,7 @@ def test_profile_adds_one_profiled_step_per_row(tmp_path, capsys):
     """--profile: each row profiles one more step; its operator table is printed and in the JSON
     (what a row that misses its floor is read with)."""
     path = tmp_path / "bench.json"
-    argv = ["--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0"]
+    argv = ["--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0", *SMALL]
     assert BC.main([*argv, "--profile", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     rows = json.loads(path.read_text())["modes"]
@@ -507,7 +511,7 @@ def test_a_quantized_bench_says_what_dequantized_its_blocks(tmp_path):
     assert bench._dequant_kernels("none", torch.device("cpu"), torch.float32) is None
     path = tmp_path / "bench.json"
     argv = ["--preset", "tiny", "--device", "cpu", "--base-quant", "nf4", "--steps", "1",
-            "--warmup", "0", "--json", str(path)]  # fmt: skip
+            "--warmup", "0", *SMALL, "--json", str(path)]  # fmt: skip
     with contextlib.redirect_stdout(io.StringIO()):
         assert BC.main(argv) == 0
     result = json.loads(path.read_text())
@@ -526,7 +530,7 @@ def test_compile_blocks_runs_the_engines_blocks_compiled_and_says_so(tmp_path, c
     JSON and the table say so, and the loss is the eager blocks' to fp32 rounding."""
     from torch._dynamo.utils import counters
 
-    argv = ["--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0"]
+    argv = ["--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0", *SMALL]
     argv += ["--modes", "streamed", "--micro-batches-per-step", "1"]
     eager, compiled = tmp_path / "eager.json", tmp_path / "compiled.json"
     assert BC.main([*argv, "--json", str(eager)]) == 0

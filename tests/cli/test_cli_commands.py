@@ -270,7 +270,8 @@ def test_export_writes_a_checkpoint_transformers_loads_equal_to_base_plus_adapte
 
 def test_bench_tiny_prints_the_table_and_writes_json(tmp_path):
     flags = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--steps", "1",
-             "--warmup", "0", "--json", str(tmp_path / "b.json")]  # fmt: skip
+             "--warmup", "0", "--micro-batch-size", "1", "--seq-len", "32",
+             "--json", str(tmp_path / "b.json")]  # fmt: skip
     result = CliRunner().invoke(main, ["bench", *flags])
     assert result.exit_code == 0, result.output
     assert "streamed" in result.output and "resident" in result.output

@@ -26,6 +26,16 @@ from tests.helpers_tokenizer import sentences
 pytest_plugins = ["tests.s3_server"]
 pytestmark = pytest.mark.integration
 
+# `python -m appliance` with S3Lease.STALE_S set to 3 s: a driver that waits out a dead run's
+# lease takes it over after 3 s without a renewal instead of 45 s
+STALE_S_HERE = [
+    sys.executable,
+    "-c",
+    "import sys; from appliance.run.output_lock import S3Lease; S3Lease.STALE_S = 3.0; "
+    "sys.argv = ['appliance', *sys.argv[1:]]; "
+    "from appliance.__main__ import entry; entry()",
+]
+
 
 def upload_dir(local, uri):
     for path in sorted(local.rglob("*")):
@@ -100,8 +110,11 @@ def test_model_data_and_output_on_s3_survive_a_torn_checkpoint_write_and_resume_
     )  # the model is on local disk once: one copy of each shard, in the cache
 
     # 2. --resume continues from step 2 on S3 and finishes, once the lease the killed run left
-    # has gone unrenewed for S3Lease.STALE_S (45 s): that run is gone, not another one writing
-    rc, _, err = Proc(argv(out, "--resume"), env=env).finish()
+    # has gone unrenewed for S3Lease.STALE_S: that run is gone, not another one writing. The
+    # resuming driver waits 3 s of it, not 45 s (STALE_S_HERE): the length proves nothing here,
+    # and the takeover on its own is test_output_lock's test_the_lease_of_a_run_that_died_...
+    resume = [*STALE_S_HERE, *argv(out, "--resume")[3:]]
+    rc, _, err = Proc(resume, env=env).finish()
     assert rc == 0, err[-3000:]
     assert f"--output {out}: took over the lease of pid " in err
     assert "resumed from step-000002" in err
