@@ -305,8 +305,8 @@ resource "aws_cloudwatch_log_group" "cluster" {
 }
 
 resource "aws_eks_cluster" "this" {
-  #checkov:skip=CKV_AWS_39:make deploy runs helm and kubectl from the operator's machine, outside the VPC; the endpoint is IAM-authenticated and narrowed by var.cluster_endpoint_public_access_cidrs.
-  #checkov:skip=CKV_AWS_38:The default 0.0.0.0/0 lets make deploy work from anywhere (IAM still authenticates); set var.cluster_endpoint_public_access_cidrs to your address.
+  #checkov:skip=CKV_AWS_39:Public access is off by default (var.cluster_endpoint_public_access_cidrs is empty); it is on only for the CIDR blocks the operator names, for make deploy from outside the VPC.
+  #checkov:skip=CKV_AWS_38:No default CIDR: the endpoint is private unless var.cluster_endpoint_public_access_cidrs names the operator's addresses (validated as CIDR blocks).
   name                      = local.cluster_name
   version                   = var.kubernetes_version
   role_arn                  = aws_iam_role.cluster.arn
@@ -326,8 +326,9 @@ resource "aws_eks_cluster" "this" {
   vpc_config {
     subnet_ids              = aws_subnet.private[*].id
     endpoint_private_access = true
-    endpoint_public_access  = true
-    public_access_cidrs     = var.cluster_endpoint_public_access_cidrs
+    # private by default: public only for the CIDR blocks given (make deploy from outside the VPC)
+    endpoint_public_access = length(var.cluster_endpoint_public_access_cidrs) > 0
+    public_access_cidrs    = length(var.cluster_endpoint_public_access_cidrs) > 0 ? var.cluster_endpoint_public_access_cidrs : null
   }
 
   encryption_config {

@@ -97,8 +97,9 @@ resource "aws_s3_bucket_lifecycle_configuration" "this" {
       prefix = local.runs_prefix
     }
 
+    # how long an overwritten run can be recovered: var.run_noncurrent_version_days (default 7)
     noncurrent_version_expiration {
-      noncurrent_days = 1
+      noncurrent_days = var.run_noncurrent_version_days
     }
 
     expiration {

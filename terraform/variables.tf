@@ -85,9 +85,25 @@ variable "vpc_cidr" {
 }
 
 variable "cluster_endpoint_public_access_cidrs" {
-  description = "CIDR blocks allowed to reach the EKS API endpoint from the internet (kubectl/helm in make deploy). Narrow this to your own address."
+  description = "CIDR blocks allowed to reach the EKS API endpoint from the internet (kubectl/helm in make deploy), e.g. [\"203.0.113.10/32\"]. Empty (the default): the endpoint is private, reachable only from inside the VPC (a bastion, a VPN)."
   type        = list(string)
-  default     = ["0.0.0.0/0"]
+  default     = []
+
+  validation {
+    condition     = alltrue([for cidr in var.cluster_endpoint_public_access_cidrs : can(cidrnetmask(cidr))])
+    error_message = "Each of cluster_endpoint_public_access_cidrs must be an IPv4 CIDR block, e.g. 203.0.113.10/32."
+  }
+}
+
+variable "run_noncurrent_version_days" {
+  description = "Days S3 keeps a noncurrent version under runs/ (an overwritten or deleted run.json, adapter or checkpoint) before it expires: how long an accidental overwrite of a run can be undone. Each pruned checkpoint is kept that long too, so a large model's runs cost that much more storage."
+  type        = number
+  default     = 7
+
+  validation {
+    condition     = var.run_noncurrent_version_days >= 1 && floor(var.run_noncurrent_version_days) == var.run_noncurrent_version_days
+    error_message = "run_noncurrent_version_days must be a whole number of days, 1 or more."
+  }
 }
 
 variable "bucket_name" {

@@ -330,10 +330,11 @@ def test_destroy_deletes_the_image_repository_but_keeps_a_bucket_with_checkpoint
     assert module()["variable"]["force_destroy"]["default"] is False
 
 
-def test_pruned_checkpoints_of_the_runs_are_kept_one_day_and_other_versions_thirty() -> None:
+def test_noncurrent_runs_are_kept_the_set_retention_and_other_versions_thirty() -> None:
     """The appliance prunes <output>/checkpoints/step-*/ every few minutes; in the versioned
-    bucket each pruned checkpoint stays as noncurrent versions for as long as the lifecycle keeps
-    them: one day under the runs' prefix (make deploy's default OUTPUT), 30 days elsewhere."""
+    bucket each pruned checkpoint (and an overwritten run) stays as noncurrent versions for as
+    long as the lifecycle keeps them: var.run_noncurrent_version_days under the runs' prefix
+    (make deploy's default OUTPUT; 7 by default, issue 44), 30 days elsewhere."""
     from appliance.storage.checkpoints import checkpoints_uri
 
     lifecycle = module()["resource"]["aws_s3_bucket_lifecycle_configuration"]["this"]
@@ -351,7 +352,9 @@ def test_pruned_checkpoints_of_the_runs_are_kept_one_day_and_other_versions_thir
         return expiration["noncurrent_days"]
 
     runs = rules["expire-pruned-run-checkpoints"]
-    assert ref(runs["status"]) == "Enabled" and noncurrent_days(runs) == 1
+    assert ref(runs["status"]) == "Enabled"
+    assert ref(noncurrent_days(runs)) == "var.run_noncurrent_version_days"
+    assert module()["variable"]["run_noncurrent_version_days"]["default"] == 7
     assert runs["expiration"][0]["expired_object_delete_marker"] is True
     everything = rules["expire-overwritten-versions"]
     assert prefix(everything) == "" and noncurrent_days(everything) == 30
