@@ -223,3 +223,20 @@ def test_the_check_names_an_upward_import_a_sideways_one_and_a_cycle(tmp_path) -
     assert "actors/trainer.py:1: appliance.actors.trainer imports appliance.cluster.start: " \
         "sideways" in problems[0]  # fmt: skip
     assert cycles(root) == [["appliance.data.a", "appliance.data.b"]]
+
+
+def test_no_package_exports_a_name_that_hides_one_of_its_modules() -> None:
+    """`from appliance.storage import localize` must give the module, as the code and the tests
+    write it: a package that exported a function `localize` from storage/localize.py would hand
+    out the function instead (its __init__ rebinds the name after the submodule is imported)."""
+    import importlib
+
+    hidden = []
+    for pkg in sorted({p for line in LAYERS for p in line if (ROOT / p).is_dir()}):
+        package = importlib.import_module(f"appliance.{pkg}")
+        for name in getattr(package, "__all__", []):
+            value = getattr(package, name, None)  # (a module __all__ names may not be loaded)
+            is_module = isinstance(value, type(package))
+            if (ROOT / pkg / f"{name}.py").is_file() and value is not None and not is_module:
+                hidden.append(f"appliance.{pkg}.{name}")
+    assert hidden == []

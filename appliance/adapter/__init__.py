@@ -2,8 +2,7 @@
 out data), `appliance export` (export.py: the adapter merged into the base model's weights) and
 the model cards both write (model_card.py)."""
 
-from appliance.adapter.evaluate import evaluate
 from appliance.adapter.export import export_merged
 from appliance.adapter.model_card import adapter_card, merged_card
 
-__all__ = ["adapter_card", "evaluate", "export_merged", "merged_card"]
+__all__ = ["adapter_card", "export_merged", "merged_card"]  # (evaluate: adapter.evaluate.evaluate)

@@ -45,6 +45,8 @@ from appliance.errors import ConfigError
 from appliance.models import hf_checkpoint
 from appliance.models.layers import IGNORE_INDEX
 from appliance.models.lora import load_adapter
+from appliance.storage import uri as storage
+from appliance.storage.localize import localize, localize_data
 
 DEFAULT_BATCH_TOKENS = 16384  # tokens per engine call: bounds activation memory, not the result
 
@@ -147,8 +149,6 @@ def validation_batches(cfg, inp, warn: Callable[[str], None] | None = None) -> l
     encodes it, truncated to --seq-len and scored alone (the semantics of `appliance eval`);
     DataError naming the set if a record is bad or none has a target token. `warn`: as in
     `read_documents` (skipped records, documents cut to --seq-len)."""
-    from appliance.storage import uri as storage
-    from appliance.storage.localize import localize, localize_data
 
     holdout = files = None
     if cfg.eval_data:

@@ -23,7 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from appliance.models.lora import ADAPTER_CONFIG
+from appliance.models.multimodal import ARCHITECTURES
 from appliance.storage import uri as storage
+from appliance.storage.checkpoints import CONFIG_FILE, DRIVER_STATE, MANIFEST, RUN_FILE, json_object
 from appliance.storage.hub import cached_repo
 
 CARD = "README.md"
@@ -53,7 +56,6 @@ class BaseModel:
 def base_model(model: str, files: str | Path | None = None) -> BaseModel:
     """`model` as given (or resolved to its snapshot in the Hugging Face cache); `files`: a local
     directory holding its files, for its card's metadata (default: `model` itself)."""
-    from appliance.models.multimodal import ARCHITECTURES
 
     repo = cached_repo(model)
     repo_id, revision = (repo.repo_id, repo.revision) if repo else (None, None)
@@ -239,7 +241,6 @@ def write_adapter_card(record: dict[str, Any], base: BaseModel, output: str) -> 
     uri = storage.join(output, CARD)
     if is_ours(uri) is False:
         return f"{uri} is not a card appliance wrote: left as it is (no model card written)"
-    from appliance.models.lora import ADAPTER_CONFIG
 
     adapter_config = json.loads(storage.read_bytes(storage.join(output, ADAPTER_CONFIG)))
     storage.write_bytes(uri, adapter_card(record, base, output, adapter_config).encode())
@@ -248,7 +249,6 @@ def write_adapter_card(record: dict[str, Any], base: BaseModel, output: str) -> 
 
 def completed_record(adapter_dir: Path) -> dict[str, Any] | None:
     """The run.json beside an adapter, when it records a completed run (whose adapter it is)."""
-    from appliance.storage.checkpoints import RUN_FILE, json_object
 
     record = json_object(adapter_dir / RUN_FILE)
     ok = record is not None and record.get("status") == "complete"
@@ -258,7 +258,6 @@ def completed_record(adapter_dir: Path) -> dict[str, Any] | None:
 def checkpoint_record(adapter_dir: Path) -> dict[str, Any] | None:
     """For a checkpoint's adapter (`OUTPUT/checkpoints/step-N`), a record of the run up to that
     step in run.json's form, from the checkpoint's config and driver state; None otherwise."""
-    from appliance.storage.checkpoints import CONFIG_FILE, DRIVER_STATE, MANIFEST, json_object
 
     if not (adapter_dir / MANIFEST).is_file():
         return None

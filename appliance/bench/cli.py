@@ -10,6 +10,7 @@ import sys
 from appliance.actors.trainer import resolve_device
 from appliance.bench.step import MODES, run_bench
 from appliance.bench.table import check_json_path, print_table, write_json
+from appliance.config import parse_bytes
 from appliance.engine.blocks import dtype_from_name
 from appliance.engine.memory import gpu_budget_problem
 from appliance.errors import ConfigError
@@ -101,7 +102,6 @@ def run_from_args(a: argparse.Namespace) -> dict:
     """Run the bench for parsed options: prints the table, writes the JSON if asked.
 
     ConfigError for a bad option value (naming the flag)."""
-    from appliance.config import parse_bytes
 
     if a.json_path:  # before the bench runs, not after it (its results then lost)
         check_json_path(a.json_path)

@@ -43,6 +43,7 @@ from appliance.bench.table import check_json_path, write_json
 from appliance.engine.blocks import entry_nbytes
 from appliance.errors import ConfigError
 from appliance.hardware.host import SHM_DIR, tmpfs_huge_policy
+from appliance.models.hf_checkpoint import expected_shapes, read_model_args
 from appliance.quant import reference
 
 GB = 1e9
@@ -83,8 +84,6 @@ def write_checkpoint(directory: Path, config: dict = LLAMA_1B, shard_bytes: int 
     Values are N(0, 0.02) cut from one random pool at varying offsets (random weights for 1B
     parameters would take minutes to draw here; quantization cost does not depend on them)."""
     from safetensors.torch import save_file
-
-    from appliance.models.hf_checkpoint import expected_shapes, read_model_args
 
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))

@@ -5,11 +5,4 @@ package that does the work: run/ (train), adapter/ (eval, export), plan/ (plan, 
 Nothing is imported here: `appliance` (appliance/__main__.py) imports main.py, and torch with
 it, only once its Ctrl-C handling is in place."""
 
-__all__ = ["main"]
-
-
-def main() -> None:
-    """`appliance`'s click group (cli/main.py), imported when called."""
-    from appliance.cli.main import main as group
-
-    group()
+__all__: list[str] = []  # the command line is cli/main.py: appliance.cli.main.main

@@ -2,6 +2,11 @@
 
 Flags of `train` are generated from config.TrainConfig, so the config file and the command line
 share one typed schema. User errors print as `error: ...` lines and exit 1, without a traceback.
+
+Each command imports the package that does its work inside its function (start-up time: `appliance
+--help`, `plan` or `doctor` do not load the run's Ray side, the engine or the exporter). These are
+the only imports of the package's own modules kept inside functions, with quant/reference.py's
+kernels (a C extension that may not be built, Triton) and run.train (the same reason as here).
 """
 
 from __future__ import annotations

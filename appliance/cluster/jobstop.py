@@ -33,6 +33,8 @@ import os
 import sys
 import time
 
+from appliance.cluster.auth import HOW, local_token_problem, what_was_sent
+
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 # Ray's own default for RAY_JOB_STOP_WAIT_TIME_S (ray/dashboard/modules/job/job_supervisor.py)
 RAY_DEFAULT_STOP_WAIT_S = 3
@@ -140,8 +142,6 @@ def main(argv: list[str] | None = None) -> int:
     timeout = default_timeout() if args.timeout is None else args.timeout
     say = lambda line: print(line, flush=True)  # noqa: E731 - a line at a time, to kubectl exec
     from ray.exceptions import AuthenticationError
-
-    from appliance.cluster.auth import HOW, local_token_problem, what_was_sent
 
     problem = local_token_problem()
     if problem:  # Ray's client would fail on it before asking the dashboard anything

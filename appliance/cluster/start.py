@@ -33,7 +33,17 @@ from appliance.hardware.host import (
     ram_available_bytes,
     shm_available_bytes,
 )
+from appliance.interrupt import sigterm_stops_at_once
+from appliance.metrics.endpoint import (
+    EVERY_INTERFACE,
+    choose_metrics_port,
+    metrics_bound_to,
+    metrics_url,
+    ray_init_kwargs,
+)
+from appliance.metrics.recorders import RUN_ENV, run_label, set_run_label
 from appliance.storage import uri as storage
+from appliance.storage.checkpoints import FAULT_ENV, FAULT_PID_ENV
 
 TRAINER_NODE_RESOURCE = "appliance_trainer_node"  # marks nodes for trainers, beside "GPU"
 
@@ -118,16 +128,6 @@ def start_ray(cfg: TrainConfig, progress: Notes, weight_bytes: int | None = None
 
     if ray.is_initialized():
         return
-    from appliance.interrupt import sigterm_stops_at_once
-    from appliance.metrics.endpoint import (
-        EVERY_INTERFACE,
-        choose_metrics_port,
-        metrics_bound_to,
-        metrics_url,
-        ray_init_kwargs,
-    )
-    from appliance.metrics.recorders import RUN_ENV, run_label, set_run_label
-    from appliance.storage.checkpoints import FAULT_ENV, FAULT_PID_ENV
 
     ours = sigterm_stops_at_once()  # then _init_ray keeps it through ray.init
 
@@ -165,8 +165,7 @@ def start_ray(cfg: TrainConfig, progress: Notes, weight_bytes: int | None = None
             ) from None
         except AuthenticationError as e:  # ray.init's own check ("auto": no probe above)
             raise ConfigError(
-                f"--cluster {address}: cannot connect to a Ray cluster: {first_line(e)}; "
-                f"{auth.HOW}"
+                f"--cluster {address}: cannot connect to a Ray cluster: {first_line(e)}; {auth.HOW}"
             ) from None
         progress.note(f"connected to Ray cluster at {address}")
     else:

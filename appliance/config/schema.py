@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.models.layers import TARGET_MODULES
+from appliance.models.lora import LoraSpec
 
 CHECKPOINT_MINUTES = 10  # the default checkpoint interval, in minutes of training
 DEFAULT_METRICS_PORT = 8080  # where Prometheus (compose) and KubeRay look for it
@@ -187,7 +188,6 @@ class TrainConfig:
     )
 
     def lora_spec(self):
-        from appliance.models.lora import LoraSpec
 
         return LoraSpec(
             self.lora_rank, self.lora_alpha, self.lora_dropout, tuple(self.lora_targets)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from appliance.hardware.measure import host_memory_available
+
 SHM_DIR = "/dev/shm"
 
 
@@ -65,7 +67,6 @@ def tmpfs_huge_policy(
 def ram_available_bytes() -> int:
     """RAM available to new allocations now: MemAvailable bounded by this container's memory
     limit (measure.host_memory_available); psutil's figure where there is no /proc (macOS)."""
-    from appliance.hardware.measure import host_memory_available
 
     available = host_memory_available()
     if available is None:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from appliance.errors import ConfigError
+from appliance.storage.safe_open import open_regular
 
 #: How often every Ray process pushes its metrics to the node's agent. Ray's default is 10 s;
 #: 1 s (Ray's floor) lets a 1 s Prometheus scrape see each step within about a second.
@@ -110,8 +111,6 @@ def _claim(port: int) -> bool:
     import os
     import tempfile
     from pathlib import Path
-
-    from appliance.storage.safe_open import open_regular
 
     path = Path(tempfile.gettempdir()) / f"appliance-metrics-port-{port}.lock"
     try:  # never through a link planted in the shared temp dir; another's file: not claimable

@@ -3,7 +3,7 @@
 Names in code start with `appliance_`; Prometheus shows them with Ray's `ray_` prefix, and counters
 with a `_total` suffix (`appliance_tokens` → `ray_appliance_tokens_total`). `REGISTRY` is the one
 list; docs/metrics.md is its table (`python -m appliance.metrics.names` prints it) and a test keeps
-the two equal. The recorders that set them are in metrics.py.
+the two equal. The recorders that set them are in metrics/recorders.py.
 """
 
 from __future__ import annotations
@@ -274,4 +274,3 @@ def markdown_row(spec: MetricSpec) -> str:
 def markdown_table() -> str:
     """The metrics table of docs/metrics.md (a test keeps the file equal to this)."""
     return "\n".join([*TABLE_HEADER, *(markdown_row(s) for s in REGISTRY)])
-

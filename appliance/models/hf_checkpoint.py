@@ -22,6 +22,7 @@ from appliance import models
 from appliance.errors import ModelError
 from appliance.models import hf_config, multimodal
 from appliance.models.layers import ModelArgs
+from appliance.storage.checkpoints import json_object
 from appliance.storage.names import why_outside
 
 # the text architectures, then the multimodal ones whose language model is trained (see
@@ -132,8 +133,6 @@ def _eos_elsewhere(model_dir: Path) -> int | None:
     `eos_token_id` (the first of a list), else the id tokenizer.json gives tokenizer_config.json's
     `eos_token`, as transformers' generate and tokenizer find them."""
     from tokenizers import Tokenizer
-
-    from appliance.storage.checkpoints import json_object
 
     eos = (json_object(model_dir / "generation_config.json") or {}).get("eos_token_id")
     if isinstance(eos, list):

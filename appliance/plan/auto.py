@@ -6,7 +6,9 @@ CPU_AUTO_M.
 
 from __future__ import annotations
 
+from appliance.engine.blocks import dtype_from_name
 from appliance.hardware import gpus as hardware
+from appliance.hardware.measure import measure_bandwidth, measure_matmul
 from appliance.models.layers import ModelArgs
 from appliance.plan.estimate import PlanInput, choose_micro_batches
 
@@ -18,9 +20,6 @@ def measure_this_gpu(dtype: str = "bfloat16") -> dict:
     memory of CUDA device 0: a second or two (bench's own measurements). Run it where the
     trainer's GPU is visible."""
     import torch
-
-    from appliance.engine.blocks import dtype_from_name
-    from appliance.hardware.measure import measure_bandwidth, measure_matmul
 
     dev = torch.device("cuda", 0)
     return {

@@ -28,11 +28,36 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from appliance.config import DEFAULT_METRICS_PORT
+from appliance.actors.trainer import resolve_dtype
+from appliance.cluster.start import RAM_RESERVE_FRACTION, object_store_bytes, shm_gib_for
+from appliance.config import DEFAULT_METRICS_PORT, TrainConfig
+from appliance.engine.blocks import dtype_from_name
 from appliance.errors import ApplianceError, ConfigError, first_line
+from appliance.hardware.gpu_monitor import _import_pynvml
 from appliance.hardware.host import HUGE_POLICIES, tmpfs_huge_policy
+from appliance.hardware.measure import (
+    cgroup_memory_headroom,
+    measure_bandwidth,
+    measure_matmul,
+    meminfo_available,
+)
+from appliance.metrics.endpoint import (
+    default_candidates,
+    is_tcp_port,
+    port_is_free,
+    port_range_error,
+)
 from appliance.models import param_count
 from appliance.models.layers import ModelArgs
+from appliance.plan.estimate import (
+    TOKENIZER_WORKER_BYTES,
+    TOKENIZER_WORKERS,
+    TRAINER_PROCESS_BYTES,
+    block_bytes,
+    globals_bytes,
+    smaller_quants,
+)
+from appliance.quant import reference
 from appliance.storage import localize as s3_cache
 from appliance.storage import uri as storage
 
@@ -62,7 +87,6 @@ class Needs:
 
 def quant_hint(needs: Needs) -> str:
     """`, or --base-quant int8|nf4` (only the ones smaller than the current), or ""."""
-    from appliance.plan.estimate import smaller_quants
 
     smaller = smaller_quants(needs.base_quant)
     return f", or --base-quant {'|'.join(smaller)}" if smaller else ""
@@ -74,7 +98,6 @@ def suggested_sizes(needs: Needs) -> tuple[int, int]:
     Embedded Ray's object store takes what /dev/shm holds less a margin, at most 80 % of the RAM
     available (start.object_store_bytes); it must hold the weight store, and the RAM the whole
     run (`needs.ram`). Both with 10 % headroom."""
-    from appliance.cluster.start import RAM_RESERVE_FRACTION, shm_gib_for
 
     store = needs.weight_store
     ram = 1.1 * max(needs.ram, store / (1 - RAM_RESERVE_FRACTION))
@@ -90,13 +113,6 @@ def needs_for(
 ) -> Needs:
     """The host needs of training `args` here, by plan's own arithmetic (estimate.host_bytes);
     `dtype_bytes` defaults to the trainer's `--dtype auto` (trainer.resolve_dtype)."""
-    from appliance.plan.estimate import (
-        TOKENIZER_WORKER_BYTES,
-        TOKENIZER_WORKERS,
-        TRAINER_PROCESS_BYTES,
-        block_bytes,
-        globals_bytes,
-    )
 
     if dtype_bytes is None:
         dtype_bytes = auto_dtype("cuda" if cuda else "cpu").itemsize
@@ -142,7 +158,6 @@ def check_torch() -> Check:
 
 
 def _driver_version() -> str | None:
-    from appliance.hardware.gpu_monitor import _import_pynvml
 
     pynvml = _import_pynvml()
     if pynvml is None:
@@ -280,8 +295,6 @@ def check_triton(cuda: bool) -> Check:
         )
     import warnings
 
-    from appliance.quant import reference
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ok = reference._gpu_kernels() is not None
@@ -292,7 +305,6 @@ def check_triton(cuda: bool) -> Check:
 
 
 def check_ram(needs: Needs | None) -> Check:
-    from appliance.hardware.measure import cgroup_memory_headroom, meminfo_available
 
     host = meminfo_available()
     if host is None:
@@ -379,8 +391,6 @@ def check_speed() -> list[Check]:
     on each GPU (a second or two each)."""
     import torch
 
-    from appliance.hardware.measure import measure_bandwidth, measure_matmul
-
     if not torch.cuda.is_available():
         return [Check("speed", "warn", "no GPU to measure", "")]
     out = []
@@ -410,7 +420,6 @@ def check_port(port: int | None) -> Check:
     """The metrics port train would bind: `port` (--metrics-port) must be free, as train refuses
     one in use; with none given, train takes 8080 or the next free port, so a busy 8080 is only
     a warning (a Prometheus that scrapes 8080 would miss the run)."""
-    from appliance.metrics.endpoint import default_candidates, is_tcp_port, port_is_free
 
     if port is not None and not is_tcp_port(port):  # 0 would be any port, 65536 up none
         return Check(
@@ -451,8 +460,6 @@ def check_port(port: int | None) -> Check:
 def check_ray(needs: Needs | None) -> Check:
     """The object store embedded Ray gets here: what `appliance train` sizes it to
     (start.object_store_bytes: /dev/shm less a margin, at most 80% of the RAM available)."""
-    from appliance.cluster.start import object_store_bytes
-    from appliance.config import TrainConfig
 
     cap, source = object_store_bytes(TrainConfig())
     if cap is None:
@@ -497,8 +504,6 @@ def check_s3(model: str) -> Check:
 
 def auto_dtype(device: str):
     """The torch dtype `--dtype auto` trains in on `device` (cpu | cuda; a GPU: the current one)."""
-    from appliance.actors.trainer import resolve_dtype
-    from appliance.engine.blocks import dtype_from_name
 
     return dtype_from_name(resolve_dtype("auto", device))
 
@@ -581,7 +586,6 @@ def run_doctor(
         raise ConfigError("give --model or --preset, not both")
     if base_quant not in ("none", "int8", "nf4"):
         raise ConfigError(f"--base-quant {base_quant!r} must be one of none | int8 | nf4")
-    from appliance.metrics.endpoint import is_tcp_port, port_range_error
 
     if metrics_port is not None and not is_tcp_port(metrics_port):  # train's rule, up front
         raise ConfigError(port_range_error(metrics_port))

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from appliance.actors.tokenize_worker import MAX_DEFAULT_WORKERS
-from appliance.config import TrainConfig
+from appliance.config import TrainConfig, parse_bytes
 from appliance.engine.memory import (
     MemoryPlan,
     blocks_uploaded_per_step,
@@ -194,7 +194,6 @@ def plan_input(
 ) -> PlanInput:
     """Check the CLI's flags (every problem at once, each naming its flag) and resolve them.
     `train_defaults`: the shape flags the user left at train's defaults, for the printout."""
-    from appliance.config import parse_bytes
 
     errors = []
     gpu = gpu.strip().lower()  # A10 is a10 (the table's keys are lower case)

@@ -26,9 +26,13 @@ from appliance.cluster.start import (
     start_ray,
     trainer_slots,
 )
-from appliance.config import TrainConfig
+from appliance.config import AUTO, TrainConfig
+from appliance.engine.blocks import dtype_from_name
 from appliance.errors import cause_chain
 from appliance.interrupt import GracefulStop, RunInterrupted, stopped_at_once
+from appliance.metrics.endpoint import METRICS_REPORT_INTERVAL_MS
+from appliance.plan.auto import CPU_AUTO_M, auto_micro_batches, measure_this_gpu
+from appliance.plan.estimate import load_args
 from appliance.run.inputs import absolute_paths, prepare, resolve_inputs
 from appliance.run.loop import Run
 from appliance.run.output_lock import output_lock
@@ -67,21 +71,16 @@ def resolve_micro_batches(inp: Inputs, progress: Progress) -> None:
     """`--micro-batches-per-step auto`: 4 on a CPU; on a GPU, measure B and P where a trainer's
     GPU is (a one-off Ray task, whose process then exits with its CUDA context) and take
     plan's M. The number replaces `auto` in the config, so run.json records it."""
-    from appliance.config import AUTO
 
     cfg = inp.cfg
     if cfg.micro_batches_per_step != AUTO:
         return
-    from appliance.plan.auto import CPU_AUTO_M, auto_micro_batches, measure_this_gpu
-    from appliance.plan.estimate import load_args
 
     if inp.device != "cuda":
         cfg.micro_batches_per_step = CPU_AUTO_M
         progress.note(f"--micro-batches-per-step auto: {CPU_AUTO_M} (on a CPU)")
         return
     import ray
-
-    from appliance.engine.blocks import dtype_from_name
 
     measure = ray.remote(num_gpus=1, max_calls=1)(measure_this_gpu)
     measured = ray.get(measure.remote(inp.dtype))  # P in the run's compute dtype
@@ -128,7 +127,6 @@ def _let_metrics_report(cfg: TrainConfig) -> None:
     """Wait one metrics report interval before Ray shuts down: each process hands its numbers to
     its node's metrics agent periodically, so without this the last step's and the final
     checkpoint's numbers would die with the processes, unseen by Prometheus."""
-    from appliance.metrics.endpoint import METRICS_REPORT_INTERVAL_MS
 
     ms = METRICS_REPORT_INTERVAL_MS  # what the embedded Ray is started with
     if cfg.cluster:  # the cluster's own setting, as Ray reads it (its default is 10 s)

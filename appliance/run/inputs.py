@@ -21,15 +21,19 @@ from appliance.data.files import (
     resolve_dataset,
 )
 from appliance.data.records import Holdout, check_dataset, check_has_targets, check_tokenizer_fits
+from appliance.engine.blocks import dtype_from_name
 from appliance.errors import NOT_FOUND, ConfigError, StorageError
-from appliance.models import resolve_targets
+from appliance.models import TARGETS, resolve_targets
 from appliance.models.hf_checkpoint import (
     SafetensorsCheckpoint,
+    block_shapes,
     read_model_args,
     seq_len_problems,
     tokenizer_path,
 )
 from appliance.models.layers import ModelArgs
+from appliance.plan.doctor import blocking_problems
+from appliance.run.demo import make_demo
 from appliance.run.record import (
     data_fingerprint,
     model_fingerprint,
@@ -49,7 +53,6 @@ def apply_demo(cfg: TrainConfig) -> None:
     run settings were already applied, as a layer below the user's, by config.build_config."""
     if cfg.model is not None:
         return
-    from appliance.run.demo import make_demo
 
     made = make_demo(tempfile.mkdtemp(prefix="appliance-demo-"), seed=cfg.seed)
     cfg.model, cfg.data = made["model"], made["data"]
@@ -178,8 +181,6 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
 def lora_rank_problems(args: ModelArgs, rank: int, targets: tuple[str, ...]) -> list[str]:
     """--lora-rank larger than a layer it adapts (min of its inputs and outputs): a rank past
     that learns nothing more, and a huge one failed as an allocation traceback in the trainer."""
-    from appliance.models import TARGETS
-    from appliance.models.hf_checkpoint import block_shapes
 
     modules = {TARGETS[t] for t in targets}
     smallest: tuple[int, str] | None = None
@@ -199,8 +200,6 @@ def lora_rank_problems(args: ModelArgs, rank: int, targets: tuple[str, ...]) -> 
 
 def check_box(cfg: TrainConfig, args: ModelArgs) -> None:
     """`appliance doctor`'s blocking checks for this run, before any weight is read."""
-    from appliance.engine.blocks import dtype_from_name
-    from appliance.plan.doctor import blocking_problems
 
     device = resolve_device(cfg.device)
     dtype_bytes = dtype_from_name(resolve_dtype(cfg.dtype, device)).itemsize

@@ -27,6 +27,7 @@ from appliance.actors.tokenize_worker import ACTOR_OPTIONS, ShardWorker, default
 from appliance.actors.trainer import Trainer, TrainerSettings
 from appliance.actors.weight_store import WeightStore
 from appliance.adapter import model_card
+from appliance.adapter.evaluate import validation_batches
 from appliance.cluster.start import Slot, local_slots, on_node
 from appliance.config import CHECKPOINT_MINUTES, TrainConfig, flag
 from appliance.engine.schedule import lr_at
@@ -41,6 +42,7 @@ from appliance.run.state import Inputs, RunState
 from appliance.storage.checkpoints import (
     CONFIG_FILE,
     DRIVER_STATE,
+    checkpoints_uri,
     json_bytes,
     list_checkpoints,
     load_latest_checkpoint,
@@ -76,7 +78,7 @@ class Run:
 
     def __init__(self, inp: Inputs, progress: Progress, slots: list[Slot] | None = None):
         self.inp, self.cfg, self.progress = inp, inp.cfg, progress
-        self.slots = slots  # --cluster: where trainers can go (cluster.trainer_slots)
+        self.slots = slots  # --cluster: where trainers can go (start.trainer_slots)
         self.state = RunState()
         self.metrics = DriverMetrics()
         self.restarts = 0
@@ -284,7 +286,6 @@ class Run:
     def stop_if_asked(self, checkpointed: bool) -> None:
         """After a step: when SIGINT/SIGTERM asked to stop, make sure this step is checkpointed,
         then raise RunInterrupted saying where the run is and how to go on."""
-        from appliance.storage.checkpoints import checkpoints_uri
 
         asked = self.interrupt.requested if self.interrupt else None
         if asked is None or self.state.step == self.total_steps:
@@ -507,8 +508,6 @@ class Run:
     def eval_refs(self) -> list:
         """The validation set as packed micro-batches in the object store (built once)."""
         import ray
-
-        from appliance.adapter.evaluate import validation_batches
 
         if self._eval_refs is None:
             batches = validation_batches(

@@ -14,7 +14,14 @@ from appliance.data.files import file_names, some_of
 from appliance.errors import ConfigError
 from appliance.run.output_lock import output_lock
 from appliance.storage import uri as storage
-from appliance.storage.checkpoints import RUN_FILE, json_object
+from appliance.storage.checkpoints import (
+    CONFIG_FILE,
+    MANIFEST,
+    RUN_FILE,
+    CheckpointError,
+    json_object,
+    load_latest_checkpoint,
+)
 
 #: what an unreadable run.json is kept as, beside the one rebuilt from a checkpoint
 UNREADABLE = ".unreadable"
@@ -160,7 +167,6 @@ def adapter_run_config(adapter_dir: Path) -> tuple[dict, Path] | None:
     was read from: run.json beside a run's adapter (its --output), or a checkpoint's config.json
     (beside its manifest). None for an adapter from elsewhere (PEFT's) or a file that does not
     parse: the adapter's own adapter_config.json is then all there is."""
-    from appliance.storage.checkpoints import CONFIG_FILE, MANIFEST
 
     run_file, checkpoint_config = adapter_dir / RUN_FILE, adapter_dir / CONFIG_FILE
     if run_file.is_file():
@@ -178,7 +184,6 @@ def other_model_note(adapter_dir: Path, model_dir: Path, model: str) -> str | No
     fingerprint in the run's run.json (beside the adapter, or two levels up from a checkpoint).
     One of the same shapes loads without a word otherwise, and scores or merges as another
     model's. None when they match, or when no fingerprint was recorded (a PEFT adapter)."""
-    from appliance.storage.checkpoints import MANIFEST
 
     run_file = adapter_dir / RUN_FILE
     if not run_file.is_file() and (adapter_dir / MANIFEST).is_file():
@@ -233,7 +238,6 @@ def _parse_record(data: bytes) -> tuple[dict | None, str]:
 def _latest_config(output: str) -> tuple[str, dict] | None:
     """The latest good checkpoint of the run in `output` and the resolved config it holds (every
     checkpoint has one: CONFIG_FILE), or None when there is no such checkpoint."""
-    from appliance.storage.checkpoints import CONFIG_FILE, CheckpointError, load_latest_checkpoint
 
     try:
         checkpoint = load_latest_checkpoint(output, only=(CONFIG_FILE,))

@@ -10,7 +10,7 @@ safe_open.py    lock and marker files opened without following links
 """
 
 from appliance.storage.checkpoints import list_checkpoints, load_latest_checkpoint, save_checkpoint
-from appliance.storage.localize import localize, localize_data, localize_model
+from appliance.storage.localize import localize_data, localize_model
 from appliance.storage.uri import exists, is_s3, join, read_bytes, write_bytes
 
 __all__ = [
@@ -19,7 +19,6 @@ __all__ = [
     "join",
     "list_checkpoints",
     "load_latest_checkpoint",
-    "localize",
     "localize_data",
     "localize_model",
     "read_bytes",
