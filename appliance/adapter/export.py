@@ -42,9 +42,9 @@ from appliance.adapter.scratch import clean_dead, scratch_dir
 from appliance.errors import NO_SPACE, OTHER, ConfigError, ModelError, StorageError, first_line
 from appliance.models import hf_checkpoint
 from appliance.models.lora import ADAPTER_CONFIG, LoraWeights, load_adapter
-from appliance.run.output_lock import LOCK_FILE, S3Lease
 from appliance.storage import uri as storage
 from appliance.storage.localize import OTHER_WEIGHT_FILES, cache_root
+from appliance.storage.output_lock import LOCK_FILE, S3Lease
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
 # the base model's files that are weights (the export writes its own): every other file at the

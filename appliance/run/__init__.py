@@ -1,12 +1,13 @@
 """`appliance train`, from the command line's config to a trained adapter.
 
-driver.py       the run's steps: check the inputs, decide fresh / resume, start Ray and the
-                actors, hand over to the loop (train)
+driver.py       the run's steps: check the inputs, start Ray and the actors, hand over to the
+                loop, record how it ended (train)
+inputs.py       every input checked before anything heavy starts (resolve_inputs)
+resume.py       what --output holds decides: start, resume or replace (decide_output)
 loop.py         the step loop: feed rows, step every trainer, evaluate, checkpoint, recover
 state.py        what the loop carries between steps (inputs, RunState)
 feed.py         tokenizer workers' rows scheduled to the trainers
 record.py       run.json: the run's identity and status, what resume compares against
-output_lock.py  one run per --output (a local lock file, or a lease on S3)
 progress.py     what the user sees: the live table, plain lines or JSON
 failures.py     which failures are retried and which end the run
 demo.py         the built-in demo (a tiny model, tokenizer and corpus) for `make train`

@@ -35,10 +35,10 @@ from appliance.plan.auto import CPU_AUTO_M, auto_micro_batches, measure_this_gpu
 from appliance.plan.estimate import load_args
 from appliance.run.inputs import absolute_paths, prepare, resolve_inputs
 from appliance.run.loop import Run
-from appliance.run.output_lock import output_lock
 from appliance.run.progress import Progress
 from appliance.run.resume import remove_previous_run
 from appliance.run.state import Inputs
+from appliance.storage.output_lock import output_lock
 
 
 def connect(cfg: TrainConfig, progress: Progress) -> Run:

@@ -12,7 +12,6 @@ from typing import BinaryIO
 from appliance.config import TrainConfig
 from appliance.data.files import file_names, some_of
 from appliance.errors import ConfigError
-from appliance.run.output_lock import output_lock
 from appliance.storage import uri as storage
 from appliance.storage.checkpoints import (
     CONFIG_FILE,
@@ -22,6 +21,7 @@ from appliance.storage.checkpoints import (
     json_object,
     load_latest_checkpoint,
 )
+from appliance.storage.output_lock import output_lock
 
 #: what an unreadable run.json is kept as, beside the one rebuilt from a checkpoint
 UNREADABLE = ".unreadable"

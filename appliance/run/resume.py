@@ -13,7 +13,6 @@ from appliance.adapter import model_card
 from appliance.config import TrainConfig, flag, shown
 from appliance.errors import ConfigError
 from appliance.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from appliance.run.output_lock import LOCK_FILE
 from appliance.run.record import (
     IDENTITY_KEYS,
     LEGACY_IDENTITY,
@@ -32,6 +31,7 @@ from appliance.storage.checkpoints import (
     list_checkpoints,
     temp_dirs,
 )
+from appliance.storage.output_lock import LOCK_FILE
 
 
 @dataclass(frozen=True)

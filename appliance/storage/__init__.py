@@ -6,6 +6,7 @@ localize.py     s3:// models, data and adapters copied into a local cache, once
 checkpoints.py  training checkpoints: save, verify, list, load the latest complete one
 hub.py          `org/name` ids found in the local Hugging Face cache
 globs.py        glob patterns over local paths and S3 keys
+output_lock.py  one writer per --output (train, export): a local lock file, an S3 lease
 safe_open.py    lock and marker files opened without following links
 """
 

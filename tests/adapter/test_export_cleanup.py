@@ -18,7 +18,7 @@ from appliance.adapter import export as E
 from appliance.cli.main import main
 from appliance.models.hf_checkpoint import read_model_args
 from appliance.models.lora import LoraSpec
-from appliance.run.output_lock import LOCK_FILE, S3Lease
+from appliance.storage.output_lock import LOCK_FILE, S3Lease
 from tests.helpers_model import lora_with_random_b, make_model
 
 pytest_plugins = ["tests.s3_server"]

@@ -19,11 +19,11 @@ from click.testing import CliRunner
 from appliance import config as C
 from appliance.cli.main import main
 from appliance.errors import ConfigError
-from appliance.run.output_lock import LOCK_FILE, OutputLock
 from appliance.run.record import rebuild_unreadable_run_file, run_identity, write_run_file
 from appliance.run.resume import decide_output, remove_previous_run
 from appliance.storage import uri as storage
 from appliance.storage.checkpoints import list_checkpoints, load_latest_checkpoint, save_checkpoint
+from appliance.storage.output_lock import LOCK_FILE, OutputLock
 from tests.helpers_model import make_model
 from tests.helpers_net import free_port
 from tests.helpers_tokenizer import sentences

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.integration
 STALE_S_HERE = [
     sys.executable,
     "-c",
-    "import sys; from appliance.run.output_lock import S3Lease; S3Lease.STALE_S = 3.0; "
+    "import sys; from appliance.storage.output_lock import S3Lease; S3Lease.STALE_S = 3.0; "
     "sys.argv = ['appliance', *sys.argv[1:]]; "
     "from appliance.__main__ import entry; entry()",
 ]

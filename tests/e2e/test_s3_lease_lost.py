@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from appliance.run.output_lock import LOCK_FILE
+from appliance.storage.output_lock import LOCK_FILE
 from tests.helpers_model import make_model
 from tests.helpers_net import free_port
 from tests.helpers_tokenizer import sentences

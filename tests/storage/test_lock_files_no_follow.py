@@ -11,8 +11,8 @@ import pytest
 
 from appliance.errors import ConfigError, StorageError
 from appliance.metrics import endpoint
-from appliance.run.output_lock import LOCK_FILE, OutputLock
 from appliance.storage.localize import _prefix_lock
+from appliance.storage.output_lock import LOCK_FILE, OutputLock
 from appliance.storage.safe_open import NotARegularFile, open_regular
 
 

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from appliance.cli.main import main
 from appliance.errors import ConfigError, StorageError
-from appliance.run.output_lock import LOCK_FILE, S3Lease, holder_name, output_lock
+from appliance.storage.output_lock import LOCK_FILE, S3Lease, holder_name, output_lock
 from tests.helpers_model import make_model
 
 pytest_plugins = ["tests.s3_server"]
@@ -109,7 +109,7 @@ def test_a_holder_whose_lease_was_taken_over_says_so_and_leaves_it(s3_bucket, s3
     not delete the other run's lease at its end."""
     out = f"s3://{s3_bucket}/o"
     key = f"o/{LOCK_FILE}"
-    with caplog.at_level(logging.ERROR, logger="appliance.run.output_lock"):
+    with caplog.at_level(logging.ERROR, logger="appliance.storage.output_lock"):
         with QuickLease(out) as lease:
             s3_client.put_object(Bucket=s3_bucket, Key=key, Body=b"8 on other\nrenewal 0\n")
             assert wait_for(lambda: lease.lost)
