@@ -15,6 +15,9 @@ from typing import Any
 from appliance.errors import ConfigError
 from appliance.storage.safe_open import open_regular
 
+#: the task events the embedded Ray's GCS keeps (Ray's default: 100,000): what bounds its memory
+TASK_EVENTS_KEPT = 1000
+
 #: How often every Ray process pushes its metrics to the node's agent. Ray's default is 10 s;
 #: 1 s (Ray's floor) lets a 1 s Prometheus scrape see each step within about a second.
 METRICS_REPORT_INTERVAL_MS = 1000
@@ -43,7 +46,13 @@ def ray_init_kwargs(
         )
     return {
         "_metrics_export_port": int(metrics_port),
-        "_system_config": {"metrics_report_interval_ms": int(report_interval_ms)},
+        "_system_config": {
+            "metrics_report_interval_ms": int(report_interval_ms),
+            # the GCS keeps an event record of every task (for `ray list tasks`), up to 100,000
+            # by default: ~11 KiB a step of a long run (docs/benchmarks.md, "Soak"). The
+            # appliance reads none of them: the last TASK_EVENTS_KEPT are plenty to look at.
+            "task_events_max_num_task_in_gcs": TASK_EVENTS_KEPT,
+        },
     }
 
 
