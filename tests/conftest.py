@@ -81,6 +81,7 @@ SLOW: dict[str, tuple[str, ...] | None] = {
     "bench/test_bench.py": ("test_compile_blocks_runs_the_engines_blocks_compiled",),  # Inductor
     "bench/test_gpu_collect.py": None,  # a child process collects the whole suite
     "quant/test_quant_parity.py": ("test_qlora_on_nf4_learns",),  # two fine-tunes, compared
+    "bench/test_peer_bench.py": ("test_the_gpu_configuration_in_bf16_on_a_cpu",),  # both peers
 }
 # fixtures whose tests are slow: the peer baselines' runs (FSDP2 on a gloo group, HF + PEFT)
 SLOW_FIXTURES = {"hf_run", "fsdp_run", "peer_run"}

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -134,8 +133,8 @@ class Proc:
         family = psutil.Process(self.p.pid).children(recursive=True)
         self.p.kill()
         self.p.wait()
-        time.sleep(1)
-        for proc in family:
+        _, alive = psutil.wait_procs(family, timeout=1)  # those that end by themselves, at once
+        for proc in alive:
             try:
                 proc.kill()
             except psutil.NoSuchProcess:

@@ -65,17 +65,30 @@ def assert_same_training(a, b, out_a, out_b) -> None:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-5)
 
 
-def test_two_trainers_with_m_micro_batches_train_like_one_with_2m(ray_local, inputs, tmp_path):
-    # with LoRA dropout: rank 1's micro-batches draw the masks of their global-batch index
-    kw = dict(steps=5, lora_dropout=0.1)
-    two, pids = run(inputs, tmp_path / "two", trainers=2, micro_batches_per_step=M, **kw)
-    one, _ = run(inputs, tmp_path / "one", trainers=1, micro_batches_per_step=2 * M, **kw)
+# with LoRA dropout: rank 1's micro-batches draw the masks of their global-batch index
+STEPS = dict(steps=5, lora_dropout=0.1)
+
+
+@pytest.fixture(scope="module")
+def two_trainers(ray_local, inputs, tmp_path_factory):
+    """(run, its trainers' pids, its output): two trainers taking M micro-batches each, 5 steps,
+    left alone; the reference of the tests below that change one thing about it."""
+    out = tmp_path_factory.mktemp("dp-two") / "two"
+    two, pids = run(inputs, out, trainers=2, micro_batches_per_step=M, **STEPS)
+    return two, pids, out
+
+
+def test_two_trainers_with_m_micro_batches_train_like_one_with_2m(
+    ray_local, inputs, two_trainers, tmp_path
+):
+    two, pids, two_out = two_trainers
+    one, _ = run(inputs, tmp_path / "one", trainers=1, micro_batches_per_step=2 * M, **STEPS)
 
     assert len(set(pids)) == 2 and os.getpid() not in pids  # a process per trainer
     assert two.state.step == one.state.step == 5
     assert two.state.consumed == 5 * 2 * M
-    assert_same_training(two, one, tmp_path / "two", tmp_path / "one")
-    record = json.loads((tmp_path / "two" / "run.json").read_text())
+    assert_same_training(two, one, two_out, tmp_path / "one")
+    record = json.loads((two_out / "run.json").read_text())
     assert record["config"]["trainers"] == 2 and record["weight_store_loads"] == 1
 
 
@@ -92,7 +105,7 @@ def test_an_epoch_whose_last_step_leaves_a_rank_without_batches(ray_local, input
 
 
 def test_a_dead_rank_restarts_every_trainer_in_a_fresh_group_and_the_run_is_unchanged(
-    ray_local, inputs, tmp_path
+    ray_local, inputs, two_trainers, tmp_path
 ):
     from appliance.actors.trainer import Trainer
 
@@ -105,15 +118,15 @@ def test_a_dead_rank_restarts_every_trainer_in_a_fresh_group_and_the_run_is_unch
                 os.kill(os.getpid(), signal.SIGKILL)
             return super().step(batches, lr, first)
 
-    ref, _ = run(inputs, tmp_path / "ref", steps=5, trainers=2, micro_batches_per_step=M)
+    ref, _, ref_out = two_trainers  # the same run, left alone
     died, _ = run(
         inputs,
         tmp_path / "died",
-        steps=5,
         trainers=2,
         micro_batches_per_step=M,
         checkpoint_every=2,
         trainer_class=Rank1DiesOnce,
+        **STEPS,
     )
     assert marker.exists() and died.restarts == 1
-    assert_same_training(died, ref, tmp_path / "died", tmp_path / "ref")
+    assert_same_training(died, ref, tmp_path / "died", ref_out)
