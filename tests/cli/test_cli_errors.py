@@ -45,6 +45,9 @@ def data(tmp_path):
 
 
 def train(*argv: str) -> tuple[int, str]:
+    """`appliance train ARGV` in this process. A test that takes `ray_local` runs it on the
+    module's Ray (the driver joins a Ray already started; whether it starts one is not what
+    those tests are about): the runs in child processes start their own."""
     result = CliRunner().invoke(main, ["train", *map(str, argv)])
     return result.exit_code, result.output
 
@@ -280,7 +283,9 @@ def test_an_unreadable_run_json_is_named_and_overwrite_replaces_it(tmp_path, mod
 
 
 @pytest.mark.integration
-def test_a_resume_rebuilds_an_unreadable_run_json_from_the_latest_checkpoint(tmp_path, model, data):
+def test_a_resume_rebuilds_an_unreadable_run_json_from_the_latest_checkpoint(
+    ray_local, tmp_path, model, data
+):
     """A torn run.json beside good checkpoints: the error names the resume that keeps them
     (--overwrite would delete them), and `--resume` alone rebuilds run.json from the latest
     checkpoint, keeps the unreadable file beside it, and trains on from that step."""
@@ -408,7 +413,9 @@ def assert_cli_user_error(done: subprocess.CompletedProcess, out: Path, *needles
 
 
 @pytest.mark.integration
-def test_a_run_that_fails_after_it_started_records_why_in_run_json(tmp_path, model, data):
+def test_a_run_that_fails_after_it_started_records_why_in_run_json(
+    ray_local, tmp_path, model, data
+):
     out = tmp_path / "o"
     failed = run_cli(*data_args(model, data)[:-2], "--tokenize-workers", "64", "--output", out)
     assert_cli_user_error(failed, out, "--tokenize-workers 64 needs 65 CPUs")
@@ -425,7 +432,9 @@ def test_a_run_that_fails_after_it_started_records_why_in_run_json(tmp_path, mod
 
 
 @pytest.mark.integration
-def test_a_validation_set_with_nothing_to_score_fails_before_the_first_step(tmp_path, model):
+def test_a_validation_set_with_nothing_to_score_fails_before_the_first_step(
+    ray_local, tmp_path, model
+):
     """--eval-split so small that it holds out no document: refused before any training (not
     at the first eval, with the run's steps lost and a resume that fails the same way); the
     command with a larger split then starts afresh in the same --output."""
@@ -510,7 +519,9 @@ def test_malformed_jsonl_line_fails_naming_file_and_line(tmp_path, model):
 
 
 @pytest.mark.integration
-def test_a_bad_record_the_epoch_count_meets_is_recorded_and_the_fixed_command_runs(tmp_path, model):
+def test_a_bad_record_the_epoch_count_meets_is_recorded_and_the_fixed_command_runs(
+    ray_local, tmp_path, model
+):
     """A bad record past what the driver samples fails --epochs' counting pass (a Ray task):
     run.json says it as the CLI does, not as Ray's wrapper (a traceback); fixed, the same
     command runs: the run had no checkpoint, so no data cursor to keep."""
