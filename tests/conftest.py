@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import inspect
 import signal
@@ -25,14 +26,49 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-# The GPU machine's image has torch, transformers and peft but not Ray (its wheel is too big to
-# carry there): `pytest -m gpu tests/` must still collect. These modules import Ray at the top and
-# have no gpu test; where Ray is missing they are not collected (CI and `make test` have Ray).
-if importlib.util.find_spec("ray") is None:
-    collect_ignore = [
-        "actors/test_weight_store.py", "e2e/test_cluster.py", "e2e/test_train_e2e.py",
-        "quant/test_quant_store.py", "run/test_data_parallel.py",
-    ]  # fmt: skip
+# The GPU machine's image has torch, transformers and peft but not Ray, boto3, moto, python-hcl2
+# or jsonschema (test dependencies `make test` installs): `pytest -m gpu tests/` must still
+# collect there (bench/test_gpu_collect.py). A test module that imports one of these at its top
+# has no gpu test; where the dependency is missing it is not collected.
+OPTIONAL_DEPENDENCIES = ("ray", "boto3", "moto", "hcl2", "jsonschema")
+_TESTS_DIR = Path(__file__).resolve().parent
+
+
+def _missing(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is None
+    except ValueError:  # in sys.modules without a spec
+        return False
+
+
+_MISSING = {name for name in OPTIONAL_DEPENDENCIES if _missing(name)}
+
+
+def _top_level_imports(path: Path, seen: set | None = None) -> set[str]:
+    """The top-level packages a module imports in its body (not in functions, not in strings),
+    with those of the modules of this test suite it imports there."""
+    seen = set() if seen is None else seen
+    seen.add(path)
+    modules = []
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Import):
+            modules += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            modules.append(node.module)
+    names = {m.split(".")[0] for m in modules}
+    for module in modules:
+        if module.startswith("tests."):
+            source = _TESTS_DIR.parent.joinpath(*module.split(".")).with_suffix(".py")
+            if source.is_file() and source not in seen:
+                names |= _top_level_imports(source, seen)
+    return names
+
+
+def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
+    if _MISSING and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        if _top_level_imports(collection_path) & _MISSING:
+            return True
+    return None
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -93,8 +129,6 @@ PARITY_SWEEPS = {
     "adapter/test_evaluate.py",
     "adapter/test_export.py",
 }
-
-_TESTS_DIR = Path(__file__).resolve().parent
 
 
 def _integration_helpers() -> set:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.util
 import json
 import re
 import shlex
@@ -29,13 +28,8 @@ TERRAFORM = ROOT / "terraform"
 SCHEMAS = ROOT / "deploy" / "kuberay" / "crds"
 KUBERAY_CRD_VERSION = "1.7.0"
 
-# The GPU machine's image has no python-hcl2 (a test dependency: `make test` installs it), and
-# `pytest -m gpu tests/` must still collect there. These modules import it at the top and have
-# no gpu test; where it is missing they are not collected.
-if importlib.util.find_spec("hcl2") is None:
-    collect_ignore = [
-        "test_chart.py", "test_deploy_script.py", "test_second_deploy.py", "test_terraform.py",
-    ]  # fmt: skip
+# Where python-hcl2 is missing (the GPU machine's image), the modules that import it at the top
+# are not collected: tests/conftest.py's pytest_ignore_collect.
 
 TOOLS_VENV = ROOT / ".venv-tools" / "bin"
 
