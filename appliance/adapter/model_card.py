@@ -265,7 +265,17 @@ def checkpoint_record(adapter_dir: Path) -> dict[str, Any] | None:
     state = json_object(adapter_dir / DRIVER_STATE)
     if config is None or state is None:
         return None
-    record = {"config": config, "steps": state.get("step", 0), "losses": state.get("losses")}
+    losses = state.get("losses")
+    if state.get("history"):  # in the segments beside the checkpoints (storage/history.py)
+        from appliance.errors import ApplianceError
+        from appliance.storage.history import read_chain
+
+        checkpoints = str(adapter_dir.parent)  # OUTPUT/checkpoints
+        try:
+            losses = read_chain(checkpoints, state["history"], state["history_steps"])[0]
+        except (OSError, ValueError, KeyError, ApplianceError):  # a copy without them: no row
+            losses = None
+    record = {"config": config, "steps": state.get("step", 0), "losses": losses}
     record.update(target_tokens=state.get("target_tokens"), trainers=state.get("trainers", 1))
     if config.get("dtype") not in (None, "auto"):  # resolved when the run started
         record.update(dtype=config["dtype"], device=config.get("device"))

@@ -31,7 +31,7 @@ from appliance.adapter.evaluate import validation_batches
 from appliance.cluster.start import Slot, local_slots, on_node
 from appliance.config import CHECKPOINT_MINUTES, TrainConfig, flag
 from appliance.engine.schedule import lr_at
-from appliance.errors import ConfigError, TrainingError, cause_chain
+from appliance.errors import ConfigError, StorageError, TrainingError, cause_chain
 from appliance.interrupt import GracefulStop, RunInterrupted
 from appliance.metrics.recorders import DriverMetrics
 from appliance.run.failures import RestartsExhausted, gather, unrecoverable
@@ -42,11 +42,13 @@ from appliance.run.state import Inputs, RunState
 from appliance.storage.checkpoints import (
     CONFIG_FILE,
     DRIVER_STATE,
+    CheckpointError,
     checkpoints_uri,
     json_bytes,
     list_checkpoints,
     load_latest_checkpoint,
 )
+from appliance.storage.history import read_chain, write_segment
 from appliance.storage.hub import cached_repo
 
 
@@ -86,6 +88,9 @@ class Run:
         self.interrupt: GracefulStop | None = None  # set by the driver: Ctrl-C/SIGTERM requests
         self.cut_said = False  # a record cut to keep memory bounded: said once a run
         self.lease: Any = None  # the output's lock (set by the driver): S3Lease.check
+        # the history the checkpoints hold (storage/history.py): its last segment, and how many
+        # steps' losses and validation losses it holds
+        self.history: tuple[str | None, int, int] = (None, 0, 0)
         self.last_checkpoint = time.monotonic()  # for the time-based default --checkpoint-every
         self._eval_refs: list | None = None  # the validation micro-batches, in the object store
 
@@ -257,8 +262,21 @@ class Run:
 
         self.check_lease()  # its lease taken over: another run writes the output now
         t0 = time.perf_counter()
+        st, (last, saved, saved_evals) = self.state, self.history
+        segment = write_segment(  # only what came since the last checkpoint: the history, once
+            checkpoints_uri(self.cfg.output),
+            last,
+            saved,
+            st.losses[saved:],
+            st.eval_losses[saved_evals:],
+        )
         driver = {
-            **self.state.to_json(),
+            **st.to_json(),
+            "losses": [],  # in the history's segments
+            "eval_losses": st.eval_losses[-1:],  # the last, for the model card of this step
+            "history": segment,
+            "history_steps": len(st.losses),
+            "history_evals": len(st.eval_losses),
             "trainers": self.num_trainers,
             "tokenize_workers": self.num_workers,
             "epochs": self.epochs,  # with total_steps: a resume knows the run's length up front
@@ -270,6 +288,7 @@ class Run:
             cfg.output, step, files, cfg.keep_checkpoints
         )
         ray.get(save)
+        self.history = (segment, len(st.losses), len(st.eval_losses))
         self.metrics.checkpoint_seconds(time.perf_counter() - t0)
         self.last_checkpoint = time.monotonic()
 
@@ -312,11 +331,25 @@ class Run:
 
         found = ray.get(self.trainers[0].restore_latest_checkpoint.remote(self.cfg.output))
         if found is None:
-            self.state = RunState()
+            self.state, self.history = RunState(), (None, 0, 0)
             return
         for problem in found["skipped"]:
             self.progress.note(f"warning: skipped a damaged checkpoint: {problem}")
-        self.state = RunState.from_json(json.loads(found["files"][DRIVER_STATE]))
+        driver = json.loads(found["files"][DRIVER_STATE])
+        self.state = RunState.from_json(driver)
+        if driver.get("history"):  # the losses are in the history's segments (history.py)
+            try:
+                self.state.losses, self.state.eval_losses = read_chain(
+                    checkpoints_uri(self.cfg.output), driver["history"], driver["history_steps"]
+                )
+            except (ValueError, KeyError, StorageError) as e:
+                raise CheckpointError(
+                    f"{found['name']}: its loss history cannot be read ({e}); --resume needs "
+                    "the checkpoints/history/ directory the run wrote beside its checkpoints"
+                ) from None
+            self.history = (driver["history"], len(self.state.losses), driver["history_evals"])
+        else:  # a checkpoint from before the segments: its driver state holds it all
+            self.history = (None, 0, 0)
         state = found["state"]  # [ref] with several ranks
         gather([t.load_state_bytes.remote(state[0]) for t in self.trainers[1:]])
         self.progress.note(f"resumed from {found['name']} (step {self.state.step})")

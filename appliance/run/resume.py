@@ -31,6 +31,7 @@ from appliance.storage.checkpoints import (
     list_checkpoints,
     temp_dirs,
 )
+from appliance.storage.history import history_uri
 from appliance.storage.output_lock import LOCK_FILE
 
 
@@ -271,6 +272,7 @@ def previous_run_files(output: str) -> list[tuple[str, bool]]:
     gone += [(storage.join(checkpoints_uri(output), LATEST_MARKER), False)]  # none restored
     gone += [(uri, True) for uri in steps]
     gone += [(str(p), True) for p in temp_dirs(output)]
+    gone += [(history_uri(checkpoints_uri(output)), True)]  # the checkpoints' loss history
     if recorded:
         card = storage.join(output, model_card.CARD)
         if model_card.is_ours(card):

@@ -1,0 +1,58 @@
+"""The run's loss history is kept once, appended (issue 44, item 14): run.json and every
+checkpoint's driver state carried every step's loss, so checkpoint I/O grew with the square of
+the steps. Now each checkpoint writes only the losses since the one before, as a segment of
+OUTPUT/checkpoints/history/, and a resume reads the chain back."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from appliance.storage.history import read_chain
+from tests.helpers_model import make_model
+from tests.helpers_net import free_port
+from tests.helpers_tokenizer import sentences
+
+pytestmark = pytest.mark.integration
+
+
+def train(*argv) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "appliance", "train", *map(str, argv),
+         "--metrics-port", str(free_port()), "--log-format", "plain"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def test_checkpoints_carry_only_their_share_of_the_history_and_a_resume_reads_it_all(tmp_path):
+    model = make_model(tmp_path / "model", "llama-mha")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(60)))
+    out = tmp_path / "o"
+    first = train("--model", model, "--data", data, "--output", out, "--steps", "12",
+                  "--checkpoint-every", "1", "--keep-checkpoints", "12", "--seq-len", "16",
+                  "--micro-batch-size", "2", "--tokenize-workers", "1")  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    losses = json.loads((out / "run.json").read_text())["losses"]
+    assert len(losses) == 12
+    sizes = {}
+    for step in (1, 6, 12):
+        path = out / "checkpoints" / f"step-{step:06d}" / "driver_state.json"
+        state = json.loads(path.read_text())
+        assert state["losses"] == [] and state["history_steps"] == step
+        chain, _ = read_chain(str(out / "checkpoints"), state["history"], step)
+        assert chain == losses[:step]  # each checkpoint's own history, whole
+        sizes[step] = path.stat().st_size
+    assert sizes[12] - sizes[1] < 64  # it no longer grows ~20 bytes a step
+    segments = list((out / "checkpoints" / "history").iterdir())
+    assert len(segments) == 12
+    assert sum(len(json.loads(s.read_text())["losses"]) for s in segments) == 12  # once each
+
+    more = train("--output", out, "--resume", "--steps", "15")
+    assert more.returncode == 0, more.stderr[-3000:]
+    resumed = json.loads((out / "run.json").read_text())
+    assert resumed["status"] == "complete" and len(resumed["losses"]) == 15
+    assert resumed["losses"][:12] == losses
