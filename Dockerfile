@@ -50,7 +50,7 @@ COPY appliance ./appliance
 # fails the build if a CPU or another CUDA build of torch slipped in (cu126 -> torch.version.cuda
 # 12.6).
 RUN pip install --constraint constraints.txt . "ray[default]==${RAY_VERSION}" \
-    && python -c "import torch, ray, appliance, appliance.quant.formats._quantize; \
+    && python -c "import torch, ray, appliance, appliance.quant._quantize; \
 want = '${TORCH_CUDA}'[2:-1] + '.' + '${TORCH_CUDA}'[-1]; \
 assert torch.version.cuda == want, (torch.version.cuda, want); \
 assert ray.__version__ == '${RAY_VERSION}', (ray.__version__, '${RAY_VERSION}'); \
