@@ -32,11 +32,11 @@ fi
 "$VENV/bin/python" -c "import importlib.util as u, sys; \
 bad = [m for m in ('ray', 'boto3') if u.find_spec(m)]; sys.exit(f'{bad} installed in $VENV') if bad else None"
 PYTHONPATH=$PWD exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@" \
-    tests/test_bench.py tests/test_block_step.py tests/test_chat.py tests/test_compiled_blocks.py \
-    tests/test_config.py \
-    tests/test_data.py tests/test_data_parallel_engine.py tests/test_engine_gpu.py \
-    tests/test_engine_parity.py tests/test_engine_step.py tests/test_evaluate.py \
-    tests/test_export.py tests/test_loss_scale.py tests/test_model_families.py \
-    tests/test_packing.py tests/test_peer_bench.py tests/test_plan.py tests/test_quant.py \
-    tests/test_quant_gpu.py tests/test_quant_parity.py tests/test_streaming_slots.py \
-    tests/test_validation.py
+    tests/bench/test_bench.py tests/bench/test_block_step.py tests/data/test_chat.py tests/engine/test_compiled_blocks.py \
+    tests/config/test_config.py \
+    tests/data/test_data.py tests/engine/test_data_parallel_engine.py tests/engine/test_engine_gpu.py \
+    tests/engine/test_engine_parity.py tests/engine/test_engine_step.py tests/adapter/test_evaluate.py \
+    tests/adapter/test_export.py tests/engine/test_loss_scale.py tests/models/test_model_families.py \
+    tests/data/test_packing.py tests/bench/test_peer_bench.py tests/plan/test_plan.py tests/quant/test_quant.py \
+    tests/quant/test_quant_gpu.py tests/quant/test_quant_parity.py tests/engine/test_streaming_slots.py \
+    tests/run/test_validation.py

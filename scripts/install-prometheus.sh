@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the Prometheus server and promtool (Debian package `prometheus`), idempotently.
-# Used by tests/test_dashboards.py (promtool checks the dashboards' PromQL) and
-# tests/test_prometheus_e2e.py (a real Prometheus scrapes a real `appliance train`).
+# Used by tests/metrics/test_dashboards.py (promtool checks the dashboards' PromQL) and
+# tests/e2e/test_prometheus_e2e.py (a real Prometheus scrapes a real `appliance train`).
 #
 # Usage:   bash scripts/install-prometheus.sh     (called by `make test`)
 # Needs:   apt-get and root, only when prometheus/promtool are missing. Returns at once when

@@ -19,7 +19,7 @@ Without offload (the plan's choice; on a CPU always, unless a test calls `alloca
 stay where they are and this is a list per block. On a CPU `allocate` runs the same path with
 plain memory, no streams and no events, so the tests check its bookkeeping without a GPU. The
 numbers do not change with offload: the bytes go out and come back unchanged
-(tests/test_engine_step.py on a CPU, tests/test_engine_gpu.py on CUDA, bit for bit).
+(tests/engine/test_engine_step.py on a CPU, tests/engine/test_engine_gpu.py on CUDA, bit for bit).
 """
 
 from __future__ import annotations

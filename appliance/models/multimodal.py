@@ -31,7 +31,7 @@ from typing import Any
 
 # multimodal architecture → (the text architecture of its language model, that text config
 # class's defaults: transformers' Gemma3TextConfig and MistralConfig, checked against them by
-# tests/test_model_families.py). Only constants: values transformers derives from other keys
+# tests/models/test_model_families.py). Only constants: values transformers derives from other keys
 # (Mistral's head_dim, Gemma 3's layer_types) are derived by hf_checkpoint as transformers does.
 TEXT_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     "Gemma3ForConditionalGeneration": (

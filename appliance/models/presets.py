@@ -2,7 +2,7 @@
 tokens of a step, for `appliance bench` (random weights of these shapes) and `appliance plan`.
 
 Each preset's ModelArgs is what hf_checkpoint.read_model_args would read from the released
-model's config.json (tests/test_bench.py checks the parameter counts against the published ones).
+model's config.json (tests/bench/test_bench.py checks the parameter counts against the published ones).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ fp32 temporary the size of the weight. These kernels read the codes and scales o
 weight once, in the compute dtype.
 
 The arithmetic is reference.py's, operation for operation, so the result is the same bit for bit
-(tests/test_gpu.py.py checks it for bf16, fp16 and fp32):
+(tests/quant/test_quant_gpu.py checks it for bf16, fp16 and fp32):
 
     int8  fp32(code) · scale[row], in fp32, rounded to the dtype (round to nearest even)
     nf4   LEVELS[nibble] · absmax[value // 64], in fp32, rounded to the dtype; value i's code is

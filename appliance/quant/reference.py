@@ -150,7 +150,7 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
 
     On a CUDA device with Triton, quant/gpu.py's fused kernels (one pass: codes and scales read
     once, the weight written once in `dtype`); else the PyTorch functions below. Both give the
-    same values bit for bit (tests/test_quant_gpu.py)."""
+    same values bit for bit (tests/quant/test_quant_gpu.py)."""
     fused = gpu_dequantizers(q.codes.device, dtype)
     if q.kind == "int8":
         impl = fused.dequantize_int8 if fused else dequantize_int8
