@@ -1,6 +1,7 @@
 """What is done with a trained adapter: `appliance eval` (evaluate.py: loss and perplexity on held
 out data), `appliance export` (export.py: the adapter merged into the base model's weights) and
-the model cards both write (model_card.py)."""
+the model cards both write (model_card.py); scratch.py: export's scratch directories, and the
+cleaning of those a killed export left."""
 
 from appliance.adapter.export import export_merged
 from appliance.adapter.model_card import adapter_card, merged_card
