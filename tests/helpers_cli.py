@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 
+from tests.helpers_net import free_port
+
 
 def cli(*args: str, env: dict) -> subprocess.Popen:
     """`python -m appliance <args>` with exactly `env` as its environment."""
@@ -30,3 +32,13 @@ def finish(p: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
         os.killpg(p.pid, signal.SIGKILL)
         raise
     return p.returncode, out, err
+
+
+def run_train(*argv: object, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m appliance train <argv>` run to its end (at most 300 s), on a free metrics port,
+    with plain log lines; `env` is added to this process's environment."""
+    return subprocess.run(
+        [sys.executable, "-m", "appliance", "train", *map(str, argv),
+         "--metrics-port", str(free_port()), "--log-format", "plain"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})},
+    )  # fmt: skip

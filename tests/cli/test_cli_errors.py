@@ -24,8 +24,8 @@ from appliance.run.resume import decide_output, remove_previous_run
 from appliance.storage import uri as storage
 from appliance.storage.checkpoints import list_checkpoints, load_latest_checkpoint, save_checkpoint
 from appliance.storage.output_lock import LOCK_FILE, OutputLock
+from tests.helpers_cli import run_train
 from tests.helpers_model import make_model
-from tests.helpers_net import free_port
 from tests.helpers_tokenizer import sentences
 
 CONFIGS = Path(__file__).parents[2] / "appliance" / "configs"
@@ -362,26 +362,6 @@ def test_a_run_left_running_is_shown_as_stopped_before_it_finished(where, tmp_pa
         decide_output(cfg)
 
 
-def run_cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "appliance",
-            "train",
-            *map(str, argv),
-            "--metrics-port",
-            str(free_port()),
-            "--log-format",
-            "plain",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **(env or {})},
-    )
-
-
 def data_args(model: Path, data: Path, *extra: str) -> list:
     return [
         "--model",
@@ -417,7 +397,7 @@ def test_a_run_that_fails_after_it_started_records_why_in_run_json(
     ray_local, tmp_path, model, data
 ):
     out = tmp_path / "o"
-    failed = run_cli(*data_args(model, data)[:-2], "--tokenize-workers", "64", "--output", out)
+    failed = run_train(*data_args(model, data)[:-2], "--tokenize-workers", "64", "--output", out)
     assert_cli_user_error(failed, out, "--tokenize-workers 64 needs 65 CPUs")
     record = json.loads((out / "run.json").read_text())
     assert record["status"] == "failed" and "--tokenize-workers 64" in record["error"]
@@ -441,7 +421,7 @@ def test_a_validation_set_with_nothing_to_score_fails_before_the_first_step(
     data = write_lines(tmp_path / "data.jsonl", {})
     out = tmp_path / "o"
     args = [*data_args(model, data, "--steps", "2", "--checkpoint-every", "1"), "--output", out]
-    failed = run_cli(*args, "--eval-split", "0.001")
+    failed = run_train(*args, "--eval-split", "0.001")
     assert_cli_user_error(
         failed,
         out,
@@ -460,12 +440,12 @@ def test_a_run_follows_its_model_to_a_new_path_and_no_other_model(tmp_path, mode
     model at that path is refused."""
     here = shutil.copytree(model, tmp_path / "here")
     out = tmp_path / "o"
-    first = run_cli(*data_args(here, data, "--steps", "2"), "--output", out)
+    first = run_train(*data_args(here, data, "--steps", "2"), "--output", out)
     assert first.returncode == 0, first.stderr[-2000:]
     moved = here.rename(tmp_path / "moved")
     code, text = train("--output", out, "--resume")
     assert_one_user_error(code, text, None, f"the run's model {here} is not there", "--model")
-    done = run_cli("--output", out, "--resume", "--model", moved, "--steps", "3")
+    done = run_train("--output", out, "--resume", "--model", moved, "--steps", "3")
     assert done.returncode == 0, done.stderr[-2000:]
     record = json.loads((out / "run.json").read_text())
     assert (record["status"], record["steps"], record["identity"]["model"]) == (
@@ -486,7 +466,7 @@ def test_a_resume_on_changed_data_is_refused_by_name_or_goes_on_when_allowed(tmp
     data.mkdir()
     (data / "a.jsonl").write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(30)))
     out = tmp_path / "o"
-    first = run_cli(*data_args(model, data, "--steps", "2"), "--output", out)
+    first = run_train(*data_args(model, data, "--steps", "2"), "--output", out)
     assert first.returncode == 0, first.stderr[-2000:]
     (data / "b.jsonl").write_text(json.dumps({"text": "a document added later"}) + "\n")
     code, text = train("--output", out, "--resume", "--steps", "3")
@@ -494,7 +474,7 @@ def test_a_resume_on_changed_data_is_refused_by_name_or_goes_on_when_allowed(tmp
         code, text, None, f"--resume: --data {data} changed since the run started: 1 file(s) "
         "added (b.jsonl).", "--allow-data-change",
     )  # fmt: skip
-    done = run_cli("--output", out, "--resume", "--steps", "3", "--allow-data-change")
+    done = run_train("--output", out, "--resume", "--steps", "3", "--allow-data-change")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "added (b.jsonl); continuing on it, as --allow-data-change asks" in done.stdout
     record = json.loads((out / "run.json").read_text())
@@ -514,7 +494,7 @@ def test_a_resume_on_changed_data_is_refused_by_name_or_goes_on_when_allowed(tmp
 @pytest.mark.integration
 def test_malformed_jsonl_line_fails_naming_file_and_line(tmp_path, model):
     data = write_lines(tmp_path / "data.jsonl", {7: '{"text": "unterminated'})
-    done = run_cli(*data_args(model, data, "--epochs", "1"), "--output", tmp_path / "o")
+    done = run_train(*data_args(model, data, "--epochs", "1"), "--output", tmp_path / "o")
     assert_cli_user_error(done, tmp_path / "o", f"{data}:8: malformed JSON")
 
 
@@ -531,7 +511,7 @@ def test_a_bad_record_the_epoch_count_meets_is_recorded_and_the_fixed_command_ru
     data.write_text("\n".join(lines[:89] + ['{"text": 3}'] + lines[90:]) + "\n")
     out = tmp_path / "o"
     args = [*data_args(model, data, "--epochs", "1", "--seq-len", "64"), "--output", out]
-    assert_cli_user_error(run_cli(*args), out, f'{data}:90: "text" must be a string')
+    assert_cli_user_error(run_train(*args), out, f'{data}:90: "text" must be a string')
     error = json.loads((out / "run.json").read_text())["error"]
     assert error.startswith(f'DataError: {data}:90: "text" must be a string'), error
     assert "ray::" not in error and "Traceback" not in error
@@ -548,11 +528,11 @@ def test_records_without_text_fail_naming_file_and_line_or_are_skipped_and_count
     no_text = json.dumps({"body": "no text key"})
     data = write_lines(tmp_path / "data.jsonl", {7: no_text, 12: no_text})
 
-    failed = run_cli(*data_args(model, data, "--epochs", "1"), "--output", tmp_path / "o1")
+    failed = run_train(*data_args(model, data, "--epochs", "1"), "--output", tmp_path / "o1")
     assert_cli_user_error(failed, tmp_path / "o1", f'{data}:8: record has no "text"')
 
     # two epochs read each bad record twice; each is counted once
-    skipped = run_cli(
+    skipped = run_train(
         *data_args(model, data, "--epochs", "2", "--on-bad-record", "skip"),
         "--output",
         tmp_path / "o2",
@@ -566,7 +546,7 @@ def test_records_without_text_fail_naming_file_and_line_or_are_skipped_and_count
 @pytest.mark.integration
 def test_non_utf8_jsonl_line_names_file_and_line(tmp_path, model):
     data = write_lines(tmp_path / "data.jsonl", {4: b'{"text": "the cat \xff sat"}'})
-    done = run_cli(*data_args(model, data, "--steps", "2"), "--output", tmp_path / "o")
+    done = run_train(*data_args(model, data, "--steps", "2"), "--output", tmp_path / "o")
     assert_cli_user_error(done, tmp_path / "o", f"{data}:5: not valid UTF-8")
 
 
@@ -574,7 +554,7 @@ def test_non_utf8_jsonl_line_names_file_and_line(tmp_path, model):
 def test_non_utf8_text_names_the_file(tmp_path, model):
     data = tmp_path / "bad.txt"
     data.write_bytes(b"the cat \xff\xfe sat")
-    done = run_cli(
+    done = run_train(
         "--model",
         model,
         "--data",
@@ -598,7 +578,7 @@ def checkpoint_steps(out: Path) -> list[int]:
 @pytest.mark.integration
 def test_overwrite_removes_the_old_run_before_the_new_one_writes_anything(tmp_path, model, data):
     out = tmp_path / "o"
-    old = run_cli(
+    old = run_train(
         *data_args(model, data, "--steps", "4", "--checkpoint-every", "2", "--lora-rank", "4"),
         "--output",
         out,
@@ -609,7 +589,7 @@ def test_overwrite_removes_the_old_run_before_the_new_one_writes_anything(tmp_pa
 
     # a different run over it, killed while writing its first checkpoint
     new = data_args(model, data, "--steps", "3", "--lora-rank", "2", "--overwrite")
-    killed = run_cli(
+    killed = run_train(
         *new,
         "--checkpoint-every",
         "1",
@@ -628,7 +608,7 @@ def test_overwrite_removes_the_old_run_before_the_new_one_writes_anything(tmp_pa
     assert (record["status"], record["identity"]["lora_rank"]) == ("running", 2)
 
     # the same run again, left alone: only the new run remains (and the user's file)
-    done = run_cli(*new, "--output", out)
+    done = run_train(*new, "--output", out)
     assert done.returncode == 0, done.stderr[-2000:]
     assert checkpoint_steps(out) == [3]
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 2
@@ -682,7 +662,7 @@ def test_a_loss_that_is_not_finite_stops_the_run_before_an_adapter_of_nans(tmp_p
     weights[name][0, 0] = float("nan")
     save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
     out = tmp_path / "o"
-    done = run_cli(*data_args(bad, data, "--steps", "2"), "--output", out)
+    done = run_train(*data_args(bad, data, "--steps", "2"), "--output", out)
     assert_cli_user_error(
         done,
         out,

@@ -13,8 +13,8 @@ import pytest
 
 from appliance.data.files import MAX_LINE_BYTES, count_documents
 from appliance.data.records import MAX_RECORD_CHARS, ShardReader, parse_document
+from tests.helpers_cli import run_train
 from tests.helpers_model import make_model
-from tests.helpers_net import free_port
 from tests.helpers_tokenizer import make_tokenizer, sentences
 
 WORDS = "the cat sat on a mat and the dog ran far away "
@@ -82,13 +82,8 @@ def test_a_run_over_huge_records_trains_and_says_what_was_cut_once(tmp_path):
     with open(data, "a") as f:
         f.write(json.dumps({"text": "x" * (MAX_LINE_BYTES + 5)}) + "\n")  # another: not named
         f.writelines(json.dumps({"text": s}) + "\n" for s in sentences(30))
-    done = subprocess.run(
-        [sys.executable, "-m", "appliance", "train", "--model", str(model), "--data", str(data),
-         "--output", str(tmp_path / "o"), "--steps", "3", "--seq-len", "16",
-         "--micro-batch-size", "2", "--tokenize-workers", "1", "--metrics-port",
-         str(free_port()), "--log-format", "plain"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    done = run_train("--model", model, "--data", data, "--output", tmp_path / "o", "--steps", "3",
+                     "--seq-len", "16", "--micro-batch-size", "2", "--tokenize-workers", "1")  # fmt: skip
     text = done.stdout + done.stderr
     assert done.returncode == 0, text[-3000:]
     said = [line for line in text.splitlines() if "split long documents" in line]

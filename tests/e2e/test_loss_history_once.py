@@ -6,25 +6,15 @@ OUTPUT/checkpoints/history/, and a resume reads the chain back."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from appliance.storage.history import read_chain
+from tests.helpers_cli import run_train
 from tests.helpers_model import make_model
-from tests.helpers_net import free_port
 from tests.helpers_tokenizer import sentences
 
 pytestmark = pytest.mark.integration
-
-
-def train(*argv) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "appliance", "train", *map(str, argv),
-         "--metrics-port", str(free_port()), "--log-format", "plain"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
 
 
 def test_checkpoints_carry_only_their_share_of_the_history_and_a_resume_reads_it_all(tmp_path):
@@ -32,7 +22,7 @@ def test_checkpoints_carry_only_their_share_of_the_history_and_a_resume_reads_it
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(60)))
     out = tmp_path / "o"
-    first = train("--model", model, "--data", data, "--output", out, "--steps", "12",
+    first = run_train("--model", model, "--data", data, "--output", out, "--steps", "12",
                   "--checkpoint-every", "1", "--keep-checkpoints", "12", "--seq-len", "16",
                   "--micro-batch-size", "2", "--tokenize-workers", "1")  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
@@ -51,7 +41,7 @@ def test_checkpoints_carry_only_their_share_of_the_history_and_a_resume_reads_it
     assert len(segments) == 12
     assert sum(len(json.loads(s.read_text())["losses"]) for s in segments) == 12  # once each
 
-    more = train("--output", out, "--resume", "--steps", "15")
+    more = run_train("--output", out, "--resume", "--steps", "15")
     assert more.returncode == 0, more.stderr[-3000:]
     resumed = json.loads((out / "run.json").read_text())
     assert resumed["status"] == "complete" and len(resumed["losses"]) == 15

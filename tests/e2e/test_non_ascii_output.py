@@ -5,14 +5,12 @@ started. The label is encoded; the path is not refused."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from appliance.metrics.recorders import MAX_LABEL, run_label
+from tests.helpers_cli import run_train
 from tests.helpers_model import make_model
-from tests.helpers_net import free_port
 from tests.helpers_tokenizer import sentences
 
 
@@ -32,12 +30,8 @@ def test_a_non_ascii_output_trains(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(30)))
     out = tmp_path / "runs" / "jürgen"
-    done = subprocess.run(
-        [sys.executable, "-m", "appliance", "train", "--model", str(model), "--data", str(data),
-         "--output", str(out), "--steps", "2", "--seq-len", "16", "--micro-batch-size", "2",
-         "--tokenize-workers", "1", "--metrics-port", str(free_port()), "--log-format", "plain"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    done = run_train("--model", model, "--data", data, "--output", out, "--steps", "2",
+                     "--seq-len", "16", "--micro-batch-size", "2", "--tokenize-workers", "1")  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((out / "run.json").read_text())["status"] == "complete"
     assert (out / "adapter_model.safetensors").is_file()

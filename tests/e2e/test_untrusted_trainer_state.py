@@ -8,27 +8,17 @@ import datetime
 import hashlib
 import io
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from appliance.storage.checkpoints import MANIFEST
+from tests.helpers_cli import run_train
 from tests.helpers_model import make_model
-from tests.helpers_net import free_port
 from tests.helpers_tokenizer import sentences
 
 pytestmark = pytest.mark.integration
-
-
-def train(*argv) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "appliance", "train", *map(str, argv),
-         "--metrics-port", str(free_port()), "--log-format", "plain"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
 
 
 def tamper(step_dir: Path) -> None:
@@ -51,12 +41,12 @@ def test_a_tampered_trainer_state_falls_back_to_the_previous_checkpoint(tmp_path
     data.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(30)))
     out = tmp_path / "o"
     common = ("--seq-len", "16", "--micro-batch-size", "2", "--tokenize-workers", "1")
-    first = train("--model", model, "--data", data, "--output", out, "--steps", "2",
+    first = run_train("--model", model, "--data", data, "--output", out, "--steps", "2",
                   "--checkpoint-every", "1", *common)  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
     tamper(out / "checkpoints" / "step-000002")
 
-    resumed = train("--output", out, "--resume", "--steps", "3")
+    resumed = run_train("--output", out, "--resume", "--steps", "3")
     text = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, text[-3000:]
     assert "Traceback" not in text and "weights_only=False" not in text
