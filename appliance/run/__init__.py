@@ -5,6 +5,7 @@ driver.py       the run's steps: check the inputs, start Ray and the actors, han
 inputs.py       every input checked before anything heavy starts (resolve_inputs)
 resume.py       what --output holds decides: start, resume or replace (decide_output)
 loop.py         the step loop: feed rows, step every trainer, evaluate, checkpoint, recover
+launch.py       the run's actors: how many, where, with what settings (for loop.py)
 state.py        what the loop carries between steps (inputs, RunState)
 feed.py         tokenizer workers' rows scheduled to the trainers
 record.py       run.json: the run's identity and status, what resume compares against

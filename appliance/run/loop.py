@@ -1,6 +1,7 @@
 """One training run on Ray: the actors, the step loop, checkpoints and recovery.
 
-`driver.py` checks the inputs and starts (or joins) Ray; a `Run` then owns the actors:
+`driver.py` checks the inputs and starts (or joins) Ray; a `Run` then owns the actors (started
+by launch.py):
 
     WeightStore   one per trainer node, the base model in shared memory (survives restarts)
     ShardWorker   N tokenizer workers, each packing a disjoint shard into micro-batches
@@ -17,25 +18,24 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from appliance.actors.tokenize_worker import ACTOR_OPTIONS, ShardWorker, default_num_workers
-from appliance.actors.trainer import Trainer, TrainerSettings
-from appliance.actors.weight_store import WeightStore
+from appliance.actors.tokenize_worker import ACTOR_OPTIONS
+from appliance.actors.trainer import Trainer
 from appliance.adapter import model_card
 from appliance.adapter.evaluate import validation_batches
-from appliance.cluster.start import Slot, local_slots, on_node
-from appliance.config import CHECKPOINT_MINUTES, TrainConfig, flag
+from appliance.cluster.start import Slot
+from appliance.config import CHECKPOINT_MINUTES
 from appliance.engine.schedule import lr_at
-from appliance.errors import ConfigError, StorageError, TrainingError, cause_chain
+from appliance.errors import StorageError, TrainingError, cause_chain
 from appliance.interrupt import GracefulStop, RunInterrupted
 from appliance.metrics.recorders import DriverMetrics
 from appliance.run.failures import RestartsExhausted, gather, unrecoverable
 from appliance.run.feed import count_batches, schedule, skipped_warning, worker_kwargs
+from appliance.run.launch import actor_counts, make_trainers, make_worker, start_stores
 from appliance.run.progress import Progress
 from appliance.run.record import write_run_file
 from appliance.run.state import Inputs, RunState
@@ -49,26 +49,6 @@ from appliance.storage.checkpoints import (
     load_latest_checkpoint,
 )
 from appliance.storage.history import read_chain, write_segment
-from appliance.storage.hub import cached_repo
-
-
-def trainer_settings(inp: Inputs, world_size: int = 1) -> TrainerSettings:
-    cfg = inp.cfg
-    base = cached_repo(str(cfg.model))  # a hub id's snapshot: the adapter names the id
-    return TrainerSettings(
-        lora=cfg.lora_spec(),
-        device=inp.device,
-        dtype=inp.dtype,
-        gpu_memory_budget=cfg.budget_bytes(),
-        weight_decay=cfg.weight_decay,
-        grad_clip=cfg.grad_clip,
-        seed=cfg.seed,
-        base_model=base.repo_id if base else str(cfg.model),
-        base_revision=base.revision if base else None,
-        world_size=world_size,
-        compile_blocks=cfg.compile_blocks,
-    )
-
 
 # ---------------------------------------------------------------------- the run
 
@@ -137,57 +117,13 @@ class Run:
                 "first): starting that run from step 0"
             )
         before = json.loads(ckpt.files[DRIVER_STATE]) if ckpt else {}
-        R = _kept_on_resume(cfg, "trainers", before.get("trainers"), "it sets the global batch")
-        slots = self.slots if self.slots is not None else local_slots(inp.device, R)
-        R = R or len(slots)
-        if not 0 < R <= len(slots):
-            where = "trainer slots (GPUs of trainer nodes)" if self.slots is not None else "GPUs"
-            asked = f"--trainers {R}" if cfg.trainers else "training"
-            raise ConfigError(f"{asked}: Ray sees {len(slots)} {where}; each trainer needs one")
-        self.num_trainers, self.ranks = R, slots[:R]
-        cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
-        W = _kept_on_resume(
-            cfg,
-            "tokenize_workers",
-            before.get("tokenize_workers"),
-            "its data cursors are per worker",
-        )
-        self.num_workers = W or default_num_workers(cpus - (R - 1), inp.documents)
-        if self.num_workers + R > cpus:  # an actor without a CPU would wait forever
-            if cfg.tokenize_workers and W > 1 and cpus > R:
-                raise ConfigError(
-                    f"--tokenize-workers {W} needs {W + R} CPUs (one per worker and one per "
-                    f"trainer); Ray has {cpus}: pass a smaller --tokenize-workers"
-                )
-            if R > 1:  # the trainers take the CPUs: fewer of them is the fix
-                asked = f"--trainers {R}" if cfg.trainers else f"{R} trainers (one per GPU)"
-                raise ConfigError(
-                    f"{asked} and {self.num_workers} tokenizer worker(s) need "
-                    f"{R + self.num_workers} CPUs (one each); Ray has {cpus}: pass --trainers "
-                    f"{max(cpus - 1, 1)} or fewer, or run where Ray has more CPUs"
-                )
-            raise ConfigError(
-                f"training needs at least {R + 1} CPUs (one per trainer and one tokenizer "
-                f"worker); Ray has {cpus}: run on a machine or cluster with more CPUs"
-            )
+        R, self.ranks, self.num_workers = actor_counts(inp, self.slots, before)
+        self.num_trainers = R
         # the resolved config, as used: run.json and every checkpoint's config.json say so
         cfg.device, cfg.dtype = inp.device, inp.dtype
         cfg.trainers, cfg.tokenize_workers = R, self.num_workers
 
-        store = ray.remote(num_cpus=0)(WeightStore)
-        nodes = list(dict.fromkeys(s.node_id for s in self.ranks))  # each trainer node once
-        self.stores = {
-            n: store.options(**on_node(n)).remote(cfg.model, inp.dtype, cfg.base_quant)
-            for n in nodes
-        }
-        handles = ray.get([self.stores[n].handles.remote() for n in nodes])
-        self.handles = dict(zip(nodes, handles, strict=True))
-        loaded = ray.get(self.stores[nodes[0]].stats.remote())
-        size, seconds = loaded["nbytes"], max(loaded["load_seconds"], 1e-9)
-        shown = f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
-        self.progress.note(
-            f"base weights loaded: {shown} in {seconds:.1f} s ({size / 1e9 / seconds:.2f} GB/s)"
-        )
+        self.stores, self.handles = start_stores(inp, self.ranks, self.progress)
         self.epochs = None if cfg.steps else (cfg.epochs or 1)
         G = R * cfg.micro_batches_per_step  # micro-batches per optimizer step, all ranks
         if self.epochs is None:
@@ -226,32 +162,11 @@ class Run:
         self.record("running")  # now with the resolved config
 
     def _make_trainers(self) -> list:
-        """R trainer actors, each beside its node's weight store; with R > 1 one process group
-        (rank 0 picks the address) that every rank joins before its engine is built."""
-        import ray
-
-        R, device = self.num_trainers, self.inp.device
-        settings = trainer_settings(self.inp, R)
-        gpus = {"num_gpus": 1} if device == "cuda" else {}
-        actor = ray.remote(self.trainer_class)
-        trainers = [
-            actor.options(num_cpus=1, **gpus, **on_node(slot.node_id)).remote(
-                self.handles[slot.node_id], settings, rank
-            )
-            for rank, slot in enumerate(self.ranks)
-        ]
-        if R > 1:
-            address = ray.get(trainers[0].group_address.remote())
-            gather([t.join_group.remote(address) for t in trainers])
-        return trainers
+        return make_trainers(self.trainer_class, self.inp, self.ranks, self.handles)
 
     def _make_worker(self, w: int):
-        import ray
-
-        kwargs = worker_kwargs(
-            self.inp, w, self.num_workers, self.epochs, self.state.cursors.get(w)
-        )
-        return ray.remote(**ACTOR_OPTIONS)(ShardWorker).remote(**kwargs)
+        cursor = self.state.cursors.get(w)
+        return make_worker(self.inp, w, self.num_workers, self.epochs, cursor)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -626,17 +541,3 @@ class Run:
 
         for actor in [*self.workers, *self.trainers, *self.stores.values()]:
             ray.kill(actor)
-
-
-def _kept_on_resume(cfg: TrainConfig, name: str, before: int | None, why: str) -> int | None:
-    """The count `name` a run resumed from a checkpoint keeps (`why`: what depends on it); a
-    different explicit flag is refused. Without a checkpoint, the flag's value (None: default)."""
-    given = getattr(cfg, name)
-    if before is None:
-        return given
-    if given is not None and given != before:
-        raise ConfigError(
-            f"--resume: {cfg.output} was trained with {flag(name)} {before} ({why}); "
-            f"pass {flag(name)} {before} or leave it out"
-        )
-    return before

@@ -34,7 +34,8 @@ from appliance.models.lora import load_adapter
 from appliance.run.driver import train
 from appliance.run.feed import schedule, worker_kwargs
 from appliance.run.inputs import prepare
-from appliance.run.loop import Run, trainer_settings
+from appliance.run.launch import trainer_settings
+from appliance.run.loop import Run
 from appliance.run.progress import Progress
 from appliance.storage.checkpoints import CheckpointError
 from tests.helpers_model import load_hf, make_model, tiny_train_config
