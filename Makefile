@@ -28,7 +28,9 @@ tools:
 	bash scripts/install-tools.sh
 	bash scripts/install-prometheus.sh
 
-test: install tools
+# install and tools at once: pip, npm and apt wait on disk and network more than on the CPUs
+test:
+	$(MAKE) --no-print-directory -j2 install tools
 	$(BIN)/python -m pytest -q --durations=30
 
 test-fast: install

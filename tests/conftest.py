@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import inspect
+import os
 import signal
 from pathlib import Path
 
@@ -25,6 +26,12 @@ appliance_exit.install()
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+
+# A completed `appliance train` waits one metrics report interval (1 s) before Ray shuts down,
+# for Prometheus to see its last numbers (run/driver.py's _let_metrics_report). Nothing scrapes
+# the tests' runs after their end but tests/e2e/test_prometheus_e2e.py's, which takes it back:
+# every other run of the suite, in this process or a child, ends at once.
+os.environ.setdefault("APPLIANCE_LAST_METRICS_WAIT_MS", "0")
 
 # The GPU machine's image has torch, transformers and peft but not Ray, boto3, moto, python-hcl2
 # or jsonschema (test dependencies `make test` installs): `pytest -m gpu tests/` must still
@@ -82,6 +89,24 @@ def ray_local():
     left behind (asserted)."""
     with ray_session(num_cpus=4, include_dashboard=False, log_to_driver=False):
         yield
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A tiny random Llama (tests/helpers_model.py's `llama-mha`, with the test tokenizer), made
+    once for the session: for tests that read a model and never change it (copy it first)."""
+    from tests.helpers_model import make_model
+
+    return make_model(tmp_path_factory.mktemp("tiny") / "model", "llama-mha")
+
+
+@pytest.fixture
+def tiny_data(tmp_path) -> Path:
+    """tmp_path/data.jsonl: 30 test sentences, one {"text": ...} record a line (the test's own
+    copy: it may change it)."""
+    from tests.helpers_data import sentences_jsonl
+
+    return sentences_jsonl(tmp_path / "data.jsonl", 30)
 
 
 # ------------------------------------------------------------------------------------ tiers

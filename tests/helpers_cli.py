@@ -42,3 +42,22 @@ def run_train(*argv: object, env: dict | None = None) -> subprocess.CompletedPro
          "--metrics-port", str(free_port()), "--log-format", "plain"],
         capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})},
     )  # fmt: skip
+
+
+def train_in_process(*argv: object) -> subprocess.CompletedProcess:
+    """`appliance train <argv>` run to its end in this process, with plain log lines, its stdout
+    and stderr apart: what `run_train` gives of a child, without a Python and a Ray session of
+    its own. The test takes `ray_local`: the driver joins that Ray (whether a run starts one is
+    not what such a test is about). The executable's own ending (exit status, the `error:` line
+    on stderr) is what child runs show."""
+    import gc
+
+    from click.testing import CliRunner
+
+    from appliance.cli.main import main
+
+    result = CliRunner().invoke(main, ["train", *map(str, argv), "--log-format", "plain"])
+    done = subprocess.CompletedProcess(argv, result.exit_code, result.stdout, result.stderr)
+    del result  # its traceback holds a failed run's actors: let Ray end them now
+    gc.collect()
+    return done

@@ -131,6 +131,8 @@ def _let_metrics_report(cfg: TrainConfig) -> None:
     ms = METRICS_REPORT_INTERVAL_MS  # what the embedded Ray is started with
     if cfg.cluster:  # the cluster's own setting, as Ray reads it (its default is 10 s)
         ms = int(os.environ.get("RAY_metrics_report_interval_ms", "10000"))
+    # for tests, whose runs nothing scrapes after their end (tests/conftest.py sets it to 0)
+    ms = int(os.environ.get("APPLIANCE_LAST_METRICS_WAIT_MS", ms))
     try:
         time.sleep(ms / 1e3)
     except KeyboardInterrupt:  # the run is complete, its adapter written: a stop skips the wait

@@ -24,7 +24,7 @@ from appliance.run.resume import decide_output, remove_previous_run
 from appliance.storage import uri as storage
 from appliance.storage.checkpoints import list_checkpoints, load_latest_checkpoint, save_checkpoint
 from appliance.storage.output_lock import LOCK_FILE, OutputLock
-from tests.helpers_cli import run_train
+from tests.helpers_cli import run_train, train_in_process
 from tests.helpers_model import make_model
 from tests.helpers_tokenizer import sentences
 
@@ -32,22 +32,10 @@ CONFIGS = Path(__file__).parents[2] / "appliance" / "configs"
 pytest_plugins = ["tests.s3_server"]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("m") / "model", "llama-mha")
-
-
-@pytest.fixture
-def data(tmp_path):
-    path = tmp_path / "data.jsonl"
-    path.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(30)))
-    return path
-
-
 def train(*argv: str) -> tuple[int, str]:
     """`appliance train ARGV` in this process. A test that takes `ray_local` runs it on the
     module's Ray (the driver joins a Ray already started; whether it starts one is not what
-    those tests are about): the runs in child processes start their own."""
+    those tests are about)."""
     result = CliRunner().invoke(main, ["train", *map(str, argv)])
     return result.exit_code, result.output
 
@@ -90,93 +78,112 @@ def copy_model(model: Path, to: Path, *names: str) -> Path:
     return to
 
 
-def test_missing_model_directory(tmp_path, data):
-    code, out = train("--model", tmp_path / "nope", "--data", data, "--output", tmp_path / "o")
+def test_missing_model_directory(tmp_path, tiny_data):
+    code, out = train("--model", tmp_path / "nope", "--data", tiny_data, "--output", tmp_path / "o")
     assert_one_user_error(
         code, out, tmp_path / "o", str(tmp_path / "nope"), "no such file or directory"
     )
 
 
-def test_a_model_file_given_for_its_directory_is_named(tmp_path, model, data):
-    weights = model / "model.safetensors"
-    code, out = train("--model", weights, "--data", data, "--output", tmp_path / "o")
+def test_a_model_file_given_for_its_directory_is_named(tmp_path, tiny_model, tiny_data):
+    weights = tiny_model / "model.safetensors"
+    code, out = train("--model", weights, "--data", tiny_data, "--output", tmp_path / "o")
     assert_one_user_error(
-        code, out, tmp_path / "o", f"--model {weights} is a file: pass the directory", str(model)
+        code,
+        out,
+        tmp_path / "o",
+        f"--model {weights} is a file: pass the directory",
+        str(tiny_model),
     )
 
 
-def test_model_directory_without_config(tmp_path, data):
+def test_model_directory_without_config(tmp_path, tiny_data):
     (tmp_path / "empty").mkdir()
-    code, out = train("--model", tmp_path / "empty", "--data", data, "--output", tmp_path / "o")
+    code, out = train(
+        "--model", tmp_path / "empty", "--data", tiny_data, "--output", tmp_path / "o"
+    )
     assert_one_user_error(code, out, tmp_path / "o", "config.json")
 
 
-def test_model_directory_with_config_but_no_safetensors(tmp_path, model, data):
-    bare = copy_model(model, tmp_path / "bare", "config.json", "tokenizer.json")
-    code, out = train("--model", bare, "--data", data, "--output", tmp_path / "o")
+def test_model_directory_with_config_but_no_safetensors(tmp_path, tiny_model, tiny_data):
+    bare = copy_model(tiny_model, tmp_path / "bare", "config.json", "tokenizer.json")
+    code, out = train("--model", bare, "--data", tiny_data, "--output", tmp_path / "o")
     assert_one_user_error(
         code, out, tmp_path / "o", str(bare), "no model.safetensors", "safe_serialization=True"
     )
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbled header"])
-def test_corrupt_model_safetensors_is_refused_naming_the_file(tmp_path, model, data, damage):
-    broken = copy_model(model, tmp_path / "broken", "config.json", "tokenizer.json")
-    weights = (model / "model.safetensors").read_bytes()
+def test_corrupt_model_safetensors_is_refused_naming_the_file(
+    tmp_path, tiny_model, tiny_data, damage
+):
+    broken = copy_model(tiny_model, tmp_path / "broken", "config.json", "tokenizer.json")
+    weights = (tiny_model / "model.safetensors").read_bytes()
     if damage == "truncated":
         weights = weights[: len(weights) // 2]
     else:
         weights = b"\xff" * 8 + weights[8:]  # a header length far past the end of the file
     (broken / "model.safetensors").write_bytes(weights)
-    code, out = train("--model", broken, "--data", data, "--output", tmp_path / "o")
+    code, out = train("--model", broken, "--data", tiny_data, "--output", tmp_path / "o")
     assert_one_user_error(
         code, out, tmp_path / "o", str(broken / "model.safetensors"), "cannot read safetensors"
     )
 
 
-def test_unsupported_architecture_is_refused_by_name_before_loading(tmp_path, model, data):
+def test_unsupported_architecture_is_refused_by_name_before_loading(
+    tmp_path, tiny_model, tiny_data
+):
     other = tmp_path / "gpt2"
     other.mkdir()
-    cfg = json.loads((model / "config.json").read_text())
+    cfg = json.loads((tiny_model / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (other / "config.json").write_text(json.dumps(cfg))  # no weights at all: never read
-    code, out = train("--model", other, "--data", data, "--output", tmp_path / "o")
+    code, out = train("--model", other, "--data", tiny_data, "--output", tmp_path / "o")
     assert_one_user_error(code, out, tmp_path / "o", "GPT2LMHeadModel", "not supported")
 
 
-def test_missing_tokenizer(tmp_path, data):
+def test_missing_tokenizer(tmp_path, tiny_data):
     bare = make_model(tmp_path / "bare", "llama-mha", with_tokenizer=False)
-    code, out = train("--model", bare, "--data", data, "--output", tmp_path / "o")
+    code, out = train("--model", bare, "--data", tiny_data, "--output", tmp_path / "o")
     assert_one_user_error(code, out, tmp_path / "o", "tokenizer.json")
 
 
-def test_empty_dataset(tmp_path, model):
+def test_empty_dataset(tmp_path, tiny_model):
     (tmp_path / "empty.jsonl").write_text("\n\n")
     code, out = train(
-        "--model", model, "--data", tmp_path / "empty.jsonl", "--output", tmp_path / "o"
+        "--model", tiny_model, "--data", tmp_path / "empty.jsonl", "--output", tmp_path / "o"
     )
     assert_one_user_error(code, out, tmp_path / "o", "empty.jsonl")
 
 
-def test_seq_len_above_max_position_embeddings(tmp_path, model, data):
+def test_seq_len_above_max_position_embeddings(tmp_path, tiny_model, tiny_data):
     code, out = train(
-        "--model", model, "--data", data, "--output", tmp_path / "o", "--seq-len", "100000"
+        "--model",
+        tiny_model,
+        "--data",
+        tiny_data,
+        "--output",
+        tmp_path / "o",
+        "--seq-len",
+        "100000",
     )
     assert_one_user_error(code, out, tmp_path / "o", "--seq-len 100000", "max_position_embeddings")
 
 
-def test_data_without_model_is_refused_instead_of_training_the_demo(tmp_path, data):
-    code, out = train("--data", data, "--output", tmp_path / "o")
+def test_data_without_model_is_refused_instead_of_training_the_demo(tmp_path, tiny_data):
+    code, out = train("--data", tiny_data, "--output", tmp_path / "o")
     assert_one_user_error(code, out, tmp_path / "o", "--data needs --model")
     assert not (tmp_path / "o").exists()
 
 
-def test_train_where_ray_is_not_installed_says_what_to_install(tmp_path, model, data, monkeypatch):
+def test_train_where_ray_is_not_installed_says_what_to_install(
+    tmp_path, tiny_model, tiny_data, monkeypatch
+):
     """Ray is a dependency, but an install with --no-deps (the GPU machine's image) lacks it:
     `train` then says to install it, in one line, before it writes anything."""
     monkeypatch.setitem(sys.modules, "ray", None)  # None in sys.modules: `import ray` raises
     out = tmp_path / "out"
-    code, output = train("--model", model, "--data", data, "--output", out, "--steps", 2)
+    code, output = train("--model", tiny_model, "--data", tiny_data, "--output", out, "--steps", 2)
     assert_one_user_error(code, output, out, "`appliance train` needs Ray", "pip install")
     assert not out.exists()
 
@@ -217,36 +224,42 @@ def test_every_config_error_is_reported_at_once_naming_flags_and_keys(tmp_path):
     assert len(error_lines(out)) == 4
 
 
-def test_output_holding_a_different_run_is_refused_unless_overwrite(tmp_path, model, data):
+def test_output_holding_a_different_run_is_refused_unless_overwrite(
+    tmp_path, tiny_model, tiny_data
+):
     out = tmp_path / "o"
     out.mkdir()
     (out / "run.json").write_text(
         json.dumps({"identity": {"model": "other"}, "status": "complete"})
     )
-    code, text = train("--model", model, "--data", data, "--output", out)
+    code, text = train("--model", tiny_model, "--data", tiny_data, "--output", out)
     assert_one_user_error(code, text, out, "already holds a different run", "--overwrite")
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
-    code, text = train("--model", model, "--data", data, "--output", other)
+    code, text = train("--model", tiny_model, "--data", tiny_data, "--output", other)
     assert_one_user_error(code, text, other, "not empty", "--overwrite")
     assert (other / "notes.txt").read_text() == "mine"
 
 
-def test_an_output_another_train_is_writing_is_refused_naming_its_process(tmp_path, model, data):
+def test_an_output_another_train_is_writing_is_refused_naming_its_process(
+    tmp_path, tiny_model, tiny_data
+):
     """The lock is an flock: a second descriptor of the lock file, here the CLI's in this same
     process, is refused as another process would be. Released, it leaves no file, and no
     directory where it made one that nothing else wrote to."""
     out = tmp_path / "o"
     with OutputLock(str(out)):
-        code, text = train("--model", model, "--data", data, "--output", out, "--resume")
+        code, text = train("--model", tiny_model, "--data", tiny_data, "--output", out, "--resume")
         assert_one_user_error(
             code,
             text,
             out,
             f"another appliance train (pid {os.getpid()} on {socket.gethostname()})",
         )
-        code, text = train("--model", model, "--data", data, "--output", out, "--overwrite")
+        code, text = train(
+            "--model", tiny_model, "--data", tiny_data, "--output", out, "--overwrite"
+        )
         assert_one_user_error(code, text, out, "in use by another appliance train")
     assert not out.exists()
     out.mkdir()
@@ -255,24 +268,26 @@ def test_an_output_another_train_is_writing_is_refused_naming_its_process(tmp_pa
     assert out.is_dir() and not any(out.iterdir())  # the user's directory stays, the lock goes
 
 
-def test_an_output_under_a_file_is_refused_before_ray_starts(tmp_path, model, data):
+def test_an_output_under_a_file_is_refused_before_ray_starts(tmp_path, tiny_model, tiny_data):
     afile = tmp_path / "afile"
     afile.write_text("mine")
     for out in (afile / "sub", afile):
-        code, text = train("--model", model, "--data", data, "--output", out)
+        code, text = train("--model", tiny_model, "--data", tiny_data, "--output", out)
         assert_one_user_error(code, text, None, f"--output {out}", "cannot create")
         assert "starting Ray" not in text
     assert afile.read_text() == "mine"
 
 
 @pytest.mark.parametrize("damage", [b'{"identity": {"mod', b"[]", b"\xff\xfe"])
-def test_an_unreadable_run_json_is_named_and_overwrite_replaces_it(tmp_path, model, data, damage):
+def test_an_unreadable_run_json_is_named_and_overwrite_replaces_it(
+    tmp_path, tiny_model, tiny_data, damage
+):
     out = tmp_path / "o"
     out.mkdir()
     (out / "run.json").write_bytes(damage)
     (out / "notes.txt").write_text("mine")
     for extra in ((), ("--resume",)):
-        code, text = train("--model", model, "--data", data, "--output", out, *extra)
+        code, text = train("--model", tiny_model, "--data", tiny_data, "--output", out, *extra)
         assert_one_user_error(code, text, out, f"{out / 'run.json'} is unreadable", "--overwrite")
     code, text = train("--output", out, "--resume")  # the resume that reads the run's config
     assert_one_user_error(code, text, out, "run.json is unreadable")
@@ -284,13 +299,17 @@ def test_an_unreadable_run_json_is_named_and_overwrite_replaces_it(tmp_path, mod
 
 @pytest.mark.integration
 def test_a_resume_rebuilds_an_unreadable_run_json_from_the_latest_checkpoint(
-    ray_local, tmp_path, model, data
+    ray_local, tmp_path, tiny_model, tiny_data
 ):
     """A torn run.json beside good checkpoints: the error names the resume that keeps them
     (--overwrite would delete them), and `--resume` alone rebuilds run.json from the latest
     checkpoint, keeps the unreadable file beside it, and trains on from that step."""
     out = tmp_path / "o"
-    args = [*data_args(model, data, "--steps", "2", "--checkpoint-every", "1"), "--output", out]
+    args = [
+        *data_args(tiny_model, tiny_data, "--steps", "2", "--checkpoint-every", "1"),
+        "--output",
+        out,
+    ]
     code, text = train(*args)
     assert code == 0, text
     damage = (out / "run.json").read_bytes()[:40]  # cut short, as a full disk leaves it
@@ -394,34 +413,40 @@ def assert_cli_user_error(done: subprocess.CompletedProcess, out: Path, *needles
 
 @pytest.mark.integration
 def test_a_run_that_fails_after_it_started_records_why_in_run_json(
-    ray_local, tmp_path, model, data
+    ray_local, tmp_path, tiny_model, tiny_data
 ):
     out = tmp_path / "o"
-    failed = run_train(*data_args(model, data)[:-2], "--tokenize-workers", "64", "--output", out)
+    failed = train_in_process(
+        *data_args(tiny_model, tiny_data)[:-2], "--tokenize-workers", "64", "--output", out
+    )
     assert_cli_user_error(failed, out, "--tokenize-workers 64 needs 65 CPUs")
     record = json.loads((out / "run.json").read_text())
     assert record["status"] == "failed" and "--tokenize-workers 64" in record["error"]
     # it failed before its first checkpoint: the command, fixed, just runs (nothing to resume)
-    code, text = train(*data_args(model, data, "--steps", "2"), "--output", out)
+    code, text = train(*data_args(tiny_model, tiny_data, "--steps", "2"), "--output", out)
     assert code == 0, text
     assert f"--output {out} held the same run that ended (failed) before its first" in text
     assert json.loads((out / "run.json").read_text())["status"] == "complete"
     # ... while a run with a checkpoint is kept: continue it, or --overwrite it
-    code, text = train(*data_args(model, data, "--steps", "2"), "--output", out)
+    code, text = train(*data_args(tiny_model, tiny_data, "--steps", "2"), "--output", out)
     assert_one_user_error(code, text, None, "already holds the same run (complete)", "--resume")
 
 
 @pytest.mark.integration
 def test_a_validation_set_with_nothing_to_score_fails_before_the_first_step(
-    ray_local, tmp_path, model
+    ray_local, tmp_path, tiny_model
 ):
     """--eval-split so small that it holds out no document: refused before any training (not
     at the first eval, with the run's steps lost and a resume that fails the same way); the
     command with a larger split then starts afresh in the same --output."""
     data = write_lines(tmp_path / "data.jsonl", {})
     out = tmp_path / "o"
-    args = [*data_args(model, data, "--steps", "2", "--checkpoint-every", "1"), "--output", out]
-    failed = run_train(*args, "--eval-split", "0.001")
+    args = [
+        *data_args(tiny_model, data, "--steps", "2", "--checkpoint-every", "1"),
+        "--output",
+        out,
+    ]
+    failed = train_in_process(*args, "--eval-split", "0.001")
     assert_cli_user_error(
         failed,
         out,
@@ -434,18 +459,20 @@ def test_a_validation_set_with_nothing_to_score_fails_before_the_first_step(
 
 
 @pytest.mark.integration
-def test_a_run_follows_its_model_to_a_new_path_and_no_other_model(tmp_path, model, data):
+def test_a_run_follows_its_model_to_a_new_path_and_no_other_model(
+    ray_local, tmp_path, tiny_model, tiny_data
+):
     """A moved model directory (another mount point in a container): `--resume` alone names the
     way on; `--resume --model NEW` continues when the files are the run's model's, and another
     model at that path is refused."""
-    here = shutil.copytree(model, tmp_path / "here")
+    here = shutil.copytree(tiny_model, tmp_path / "here")
     out = tmp_path / "o"
-    first = run_train(*data_args(here, data, "--steps", "2"), "--output", out)
+    first = train_in_process(*data_args(here, tiny_data, "--steps", "2"), "--output", out)
     assert first.returncode == 0, first.stderr[-2000:]
     moved = here.rename(tmp_path / "moved")
     code, text = train("--output", out, "--resume")
     assert_one_user_error(code, text, None, f"the run's model {here} is not there", "--model")
-    done = run_train("--output", out, "--resume", "--model", moved, "--steps", "3")
+    done = train_in_process("--output", out, "--resume", "--model", moved, "--steps", "3")
     assert done.returncode == 0, done.stderr[-2000:]
     record = json.loads((out / "run.json").read_text())
     assert (record["status"], record["steps"], record["identity"]["model"]) == (
@@ -457,7 +484,9 @@ def test_a_run_follows_its_model_to_a_new_path_and_no_other_model(tmp_path, mode
 
 
 @pytest.mark.integration
-def test_a_resume_on_changed_data_is_refused_by_name_or_goes_on_when_allowed(tmp_path, model):
+def test_a_resume_on_changed_data_is_refused_by_name_or_goes_on_when_allowed(
+    ray_local, tmp_path, tiny_model
+):
     """The run's data cursors count documents in its files: a file added to --data's directory
     since the run started stops `--resume`, naming it; `--allow-data-change` goes on and
     run.json records the data as it is now; a data directory that moved is named, with how to
@@ -466,7 +495,7 @@ def test_a_resume_on_changed_data_is_refused_by_name_or_goes_on_when_allowed(tmp
     data.mkdir()
     (data / "a.jsonl").write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(30)))
     out = tmp_path / "o"
-    first = run_train(*data_args(model, data, "--steps", "2"), "--output", out)
+    first = train_in_process(*data_args(tiny_model, data, "--steps", "2"), "--output", out)
     assert first.returncode == 0, first.stderr[-2000:]
     (data / "b.jsonl").write_text(json.dumps({"text": "a document added later"}) + "\n")
     code, text = train("--output", out, "--resume", "--steps", "3")
@@ -474,7 +503,7 @@ def test_a_resume_on_changed_data_is_refused_by_name_or_goes_on_when_allowed(tmp
         code, text, None, f"--resume: --data {data} changed since the run started: 1 file(s) "
         "added (b.jsonl).", "--allow-data-change",
     )  # fmt: skip
-    done = run_train("--output", out, "--resume", "--steps", "3", "--allow-data-change")
+    done = train_in_process("--output", out, "--resume", "--steps", "3", "--allow-data-change")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "added (b.jsonl); continuing on it, as --allow-data-change asks" in done.stdout
     record = json.loads((out / "run.json").read_text())
@@ -492,15 +521,17 @@ def test_a_resume_on_changed_data_is_refused_by_name_or_goes_on_when_allowed(tmp
 
 
 @pytest.mark.integration
-def test_malformed_jsonl_line_fails_naming_file_and_line(tmp_path, model):
+def test_malformed_jsonl_line_fails_naming_file_and_line(ray_local, tmp_path, tiny_model):
     data = write_lines(tmp_path / "data.jsonl", {7: '{"text": "unterminated'})
-    done = run_train(*data_args(model, data, "--epochs", "1"), "--output", tmp_path / "o")
+    done = train_in_process(
+        *data_args(tiny_model, data, "--epochs", "1"), "--output", tmp_path / "o"
+    )
     assert_cli_user_error(done, tmp_path / "o", f"{data}:8: malformed JSON")
 
 
 @pytest.mark.integration
 def test_a_bad_record_the_epoch_count_meets_is_recorded_and_the_fixed_command_runs(
-    ray_local, tmp_path, model
+    ray_local, tmp_path, tiny_model
 ):
     """A bad record past what the driver samples fails --epochs' counting pass (a Ray task):
     run.json says it as the CLI does, not as Ray's wrapper (a traceback); fixed, the same
@@ -510,8 +541,8 @@ def test_a_bad_record_the_epoch_count_meets_is_recorded_and_the_fixed_command_ru
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(lines[:89] + ['{"text": 3}'] + lines[90:]) + "\n")
     out = tmp_path / "o"
-    args = [*data_args(model, data, "--epochs", "1", "--seq-len", "64"), "--output", out]
-    assert_cli_user_error(run_train(*args), out, f'{data}:90: "text" must be a string')
+    args = [*data_args(tiny_model, data, "--epochs", "1", "--seq-len", "64"), "--output", out]
+    assert_cli_user_error(train_in_process(*args), out, f'{data}:90: "text" must be a string')
     error = json.loads((out / "run.json").read_text())["error"]
     assert error.startswith(f'DataError: {data}:90: "text" must be a string'), error
     assert "ray::" not in error and "Traceback" not in error
@@ -523,17 +554,19 @@ def test_a_bad_record_the_epoch_count_meets_is_recorded_and_the_fixed_command_ru
 
 @pytest.mark.integration
 def test_records_without_text_fail_naming_file_and_line_or_are_skipped_and_counted_once(
-    tmp_path, model
+    ray_local, tmp_path, tiny_model
 ):
     no_text = json.dumps({"body": "no text key"})
     data = write_lines(tmp_path / "data.jsonl", {7: no_text, 12: no_text})
 
-    failed = run_train(*data_args(model, data, "--epochs", "1"), "--output", tmp_path / "o1")
+    failed = train_in_process(
+        *data_args(tiny_model, data, "--epochs", "1"), "--output", tmp_path / "o1"
+    )
     assert_cli_user_error(failed, tmp_path / "o1", f'{data}:8: record has no "text"')
 
     # two epochs read each bad record twice; each is counted once
-    skipped = run_train(
-        *data_args(model, data, "--epochs", "2", "--on-bad-record", "skip"),
+    skipped = train_in_process(
+        *data_args(tiny_model, data, "--epochs", "2", "--on-bad-record", "skip"),
         "--output",
         tmp_path / "o2",
     )
@@ -544,19 +577,21 @@ def test_records_without_text_fail_naming_file_and_line_or_are_skipped_and_count
 
 
 @pytest.mark.integration
-def test_non_utf8_jsonl_line_names_file_and_line(tmp_path, model):
+def test_non_utf8_jsonl_line_names_file_and_line(ray_local, tmp_path, tiny_model):
     data = write_lines(tmp_path / "data.jsonl", {4: b'{"text": "the cat \xff sat"}'})
-    done = run_train(*data_args(model, data, "--steps", "2"), "--output", tmp_path / "o")
+    done = train_in_process(
+        *data_args(tiny_model, data, "--steps", "2"), "--output", tmp_path / "o"
+    )
     assert_cli_user_error(done, tmp_path / "o", f"{data}:5: not valid UTF-8")
 
 
 @pytest.mark.integration
-def test_non_utf8_text_names_the_file(tmp_path, model):
+def test_non_utf8_text_names_the_file(ray_local, tmp_path, tiny_model):
     data = tmp_path / "bad.txt"
     data.write_bytes(b"the cat \xff\xfe sat")
-    done = run_train(
+    done = train_in_process(
         "--model",
-        model,
+        tiny_model,
         "--data",
         data,
         "--output",
@@ -576,10 +611,14 @@ def checkpoint_steps(out: Path) -> list[int]:
 
 
 @pytest.mark.integration
-def test_overwrite_removes_the_old_run_before_the_new_one_writes_anything(tmp_path, model, data):
+def test_overwrite_removes_the_old_run_before_the_new_one_writes_anything(
+    ray_local, tmp_path, tiny_model, tiny_data
+):
     out = tmp_path / "o"
-    old = run_train(
-        *data_args(model, data, "--steps", "4", "--checkpoint-every", "2", "--lora-rank", "4"),
+    old = train_in_process(
+        *data_args(
+            tiny_model, tiny_data, "--steps", "4", "--checkpoint-every", "2", "--lora-rank", "4"
+        ),
         "--output",
         out,
     )
@@ -588,7 +627,7 @@ def test_overwrite_removes_the_old_run_before_the_new_one_writes_anything(tmp_pa
     (out / "notes.txt").write_text("mine")
 
     # a different run over it, killed while writing its first checkpoint
-    new = data_args(model, data, "--steps", "3", "--lora-rank", "2", "--overwrite")
+    new = data_args(tiny_model, tiny_data, "--steps", "3", "--lora-rank", "2", "--overwrite")
     killed = run_train(
         *new,
         "--checkpoint-every",
@@ -608,7 +647,7 @@ def test_overwrite_removes_the_old_run_before_the_new_one_writes_anything(tmp_pa
     assert (record["status"], record["identity"]["lora_rank"]) == ("running", 2)
 
     # the same run again, left alone: only the new run remains (and the user's file)
-    done = run_train(*new, "--output", out)
+    done = train_in_process(*new, "--output", out)
     assert done.returncode == 0, done.stderr[-2000:]
     assert checkpoint_steps(out) == [3]
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 2
@@ -649,20 +688,22 @@ def test_shipped_configs_are_valid_and_give_the_command_in_their_header(path):
 
 
 @pytest.mark.integration
-def test_a_loss_that_is_not_finite_stops_the_run_before_an_adapter_of_nans(tmp_path, model, data):
+def test_a_loss_that_is_not_finite_stops_the_run_before_an_adapter_of_nans(
+    ray_local, tmp_path, tiny_model, tiny_data
+):
     """One NaN in the base weights (a damaged download): the run fails at its first step,
     naming the loss and what to check, and publishes no adapter, rather than completing with
     every adapter value NaN."""
     from safetensors.torch import load_file, save_file
 
     bad = tmp_path / "model"
-    shutil.copytree(model, bad)
+    shutil.copytree(tiny_model, bad)
     weights = load_file(bad / "model.safetensors")
     name = next(k for k in weights if k.endswith("layers.1.mlp.down_proj.weight"))
     weights[name][0, 0] = float("nan")
     save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
     out = tmp_path / "o"
-    done = run_train(*data_args(bad, data, "--steps", "2"), "--output", out)
+    done = train_in_process(*data_args(bad, tiny_data, "--steps", "2"), "--output", out)
     assert_cli_user_error(
         done,
         out,

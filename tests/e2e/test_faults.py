@@ -174,19 +174,6 @@ def assert_same_run(output: Path, reference) -> dict:
     return record
 
 
-def test_driver_killed_then_resumed_reproduces_the_uninterrupted_run(inputs, reference, tmp_path):
-    out = tmp_path / "out"
-    proc = Proc(args(inputs, out))
-    proc.wait_for_step(EVERY + 3)  # past the first checkpoint
-    proc.kill_all()
-    assert load_latest_checkpoint(str(out)).step == EVERY
-    assert run_record(out)["status"] == "running"
-
-    summary = run_to_end(args(inputs, out, "--resume"))
-    assert summary["steps"] == STEPS
-    assert_same_run(out, reference)
-
-
 def test_trainer_killed_mid_run_is_recreated_and_the_run_is_unchanged(inputs, reference, tmp_path):
     out = tmp_path / "out"
     proc = Proc(args(inputs, out))
@@ -265,11 +252,17 @@ def test_too_many_failures_end_the_run_with_the_cause(inputs, tmp_path):
     assert not (out / "adapter_config.json").exists()  # no adapter that looks complete
 
 
-def test_resume_refuses_a_changed_config_naming_the_flag(inputs, tmp_path):
+def test_driver_killed_then_resumed_reproduces_the_uninterrupted_run(inputs, reference, tmp_path):
+    """... and a resume of it with a changed config is refused first, naming the flag (once
+    test_resume_refuses_a_changed_config_naming_the_flag, which killed a run of its own for
+    it): the refusals leave the run as it was, and the resume then reproduces the reference."""
     out = tmp_path / "out"
     proc = Proc(args(inputs, out))
-    proc.wait_for_step(EVERY + 1)
+    proc.wait_for_step(EVERY + 3)  # past the first checkpoint
     proc.kill_all()
+    assert load_latest_checkpoint(str(out)).step == EVERY
+    assert run_record(out)["status"] == "running"
+
     rc, _, err = Proc(args(inputs, out, "--resume", "--lora-rank", "8")).finish()
     assert rc == 1
     assert "--lora-rank" in err and "Traceback" not in err
@@ -277,6 +270,10 @@ def test_resume_refuses_a_changed_config_naming_the_flag(inputs, tmp_path):
     rc, _, err = Proc(args(inputs, out, "--resume", "--tokenize-workers", "1")).finish()
     assert rc == 1 and "Traceback" not in err
     assert "was trained with --tokenize-workers 2" in err
+
+    summary = run_to_end(args(inputs, out, "--resume"))
+    assert summary["steps"] == STEPS
+    assert_same_run(out, reference)
 
 
 def test_a_one_cpu_machine_is_refused_without_blaming_an_unpassed_flag(inputs, tmp_path):

@@ -109,11 +109,16 @@ def test_a_training_job_stops_at_a_step_with_a_checkpoint_and_a_stubborn_one_is_
         assert f"interrupted by SIGTERM after step {step}/100000" in logs, logs[-3000:]
         assert json.loads((output / "run.json").read_text())["status"] == "interrupted"
 
-        # a job that takes longer to stop than the timeout: named, exit status 1
-        stubborn = tmp_path / "stubborn.py"
+        # a job that takes longer to stop than the timeout: named, exit status 1. It ends once
+        # the test lets it (a file appears), not after a sleep: it is stubborn until then
+        stubborn, release = tmp_path / "stubborn.py", tmp_path / "release"
         stubborn.write_text(
-            "import signal, sys, time\n"
-            "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(12), sys.exit(130)))\n"
+            "import os, signal, sys, time\n"
+            "def stop(*args):\n"
+            f"    while not os.path.exists({str(release)!r}):\n"
+            "        time.sleep(0.1)\n"
+            "    sys.exit(130)\n"
+            "signal.signal(signal.SIGTERM, stop)\n"
             "print('ready', flush=True)\n"
             "time.sleep(600)\n"
         )
@@ -124,6 +129,7 @@ def test_a_training_job_stops_at_a_step_with_a_checkpoint_and_a_stubborn_one_is_
         assert f"waiting for {slow} (" in late.stdout  # a line while it waits
         assert f"still running after 5 s: {slow} (" in late.stdout
         assert "no submitted job is running" not in late.stdout
+        release.touch()
         wait_for(lambda: client.get_job_status(slow).is_terminal(), "the stubborn job to end")
         again = jobstop("--address", address)
         assert (

@@ -162,6 +162,12 @@ def test_ctrl_c_and_sigterm_checkpoint_and_resume_by_output_alone(inputs, tmp_pa
     assert "--seed 7 (the run: 0)" in err
     assert f"To continue that run as it was: appliance train --output {sigint_out} --resume" in err
 
+    # a finished run resumed with no more --steps: said so, and nothing of it changes, not even
+    # the flags run.json and the model card say it trained with (no weight is loaded either);
+    # started now, beside the two resumes below, and checked after them
+    was, card = record(ref_out), (ref_out / "README.md").read_bytes()
+    finished = start(["train", "--output", str(ref_out), "--resume", "--lr", "0.5"])
+
     # resume both at once (default metrics ports: they must not collide): SIGINT's with --output
     # alone, SIGTERM's with the very command that started it (--auto-resume: a rerun continues)
     resumed = {
@@ -191,10 +197,8 @@ def test_ctrl_c_and_sigterm_checkpoint_and_resume_by_output_alone(inputs, tmp_pa
         ports.add(metrics_port(err))
     assert len(ports) == 2 and min(ports) >= 8080
 
-    # a finished run resumed with no more --steps: said so, and nothing of it changes, not even
-    # the flags run.json and the model card say it trained with (no weight is loaded either)
-    was, card = record(ref_out), (ref_out / "README.md").read_bytes()
-    rc, out, err = finish(start(["train", "--output", str(ref_out), "--resume", "--lr", "0.5"]))
+    # the finished run resumed: nothing left to train
+    rc, out, err = finish(finished)
     assert rc == 0, err[-3000:]
     assert f"--resume: the run is at step {STEPS}, which --steps {STEPS}" in out
     assert "nothing is left to train" in out and "base weights loaded" not in out + err

@@ -113,6 +113,10 @@ def test_model_data_and_output_on_s3_survive_a_torn_checkpoint_write_and_resume_
     # has gone unrenewed for S3Lease.STALE_S: that run is gone, not another one writing. The
     # resuming driver waits 3 s of it, not 45 s (STALE_S_HERE): the length proves nothing here,
     # and the takeover on its own is test_output_lock's test_the_lease_of_a_run_that_died_...
+    # 3. beside it (started now, checked below), an uninterrupted run: the resumed one must
+    # have its losses and its adapter
+    ref = f"s3://{s3_bucket}/runs/ref"
+    reference_run = Proc(argv(ref), env=env)
     resume = [*STALE_S_HERE, *argv(out, "--resume")[3:]]
     rc, _, err = Proc(resume, env=env).finish()
     assert rc == 0, err[-3000:]
@@ -129,9 +133,8 @@ def test_model_data_and_output_on_s3_survive_a_torn_checkpoint_write_and_resume_
     # a resume may follow it to another prefix or to a local path
     assert resumed["model_fingerprint"] == model_fingerprint(str(model))
 
-    # 3. an uninterrupted run: the resumed one has its losses and its adapter
-    ref = f"s3://{s3_bucket}/runs/ref"
-    rc, _, err = Proc(argv(ref), env=env).finish()
+    # 3. the uninterrupted run: the resumed one has its losses and its adapter
+    rc, _, err = reference_run.finish()
     assert rc == 0, err[-3000:]
     reference = json.loads(storage.read_bytes(storage.join(ref, "run.json")))
     np.testing.assert_allclose(resumed["losses"], reference["losses"], rtol=1e-6)

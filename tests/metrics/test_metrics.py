@@ -478,6 +478,19 @@ def ray_metrics_port() -> Iterator[int]:
         yield port
 
 
+@pytest.mark.integration
+def test_the_embedded_rays_gcs_keeps_a_bounded_number_of_task_events(ray_metrics_port):
+    """The embedded Ray's GCS keeps a bounded number of task events (issue 44, item 14): the
+    soak benchmark (benchmarks/soak.py, docs/benchmarks.md "Soak") found its memory growing
+    ~11 KiB a step, the event records of every task, which Ray keeps up to 100,000 of by
+    default. Read in this process, which started Ray with the driver's `ray_init_kwargs` (it
+    was tests/e2e/test_gcs_task_events_bound.py, which started a Ray in a child for it)."""
+    from ray._raylet import Config
+
+    kept = Config.task_events_max_num_task_in_gcs()
+    assert kept == endpoint.TASK_EVENTS_KEPT and kept < 100_000  # Ray's own default
+
+
 @pytest.fixture(scope="module")
 def recorded(ray_metrics_port) -> str:
     """The scrape after an actor recorded every appliance metric once."""
@@ -540,6 +553,20 @@ class RecordGaugesOnce:
         M.WeightStoreMetrics().record(987654321)
 
 
+SET_ONCE = "ray_test_gauge_set_once"
+
+
+class SetOnce:
+    """An actor that sets a plain Ray gauge once (no appliance recorder, no refresher) and then
+    lives on: Ray's agent drops it after Ray's expiry, which the test below waits for."""
+
+    def record(self) -> None:
+        from ray.util.metrics import Gauge
+
+        self.gauge = Gauge(SET_ONCE.removeprefix("ray_"), "set once, never again")
+        self.gauge.set(1.0)
+
+
 @pytest.mark.integration
 def test_a_gauge_set_once_stays_served_while_its_process_lives(ray_metrics_port):
     """Ray's agent drops a gauge a few report intervals after its last set: the weight store's
@@ -551,15 +578,23 @@ def test_a_gauge_set_once_stays_served_while_its_process_lives(ray_metrics_port)
     actor = ray.remote(num_cpus=0)(RecordGaugesOnce).remote()
     ray.get(actor.record.remote())
     M.DriverMetrics().eval_loss(1.25)  # the driver's gauge
+    control = ray.remote(num_cpus=0)(SetOnce).remote()  # lives on, as the actor above does
+    ray.get(control.record.remote())
     gauges = {"ray_appliance_weight_store_bytes", "ray_appliance_eval_loss", "ray_appliance_loss"}
-    scrape_until(ray_metrics_port, gauges)
-    time.sleep(25)  # unset since, the driver's was gone after about 20 s
+    scrape_until(ray_metrics_port, gauges | {SET_ONCE})
+    # until Ray's agent has dropped the plain gauge set at the same time (about 20 s): the
+    # appliance's, unset since, have outlived Ray's expiry
+    deadline = time.monotonic() + 120
+    while SET_ONCE in {n for n, _, _ in samples(scrape(ray_metrics_port))}:
+        assert time.monotonic() < deadline, f"Ray's agent never dropped {SET_ONCE}: no expiry"
+        time.sleep(0.5)
     got = {(n, lb.get("rank")): v for n, lb, v in samples(scrape(ray_metrics_port))}
     assert got[("ray_appliance_weight_store_bytes", None)] == 987654321
     assert got[("ray_appliance_eval_loss", None)] == 1.25
     assert got[("ray_appliance_loss", "0")] == 2.5
     assert got[("ray_appliance_gpu_busy_ratio", "0")] == 0.8
     ray.kill(actor)
+    ray.kill(control)
 
 
 @pytest.mark.integration

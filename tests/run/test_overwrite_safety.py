@@ -16,20 +16,6 @@ from appliance.cli.main import main
 from appliance.errors import ConfigError
 from appliance.run.resume import decide_output, remove_previous_run
 from appliance.storage.checkpoints import list_checkpoints, save_checkpoint
-from tests.helpers_model import make_model
-from tests.helpers_tokenizer import sentences
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("m") / "model", "llama-mha")
-
-
-@pytest.fixture
-def data(tmp_path):
-    path = tmp_path / "data.jsonl"
-    path.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(30)))
-    return path
 
 
 def overwrite_cfg(out: Path) -> C.TrainConfig:
@@ -55,14 +41,14 @@ def appliance_run(out: Path) -> None:
 
 
 def test_overwrite_of_a_directory_with_no_appliance_run_is_refused_and_deletes_nothing(
-    tmp_path, model, data
+    tmp_path, tiny_model, tiny_data
 ):
     """The issue's reproduction: `checkpoints/epoch-3/model.pt`, then train --overwrite."""
     out = tmp_path / "d"
     mine = users_checkpoints(out)
     (out / "adapter_config.json").write_text('{"theirs": true}')
     code_out = CliRunner().invoke(
-        main, ["train", "--model", str(model), "--data", str(data), "--output", str(out),
+        main, ["train", "--model", str(tiny_model), "--data", str(tiny_data), "--output", str(out),
                "--overwrite"],
     )  # fmt: skip
     assert code_out.exit_code == 1, code_out.output

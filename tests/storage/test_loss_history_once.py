@@ -7,22 +7,21 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from appliance.storage.history import read_chain
-from tests.helpers_cli import run_train
+from tests.helpers_cli import train_in_process
 from tests.helpers_model import make_model
 from tests.helpers_tokenizer import sentences
 
-pytestmark = pytest.mark.integration
 
-
-def test_checkpoints_carry_only_their_share_of_the_history_and_a_resume_reads_it_all(tmp_path):
+def test_checkpoints_carry_only_their_share_of_the_history_and_a_resume_reads_it_all(
+    ray_local, tmp_path
+):
+    """In this process, on the module's Ray: the files the runs leave are what it is about."""
     model = make_model(tmp_path / "model", "llama-mha")
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(60)))
     out = tmp_path / "o"
-    first = run_train("--model", model, "--data", data, "--output", out, "--steps", "12",
+    first = train_in_process("--model", model, "--data", data, "--output", out, "--steps", "12",
                   "--checkpoint-every", "1", "--keep-checkpoints", "12", "--seq-len", "16",
                   "--micro-batch-size", "2", "--tokenize-workers", "1")  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
@@ -41,7 +40,7 @@ def test_checkpoints_carry_only_their_share_of_the_history_and_a_resume_reads_it
     assert len(segments) == 12
     assert sum(len(json.loads(s.read_text())["losses"]) for s in segments) == 12  # once each
 
-    more = run_train("--output", out, "--resume", "--steps", "15")
+    more = train_in_process("--output", out, "--resume", "--steps", "15")
     assert more.returncode == 0, more.stderr[-3000:]
     resumed = json.loads((out / "run.json").read_text())
     assert resumed["status"] == "complete" and len(resumed["losses"]) == 15
