@@ -35,6 +35,7 @@ from appliance.interrupt import GracefulStop, RunInterrupted
 from appliance.metrics.recorders import DriverMetrics
 from appliance.run.failures import RestartsExhausted, gather, unrecoverable
 from appliance.run.feed import count_batches, schedule, skipped_warning, worker_kwargs
+from appliance.run.history_log import HistoryLog, eval_record, step_record
 from appliance.run.launch import actor_counts, make_trainers, make_worker, start_stores
 from appliance.run.progress import Progress
 from appliance.run.record import write_run_file
@@ -73,6 +74,8 @@ class Run:
         self.history: tuple[str | None, int, int] = (None, 0, 0)
         self.last_checkpoint = time.monotonic()  # for the time-based default --checkpoint-every
         self._eval_refs: list | None = None  # the validation micro-batches, in the object store
+        self.log = HistoryLog(str(self.cfg.output))  # OUTPUT/history.jsonl (history_log.py)
+        self.steps_per_epoch: float | None = None  # optimizer steps in one pass over the data
 
     # ------------------------------------------------------------ setup
 
@@ -111,6 +114,8 @@ class Run:
         cfg, inp = self.cfg, self.inp
         # the driver reads only its own state of the checkpoint here; rank 0 reads the rest
         ckpt = load_latest_checkpoint(cfg.output, only=(DRIVER_STATE,)) if cfg.resume else None
+        if ckpt is None:
+            self.rewind_log()  # a fresh run: its history starts empty
         if cfg.resume and ckpt is None:
             self.progress.note(
                 f"--resume: {cfg.output} has no checkpoint yet (its run stopped before the "
@@ -139,6 +144,7 @@ class Run:
             )
             self.counts = [n * self.epochs for n in per_epoch]
             self.total_steps = math.ceil(sum(self.counts) / G)
+            self.steps_per_epoch = sum(per_epoch) / G
         self.order = schedule(self.counts, self.num_workers, self.total_steps * G)
         try:
             self.trainers = self._make_trainers()
@@ -177,6 +183,7 @@ class Run:
 
         self.check_lease()  # its lease taken over: another run writes the output now
         t0 = time.perf_counter()
+        self.log.flush()  # history.jsonl holds every step this checkpoint holds, first
         st, (last, saved, saved_evals) = self.state, self.history
         segment = write_segment(  # only what came since the last checkpoint: the history, once
             checkpoints_uri(self.cfg.output),
@@ -247,6 +254,7 @@ class Run:
         found = ray.get(self.trainers[0].restore_latest_checkpoint.remote(self.cfg.output))
         if found is None:
             self.state, self.history = RunState(), (None, 0, 0)
+            self.rewind_log()
             return
         for problem in found["skipped"]:
             self.progress.note(f"warning: skipped a damaged checkpoint: {problem}")
@@ -268,6 +276,17 @@ class Run:
         state = found["state"]  # [ref] with several ranks
         gather([t.load_state_bytes.remote(state[0]) for t in self.trainers[1:]])
         self.progress.note(f"resumed from {found['name']} (step {self.state.step})")
+        self.rewind_log()
+
+    def rewind_log(self) -> None:
+        """history.jsonl to the run's state: the steps after it left out, missing ones put back."""
+        st = self.state
+        if note := self.log.rewind(st.step, st.losses, st.eval_losses):
+            self.progress.note(note)
+
+    def epoch_at(self, step: int) -> float | None:
+        """Passes over the data after `step` steps (None when the data was not counted)."""
+        return round(step / self.steps_per_epoch, 4) if self.steps_per_epoch else None
 
     # ------------------------------------------------------------ faults
 
@@ -372,10 +391,14 @@ class Run:
                 self.metrics.batches_in_flight(len(pending))
                 for w in range(self.num_workers):
                     self.metrics.queue_depth(w, sum(1 for v, _ in pending if v == w))
+                epoch = stats["epoch"] = self.epoch_at(st.step)
+                records = [step_record(st.step, epoch, stats)]
                 if self.eval_due(st.step):
                     stats["eval_loss"] = self._eval_loss()
                     st.eval_losses.append([st.step, stats["eval_loss"]])
                     self.metrics.eval_loss(stats["eval_loss"])
+                    records.append(eval_record(st.step, epoch, stats["eval_loss"]))
+                self.log.append(records)
                 self.progress.step(st.step, stats)
                 due = self.checkpoint_due()
                 if due:
@@ -487,6 +510,8 @@ class Run:
         import ray
 
         self.check_lease()
+        self.log.flush()
+        self.log.close()
         self._retrying(lambda: ray.get(self.trainers[0].write_adapter.remote(self.cfg.output)))
         loads = sum(
             s["load_count"] for s in ray.get([s.stats.remote() for s in self.stores.values()])

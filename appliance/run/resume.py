@@ -13,6 +13,7 @@ from appliance.adapter import model_card
 from appliance.config import TrainConfig, flag, shown
 from appliance.errors import ConfigError
 from appliance.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from appliance.run.history_log import HISTORY_FILE
 from appliance.run.record import (
     IDENTITY_KEYS,
     LEGACY_IDENTITY,
@@ -277,6 +278,7 @@ def previous_run_files(output: str) -> list[tuple[str, bool]]:
         card = storage.join(output, model_card.CARD)
         if model_card.is_ours(card):
             gone += [(card, False)]
+        gone += [(storage.join(output, HISTORY_FILE), False)]
         gone += [(storage.join(output, RUN_FILE), False)]
     return gone
 

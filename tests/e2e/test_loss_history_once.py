@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from appliance.run.history_log import read_history
 from appliance.storage.history import read_chain
 from tests.helpers_cli import run_train
 from tests.helpers_model import make_model
@@ -41,8 +42,24 @@ def test_checkpoints_carry_only_their_share_of_the_history_and_a_resume_reads_it
     assert len(segments) == 12
     assert sum(len(json.loads(s.read_text())["losses"]) for s in segments) == 12  # once each
 
+    # history.jsonl beside run.json: a line per step, the same losses, HF's key names
+    history = read_history(str(out))
+    assert [r["step"] for r in history] == list(range(1, 13))
+    assert [r["loss"] for r in history] == losses
+    assert all(r["learning_rate"] > 0 and r["tokens_per_second"] > 0 for r in history)
+    assert all("grad_norm" in r and r["host_memory_bytes"] > 0 for r in history)
+    # a driver killed after logging step 13 but before its checkpoint, mid-way through a line
+    with open(out / "history.jsonl", "a") as f:
+        f.write(json.dumps({"step": 13, "loss": 99.0}) + "\n" + '{"step": 14, "lo')
+
     more = run_train("--output", out, "--resume", "--steps", "15")
     assert more.returncode == 0, more.stderr[-3000:]
     resumed = json.loads((out / "run.json").read_text())
     assert resumed["status"] == "complete" and len(resumed["losses"]) == 15
     assert resumed["losses"][:12] == losses
+    assert "history.jsonl: 1 step(s) after step 12 left out (they are trained again)" in (
+        more.stdout
+    )
+    history = read_history(str(out))  # each step once: 13 trained again, the torn line gone
+    assert [r["step"] for r in history] == list(range(1, 16))
+    assert [r["loss"] for r in history] == resumed["losses"]
