@@ -160,10 +160,15 @@ def _train_options(fn):
         kind = base_type(name)
         help_text = f.metadata["help"]
         if f.default is not None and kind is not bool:
-            shown = ",".join(f.default) if kind is tuple else f.default
+            shown = (",".join(f.default) or "none") if kind is tuple else f.default
             help_text += f"  [default: {shown}]"
         if kind is bool:
             opt = click.option(flag(name), name, is_flag=True, default=None, help=help_text)
+        elif f.metadata.get("multiple"):  # --report-to a --report-to b: () when not given
+            opt = click.option(
+                flag(name), name, type=str, multiple=True, metavar="LIST", help=help_text,
+                callback=lambda ctx, param, value: value or None,
+            )  # fmt: skip
         else:
             metavar = {int: "INTEGER", float: "FLOAT", tuple: "LIST"}.get(kind, "TEXT")
             if name in CHOICES:

@@ -20,6 +20,7 @@ from appliance.config.schema import (
     DEMO_SETTINGS,
     FIELDS,
     RUN_LENGTH,
+    WANDB_MODES,
     TrainConfig,
     parse_bytes,
 )
@@ -27,6 +28,7 @@ from appliance.engine.memory import gpu_budget_problem
 from appliance.errors import ConfigError
 from appliance.metrics.endpoint import is_tcp_port
 from appliance.models import TARGETS
+from appliance.tracking import backend_problems, parse_report_to
 
 
 def flag(name: str) -> str:
@@ -89,8 +91,9 @@ def _coerce(name: str, value: Any, errors: list[str], where: str) -> Any:
             errors.append(f"{where}: {value!r} holds a NUL byte: give it without one")
             return FIELDS[name].default
         if kind is tuple:
-            items = value.split(",") if isinstance(value, str) else list(value)
-            return tuple(str(i).strip() for i in items if str(i).strip())
+            items = [value] if isinstance(value, str) else list(value)
+            items = [part for i in items for part in str(i).split(",")]  # a,b given repeatedly
+            return tuple(i.strip() for i in items if i.strip())
         if kind is int:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError
@@ -216,6 +219,7 @@ def build_config(
         return flag(name)
 
     cfg = TrainConfig(**values)
+    cfg.report_to = parse_report_to(cfg.report_to)  # `none`, case, repeats: backend names
     errors += validate(cfg, label)
     if errors:
         raise ConfigError("\n".join(errors))
@@ -277,6 +281,8 @@ def validate(cfg: TrainConfig, label: Callable[[str], str] = flag) -> list[str]:
         errs.append(f"{label('lora_alpha')} must be > 0 (got {cfg.lora_alpha})")
     if not 0 <= cfg.lora_dropout < 1:
         errs.append(f"{label('lora_dropout')} must be in [0, 1) (got {cfg.lora_dropout})")
+    if cfg.warmup_ratio is not None and not 0 <= cfg.warmup_ratio <= 1:
+        errs.append(f"{label('warmup_ratio')} must be in [0, 1] (got {cfg.warmup_ratio})")
     if not 0 <= cfg.min_lr_ratio <= 1:
         errs.append(f"{label('min_lr_ratio')} must be in [0, 1] (got {cfg.min_lr_ratio})")
     bad = [t for t in cfg.lora_targets if t not in TARGETS]
@@ -324,6 +330,17 @@ def validate(cfg: TrainConfig, label: Callable[[str], str] = flag) -> list[str]:
             errs.append(f"{label('object_store_memory')}: {e}")
     if cfg.metrics_port is not None and not is_tcp_port(cfg.metrics_port):
         errs.append(f"{label('metrics_port')} must be a TCP port (got {cfg.metrics_port})")
+    errs += backend_problems(tuple(cfg.report_to), label("report_to"))
+    if cfg.wandb_mode is not None and cfg.wandb_mode not in WANDB_MODES:
+        errs.append(
+            f"{label('wandb_mode')} must be one of {' | '.join(WANDB_MODES)} (got {cfg.wandb_mode!r})"
+        )
+    if "tensorboard" in cfg.report_to and cfg.output and "://" in str(cfg.output):
+        if not cfg.logging_dir:
+            errs.append(
+                f"{label('report_to')} tensorboard with an s3:// --output needs --logging-dir DIR "
+                "(a local directory for its event files)"
+            )
     if cfg.model is None:  # the built-in demo: it brings its own model and corpus
         if cfg.data is not None:
             errs.append(

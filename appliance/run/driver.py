@@ -113,6 +113,11 @@ def _record_stop(run: Run) -> None:
         pass
 
 
+def failed_here(error: BaseException, at_once: bool) -> bool:
+    """Whether a run that raised `error` failed (rather than being stopped by the user)."""
+    return isinstance(error, Exception) and not isinstance(error, RunInterrupted) and not at_once
+
+
 def _record_failure(run: Run, error: BaseException) -> None:
     """run.json says a run that raised failed, and why, so the next `appliance train` into its
     output does not show it as running. Its checkpoints stay: `--resume` continues it."""
@@ -152,6 +157,7 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
         with lock:
             run = connect(cfg, progress)
             run.lease = lock  # an S3 lease taken over stops the run's writes (Run.check_lease)
+            run.demo = demo
             cfg = run.cfg
             if cfg.overwrite:
                 remove_previous_run(cfg.output)  # before the new run writes anything
@@ -177,6 +183,9 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
                 _let_metrics_report(cfg)
     except BaseException as e:
         at_once = stopped_at_once(e)  # a second Ctrl-C, or one before the step loop
+        if recorded:  # its tracked runs (--report-to) end as the run did
+            with contextlib.suppress(Exception):
+                run.report.close("failed" if failed_here(e, at_once) else "interrupted")
         if recorded and at_once:  # not left `running`: its checkpoints are what --resume takes
             _record_stop(run)
         elif recorded and isinstance(e, Exception) and not isinstance(e, RunInterrupted):
@@ -199,7 +208,7 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
         "seconds": time.perf_counter() - t0,
         "target_tokens": run.state.target_tokens,
         "skipped_records": sum(run.state.skipped.values()),
-        "packing_efficiency": run.state.target_tokens / max(run.state.row_tokens, 1),
+        "target_share": run.state.target_tokens / max(run.state.row_tokens, 1),
     }
     if run.state.skipped_steps:  # float16 only: overflowed steps, no update (loss_scale.py)
         summary["skipped_steps"] = run.state.skipped_steps

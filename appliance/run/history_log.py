@@ -178,4 +178,3 @@ class HistoryLog:
         if self._file is not None:
             self._file.close()
             self._file = None
-
