@@ -40,10 +40,16 @@ IDENTITY_KEYS = (
     "base_quant",
     "packing",
     "eval_split",
+    "long_documents",
 )
 # what a run.json written before an identity key existed meant by its absence: such a run packed
 # documents as one stream, had an unquantized base and no held-out split
-LEGACY_IDENTITY = {"base_quant": "none", "packing": "stream", "eval_split": None}
+LEGACY_IDENTITY = {
+    "base_quant": "none",
+    "packing": "stream",
+    "eval_split": None,
+    "long_documents": "split",
+}
 
 
 def run_identity(cfg: TrainConfig) -> dict:

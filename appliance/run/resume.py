@@ -57,6 +57,7 @@ class OutputDecision:
 TRAINING_SETTINGS = (
     "lr",
     "warmup_steps",
+    "warmup_ratio",
     "min_lr_ratio",
     "weight_decay",
     "grad_clip",
