@@ -42,3 +42,19 @@ def run_train(*argv: object, env: dict | None = None) -> subprocess.CompletedPro
          "--metrics-port", str(free_port()), "--log-format", "plain"],
         capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})},
     )  # fmt: skip
+
+
+def child_command() -> str:
+    """How a `python -m appliance` child of this process (same PATH, same working directory)
+    names the command in the hints it prints (errors.appliance_command)."""
+    from pathlib import Path
+
+    import appliance
+    from appliance.errors import appliance_command
+
+    saved = sys.argv
+    sys.argv = [str(Path(appliance.__file__).parent / "__main__.py")]
+    try:
+        return appliance_command()
+    finally:
+        sys.argv = saved

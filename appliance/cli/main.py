@@ -23,6 +23,7 @@ from appliance.config import (
     DEFAULT_METRICS_PORT,
     FIELDS,
     HELP_GROUPS,
+    KEY_ALIASES,
     TrainConfig,
     base_type,
     build_config,
@@ -109,6 +110,11 @@ class PatternHint(click.Command):
         given = any(a == "--data" or a.startswith("--data=") for a in args)
         try:
             return super().parse_args(ctx, args)
+        except click.NoSuchOption as e:  # --learning-rate: the appliance's own name, --lr
+            own = KEY_ALIASES.get(e.option_name.lstrip("-").replace("-", "_"))
+            if own and any(own == p.name for p in self.params):
+                e.possibilities = [flag(own)]
+            raise
         except click.UsageError as e:
             if given and "unexpected extra argument" in e.message:
                 e.message += (

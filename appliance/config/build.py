@@ -28,7 +28,44 @@ from appliance.engine.memory import gpu_budget_problem
 from appliance.errors import ConfigError
 from appliance.metrics.endpoint import is_tcp_port
 from appliance.models import TARGETS
+from appliance.models.layers import TARGET_MODULES
 from appliance.tracking import backend_problems, parse_report_to
+
+#: the names Hugging Face's TrainingArguments, TRL, PEFT and axolotl give some settings: a config
+#: file may use them (a note says which key each is read as); a flag says the appliance's name
+KEY_ALIASES = {
+    "learning_rate": "lr",
+    "gradient_accumulation_steps": "micro_batches_per_step",
+    "num_train_epochs": "epochs",
+    "num_epochs": "epochs",  # axolotl
+    "per_device_train_batch_size": "micro_batch_size",
+    "max_steps": "steps",
+    "max_grad_norm": "grad_clip",
+    "sequence_len": "seq_len",  # axolotl
+    "max_seq_length": "seq_len",  # TRL
+    "lora_r": "lora_rank",  # axolotl
+    "lora_target_modules": "lora_targets",  # axolotl, PEFT's target_modules
+    "target_modules": "lora_targets",  # PEFT
+    "output_dir": "output",
+    "base_model": "model",  # axolotl
+}
+ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer of a block (not the LM head)
+
+
+def lora_target_names(names: tuple[str, ...]) -> tuple[str, ...]:
+    """--lora-targets as the appliance names them: its own short names (q, gate, qkv), PEFT's
+    module names (q_proj, self_attn.q_proj, gate_up_proj) or all-linear (the seven projections;
+    Phi-3's fused ones by their parts), each once, in order. Unknown names are left for
+    validate() to name."""
+    by_module = {path.rsplit(".", 1)[-1]: short for short, path in TARGETS.items()}
+    out: list[str] = []
+    for name in names:
+        if name.lower().replace("_", "-") == ALL_LINEAR:
+            shorts = list(TARGET_MODULES)
+        else:
+            shorts = [by_module.get(name.rsplit(".", 1)[-1], name)]
+        out += [s for s in shorts if s not in out]
+    return tuple(out)
 
 
 def flag(name: str) -> str:
@@ -168,8 +205,16 @@ def build_config(
     from_file: dict[str, Any] = {}
     file_key: dict[str, str] = {}  # field name -> the key as the file spells it
     nulls: list[str] = []  # keys the file gives null although they have a value
+    aliased: list[str] = []
     for key, value in (file_values or {}).items():
         name = str(key).replace("-", "_")
+        if name in KEY_ALIASES:  # a Hugging Face / axolotl name for one of ours
+            own = KEY_ALIASES[name]
+            if own in file_key or any(str(k).replace("-", "_") == own for k in file_values or {}):
+                errors.append(f"{source}: {key} and {own} are one setting: give one")
+                continue
+            aliased.append(f"{key} as {own}")
+            name = own
         if name not in FIELDS:
             close = difflib.get_close_matches(name, FIELDS, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -220,6 +265,9 @@ def build_config(
 
     cfg = TrainConfig(**values)
     cfg.report_to = parse_report_to(cfg.report_to)  # `none`, case, repeats: backend names
+    cfg.lora_targets = lora_target_names(cfg.lora_targets)  # PEFT's names: q_proj, all-linear
+    if aliased and notes is not None:
+        notes.append(f"{source}: read {', '.join(aliased)} (the appliance's names)")
     errors += validate(cfg, label)
     if errors:
         raise ConfigError("\n".join(errors))

@@ -28,7 +28,7 @@ from appliance.cluster.start import (
 )
 from appliance.config import AUTO, TrainConfig
 from appliance.engine.blocks import dtype_from_name
-from appliance.errors import cause_chain
+from appliance.errors import appliance_command, cause_chain
 from appliance.interrupt import GracefulStop, RunInterrupted, stopped_at_once
 from appliance.metrics.endpoint import METRICS_REPORT_INTERVAL_MS
 from appliance.plan.auto import CPU_AUTO_M, auto_micro_batches, measure_this_gpu
@@ -222,7 +222,7 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
     if demo:
         root = Path(cfg.model).parent  # type: ignore[arg-type]
         progress.note(
-            f"try the adapter: appliance eval --adapter {cfg.output} (its run's model, "
+            f"try the adapter: {appliance_command()} eval --adapter {cfg.output} (its run's model, "
             "--seq-len and held-out data come with it)\n"
             f"(the demo's model and corpus are in {root}: delete it when done)"
         )

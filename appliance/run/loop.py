@@ -30,7 +30,7 @@ from appliance.adapter.evaluate import validation_batches
 from appliance.cluster.start import Slot
 from appliance.config import CHECKPOINT_MINUTES
 from appliance.engine.schedule import lr_at, warmup_for
-from appliance.errors import StorageError, TrainingError, cause_chain
+from appliance.errors import StorageError, TrainingError, appliance_command, cause_chain
 from appliance.interrupt import GracefulStop, RunInterrupted
 from appliance.metrics.recorders import DriverMetrics
 from appliance.run.failures import RestartsExhausted, gather, unrecoverable
@@ -262,7 +262,7 @@ class Run:
         raise RunInterrupted(
             f"interrupted by {asked.name} after step {step}/{self.total_steps}: checkpoint "
             f"step-{step:06d} written in {checkpoints_uri(out)}\n"
-            f"resume with: appliance train --output {out} --resume{cluster}",
+            f"resume with: {appliance_command()} train --output {out} --resume{cluster}",
             130,  # the contract for both signals: 130, "stopped by the user"
         )
 
