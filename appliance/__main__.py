@@ -26,7 +26,9 @@ def entry() -> None:
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM while torch imports
             print("interrupted", file=sys.stderr)
             sys.exit(130)
-        main()
+        from appliance.errors import appliance_command
+
+        main(prog_name=appliance_command())  # usage lines as the user can type the command
     except SystemExit as e:
         safe_exit.set_exit_code(safe_exit.exit_code_of(e))
         raise

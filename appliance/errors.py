@@ -82,3 +82,47 @@ def type_name(value: Any) -> str:
     names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
     names |= {int: "a number", float: "a number", bytes: "bytes (a binary column)"}
     return names.get(type(value), f"a {type(value).__name__} value")
+
+
+def appliance_command() -> str:
+    """`appliance` as the user can type it again, for the commands hints print: `appliance`
+    when that is on the PATH (or the process is not the command line: tests, a notebook), else
+    the script as it was started (`.venv/bin/appliance`), or `PYTHON -m appliance` for
+    `python -m appliance` when no `appliance` is on the PATH."""
+    import os
+    import shutil
+    import sys
+
+    argv0 = sys.argv[0] if sys.argv else ""
+    script = os.path.basename(argv0) == "appliance"
+    module = argv0.endswith(os.path.join("appliance", "__main__.py"))
+    if not (script or module):
+        return "appliance"
+    found = shutil.which("appliance")
+    if found and (not script or _same_file(found, argv0)):
+        return "appliance"
+    if script:
+        return _as_typed(argv0)
+    python = shutil.which("python")
+    python = "python" if python and _same_file(python, sys.executable) else sys.executable
+    return f"{_as_typed(python)} -m appliance"
+
+
+def _same_file(a: str, b: str) -> bool:
+    import os
+
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _as_typed(path: str) -> str:
+    """`path` relative to the working directory when it is under it (`.venv/bin/appliance`)."""
+    import os
+
+    full = os.path.abspath(path)
+    here = os.getcwd()
+    if full.startswith(here + os.sep):
+        return os.path.relpath(full, here)
+    return full

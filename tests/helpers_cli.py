@@ -61,3 +61,19 @@ def train_in_process(*argv: object) -> subprocess.CompletedProcess:
     del result  # its traceback holds a failed run's actors: let Ray end them now
     gc.collect()
     return done
+
+
+def child_command() -> str:
+    """How a `python -m appliance` child of this process (same PATH, same working directory)
+    names the command in the hints it prints (errors.appliance_command)."""
+    from pathlib import Path
+
+    import appliance
+    from appliance.errors import appliance_command
+
+    saved = sys.argv
+    sys.argv = [str(Path(appliance.__file__).parent / "__main__.py")]
+    try:
+        return appliance_command()
+    finally:
+        sys.argv = saved

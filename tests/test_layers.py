@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("adapter", "plan"),
     ("actors", "cluster"),
     ("config",),
-    ("engine", "data", "metrics"),
+    ("engine", "data", "metrics", "tracking"),
     ("models", "quant"),
     ("storage", "hardware"),
     ("interrupt",),
@@ -34,7 +34,18 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 
 #: modules whose import would make `import appliance.<package>` heavy
-HEAVY = ("ray", "boto3", "botocore", "triton", "transformers", "pynvml")
+HEAVY = (
+    "ray",
+    "boto3",
+    "botocore",
+    "triton",
+    "transformers",
+    "pynvml",
+    "mlflow",
+    "wandb",
+    "tensorboard",
+    "trackio",
+)
 
 
 @dataclass(frozen=True)

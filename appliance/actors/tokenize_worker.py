@@ -37,7 +37,7 @@ import numpy as np
 
 from appliance.data.chat import ChatTemplate
 from appliance.data.files import find_data_files, named_files
-from appliance.data.packing import fill_rows, split_document
+from appliance.data.packing import LONG_DOCUMENTS, fill_rows, fit_long_document, split_document
 from appliance.data.records import (
     ON_BAD_RECORD,
     SKIP_EXAMPLES,
@@ -113,12 +113,14 @@ class TokenizeWorker:
         chat_template: ChatTemplate | None = None,
         holdout: Holdout | None = None,
         files: list[str] | None = None,
+        long_documents: str = "split",
     ):
         """`chat_template`: renders conversation records (None: they are refused). `holdout`:
         the documents of `--eval-split` this worker skips (or, for evaluation, only reads).
         `files`: the data files by name (`files.file_names`), as the run listed them when it
         started: a worker restarted mid-run reads those, whatever the directory holds by then
-        (None: the files `data_path` names now)."""
+        (None: the files `data_path` names now). `long_documents`: what becomes of a document
+        longer than a row (packing.fit_long_document)."""
         if num_workers < 1 or not 0 <= worker_index < num_workers:
             raise ValueError(f"worker_index {worker_index} not in [0, num_workers={num_workers})")
         if seq_len < 1 or micro_batch_size < 1:
@@ -131,6 +133,9 @@ class TokenizeWorker:
             raise ValueError(f"on_bad_record must be one of {ON_BAD_RECORD}, got {on_bad_record!r}")
         if packing not in PACKING:
             raise ValueError(f"packing must be one of {PACKING}, got {packing!r}")
+        if long_documents not in LONG_DOCUMENTS:
+            raise ValueError(f"long_documents must be one of {LONG_DOCUMENTS}: {long_documents!r}")
+        self.long_documents = long_documents
         self.packing = packing
         self.chat_template = chat_template
         self.holdout = holdout
@@ -156,6 +161,9 @@ class TokenizeWorker:
         self.documents_total = 0
         self.skipped_total = 0
         self.batches_total = 0
+        self.long_total = 0  # documents longer than a row (seq_len + 1 tokens) read
+        self.long_tokens_left_out = 0  # their tokens --long-documents truncate/drop left out
+        self.total_documents_seen = 0  # the whole dataset's documents, after a pass over it
         self.tokenize_seconds = 0.0
         self.last_skip_reason: str | None = None
         self._cut_note: str | None = None  # the first record cut, until a batch carries it
@@ -344,6 +352,7 @@ class TokenizeWorker:
                 f"{self.data_path} has a target token (nothing to learn); check the records "
                 "(completions, assistant turns) and the chat template"
             )
+        self.total_documents_seen = self._shard_reader.total_documents
         self._epoch += 1
         self._skipped_base += len(self._bad_docs)
         self._start_epoch_stream(0, 0)
@@ -489,8 +498,32 @@ class TokenizeWorker:
         encoded = encode_records(self.tokenizer, [r for _, r in good], self.eos_id)
         self.tokens_total += sum(len(ids) for ids, _ in encoded)
         self.documents_total += len(encoded)
+        docs, kept = [], []
+        for (doc, _), (ids, mask) in zip(good, encoded, strict=True):
+            fitted = fit_long_document(ids, mask, self.seq_len, self.long_documents)
+            if len(ids) > self.seq_len + 1:
+                self.long_total += 1
+                self.long_tokens_left_out += len(ids) - (0 if fitted is None else len(fitted[0]))
+                if self._cut_note is None and not self._cut_said:
+                    where = next(r.where for r in raws if r.doc == doc)
+                    self._cut_note, self._cut_said = self._long_note(where, len(ids)), True
+            if fitted is not None:
+                docs.append(doc)
+                kept.append(fitted)
         self.tokenize_seconds += time.perf_counter() - t0  # the caller adds its own part
-        return [d for d, _ in good], encoded
+        return docs, kept
+
+    def _long_note(self, where: str, n: int) -> str:
+        """The warning for the first document longer than a row (said once a run)."""
+        done = {
+            "split": "split into rows of --seq-len (an answer may train without its prompt)",
+            "truncate": "its first --seq-len tokens trained, the rest left out",
+            "drop": "left out",
+        }[self.long_documents]
+        return (
+            f"{where}: a document of {n:,} tokens is longer than --seq-len {self.seq_len}: {done} "
+            f"(--long-documents {self.long_documents}; split | truncate | drop)"
+        )
 
     def _check_resume_point(
         self, docs: list[int], encoded: list[tuple[np.ndarray, np.ndarray]], offsets: list

@@ -217,6 +217,7 @@ class Trainer:
             stats["gpu_mem_reserved"] = torch.cuda.memory_reserved()
         if self.nvml is not None:
             stats["nvml_util_mean"] = self.nvml.take_mean()
+        stats["host_rss"] = _host_rss()
         self.metrics.record_step(stats)
         return stats
 
@@ -331,6 +332,13 @@ class Trainer:
             "uss": mem.uss,
             "lora_parameters": self.lora.num_parameters(),
         }
+
+
+def _host_rss() -> int:
+    """This process's resident host memory, bytes (the run's history logs it per step)."""
+    import psutil
+
+    return psutil.Process().memory_info().rss
 
 
 def _resolve(batches: list[Any]) -> list[Any]:

@@ -23,6 +23,7 @@ from appliance.config import (
     DEFAULT_METRICS_PORT,
     FIELDS,
     HELP_GROUPS,
+    KEY_ALIASES,
     TrainConfig,
     base_type,
     build_config,
@@ -109,6 +110,11 @@ class PatternHint(click.Command):
         given = any(a == "--data" or a.startswith("--data=") for a in args)
         try:
             return super().parse_args(ctx, args)
+        except click.NoSuchOption as e:  # --learning-rate: the appliance's own name, --lr
+            own = KEY_ALIASES.get(e.option_name.lstrip("-").replace("-", "_"))
+            if own and any(own == p.name for p in self.params):
+                e.possibilities = [flag(own)]
+            raise
         except click.UsageError as e:
             if given and "unexpected extra argument" in e.message:
                 e.message += (
@@ -160,10 +166,15 @@ def _train_options(fn):
         kind = base_type(name)
         help_text = f.metadata["help"]
         if f.default is not None and kind is not bool:
-            shown = ",".join(f.default) if kind is tuple else f.default
+            shown = (",".join(f.default) or "none") if kind is tuple else f.default
             help_text += f"  [default: {shown}]"
         if kind is bool:
             opt = click.option(flag(name), name, is_flag=True, default=None, help=help_text)
+        elif f.metadata.get("multiple"):  # --report-to a --report-to b: () when not given
+            opt = click.option(
+                flag(name), name, type=str, multiple=True, metavar="LIST", help=help_text,
+                callback=lambda ctx, param, value: value or None,
+            )  # fmt: skip
         else:
             metavar = {int: "INTEGER", float: "FLOAT", tuple: "LIST"}.get(kind, "TEXT")
             if name in CHOICES:

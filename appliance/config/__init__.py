@@ -13,6 +13,7 @@ Every problem is reported together, each naming where the value came from: the f
 """
 
 from appliance.config.build import (
+    KEY_ALIASES,
     base_type,
     build_config,
     flag,
@@ -36,6 +37,7 @@ from appliance.config.schema import (
 
 __all__ = [
     "AUTO",
+    "KEY_ALIASES",
     "CHECKPOINT_MINUTES",
     "CHOICES",
     "DEFAULT_METRICS_PORT",

@@ -20,6 +20,7 @@ from appliance.config.schema import (
     DEMO_SETTINGS,
     FIELDS,
     RUN_LENGTH,
+    WANDB_MODES,
     TrainConfig,
     parse_bytes,
 )
@@ -27,6 +28,44 @@ from appliance.engine.memory import gpu_budget_problem
 from appliance.errors import ConfigError
 from appliance.metrics.endpoint import is_tcp_port
 from appliance.models import TARGETS
+from appliance.models.layers import TARGET_MODULES
+from appliance.tracking import backend_problems, parse_report_to
+
+#: the names Hugging Face's TrainingArguments, TRL, PEFT and axolotl give some settings: a config
+#: file may use them (a note says which key each is read as); a flag says the appliance's name
+KEY_ALIASES = {
+    "learning_rate": "lr",
+    "gradient_accumulation_steps": "micro_batches_per_step",
+    "num_train_epochs": "epochs",
+    "num_epochs": "epochs",  # axolotl
+    "per_device_train_batch_size": "micro_batch_size",
+    "max_steps": "steps",
+    "max_grad_norm": "grad_clip",
+    "sequence_len": "seq_len",  # axolotl
+    "max_seq_length": "seq_len",  # TRL
+    "lora_r": "lora_rank",  # axolotl
+    "lora_target_modules": "lora_targets",  # axolotl, PEFT's target_modules
+    "target_modules": "lora_targets",  # PEFT
+    "output_dir": "output",
+    "base_model": "model",  # axolotl
+}
+ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer of a block (not the LM head)
+
+
+def lora_target_names(names: tuple[str, ...]) -> tuple[str, ...]:
+    """--lora-targets as the appliance names them: its own short names (q, gate, qkv), PEFT's
+    module names (q_proj, self_attn.q_proj, gate_up_proj) or all-linear (the seven projections;
+    Phi-3's fused ones by their parts), each once, in order. Unknown names are left for
+    validate() to name."""
+    by_module = {path.rsplit(".", 1)[-1]: short for short, path in TARGETS.items()}
+    out: list[str] = []
+    for name in names:
+        if name.lower().replace("_", "-") == ALL_LINEAR:
+            shorts = list(TARGET_MODULES)
+        else:
+            shorts = [by_module.get(name.rsplit(".", 1)[-1], name)]
+        out += [s for s in shorts if s not in out]
+    return tuple(out)
 
 
 def flag(name: str) -> str:
@@ -89,8 +128,9 @@ def _coerce(name: str, value: Any, errors: list[str], where: str) -> Any:
             errors.append(f"{where}: {value!r} holds a NUL byte: give it without one")
             return FIELDS[name].default
         if kind is tuple:
-            items = value.split(",") if isinstance(value, str) else list(value)
-            return tuple(str(i).strip() for i in items if str(i).strip())
+            items = [value] if isinstance(value, str) else list(value)
+            items = [part for i in items for part in str(i).split(",")]  # a,b given repeatedly
+            return tuple(i.strip() for i in items if i.strip())
         if kind is int:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError
@@ -165,8 +205,16 @@ def build_config(
     from_file: dict[str, Any] = {}
     file_key: dict[str, str] = {}  # field name -> the key as the file spells it
     nulls: list[str] = []  # keys the file gives null although they have a value
+    aliased: list[str] = []
     for key, value in (file_values or {}).items():
         name = str(key).replace("-", "_")
+        if name in KEY_ALIASES:  # a Hugging Face / axolotl name for one of ours
+            own = KEY_ALIASES[name]
+            if own in file_key or any(str(k).replace("-", "_") == own for k in file_values or {}):
+                errors.append(f"{source}: {key} and {own} are one setting: give one")
+                continue
+            aliased.append(f"{key} as {own}")
+            name = own
         if name not in FIELDS:
             close = difflib.get_close_matches(name, FIELDS, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -216,6 +264,10 @@ def build_config(
         return flag(name)
 
     cfg = TrainConfig(**values)
+    cfg.report_to = parse_report_to(cfg.report_to)  # `none`, case, repeats: backend names
+    cfg.lora_targets = lora_target_names(cfg.lora_targets)  # PEFT's names: q_proj, all-linear
+    if aliased and notes is not None:
+        notes.append(f"{source}: read {', '.join(aliased)} (the appliance's names)")
     errors += validate(cfg, label)
     if errors:
         raise ConfigError("\n".join(errors))
@@ -277,6 +329,8 @@ def validate(cfg: TrainConfig, label: Callable[[str], str] = flag) -> list[str]:
         errs.append(f"{label('lora_alpha')} must be > 0 (got {cfg.lora_alpha})")
     if not 0 <= cfg.lora_dropout < 1:
         errs.append(f"{label('lora_dropout')} must be in [0, 1) (got {cfg.lora_dropout})")
+    if cfg.warmup_ratio is not None and not 0 <= cfg.warmup_ratio <= 1:
+        errs.append(f"{label('warmup_ratio')} must be in [0, 1] (got {cfg.warmup_ratio})")
     if not 0 <= cfg.min_lr_ratio <= 1:
         errs.append(f"{label('min_lr_ratio')} must be in [0, 1] (got {cfg.min_lr_ratio})")
     bad = [t for t in cfg.lora_targets if t not in TARGETS]
@@ -324,6 +378,17 @@ def validate(cfg: TrainConfig, label: Callable[[str], str] = flag) -> list[str]:
             errs.append(f"{label('object_store_memory')}: {e}")
     if cfg.metrics_port is not None and not is_tcp_port(cfg.metrics_port):
         errs.append(f"{label('metrics_port')} must be a TCP port (got {cfg.metrics_port})")
+    errs += backend_problems(tuple(cfg.report_to), label("report_to"))
+    if cfg.wandb_mode is not None and cfg.wandb_mode not in WANDB_MODES:
+        errs.append(
+            f"{label('wandb_mode')} must be one of {' | '.join(WANDB_MODES)} (got {cfg.wandb_mode!r})"
+        )
+    if "tensorboard" in cfg.report_to and cfg.output and "://" in str(cfg.output):
+        if not cfg.logging_dir:
+            errs.append(
+                f"{label('report_to')} tensorboard with an s3:// --output needs --logging-dir DIR "
+                "(a local directory for its event files)"
+            )
     if cfg.model is None:  # the built-in demo: it brings its own model and corpus
         if cfg.data is not None:
             errs.append(

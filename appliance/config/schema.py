@@ -57,6 +57,11 @@ class TrainConfig:
     # ---- optimisation
     lr: float = _f(2e-4, "Peak learning rate (AdamW).")
     warmup_steps: int = _f(10, "Linear warm-up steps before the cosine decay.")
+    warmup_ratio: float | None = _f(
+        None,
+        "Warm-up as a fraction of the run's steps, as Hugging Face and axolotl write it "
+        "(ceil(ratio × steps)); when given it replaces --warmup-steps.",
+    )
     min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of --lr.")
     weight_decay: float = _f(0.0, "AdamW weight decay on the LoRA parameters.")
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this (0 disables).")
@@ -68,7 +73,8 @@ class TrainConfig:
     lora_targets: tuple[str, ...] = _f(
         tuple(TARGET_MODULES),
         "Modules to adapt, comma-separated: " + ",".join(TARGET_MODULES) + " (Phi-3's fused "
-        "modules: qkv, gate_up, which q,k,v and gate,up also name).",
+        "modules: qkv, gate_up, which q,k,v and gate,up also name); PEFT's names too: q_proj, "
+        "..., down_proj, all-linear (all seven).",
     )
     # ---- hardware
     device: str = _f("auto", "auto | cpu | cuda.")
@@ -107,6 +113,12 @@ class TrainConfig:
         "documents (rows hold whole documents; a token attends only to its own document and "
         "positions restart at each) | stream (documents run together, attending across).",
     )
+    long_documents: str = _f(
+        "split",
+        "A document longer than --seq-len: split (into rows of --seq-len, every token trained; "
+        "a chat's answer may train without its prompt) | truncate (its first --seq-len tokens) "
+        "| drop (left out). The run says how many there are.",
+    )
     chat_template: str | None = _f(
         None,
         "Jinja chat template file for conversation records (messages / ShareGPT), instead of "
@@ -142,7 +154,7 @@ class TrainConfig:
         "Replace the appliance run in --output: removes only what appliance wrote there (where "
         "its run.json or checkpoint manifests show it): adapter_config.json, "
         "adapter_model.safetensors, checkpoints/step-N and checkpoints/latest, its own README.md "
-        "card, run.json. Never touches other files (another tool's checkpoints, notes, data); an "
+        "card, history.jsonl, run.json. Never touches other files (another tool's checkpoints, notes, data); an "
         "--output with no appliance run is refused, nothing deleted.",
     )
     allow_data_change: bool = _f(
@@ -181,6 +193,35 @@ class TrainConfig:
         "labels name --output paths and buckets), or 0.0.0.0, every interface (a container "
         "whose port is published, a Prometheus on another host).",
     )
+    # ---- experiment tracking (appliance/tracking/, docs/tracking.md)
+    report_to: tuple[str, ...] = _f(
+        (),
+        "Experiment trackers to send the run's figures, config and adapter to, as the Hugging "
+        "Face Trainer names them: tensorboard, mlflow, wandb, trackio (comma-separated or "
+        "repeated), or none. Each needs its package: pip install 'appliance[tracking]'.",
+        multiple=True,
+    )
+    logging_dir: str | None = _f(
+        None, "--report-to tensorboard: where its event files go (default: OUTPUT/runs)."
+    )
+    wandb_project: str | None = _f(None, "W&B project (default: WANDB_PROJECT, else appliance).")
+    wandb_entity: str | None = _f(None, "W&B entity, a team or user (default: WANDB_ENTITY).")
+    wandb_name: str | None = _f(None, "W&B run name (default: WANDB_NAME, else the output's name).")
+    wandb_mode: str | None = _f(
+        None, "W&B mode: online | offline | disabled (default: WANDB_MODE, else online)."
+    )
+    wandb_run_id: str | None = _f(
+        None, "Continue this W&B run id (default: a new one; a resumed run keeps its own)."
+    )
+    mlflow_tracking_uri: str | None = _f(
+        None,
+        "MLflow tracking server or store: http(s)://..., sqlite:///path.db, ... (default: "
+        "MLFLOW_TRACKING_URI, else MLflow's default, sqlite:///mlflow.db in the working dir).",
+    )
+    mlflow_experiment_name: str | None = _f(
+        None, "MLflow experiment (default: MLFLOW_EXPERIMENT_NAME, else MLflow's Default)."
+    )
+    mlflow_run_name: str | None = _f(None, "MLflow run name (default: the output's name).")
     object_store_memory: str | None = _f(
         None,
         "Ray object store size for embedded Ray, e.g. 100GiB; it holds the base model's weights "
@@ -209,6 +250,7 @@ CHOICES = {
     "base_quant": ("none", "int8", "nf4"),
     "on_bad_record": ("fail", "skip"),
     "packing": ("documents", "stream"),
+    "long_documents": ("split", "truncate", "drop"),
     "log_format": ("auto", "rich", "json", "plain"),
     "metrics_host": ("127.0.0.1", "0.0.0.0"),
 }
@@ -223,6 +265,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         "micro_batches_per_step",
         "lr",
         "warmup_steps",
+        "warmup_ratio",
         "min_lr_ratio",
         "weight_decay",
         "grad_clip",
@@ -239,6 +282,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
     ),
     "Data pipeline": (
         "packing",
+        "long_documents",
         "chat_template",
         "tokenize_workers",
         "prefetch",
@@ -256,7 +300,20 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         "max_restarts",
     ),
     "Output": ("log_format", "metrics_port", "metrics_host"),
+    "Experiment tracking": (
+        "report_to",
+        "logging_dir",
+        "wandb_project",
+        "wandb_entity",
+        "wandb_name",
+        "wandb_mode",
+        "wandb_run_id",
+        "mlflow_tracking_uri",
+        "mlflow_experiment_name",
+        "mlflow_run_name",
+    ),
 }
+WANDB_MODES = ("online", "offline", "disabled")
 
 # The built-in demo's settings (no --model): small rows, enough steps for the adapter to learn the
 # demo grammar. A layer between the defaults and the config file: anything the user sets wins.

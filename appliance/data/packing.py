@@ -23,6 +23,21 @@ PAD_SEGMENT = -1
 
 Piece = tuple[np.ndarray, np.ndarray]  # (ids int64, loss mask bool), at least 2 tokens
 
+#: --long-documents: what becomes of a document longer than a row (seq_len + 1 tokens)
+LONG_DOCUMENTS = ("split", "truncate", "drop")
+
+
+def fit_long_document(ids: np.ndarray, mask: np.ndarray, seq_len: int, how: str) -> Piece | None:
+    """A document as --long-documents `how` trains it: as it is when it fits one row
+    (seq_len + 1 tokens: seq_len inputs, seq_len targets) or `how` is split (split_document
+    cuts it into rows); its first seq_len + 1 tokens (truncate: the rest is not trained on); None
+    (drop: not trained on at all, as a chat whose answer would lose its prompt)."""
+    if len(ids) <= seq_len + 1 or how == "split":
+        return ids, mask
+    if how == "truncate":
+        return ids[: seq_len + 1], mask[: seq_len + 1]
+    return None
+
 
 def split_document(ids: np.ndarray, mask: np.ndarray, seq_len: int) -> list[Piece]:
     """The pieces of one document: seq_len + 1 tokens each, overlapping by one token; a last

@@ -5,6 +5,14 @@ from __future__ import annotations
 import math
 
 
+def warmup_for(total_steps: int, warmup_steps: int, warmup_ratio: float | None = None) -> int:
+    """A run's warm-up steps: ceil(warmup_ratio × total_steps) with --warmup-ratio (the Hugging
+    Face Trainer's rule), else --warmup-steps."""
+    if warmup_ratio is not None:
+        return math.ceil(total_steps * warmup_ratio)
+    return warmup_steps
+
+
 def lr_at(
     step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1
 ) -> float:

@@ -218,10 +218,11 @@ EVAL_LOSS = MetricSpec(
     "Validation loss of the last evaluation (--eval-data or --eval-split, every --eval-every "
     "steps): mean next-token cross-entropy over the held-out documents' target tokens.",
 )  # fmt: skip
-PACKING_EFFICIENCY = MetricSpec(
-    "appliance_packing_efficiency_ratio", GAUGE, "ratio",
-    "Target tokens / row tokens of the run so far: the share of the rows' positions that train "
-    "(padding, prompts and non-assistant turns do not).",
+TARGET_SHARE = MetricSpec(
+    "appliance_target_share_ratio", GAUGE, "ratio",
+    "Target tokens / row positions of the run so far: the share of the rows' positions that "
+    "train (padding, prompts and non-assistant turns do not; chat data packed without padding "
+    "is still well under 1).",
 )  # fmt: skip
 RESTARTS = MetricSpec(
     "appliance_restarts", COUNTER, "restarts",
@@ -248,7 +249,7 @@ REGISTRY: tuple[MetricSpec, ...] = (
     GPU_NVML_UTILIZATION, GPU_MEMORY_ALLOCATED, GPU_MEMORY_RESERVED, TOKENIZER_TOKENS,
     TOKENIZER_DOCUMENTS, TOKENIZER_ERRORS, TOKENIZER_SECONDS, BATCHES_IN_FLIGHT,
     TOKENIZER_QUEUE_DEPTH, RESTARTS, CHECKPOINTS,
-    WEIGHT_STORE_BYTES, EVAL_LOSS, PACKING_EFFICIENCY,
+    WEIGHT_STORE_BYTES, EVAL_LOSS, TARGET_SHARE,
 )  # fmt: skip
 
 

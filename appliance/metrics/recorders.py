@@ -17,7 +17,7 @@ classes run without Ray in tests); the Ray metric objects are created on first u
     DriverMetrics().batches_in_flight(n)                 # driver step loop, after each step
     DriverMetrics().queue_depth(worker=3, n=2)           # ... and per tokenizer worker
     DriverMetrics().eval_loss(2.1)                       # after each validation
-    DriverMetrics().packing_efficiency(0.93)             # after each step
+    DriverMetrics().target_share(0.93)                   # after each step
     WeightStoreMetrics().record(bytes_held)              # WeightStore, after loading
 
 The embedded Ray started by `appliance train` serves the endpoint on a fixed port
@@ -57,7 +57,6 @@ from appliance.metrics.names import (  # fmt: skip
     LOSS_SCALE,
     MFU,
     MODEL_FLOPS,
-    PACKING_EFFICIENCY,
     PHASE_SECONDS,
     PHASES,
     RESTART_KINDS,
@@ -68,6 +67,7 @@ from appliance.metrics.names import (  # fmt: skip
     STEP_SECONDS,
     STEP_TIME_SECONDS,
     STEPS,
+    TARGET_SHARE,
     TOKENIZER_DOCUMENTS,
     TOKENIZER_ERRORS,
     TOKENIZER_QUEUE_DEPTH,
@@ -385,10 +385,10 @@ class DriverMetrics(_Recorder):
         if self.enabled:
             self._set(EVAL_LOSS, loss)
 
-    def packing_efficiency(self, ratio: float) -> None:
-        """Target tokens / row tokens so far, after each step."""
+    def target_share(self, ratio: float) -> None:
+        """Target tokens / row positions so far, after each step."""
         if self.enabled:
-            self._set(PACKING_EFFICIENCY, ratio)
+            self._set(TARGET_SHARE, ratio)
 
     def restart(self, kind: str) -> None:
         """One restart after a failure; `kind` is one of RESTART_KINDS."""

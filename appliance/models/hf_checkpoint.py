@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from appliance import models
-from appliance.errors import ModelError
+from appliance.errors import ModelError, appliance_command
 from appliance.models import hf_config, multimodal
 from appliance.models.layers import ModelArgs
 from appliance.storage.checkpoints import json_object
@@ -50,11 +50,37 @@ def _read_json(path: Path, what: str) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
+        if what == "config.json" and (said := adapter_not_model(path.parent)):
+            raise ModelError(said) from None
         raise ModelError(
             f"{path}: no {what} found; is this a Hugging Face model directory?"
         ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelError(f"{path}: cannot read {what}: {e}") from None
+
+
+def adapter_not_model(directory: Path) -> str | None:
+    """What a directory given as a base model is when it is a LoRA adapter (PEFT's
+    adapter_config.json) or an appliance run's output (run.json), naming its base model; None
+    for anything else."""
+    more = ""
+    try:
+        run = json.loads((directory / "run.json").read_text())
+        base = run["config"]["model"]
+        what = "the output of an appliance run (run.json)"
+        more = f"; to train it further: {appliance_command()} train --output {directory} --resume"
+    except (OSError, ValueError, KeyError, TypeError):
+        try:
+            adapter = json.loads((directory / "adapter_config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        base = adapter.get("base_model_name_or_path") if isinstance(adapter, dict) else None
+        what = "a LoRA adapter (adapter_config.json)"
+    named = f"its base model is {base}" if base else "it does not name its base model"
+    return (
+        f"{directory} is {what}, not a base model: {named}. Give the base model as --model, "
+        f"and this directory as --adapter ({appliance_command()} eval, export){more}"
+    )
 
 
 def _refusal(arch: str, cfg: dict) -> str | None:

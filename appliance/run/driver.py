@@ -28,7 +28,7 @@ from appliance.cluster.start import (
 )
 from appliance.config import AUTO, TrainConfig
 from appliance.engine.blocks import dtype_from_name
-from appliance.errors import cause_chain
+from appliance.errors import appliance_command, cause_chain
 from appliance.interrupt import GracefulStop, RunInterrupted, stopped_at_once
 from appliance.metrics.endpoint import METRICS_REPORT_INTERVAL_MS
 from appliance.plan.auto import CPU_AUTO_M, auto_micro_batches, measure_this_gpu
@@ -113,6 +113,11 @@ def _record_stop(run: Run) -> None:
         pass
 
 
+def failed_here(error: BaseException, at_once: bool) -> bool:
+    """Whether a run that raised `error` failed (rather than being stopped by the user)."""
+    return isinstance(error, Exception) and not isinstance(error, RunInterrupted) and not at_once
+
+
 def _record_failure(run: Run, error: BaseException) -> None:
     """run.json says a run that raised failed, and why, so the next `appliance train` into its
     output does not show it as running. Its checkpoints stay: `--resume` continues it."""
@@ -154,6 +159,7 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
         with lock:
             run = connect(cfg, progress)
             run.lease = lock  # an S3 lease taken over stops the run's writes (Run.check_lease)
+            run.demo = demo
             cfg = run.cfg
             if cfg.overwrite:
                 remove_previous_run(cfg.output)  # before the new run writes anything
@@ -179,6 +185,9 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
                 _let_metrics_report(cfg)
     except BaseException as e:
         at_once = stopped_at_once(e)  # a second Ctrl-C, or one before the step loop
+        if recorded:  # its tracked runs (--report-to) end as the run did
+            with contextlib.suppress(Exception):
+                run.report.close("failed" if failed_here(e, at_once) else "interrupted")
         if recorded and at_once:  # not left `running`: its checkpoints are what --resume takes
             _record_stop(run)
         elif recorded and isinstance(e, Exception) and not isinstance(e, RunInterrupted):
@@ -201,7 +210,7 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
         "seconds": time.perf_counter() - t0,
         "target_tokens": run.state.target_tokens,
         "skipped_records": sum(run.state.skipped.values()),
-        "packing_efficiency": run.state.target_tokens / max(run.state.row_tokens, 1),
+        "target_share": run.state.target_tokens / max(run.state.row_tokens, 1),
     }
     if run.state.skipped_steps:  # float16 only: overflowed steps, no update (loss_scale.py)
         summary["skipped_steps"] = run.state.skipped_steps
@@ -215,7 +224,7 @@ def train(cfg: TrainConfig, progress: Progress | None = None) -> dict:
     if demo:
         root = Path(cfg.model).parent  # type: ignore[arg-type]
         progress.note(
-            f"try the adapter: appliance eval --adapter {cfg.output} (its run's model, "
+            f"try the adapter: {appliance_command()} eval --adapter {cfg.output} (its run's model, "
             "--seq-len and held-out data come with it)\n"
             f"(the demo's model and corpus are in {root}: delete it when done)"
         )

@@ -11,6 +11,7 @@ from appliance.data.records import SKIP_EXAMPLES, Holdout, skipped_message
 from appliance.storage import uri as storage
 
 if TYPE_CHECKING:
+    from appliance.config import TrainConfig
     from appliance.run.state import Inputs
 
 
@@ -34,16 +35,105 @@ def worker_kwargs(
         chat_template=inp.chat_template,
         holdout=Holdout(cfg.eval_split, cfg.seed) if cfg.eval_split else None,
         files=inp.data_files,  # as listed at the start: a restart reads the same documents
+        long_documents=cfg.long_documents,
     )
 
 
-def count_batches(kwargs: dict) -> int:
-    """Micro-batches one worker yields in one epoch (a tokenizing pre-pass, for --epochs)."""
+class _Uncounted:
+    """The tokenizer metrics of a counting pass: none (the run's workers count what they read)."""
+
+    def record_totals(self, *args: object, **kwargs: object) -> None:
+        pass
+
+
+def count_batches(kwargs: dict) -> dict:
+    """What one worker's shard holds in one epoch (a tokenizing pre-pass: for --epochs, and for
+    --steps on small data): `batches` (micro-batches), `documents` and `tokens` read, `long`
+    (documents longer than a row) and `long_left_out` (their tokens --long-documents truncate or
+    drop left out), `read` (documents of its shard, bad ones too), `total` (the whole dataset's
+    documents, held-out ones too)."""
     worker = ShardWorker(**{**kwargs, "epochs": 1, "cursor": None})
+    worker.metrics = _Uncounted()  # the run's workers record what they read, once
     n = 0
     while worker.next_batch() is not None:
         n += 1
-    return n
+    return {
+        "batches": n,
+        "documents": worker.documents_total,
+        "tokens": worker.tokens_total,
+        "long": worker.long_total,
+        "long_left_out": worker.long_tokens_left_out,
+        "read": worker.documents_total + worker.skipped_total,
+        "total": worker.total_documents_seen,
+    }
+
+
+#: --steps runs count their data before the first step (as --epochs runs must) when it is this
+#: small: a pass over it costs seconds; a bigger corpus is not read twice for a summary
+COUNT_DATA_BYTES = 64 * 2**20
+
+
+REPEATS_WARNING = 10  # epochs from which a run is warned that it repeats its data
+
+
+def small_data(inp: Inputs) -> bool:
+    """Whether a --steps run's data is small enough to count first (COUNT_DATA_BYTES)."""
+    files = (inp.data_fingerprint or {}).get("files")
+    return files is not None and sum(size for _, size, _ in files) <= COUNT_DATA_BYTES
+
+
+def length_notes(
+    cfg: TrainConfig, total: int, per_epoch: float | None, per_step: int, demo: bool = False
+) -> list[str]:
+    """How long a run of `total` steps is in steps and epochs (`per_epoch` steps an epoch; None
+    when the data was not counted), its warm-up; warnings when the warm-up is as long as the
+    run or small data is repeated many times (not for the demo, which does it on purpose)."""
+    rows = per_step * cfg.micro_batch_size
+    line = f"run: {total:,} steps of {rows:,} rows of {cfg.seq_len} tokens"
+    if per_epoch:
+        line += f", {total / per_epoch:.3g} epoch(s) of {per_epoch:.3g} steps"
+    else:
+        line += f" (the data is over {COUNT_DATA_BYTES >> 20} MiB: not counted, no epochs)"
+    warmup = cfg.warmup_steps
+    ratio = f" (--warmup-ratio {cfg.warmup_ratio})" if cfg.warmup_ratio is not None else ""
+    notes = [f"{line}; warm-up {warmup:,} steps{ratio}"]
+    if warmup >= total and total > 1:
+        notes.append(
+            f"warning: the warm-up ({warmup} steps) is as long as the run ({total} steps): the "
+            f"learning rate never reaches --lr {cfg.lr:g} and never decays; give fewer "
+            "--warmup-steps, or --warmup-ratio 0.03 to 0.1"
+        )
+    if per_epoch and total / per_epoch >= REPEATS_WARNING and not demo:
+        notes.append(
+            f"warning: the run passes over its data {total / per_epoch:.3g} times "
+            f"({per_epoch:.3g} steps an epoch): a small dataset repeated this often is memorised "
+            "more than learned; give more data, or fewer --steps (--epochs 1 to 3 is usual)"
+        )
+    return notes
+
+
+def data_summary(counts: list[dict], inp: Inputs, per_step: int) -> list[str]:
+    """The lines a run says at start about its data, from count_batches of every worker."""
+    cfg = inp.cfg
+    docs, tokens = sum(c["documents"] for c in counts), sum(c["tokens"] for c in counts)
+    said = [f"data: {docs:,} documents, {tokens:,} tokens read"]
+    held = counts[0]["total"] - sum(c["read"] for c in counts) if counts else 0
+    if cfg.eval_split:
+        said[0] += f"; {held:,} held out for validation (--eval-split {cfg.eval_split})"
+    long = sum(c["long"] for c in counts)
+    if long:
+        left = sum(c["long_left_out"] for c in counts)
+        done = {
+            "split": "split into rows of --seq-len",
+            "truncate": f"truncated to it ({left:,} tokens left out)",
+            "drop": f"left out ({left:,} tokens)",
+        }[cfg.long_documents]
+        said.append(
+            f"warning: {long:,} of the {docs:,} documents are longer than --seq-len "
+            f"{cfg.seq_len}: {done} (--long-documents {cfg.long_documents}; split | truncate | "
+            "drop)"
+        )
+    return said
 
 
 def schedule(counts: list[int] | None, num_workers: int, total: int) -> list[int]:

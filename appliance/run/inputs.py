@@ -22,7 +22,7 @@ from appliance.data.files import (
 )
 from appliance.data.records import Holdout, check_dataset, check_has_targets, check_tokenizer_fits
 from appliance.engine.blocks import dtype_from_name
-from appliance.errors import NOT_FOUND, ConfigError, StorageError
+from appliance.errors import NOT_FOUND, ConfigError, StorageError, appliance_command
 from appliance.models import TARGETS, resolve_targets
 from appliance.models.hf_checkpoint import (
     SafetensorsCheckpoint,
@@ -99,7 +99,7 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
             if e.uri == uri == recorded.get(what) and e.kind == NOT_FOUND:  # not a new typo
                 raise ConfigError(
                     f"--resume: the run's {what} {uri} is not there any more. If it moved, give "
-                    f"its new place: appliance train --output {cfg.output} --resume --{what} "
+                    f"its new place: {appliance_command()} train --output {cfg.output} --resume --{what} "
                     f"NEW_PATH (its files are checked against the run's {what})"
                 ) from None
         if where is None or storage.is_s3(e.uri or ""):
@@ -205,5 +205,7 @@ def check_box(cfg: TrainConfig, args: ModelArgs) -> None:
     dtype_bytes = dtype_from_name(resolve_dtype(cfg.dtype, device)).itemsize
     problems = blocking_problems(args, device == "cuda", cfg.base_quant, dtype_bytes)
     if problems:
-        problems.append(f"(appliance doctor --model {cfg.model} checks the rest of this box)")
+        problems.append(
+            f"({appliance_command()} doctor --model {cfg.model} checks the rest of this box)"
+        )
         raise ConfigError("\n".join(problems))

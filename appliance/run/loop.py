@@ -29,15 +29,25 @@ from appliance.adapter import model_card
 from appliance.adapter.evaluate import validation_batches
 from appliance.cluster.start import Slot
 from appliance.config import CHECKPOINT_MINUTES
-from appliance.engine.schedule import lr_at
-from appliance.errors import StorageError, TrainingError, cause_chain
+from appliance.engine.schedule import lr_at, warmup_for
+from appliance.errors import StorageError, TrainingError, appliance_command, cause_chain
 from appliance.interrupt import GracefulStop, RunInterrupted
 from appliance.metrics.recorders import DriverMetrics
 from appliance.run.failures import RestartsExhausted, gather, unrecoverable
-from appliance.run.feed import count_batches, schedule, skipped_warning, worker_kwargs
+from appliance.run.feed import (
+    count_batches,
+    data_summary,
+    length_notes,
+    schedule,
+    skipped_warning,
+    small_data,
+    worker_kwargs,
+)
+from appliance.run.history_log import eval_record, step_record
 from appliance.run.launch import actor_counts, make_trainers, make_worker, start_stores
 from appliance.run.progress import Progress
-from appliance.run.record import write_run_file
+from appliance.run.record import read_run_file, write_run_file
+from appliance.run.report import RunReport
 from appliance.run.state import Inputs, RunState
 from appliance.storage.checkpoints import (
     CONFIG_FILE,
@@ -73,6 +83,11 @@ class Run:
         self.history: tuple[str | None, int, int] = (None, 0, 0)
         self.last_checkpoint = time.monotonic()  # for the time-based default --checkpoint-every
         self._eval_refs: list | None = None  # the validation micro-batches, in the object store
+        # history.jsonl and --report-to's trackers (report.py); a resumed run's tracked runs go on
+        previous = (read_run_file(str(self.cfg.output)) or {}) if self.cfg.resume else {}
+        self.report = RunReport(self.cfg, progress.note, previous.get("tracking"))
+        self.steps_per_epoch: float | None = None  # optimizer steps in one pass over the data
+        self.demo = False  # the built-in demo (set by the driver): it repeats its corpus on purpose
 
     # ------------------------------------------------------------ setup
 
@@ -111,6 +126,8 @@ class Run:
         cfg, inp = self.cfg, self.inp
         # the driver reads only its own state of the checkpoint here; rank 0 reads the rest
         ckpt = load_latest_checkpoint(cfg.output, only=(DRIVER_STATE,)) if cfg.resume else None
+        if ckpt is None:
+            self.rewind_log()  # a fresh run: its history starts empty
         if cfg.resume and ckpt is None:
             self.progress.note(
                 f"--resume: {cfg.output} has no checkpoint yet (its run stopped before the "
@@ -126,19 +143,27 @@ class Run:
         self.stores, self.handles = start_stores(inp, self.ranks, self.progress)
         self.epochs = None if cfg.steps else (cfg.epochs or 1)
         G = R * cfg.micro_batches_per_step  # micro-batches per optimizer step, all ranks
+        shards = [worker_kwargs(inp, w, self.num_workers, 1) for w in range(self.num_workers)]
+        figures = None  # what each worker's shard holds (feed.count_batches)
+        if self.epochs is not None:  # a pass of the workers' own, where they run
+            count = ray.remote(**ACTOR_OPTIONS)(count_batches)
+            figures = ray.get([count.remote(shard) for shard in shards])
+        elif small_data(inp) and not cfg.cluster:  # seconds, here: said before the first step
+            figures = [count_batches(shard) for shard in shards]
+        if figures is not None:
+            per_epoch = [f["batches"] for f in figures]
+            self.steps_per_epoch = sum(per_epoch) / G
+            for line in data_summary(figures, inp, G):
+                self.progress.note(line)
         if self.epochs is None:
             self.counts = None
             self.total_steps = int(cfg.steps)
         else:
-            count = ray.remote(**ACTOR_OPTIONS)(count_batches)
-            per_epoch = ray.get(
-                [
-                    count.remote(worker_kwargs(inp, w, self.num_workers, 1))
-                    for w in range(self.num_workers)
-                ]
-            )
             self.counts = [n * self.epochs for n in per_epoch]
             self.total_steps = math.ceil(sum(self.counts) / G)
+        cfg.warmup_steps = warmup_for(self.total_steps, cfg.warmup_steps, cfg.warmup_ratio)
+        for line in length_notes(cfg, self.total_steps, self.steps_per_epoch, G, self.demo):
+            self.progress.note(line)
         self.order = schedule(self.counts, self.num_workers, self.total_steps * G)
         try:
             self.trainers = self._make_trainers()
@@ -155,6 +180,7 @@ class Run:
                 "--steps counts the run's steps from its start: give more to train further"
             )
         self.workers = [self._make_worker(w) for w in range(self.num_workers)]
+        self.report.open_trackers(self.state.step)
         self.progress.note(
             f"started {R} trainer{'s' if R > 1 else ''} and {self.num_workers} tokenizer "
             f"worker{'s' if self.num_workers > 1 else ''}"
@@ -177,6 +203,7 @@ class Run:
 
         self.check_lease()  # its lease taken over: another run writes the output now
         t0 = time.perf_counter()
+        self.report.flush()  # history.jsonl holds every step this checkpoint holds, first
         st, (last, saved, saved_evals) = self.state, self.history
         segment = write_segment(  # only what came since the last checkpoint: the history, once
             checkpoints_uri(self.cfg.output),
@@ -228,13 +255,14 @@ class Run:
             self.save_checkpoint()
         out, step = self.cfg.output, self.state.step
         self.record("interrupted", {"steps": step, "losses": self.state.losses})
+        self.report.close("interrupted")
         cluster = {None: "", "auto": " --cluster"}.get(
             self.cfg.cluster, f" --cluster {self.cfg.cluster}"
         )
         raise RunInterrupted(
             f"interrupted by {asked.name} after step {step}/{self.total_steps}: checkpoint "
             f"step-{step:06d} written in {checkpoints_uri(out)}\n"
-            f"resume with: appliance train --output {out} --resume{cluster}",
+            f"resume with: {appliance_command()} train --output {out} --resume{cluster}",
             130,  # the issue's contract for both signals: 130, "stopped by the user"
         )
 
@@ -247,6 +275,7 @@ class Run:
         found = ray.get(self.trainers[0].restore_latest_checkpoint.remote(self.cfg.output))
         if found is None:
             self.state, self.history = RunState(), (None, 0, 0)
+            self.rewind_log()
             return
         for problem in found["skipped"]:
             self.progress.note(f"warning: skipped a damaged checkpoint: {problem}")
@@ -268,6 +297,16 @@ class Run:
         state = found["state"]  # [ref] with several ranks
         gather([t.load_state_bytes.remote(state[0]) for t in self.trainers[1:]])
         self.progress.note(f"resumed from {found['name']} (step {self.state.step})")
+        self.rewind_log()
+
+    def rewind_log(self) -> None:
+        """history.jsonl and the trackers to the run's state (the steps after it are trained
+        again): report.py."""
+        self.report.rewind(self.state.step, self.state.losses, self.state.eval_losses)
+
+    def epoch_at(self, step: int) -> float | None:
+        """Passes over the data after `step` steps (None when the data was not counted)."""
+        return round(step / self.steps_per_epoch, 4) if self.steps_per_epoch else None
 
     # ------------------------------------------------------------ faults
 
@@ -360,8 +399,10 @@ class Run:
                 stats["skipped_steps"] = st.skipped_steps  # the run's so far, for the display
                 st.target_tokens += stats["target_tokens"]
                 st.row_tokens += stats["tokens"]
-                stats["packing_efficiency"] = st.target_tokens / max(st.row_tokens, 1)
-                self.metrics.packing_efficiency(stats["packing_efficiency"])
+                # the share of the rows' positions that are targets: padding, prompts and
+                # non-assistant turns are not (low for chat data however well it is packed)
+                stats["target_share"] = st.target_tokens / max(st.row_tokens, 1)
+                self.metrics.target_share(stats["target_share"])
                 st.skipped.update({int(w): n for w, n in stats["skipped_records"].items()})
                 for note in stats.get("cut_notes", ())[:1]:
                     if not self.cut_said:
@@ -372,10 +413,14 @@ class Run:
                 self.metrics.batches_in_flight(len(pending))
                 for w in range(self.num_workers):
                     self.metrics.queue_depth(w, sum(1 for v, _ in pending if v == w))
+                epoch = stats["epoch"] = self.epoch_at(st.step)
+                records = [step_record(st.step, epoch, stats)]
                 if self.eval_due(st.step):
                     stats["eval_loss"] = self._eval_loss()
                     st.eval_losses.append([st.step, stats["eval_loss"]])
                     self.metrics.eval_loss(stats["eval_loss"])
+                    records.append(eval_record(st.step, epoch, stats["eval_loss"]))
+                self.report.append(records)
                 self.progress.step(st.step, stats)
                 due = self.checkpoint_due()
                 if due:
@@ -507,6 +552,7 @@ class Run:
             "version": model_card.appliance_version(),
         }
         self._write_card(done)
+        self.report.finish()  # the adapter to the trackers, and their runs ended
         self.record("complete", done)
 
     def _write_card(self, done: dict) -> None:
@@ -533,7 +579,8 @@ class Run:
         self.check_lease()
         inp = self.inp
         fingerprints = (inp.model_fingerprint, inp.data_fingerprint, inp.eval_data_fingerprint)
-        write_run_file(self.cfg, status, extra, *fingerprints)
+        tracking = {"tracking": self.report.ids} if self.report.ids else {}
+        write_run_file(self.cfg, status, {**tracking, **(extra or {})}, *fingerprints)
 
     def stop(self) -> None:
         """End this run's actors (the driver's ray.shutdown does it too; tests share one Ray)."""

@@ -120,8 +120,10 @@ class Progress:
                 "phase_seconds": stats["phase_seconds"],
                 "restarts": self.restarts,
             }
-            if "packing_efficiency" in stats:
-                record["packing_efficiency"] = stats["packing_efficiency"]
+            if "target_share" in stats:  # targets / row positions so far (docs/data.md)
+                record["target_share"] = stats["target_share"]
+            if stats.get("epoch") is not None:
+                record["epoch"] = stats["epoch"]
             if stats.get("loss_scale") is not None:  # float16: loss scaling (loss_scale.py)
                 record["loss_scale"] = stats["loss_scale"]
                 record["skipped_step"] = bool(stats.get("skipped_step"))
@@ -160,8 +162,9 @@ class Progress:
 
     def _line(self, step: int, stats: dict) -> str:
         tps, eta, wait = self._rates(step)
+        epoch = f"  epoch {stats['epoch']:.2f}" if stats.get("epoch") is not None else ""
         line = (
-            f"step {step}/{self.total}  loss {stats['loss']:.4f}  tok/s {tps:,.0f}  "
+            f"step {step}/{self.total}{epoch}  loss {stats['loss']:.4f}  tok/s {tps:,.0f}  "
             f"data-wait {wait:.0%}  eta {_fmt_eta(eta)}  restarts {self.restarts}"
         )
         if stats.get("skipped_steps"):  # float16 steps that overflowed and did not update
@@ -185,6 +188,9 @@ class Progress:
                 _fmt_eta(eta),
                 str(self.restarts),
             ]
+        if stats is not None and stats.get("epoch") is not None:  # when the data was counted
+            columns.insert(1, "epoch")
+            row.insert(1, f"{stats['epoch']:.2f}")
         if stats is not None and stats.get("skipped_steps"):  # float16 steps that overflowed
             columns.append("skipped steps")
             row.append(str(stats["skipped_steps"]))

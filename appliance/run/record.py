@@ -11,7 +11,7 @@ from typing import BinaryIO
 
 from appliance.config import TrainConfig
 from appliance.data.files import file_names, some_of
-from appliance.errors import ConfigError
+from appliance.errors import ConfigError, appliance_command
 from appliance.storage import uri as storage
 from appliance.storage.checkpoints import (
     CONFIG_FILE,
@@ -40,10 +40,16 @@ IDENTITY_KEYS = (
     "base_quant",
     "packing",
     "eval_split",
+    "long_documents",
 )
 # what a run.json written before an identity key existed meant by its absence: such a run packed
 # documents as one stream, had an unquantized base and no held-out split
-LEGACY_IDENTITY = {"base_quant": "none", "packing": "stream", "eval_split": None}
+LEGACY_IDENTITY = {
+    "base_quant": "none",
+    "packing": "stream",
+    "eval_split": None,
+    "long_documents": "split",
+}
 
 
 def run_identity(cfg: TrainConfig) -> dict:
@@ -211,8 +217,8 @@ def read_run_file(output: str) -> dict | None:
     if record is None:
         checkpoint = _latest_config(output)
         keep = (
-            f"; or continue the run from its latest checkpoint ({checkpoint[0]}): appliance "
-            f"train --output {output} --resume rebuilds {RUN_FILE} from it"
+            f"; or continue the run from its latest checkpoint ({checkpoint[0]}): "
+            f"{appliance_command()} train --output {output} --resume rebuilds {RUN_FILE} from it"
             if checkpoint is not None
             else ""
         )

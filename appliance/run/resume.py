@@ -11,8 +11,9 @@ from dataclasses import dataclass, replace
 
 from appliance.adapter import model_card
 from appliance.config import TrainConfig, flag, shown
-from appliance.errors import ConfigError
+from appliance.errors import ConfigError, appliance_command
 from appliance.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from appliance.run.history_log import HISTORY_FILE
 from appliance.run.record import (
     IDENTITY_KEYS,
     LEGACY_IDENTITY,
@@ -56,6 +57,7 @@ class OutputDecision:
 TRAINING_SETTINGS = (
     "lr",
     "warmup_steps",
+    "warmup_ratio",
     "min_lr_ratio",
     "weight_decay",
     "grad_clip",
@@ -150,7 +152,7 @@ def decide_output(
         if was.get("data") != now["data"] and data is not None and data_was and same_data:
             was = {**was, "data": now["data"]}  # the run's data, moved: followed like the model
         same = was == now
-        resume = f"appliance train --output {out} --resume"
+        resume = f"{appliance_command()} train --output {out} --resume"
         given = "--auto-resume" if cfg.auto_resume else "--resume"
         notes = (
             _eval_data_notes(cfg, previous, eval_data) + _changed_settings_notes(cfg, previous)
@@ -277,6 +279,7 @@ def previous_run_files(output: str) -> list[tuple[str, bool]]:
         card = storage.join(output, model_card.CARD)
         if model_card.is_ours(card):
             gone += [(card, False)]
+        gone += [(storage.join(output, HISTORY_FILE), False)]
         gone += [(storage.join(output, RUN_FILE), False)]
     return gone
 

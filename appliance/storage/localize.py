@@ -21,7 +21,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from appliance.errors import INVALID, NO_SPACE, NOT_FOUND, ApplianceError, StorageError
+from appliance.errors import (
+    INVALID,
+    NO_SPACE,
+    NOT_FOUND,
+    ApplianceError,
+    StorageError,
+    appliance_command,
+)
 from appliance.storage import names
 from appliance.storage.checkpoints import LATEST_MARKER, RUN_FILE, list_checkpoints
 from appliance.storage.globs import brace_hint, glob_match, has_glob, split_glob
@@ -183,10 +190,10 @@ def _no_adapter(uri: str) -> str:
     latest = [c for c in saved if c.complete]
     use = (
         f"pass its latest checkpoint, --adapter {latest[-1].uri}, or finish the run "
-        f"(appliance train --output {uri} --resume)"
+        f"({appliance_command()} train --output {uri} --resume)"
         if latest
         else "it has no checkpoint yet either: finish the run first "
-        f"(appliance train --output {uri} --resume)"
+        f"({appliance_command()} train --output {uri} --resume)"
     )
     return (
         f"{uri} holds an appliance run ({status}) whose adapter is written when it completes; {use}"

@@ -589,3 +589,39 @@ def test_data_error_crosses_the_actor_boundary(ray_local, tmp_path, tok):
     assert message in str(e.value)
     assert isinstance(e.value.cause, DataError) and str(e.value.cause) == message
     ray.kill(actor)
+
+
+# -- documents longer than a row (--long-documents) ------------------------------------------
+
+
+@pytest.mark.parametrize("packing", ["stream", "documents"])
+def test_long_documents_are_split_truncated_or_dropped_and_resume_exactly(tmp_path, tok, packing):
+    t = Tokenizer.from_file(tok[0])
+    texts = sentences(12, seed=4)
+    long_text = " ".join(texts[:8])  # more than two rows of 16
+    docs = [{"text": texts[8]}, {"text": long_text}, {"text": texts[9]}, {"text": long_text}]
+    path = write_jsonl(tmp_path / "d.jsonl", docs)
+    lengths = [len(doc_stream(t, d, tok[2])[0]) for d in docs]
+    S = 16
+    assert lengths[1] > 2 * (S + 1) and max(lengths[0], lengths[2]) <= S + 1
+    targets = {}
+    for how in ("split", "truncate", "drop"):
+        kw = dict(seq_len=S, mbs=2, packing=packing, long_documents=how)
+        worker = new_worker(path, tok, **kw)
+        batches = all_batches(worker)
+        targets[how] = sum(b.n_tokens for b in batches)
+        assert worker.long_total == 2  # both long documents seen, whatever was done with them
+        kept = {"split": lengths[1], "truncate": S + 1, "drop": 0}[how]
+        assert worker.long_tokens_left_out == 2 * (lengths[1] - kept)
+        note = next(b.cut_note for b in batches if b.cut_note)
+        assert note.startswith(f"{path}:2: a document of {lengths[1]:,} tokens is longer than")
+        assert note.endswith(f"(--long-documents {how}; split | truncate | drop)")
+        for k, b in enumerate(batches):  # a resumed worker goes on exactly
+            rest = all_batches(new_worker(path, tok, **kw, cursor=b.cursor))
+            assert_same_batches(rest, batches[k + 1 :])
+    short = lengths[0] - 1 + lengths[2] - 1  # each short document: all but its first token
+    if packing == "documents":  # rows hold whole pieces: every token but a piece's first trains
+        assert targets["drop"] == short
+        assert targets["truncate"] == short + 2 * S
+        assert targets["split"] == short + 2 * (lengths[1] - 1)
+    assert targets["drop"] < targets["truncate"] < targets["split"]

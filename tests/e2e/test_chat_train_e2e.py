@@ -65,4 +65,4 @@ def test_chat_fine_tune_drops_held_out_assistant_loss(ray_local, tmp_path):
     result = CliRunner().invoke(main, ["eval", "--adapter", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["loss"] == pytest.approx(after, rel=1e-6)
-    assert 0 < summary["packing_efficiency"] < 1  # prompts and user turns are no targets
+    assert 0 < summary["target_share"] < 1  # prompts and user turns are no targets

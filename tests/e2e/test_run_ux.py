@@ -29,7 +29,7 @@ from appliance.adapter.evaluate import evaluate
 from appliance.config import build_config
 from appliance.run.record import write_run_file
 from appliance.storage.checkpoints import load_latest_checkpoint
-from tests.helpers_cli import cli, finish
+from tests.helpers_cli import child_command, cli, finish
 from tests.helpers_model import make_model
 from tests.helpers_net import free_port
 from tests.helpers_ray import session_processes, wait_gone
@@ -151,7 +151,7 @@ def test_ctrl_c_and_sigterm_checkpoint_and_resume_by_output_alone(inputs, tmp_pa
         step = load_latest_checkpoint(str(out_dir)).step
         assert STOP_AT <= step < STEPS
         assert f"interrupted by {sig.name} after step {step}/{STEPS}" in err
-        assert f"resume with: appliance train --output {out_dir} --resume" in err
+        assert f"resume with: {child_command()} train --output {out_dir} --resume" in err
         assert record(out_dir)["status"] == "interrupted"
         assert not (out_dir / "adapter_config.json").exists()
 
@@ -160,7 +160,10 @@ def test_ctrl_c_and_sigterm_checkpoint_and_resume_by_output_alone(inputs, tmp_pa
     rc, _, err = finish(start(["train", "--output", str(sigint_out), "--resume", "--seed", "7"]))
     assert rc == 1 and "Traceback" not in err
     assert "--seed 7 (the run: 0)" in err
-    assert f"To continue that run as it was: appliance train --output {sigint_out} --resume" in err
+    assert (
+        f"To continue that run as it was: {child_command()} train --output {sigint_out} --resume"
+        in err
+    )
 
     # a finished run resumed with no more --steps: said so, and nothing of it changes, not even
     # the flags run.json and the model card say it trained with (no weight is loaded either);

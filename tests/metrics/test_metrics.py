@@ -94,7 +94,7 @@ class RecordEverything:
         driver.restart("trainer")
         driver.checkpoint_seconds(1.5)
         driver.eval_loss(2.5)
-        driver.packing_efficiency(0.9)
+        driver.target_share(0.9)
         M.WeightStoreMetrics().record(123456789)
 
 

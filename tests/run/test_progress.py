@@ -16,6 +16,7 @@ from rich.file_proxy import FileProxy
 
 from appliance.data.records import DataError
 from appliance.engine.schedule import lr_at
+from appliance.run import feed
 from appliance.run.driver import train
 from appliance.run.progress import Progress
 from tests.helpers_model import make_model, tiny_train_config
@@ -167,8 +168,9 @@ def test_json_log_has_one_record_per_step_with_the_scheduled_lr(ray_local, model
 
 @pytest.mark.integration
 def test_a_failing_run_stops_the_live_table_before_the_error_is_printed(
-    ray_local, model_dir, tmp_path
+    ray_local, model_dir, tmp_path, monkeypatch
 ):
+    monkeypatch.setattr(feed, "COUNT_DATA_BYTES", 0)  # no count before the run: it fails mid-run
     data = tmp_path / "data.jsonl"
     # broken far enough in that the driver's check before training (it reads records until one
     # has a target) passes and a tokenizer worker meets it mid-run

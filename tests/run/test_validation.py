@@ -158,7 +158,7 @@ def stats(loss: float, eval_loss: float | None = None) -> dict:
         "target_tokens": 50,
         "grad_norm": 1.0,
         "phase_seconds": {},
-        "packing_efficiency": 0.78,
+        "target_share": 0.78,
     }
     if eval_loss is not None:
         s["eval_loss"] = eval_loss
@@ -173,7 +173,7 @@ def test_eval_loss_in_the_json_log_the_plain_line_and_the_live_table():
     p.step(2, stats(2.5, eval_loss=2.75))
     records = [json.loads(line) for line in out.getvalue().splitlines()]
     assert ["eval_loss" in r for r in records] == [False, True]
-    assert records[1]["eval_loss"] == 2.75 and records[1]["packing_efficiency"] == 0.78
+    assert records[1]["eval_loss"] == 2.75 and records[1]["target_share"] == 0.78
 
     out = io.StringIO()
     p = Progress("plain", stream=out)
