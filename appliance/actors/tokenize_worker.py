@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from appliance.data.chat import ChatTemplate
+from appliance.data.chat import ChatTemplate, FieldMap
 from appliance.data.files import find_data_files, named_files
 from appliance.data.packing import fill_rows, split_document
 from appliance.data.records import (
@@ -113,12 +113,14 @@ class TokenizeWorker:
         chat_template: ChatTemplate | None = None,
         holdout: Holdout | None = None,
         files: list[str] | None = None,
+        fields: FieldMap | None = None,
     ):
         """`chat_template`: renders conversation records (None: they are refused). `holdout`:
         the documents of `--eval-split` this worker skips (or, for evaluation, only reads).
         `files`: the data files by name (`files.file_names`), as the run listed them when it
         started: a worker restarted mid-run reads those, whatever the directory holds by then
-        (None: the files `data_path` names now)."""
+        (None: the files `data_path` names now). `fields`: where conversations of another
+        shape keep their messages (chat.FieldMap, from --field-messages and its kin)."""
         if num_workers < 1 or not 0 <= worker_index < num_workers:
             raise ValueError(f"worker_index {worker_index} not in [0, num_workers={num_workers})")
         if seq_len < 1 or micro_batch_size < 1:
@@ -133,6 +135,7 @@ class TokenizeWorker:
             raise ValueError(f"packing must be one of {PACKING}, got {packing!r}")
         self.packing = packing
         self.chat_template = chat_template
+        self.fields = fields
         self.holdout = holdout
         self.data_path = str(data_path)
         self.worker_index = worker_index
@@ -473,7 +476,7 @@ class TokenizeWorker:
         good: list[tuple[int, Record]] = []
         for raw in raws:
             try:
-                good.append((raw.doc, parse_document(raw, self.chat_template)))
+                good.append((raw.doc, parse_document(raw, self.chat_template, self.fields)))
                 if good[-1][1].cut and not self._cut_said:  # said once: the first one cut
                     self._cut_note, self._cut_said = good[-1][1].cut, True
             except DataError as e:

@@ -27,7 +27,7 @@ from tokenizers import Tokenizer
 
 from appliance.actors.weight_store import local_source
 from appliance.data import records as data
-from appliance.data.chat import ChatError, ChatTemplate, load_chat_template
+from appliance.data.chat import ChatError, ChatTemplate, FieldMap, load_chat_template
 from appliance.data.files import find_data_files, is_pattern, named_files
 from appliance.data.packing import fill_rows
 from appliance.data.records import (
@@ -63,6 +63,7 @@ def read_documents(
     on_bad_record: str = "fail",
     warn: Callable[[str], None] | None = None,
     files: list[str] | None = None,
+    fields: FieldMap | None = None,
 ) -> list[Document]:
     """Every document of `data_path`, encoded as training encodes it and truncated to `seq_len`
     tokens; documents left without a target are dropped. DataError naming `file:line` (or
@@ -70,12 +71,13 @@ def read_documents(
     `holdout`: only the documents --eval-split holds out. `warn` is told of skipped records and
     of truncated documents (how many, the tokens not scored). `files`: the data files by name,
     as the run listed them when it started (`files.file_names`; None: what `data_path`
-    names now): --eval-split's documents are counted over those, as the workers count them."""
+    names now): --eval-split's documents are counted over those, as the workers count them.
+    `fields`: where conversations of another shape keep their messages (chat.FieldMap)."""
     found = find_data_files(data_path) if files is None else named_files(data_path, files)
     records, skipped = [], []
     for raw in ShardReader(found, 0, 1, holdout=holdout):
         try:
-            records.append(parse_document(raw, chat))
+            records.append(parse_document(raw, chat, fields))
         except DataError as e:
             if on_bad_record != "skip":
                 raise with_skip_hint(e) from None
@@ -175,6 +177,7 @@ def validation_batches(cfg, inp, warn: Callable[[str], None] | None = None) -> l
             cfg.on_bad_record,
             warn=warn,
             files=files,
+            fields=cfg.field_map(),
         )
     except DataError as e:  # a record of the validation set: say which set it is
         raise DataError(f"{what}: {e}") from None
@@ -212,6 +215,7 @@ def evaluate(
     on_bad_record: str = "fail",
     warn: Callable[[str], None] | None = None,
     holdout: Holdout | None = None,
+    fields: FieldMap | None = None,
 ) -> dict:
     """{"loss": summed next-token NLL / target tokens, "tokens": target tokens}.
 
@@ -255,6 +259,7 @@ def evaluate(
         holdout,
         on_bad_record=on_bad_record,
         warn=warn,
+        fields=fields,
     )
     if not seqs:
         raise DataError(

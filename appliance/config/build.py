@@ -21,6 +21,7 @@ from appliance.config.schema import (
     FIELDS,
     RUN_LENGTH,
     TrainConfig,
+    pair_items,
     parse_bytes,
 )
 from appliance.engine.memory import gpu_budget_problem
@@ -89,6 +90,12 @@ def _coerce(name: str, value: Any, errors: list[str], where: str) -> Any:
             errors.append(f"{where}: {value!r} holds a NUL byte: give it without one")
             return FIELDS[name].default
         if kind is tuple:
+            if isinstance(value, dict):  # {role: from, content: value}, {user: [human, usr]}
+                value = [
+                    f"{k}={v}"
+                    for k, vs in value.items()
+                    for v in (vs if isinstance(vs, (list, tuple)) else [vs])
+                ]
             items = value.split(",") if isinstance(value, str) else list(value)
             return tuple(str(i).strip() for i in items if str(i).strip())
         if kind is int:
@@ -244,6 +251,30 @@ def _one_run_length(layers: list[tuple[dict, Callable | None]], notes: list[str]
                 del layer[k]
 
 
+def _mapping_problems(cfg: TrainConfig, label: Callable[[str], str]) -> list[str]:
+    """--message-property-mappings takes role=KEY and content=KEY; --roles ROLE=NAME with ROLE
+    one of system, user, assistant, tool, each NAME once."""
+    from appliance.data.chat import ROLES
+
+    errs = []
+    for key, value in pair_items(cfg.message_property_mappings):
+        if key not in ("role", "content") or not value:
+            errs.append(
+                f"{label('message_property_mappings')}: {key}={value} is not role=KEY or "
+                "content=KEY (e.g. role=from,content=value)"
+            )
+    seen: dict[str, str] = {}
+    for role, name in pair_items(cfg.roles):
+        if role not in ROLES or not name:
+            errs.append(
+                f"{label('roles')}: {role}={name} is not ROLE=NAME with ROLE one of "
+                f"{', '.join(ROLES)} (e.g. user=human,assistant=bot)"
+            )
+        elif seen.setdefault(name, role) != role:
+            errs.append(f"{label('roles')}: {name} is given to both {seen[name]} and {role}")
+    return errs
+
+
 def validate(cfg: TrainConfig, label: Callable[[str], str] = flag) -> list[str]:
     """Every problem with `cfg`, each naming where its value came from: `label(field)` (the flag
     by default); empty when valid."""
@@ -284,6 +315,7 @@ def validate(cfg: TrainConfig, label: Callable[[str], str] = flag) -> list[str]:
         errs.append(
             f"{label('lora_targets')}: {','.join(bad) or '(none)'} not among {','.join(TARGETS)}"
         )
+    errs += _mapping_problems(cfg, label)
     for name, options in CHOICES.items():
         if getattr(cfg, name) not in options:
             errs.append(

@@ -109,8 +109,26 @@ class TrainConfig:
     )
     chat_template: str | None = _f(
         None,
-        "Jinja chat template file for conversation records (messages / ShareGPT), instead of "
-        "the model's (tokenizer_config.json chat_template, or chat_template.jinja).",
+        "Chat template for conversation records (messages, ShareGPT, Alpaca) instead of the "
+        "model's (tokenizer_config.json chat_template, or chat_template.jinja): a built-in name "
+        "(chatml, llama3, gemma, mistral: as those models publish them) or a jinja file.",
+    )
+    field_messages: str | None = _f(
+        None,
+        "The record key holding a conversation's list of messages, when it is not messages or "
+        "conversations (axolotl's field_messages).",
+    )
+    message_property_mappings: tuple[str, ...] = _f(
+        (),
+        "A message's keys for its role and content when they are not role/content (or "
+        "ShareGPT's from/value): role=KEY,content=KEY (axolotl's message_property_mappings; in "
+        "a config file also a mapping {role: KEY, content: KEY}).",
+    )
+    roles: tuple[str, ...] = _f(
+        (),
+        "The names a dataset gives the roles, beside system/user/assistant/tool and ShareGPT's "
+        "human/gpt: ROLE=NAME,... e.g. user=usr,assistant=bot (axolotl's roles; in a config "
+        "file also a mapping {user: [usr, person], assistant: [bot]}).",
     )
     # ---- validation during training
     eval_data: str | None = _f(
@@ -193,6 +211,18 @@ class TrainConfig:
             self.lora_rank, self.lora_alpha, self.lora_dropout, tuple(self.lora_targets)
         )
 
+    def field_map(self):
+        """The data's conversation shape (data.chat.FieldMap) from --field-messages,
+        --message-property-mappings and --roles; None when none is given (validated by
+        config.build: keys role/content, roles among system/user/assistant/tool)."""
+        from appliance.data.chat import FieldMap
+
+        if not (self.field_messages or self.message_property_mappings or self.roles):
+            return None
+        keys = dict(pair_items(self.message_property_mappings))
+        names = tuple((name, role) for role, name in pair_items(self.roles))
+        return FieldMap(self.field_messages, keys.get("role"), keys.get("content"), names)
+
     def budget_bytes(self) -> int | None:
         return parse_bytes(self.gpu_memory_budget) if self.gpu_memory_budget else None
 
@@ -240,6 +270,9 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
     "Data pipeline": (
         "packing",
         "chat_template",
+        "field_messages",
+        "message_property_mappings",
+        "roles",
         "tokenize_workers",
         "prefetch",
         "on_bad_record",
@@ -272,6 +305,11 @@ DEMO_SETTINGS: dict[str, Any] = dict(
 )
 AUTO = "auto"  # --micro-batches-per-step auto (resolved by the driver at start)
 RUN_LENGTH = ("steps", "epochs")  # one choice: setting either replaces the demo's steps
+
+
+def pair_items(items: tuple[str, ...]) -> list[tuple[str, str]]:
+    """`KEY=VALUE` items as (key, value) pairs (an item without `=`: (item, ""))."""
+    return [(k.strip(), v.strip()) for k, _, v in (item.partition("=") for item in items)]
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)

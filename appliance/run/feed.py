@@ -34,6 +34,7 @@ def worker_kwargs(
         chat_template=inp.chat_template,
         holdout=Holdout(cfg.eval_split, cfg.seed) if cfg.eval_split else None,
         files=inp.data_files,  # as listed at the start: a restart reads the same documents
+        fields=cfg.field_map(),
     )
 
 

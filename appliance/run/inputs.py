@@ -21,6 +21,7 @@ from appliance.data.files import (
     resolve_dataset,
 )
 from appliance.data.records import Holdout, check_dataset, check_has_targets, check_tokenizer_fits
+from appliance.data.templates import is_template_name
 from appliance.engine.blocks import dtype_from_name
 from appliance.errors import NOT_FOUND, ConfigError, StorageError
 from appliance.models import TARGETS, resolve_targets
@@ -81,7 +82,7 @@ def absolute_paths(cfg: TrainConfig) -> None:
     cfg.model, cfg.data, cfg.output = absolute(cfg.model), absolute(cfg.data), absolute(cfg.output)
     if cfg.eval_data:
         cfg.eval_data = absolute(resolve_dataset(cfg.eval_data, "--eval-data"))
-    if cfg.chat_template:
+    if cfg.chat_template and not is_template_name(cfg.chat_template):  # a file, not chatml
         cfg.chat_template = absolute(cfg.chat_template)
 
 
@@ -129,10 +130,21 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
         eval_fingerprint = data_fingerprint(eval_data, check_dataset(eval_data))
         notes += dataset_notes(eval_data, "--eval-data", cfg.eval_data)
         notes += not_held_out_notes(data_path, eval_data, cfg.eval_data)
-    chat = load_chat_template(model_dir, localize(cfg.chat_template) if cfg.chat_template else None)
+    template = cfg.chat_template
+    if template and not is_template_name(template):  # a file: fetched from s3:// if there
+        template = str(localize(template))
+    chat = load_chat_template(model_dir, template)
     if args.eos_token_id is not None:  # (its absence is reported below)
         holdout = Holdout(cfg.eval_split, cfg.seed) if cfg.eval_split else None
-        check_has_targets(data_path, tokenizer, args.eos_token_id, chat, holdout, cfg.on_bad_record)
+        check_has_targets(
+            data_path,
+            tokenizer,
+            args.eos_token_id,
+            chat,
+            holdout,
+            cfg.on_bad_record,
+            fields=cfg.field_map(),
+        )
     problems = seq_len_problems(args, cfg.seq_len)
     try:  # --lora-targets against the model's family (Phi-3's fused modules)
         targets = resolve_targets(args, tuple(cfg.lora_targets))

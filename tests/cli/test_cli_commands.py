@@ -76,8 +76,8 @@ def test_eval_prints_one_json_line_with_loss_and_tokens(model_and_adapter):
     result = CliRunner().invoke(main, argv)
     assert result.exit_code == 0, result.output
     assert result.stderr.splitlines() == [
-        f"note: --data {d}: skipped 1 file(s) that are not data (.jsonl, .json, .parquet, .arrow "
-        "or .txt; .jsonl, .json and .txt also .gz, .bz2, .xz or .zst): README.md",
+        f"note: --data {d}: skipped 1 file(s) that are not data (.jsonl, .json, .parquet, .arrow, "
+        ".csv, .tsv or .txt; all but .parquet and .arrow also .gz, .bz2, .xz or .zst): README.md",
         f"note: --data {d}: its 2 files are named for several splits (1 validation: "
         "data/validation-0.jsonl; 1 test: data/test-0.jsonl), and every one is read: to use one "
         f"split, give --data its files alone (e.g. --data '{d}/data/validation*')",
