@@ -29,6 +29,7 @@ from appliance.actors.weight_store import local_source
 from appliance.data import records as data
 from appliance.data.chat import ChatError, ChatTemplate, FieldMap, load_chat_template
 from appliance.data.files import find_data_files, is_pattern, named_files
+from appliance.data.mixture import MixedShardReader, Source
 from appliance.data.packing import fill_rows
 from appliance.data.records import (
     SKIP_EXAMPLES,
@@ -64,6 +65,7 @@ def read_documents(
     warn: Callable[[str], None] | None = None,
     files: list[str] | None = None,
     fields: FieldMap | None = None,
+    mix: list[tuple[str | Path, float, list[str] | None]] | None = None,
 ) -> list[Document]:
     """Every document of `data_path`, encoded as training encodes it and truncated to `seq_len`
     tokens; documents left without a target are dropped. DataError naming `file:line` (or
@@ -72,10 +74,19 @@ def read_documents(
     of truncated documents (how many, the tokens not scored). `files`: the data files by name,
     as the run listed them when it started (`files.file_names`; None: what `data_path`
     names now): --eval-split's documents are counted over those, as the workers count them.
-    `fields`: where conversations of another shape keep their messages (chat.FieldMap)."""
+    `fields`: where conversations of another shape keep their messages (chat.FieldMap). `mix`:
+    a run's --mix-data (path, weight, files by name): with `holdout`, the documents held out of
+    each dataset of the mixture, once (data/mixture.py)."""
     found = find_data_files(data_path) if files is None else named_files(data_path, files)
     records, skipped = [], []
-    for raw in ShardReader(found, 0, 1, holdout=holdout):
+    reader: ShardReader | MixedShardReader = ShardReader(found, 0, 1, holdout=holdout)
+    if mix:
+        sources = [Source(tuple(found), 1.0)] + [
+            Source(tuple(find_data_files(p) if n is None else named_files(p, n)), w)
+            for p, w, n in mix
+        ]
+        reader = MixedShardReader(sources, 0, 1, holdout=holdout)
+    for raw in reader:
         try:
             records.append(parse_document(raw, chat, fields))
         except DataError as e:
@@ -153,11 +164,16 @@ def validation_batches(cfg, inp, warn: Callable[[str], None] | None = None) -> l
     `read_documents` (skipped records, documents cut to --seq-len)."""
 
     holdout = files = None
+    mix: list = []
     if cfg.eval_data:
         path = localize_data(cfg.eval_data)
     else:  # --eval-split: the documents the workers skip, counted over the same files
         path = localize_data(cfg.data)
         holdout, files = Holdout(cfg.eval_split, cfg.seed, held_out=True), inp.data_files
+        mix = [
+            (localize_data(p), w, names)
+            for (p, w), names in zip(cfg.mixture(), inp.mix_files, strict=True)
+        ]
     # from the model's URI, as the tokenizer workers do: with --cluster this runs in the
     # driver, on the head, and inp's paths are the trainer node's (its S3 cache)
     tokenizer = data.load_tokenizer(localize(storage.join(cfg.model, "tokenizer.json")))
@@ -178,6 +194,7 @@ def validation_batches(cfg, inp, warn: Callable[[str], None] | None = None) -> l
             warn=warn,
             files=files,
             fields=cfg.field_map(),
+            mix=mix,
         )
     except DataError as e:  # a record of the validation set: say which set it is
         raise DataError(f"{what}: {e}") from None

@@ -251,6 +251,28 @@ def _one_run_length(layers: list[tuple[dict, Callable | None]], notes: list[str]
                 del layer[k]
 
 
+def _mixture_problems(cfg: TrainConfig, label: Callable[[str], str]) -> list[str]:
+    """--mix-data takes PATH=WEIGHT items, each weight a number > 0, and needs --data; so does
+    --data-weight."""
+    errs = []
+    for item in cfg.mix_data:
+        path, _, weight = item.rpartition("=")
+        try:
+            ok = bool(path.strip()) and float(weight) > 0 and math.isfinite(float(weight))
+        except ValueError:
+            ok = False
+        if not ok:
+            errs.append(
+                f"{label('mix_data')}: {item} is not PATH=WEIGHT with a weight > 0 (e.g. "
+                "chat.jsonl=0.5)"
+            )
+    if cfg.mix_data and cfg.data is None:
+        errs.append(f"{label('mix_data')} needs --data (the first dataset of the mixture)")
+    if not (cfg.data_weight > 0):
+        errs.append(f"{label('data_weight')} must be > 0 (got {cfg.data_weight})")
+    return errs
+
+
 def _mapping_problems(cfg: TrainConfig, label: Callable[[str], str]) -> list[str]:
     """--message-property-mappings takes role=KEY and content=KEY; --roles ROLE=NAME with ROLE
     one of system, user, assistant, tool, each NAME once."""
@@ -316,6 +338,7 @@ def validate(cfg: TrainConfig, label: Callable[[str], str] = flag) -> list[str]:
             f"{label('lora_targets')}: {','.join(bad) or '(none)'} not among {','.join(TARGETS)}"
         )
     errs += _mapping_problems(cfg, label)
+    errs += _mixture_problems(cfg, label)
     for name, options in CHOICES.items():
         if getattr(cfg, name) not in options:
             errs.append(

@@ -36,6 +36,13 @@ class TrainConfig:
         "a dataset id (org/name, or org/name/data/train-* for one split) in the local Hugging "
         "Face cache.",
     )
+    mix_data: tuple[str, ...] = _f(
+        (),
+        "Further datasets mixed with --data, each PATH=WEIGHT (any --data form): a weight is how "
+        "many times its documents are read per epoch (2: twice; 0.5: half, the other half the "
+        "next epoch), interleaved evenly (in a config file also a mapping {PATH: WEIGHT}).",
+    )
+    data_weight: float = _f(1.0, "The weight of --data in a mixture with --mix-data.")
     output: str | None = _f(
         None, "Where the adapter and checkpoints go (directory or s3:// prefix)."
     )
@@ -211,6 +218,14 @@ class TrainConfig:
             self.lora_rank, self.lora_alpha, self.lora_dropout, tuple(self.lora_targets)
         )
 
+    def mixture(self) -> list[tuple[str, float]]:
+        """--mix-data's (path, weight) pairs (validated by config.build: a weight > 0)."""
+        out = []
+        for item in self.mix_data:
+            path, _, weight = item.rpartition("=")
+            out.append((path.strip(), float(weight)))
+        return out
+
     def field_map(self):
         """The data's conversation shape (data.chat.FieldMap) from --field-messages,
         --message-property-mappings and --roles; None when none is given (validated by
@@ -228,8 +243,7 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d["lora_targets"] = list(self.lora_targets)
-        return d
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -246,7 +260,17 @@ CHOICES = {
 # `train --help` shows its flags in these groups, in this order; a flag not listed lands in
 # "Other options". A new flag: add its field name to one group.
 HELP_GROUPS: dict[str, tuple[str, ...]] = {
-    "Model and data": ("config", "model", "data", "output", "steps", "epochs", "seq_len"),
+    "Model and data": (
+        "config",
+        "model",
+        "data",
+        "mix_data",
+        "data_weight",
+        "output",
+        "steps",
+        "epochs",
+        "seq_len",
+    ),
     "LoRA": ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets"),
     "Optimisation": (
         "micro_batch_size",

@@ -218,52 +218,46 @@ class ShardReader:
         g = 0  # global document index
         first = self.start_doc * self.num_workers + self.worker_index
         for f in self.files:
-            kind = data_format(f)
-            if kind == "txt":
-                if self._mine(g, first):
-                    yield RawDocument(g // self.num_workers, str(f), _head(f), "txt")
-                g += 1
-                self.total_documents = g
-                continue
-            if kind in TABLES:
+            if data_format(f) in TABLES:  # decode a table only if it holds one of this shard's
                 n = table_num_rows(f)
-                # decode the file only if it holds one of this shard's documents
-                if any(self._mine(i, first) for i in range(g, g + n)):
-                    for row, obj in enumerate(table_rows(f)):
-                        if self._mine(g, first):
-                            yield RawDocument(
-                                g // self.num_workers, f"{f}:row {row}", obj, "object"
-                            )
-                        g += 1
-                else:
+                if not any(self._mine(i, first) for i in range(g, g + n)):
                     g += n
-                self.total_documents = g
-                continue
-            if kind in DELIMITED:
-                for line, obj in delimited_rows(f):
-                    if self._mine(g, first):
-                        yield RawDocument(g // self.num_workers, f"{f}:{line}", obj, "object")
-                    g += 1
-                self.total_documents = g
-                continue
-            if kind == "json" and is_json_array(f):
-                for i, obj in enumerate(json_array_items(f)):
-                    if self._mine(g, first):
-                        yield RawDocument(g // self.num_workers, f"{f}:[{i}]", obj, "object")
-                    g += 1
-                self.total_documents = g
-                continue
-            for lineno, line in enumerate(read_lines(f, MAX_LINE_BYTES), 1):
-                if isinstance(line, int):  # too long to hold: its length, the record left out
-                    kind = "oversize"
-                elif not line.strip():
-                    continue  # blank lines are not documents
-                else:
-                    kind = "jsonl"
+                    self.total_documents = g
+                    continue
+            for where, data, kind in file_documents(f):
                 if self._mine(g, first):
-                    yield RawDocument(g // self.num_workers, f"{f}:{lineno}", line, kind)
+                    yield RawDocument(g // self.num_workers, where, document_data(data), kind)
                 g += 1
                 self.total_documents = g
+
+
+def file_documents(f: Path) -> Iterator[tuple[str, Any, str]]:
+    """Every document of one data file, in order: (where, data, kind) as RawDocument holds them,
+    but a .txt file's data is its path (`document_data` reads it: only a document that is read
+    is)."""
+    kind = data_format(f)
+    if kind == "txt":
+        yield str(f), f, "txt"
+    elif kind in TABLES:
+        for row, obj in enumerate(table_rows(f)):
+            yield f"{f}:row {row}", obj, "object"
+    elif kind in DELIMITED:
+        for line, obj in delimited_rows(f):
+            yield f"{f}:{line}", obj, "object"
+    elif kind == "json" and is_json_array(f):
+        for i, obj in enumerate(json_array_items(f)):
+            yield f"{f}:[{i}]", obj, "object"
+    else:
+        for lineno, line in enumerate(read_lines(f, MAX_LINE_BYTES), 1):
+            if isinstance(line, int):  # too long to hold: its length, the record left out
+                yield f"{f}:{lineno}", line, "oversize"
+            elif line.strip():  # blank lines are not documents
+                yield f"{f}:{lineno}", line, "jsonl"
+
+
+def document_data(data: Any) -> Any:
+    """A document's data from `file_documents`: a .txt file's path read (`_head`)."""
+    return _head(data) if isinstance(data, Path) else data
 
 
 def _head(path: Path) -> bytes:

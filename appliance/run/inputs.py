@@ -82,6 +82,10 @@ def absolute_paths(cfg: TrainConfig) -> None:
     cfg.model, cfg.data, cfg.output = absolute(cfg.model), absolute(cfg.data), absolute(cfg.output)
     if cfg.eval_data:
         cfg.eval_data = absolute(resolve_dataset(cfg.eval_data, "--eval-data"))
+    cfg.mix_data = tuple(
+        f"{absolute(resolve_dataset(path, '--mix-data'))}={weight:g}"
+        for path, weight in cfg.mixture()
+    )
     if cfg.chat_template and not is_template_name(cfg.chat_template):  # a file, not chatml
         cfg.chat_template = absolute(cfg.chat_template)
 
@@ -124,6 +128,13 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
     # errors here are clear; inside an actor they'd be wrapped
     files = check_dataset(data_path)
     notes = dataset_notes(data_path, "--data", cfg.data)  # files skipped, several splits
+    mix_files, mix_fingerprints = [], []  # --mix-data's datasets: listed once, as --data's
+    for uri, _ in cfg.mixture():
+        path = localize_data(uri)
+        found = check_dataset(path)
+        notes += dataset_notes(path, "--mix-data", uri)
+        mix_files.append(file_names(path, found))
+        mix_fingerprints.append(data_fingerprint(path, found))
     eval_data = eval_fingerprint = None
     if cfg.eval_data:
         eval_data = localize_data(cfg.eval_data)
@@ -168,6 +179,8 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
     # read once (decide_output and run.json use them); an s3:// model's from its local copy
     fingerprint = model_fingerprint(str(model_dir))
     data = data_fingerprint(data_path, files)
+    if mix_fingerprints:  # the mixture is the run's data: any of its files changed changes it
+        data = mixture_fingerprint(data, mix_fingerprints)
     decision = decide_output(cfg, fingerprint, data, eval_fingerprint)
     cfg = decision.applied_to(cfg)  # the run's config (the caller's is left as it was)
     notes += decision.notes
@@ -187,7 +200,17 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
         data_files=file_names(data_path, files),
         documents=count_documents(files, MAX_DEFAULT_WORKERS),  # a default worker count's cap
         eval_data_fingerprint=eval_fingerprint,
+        mix_files=mix_files,
     )
+
+
+def mixture_fingerprint(data: dict, mixed: list[dict]) -> dict:
+    """--data's fingerprint with --mix-data's folded into its digest (and kept beside it): a
+    resume compares the digest, so a changed file of any dataset of the mixture is seen."""
+    import hashlib
+
+    digest = hashlib.sha256("\0".join([data["digest"], *(m["digest"] for m in mixed)]).encode())
+    return {**data, "digest": digest.hexdigest(), "mix": mixed}
 
 
 def lora_rank_problems(args: ModelArgs, rank: int, targets: tuple[str, ...]) -> list[str]:

@@ -40,10 +40,18 @@ IDENTITY_KEYS = (
     "base_quant",
     "packing",
     "eval_split",
+    "mix_data",
+    "data_weight",
 )
 # what a run.json written before an identity key existed meant by its absence: such a run packed
 # documents as one stream, had an unquantized base and no held-out split
-LEGACY_IDENTITY = {"base_quant": "none", "packing": "stream", "eval_split": None}
+LEGACY_IDENTITY = {
+    "base_quant": "none",
+    "packing": "stream",
+    "eval_split": None,
+    "mix_data": [],
+    "data_weight": 1.0,
+}
 
 
 def run_identity(cfg: TrainConfig) -> dict:

@@ -496,9 +496,10 @@ def test_compile_blocks_goes_from_the_config_to_the_trainers_engine(model_dir):
 def test_data_as_it_comes_trains_and_evaluates_with_a_template_by_name(
     ray_local, model_dir, tmp_path
 ):
-    """Alpaca rows in a CSV, ShareGPT with OpenAI's role names, OpenAI content parts, a TSV of
-    prompts and completions: one dataset, rendered with --chat-template chatml (the model has no
-    template of its own), trained and validated through the actors."""
+    """Alpaca rows in a CSV, ShareGPT with OpenAI's role names, OpenAI content parts: one
+    dataset, mixed with a TSV of prompts and completions at weight 2 (--mix-data), rendered with
+    --chat-template chatml (the model has no template of its own), trained and validated
+    through the actors."""
     said = sentences(40, seed=3)
     pairs = list(zip(said[::2], said[1::2], strict=True))
     data = tmp_path / "mixed"
@@ -520,16 +521,25 @@ def test_data_as_it_comes_trains_and_evaluates_with_a_template_by_name(
             for q, a in pairs[10:15]
         )
     )  # fmt: skip
-    (data / "d.tsv").write_text(
+    (tmp_path / "d.tsv").write_text(
         "prompt\tcompletion\n" + "".join(f"{q}\t{a}\n" for q, a in pairs[15:])
     )
     out = tmp_path / "out"
     cfg = tiny_train_config(
-        model_dir, data, out, steps=3, seq_len=32, chat_template="chatml", eval_split=0.2
+        model_dir,
+        data,
+        out,
+        steps=3,
+        seq_len=32,
+        chat_template="chatml",
+        eval_split=0.2,
+        mix_data=f"{tmp_path / 'd.tsv'}=2",
     )
     summary = train(cfg, Progress("json"))
     run = json.loads((out / "run.json").read_text())
     assert run["status"] == "complete" and summary["steps"] == 3
     assert run["config"]["chat_template"] == "chatml"  # a name, not a path made of it
+    assert run["config"]["mix_data"] == [f"{tmp_path / 'd.tsv'}=2"]
+    assert len(run["data_fingerprint"]["mix"]) == 1  # a resume checks the mixture's files too
     assert all(math.isfinite(x) for x in run["losses"])
     assert math.isfinite(summary["eval_loss"]) and summary["eval_loss"] > 0
