@@ -7,7 +7,8 @@ training gives it (`data/records.py`): a text record predicts every token and th
 completion only the completion and EOS, a conversation only its assistant turns. Each document is
 truncated to `seq_len` tokens and scored alone: the result is the summed NLL over the target tokens
 of all documents divided by their number, i.e. what transformers' model gives summed over the same
-sequences.
+sequences; its exponential is the perplexity, and with an adapter the base model's loss on the
+same tokens is given beside it (`with_base`).
 
 The forward pass is the training engine's (StreamedEngine.eval_loss), so a model larger than the
 GPU is evaluated the same way it is trained: block by block. `eval_batches` packs the same
@@ -17,6 +18,7 @@ loss, fewer engine calls.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -45,7 +47,7 @@ from appliance.engine.step import MicroBatch, StreamedEngine
 from appliance.errors import ConfigError
 from appliance.models import hf_checkpoint
 from appliance.models.layers import IGNORE_INDEX
-from appliance.models.lora import load_adapter
+from appliance.models.lora import LoraSpec, LoraWeights, load_adapter
 from appliance.storage import uri as storage
 from appliance.storage.localize import localize, localize_data
 
@@ -233,8 +235,12 @@ def evaluate(
     warn: Callable[[str], None] | None = None,
     holdout: Holdout | None = None,
     fields: FieldMap | None = None,
+    with_base: bool = False,
 ) -> dict:
-    """{"loss": summed next-token NLL / target tokens, "tokens": target tokens}.
+    """{"loss": summed next-token NLL / target tokens, "tokens": target tokens, "perplexity":
+    exp(loss)}; `with_base` (and an adapter): also the base model's, without the adapter, on
+    the same tokens ("base_loss", "base_perplexity"), from the same engine (one more pass per
+    group of documents).
 
     ConfigError for bad arguments, ModelError for an unusable model or adapter, DataError naming
     `file:line` for a malformed record (unless `on_bad_record="skip"`) or a tokenizer that is not
@@ -291,12 +297,28 @@ def evaluate(
     source = local_source(model_dir, str(dtype).removeprefix("torch."), base_quant)
     lora = load_adapter(adapter_dir, args, device) if adapter_dir is not None else None
     engine = StreamedEngine(source, lora, device=device, dtype=dtype)
+    base = LoraWeights(args, LoraSpec(targets=())) if with_base and lora is not None else None
     try:
-        total, n = 0.0, 0
+        total, base_total, n = 0.0, 0.0, 0
         for group in groups(seqs, batch_tokens):
-            nll, count = engine.eval_loss([micro_batch(ids, mask) for ids, mask in group])
+            mbs = [micro_batch(ids, mask) for ids, mask in group]
+            nll, count = engine.eval_loss(mbs)
             total += nll
             n += count
+            if base is not None:  # the same engine, its adapter set aside for one pass
+                engine.lora, adapter = base, engine.lora
+                try:
+                    base_total += engine.eval_loss(mbs)[0]
+                finally:
+                    engine.lora = adapter
     finally:
         engine.close()
-    return {"loss": total / n, "tokens": n}
+    result = {"loss": total / n, "tokens": n, "perplexity": perplexity(total / n)}
+    if base is not None:
+        result.update(base_loss=base_total / n, base_perplexity=perplexity(base_total / n))
+    return result
+
+
+def perplexity(loss: float) -> float:
+    """exp(mean NLL); inf past what a float holds."""
+    return math.exp(loss) if loss < 709 else math.inf
