@@ -121,36 +121,28 @@ class Generator:
     # ------------------------------------------------------------ placement
 
     def placement(self, batch: int, capacity: int) -> Placement:
-        """What stays on the device for `batch` rows of up to `capacity` tokens: on a CPU (or
-        when everything fits the budget) every block and cache; else the caches if they fit
-        beside two streaming slots, then as many blocks as the rest holds. ConfigError naming
-        --gpu-memory-budget when not even two slots fit."""
+        """What stays on the device for `batch` rows of up to `capacity` tokens (`place`): on a
+        CPU every block and cache; on a GPU what the budget (--gpu-memory-budget, at most what
+        the card has free) holds."""
         L = self.args.num_layers
         if self.device.type != "cuda":
             return Placement(frozenset(range(L)), True)
-        block = self.weights.block_bytes() + self.weights.dequant_bytes()
-        caches = L * self._cache_bytes(batch, capacity)
-        globals_ = sum(t.numel() * t.element_size() for t in self.weights.globals.values())
+        a = self.args
         # activations: a few (B, T, C) and (B, T, intermediate) tensors, one step's attention
         # scores, and the fp32 logits of the batch's last tokens
-        a = self.args
         acts = batch * capacity * (4 * a.hidden_size + 3 * a.intermediate_size) * 4
         acts += batch * a.num_heads * capacity * capacity * 4 + batch * a.vocab_size * 8
+        globals_ = sum(t.numel() * t.element_size() for t in self.weights.globals.values())
         free, total = torch.cuda.mem_get_info(self.device)
         budget = effective_budget(self.budget, total, free, torch.cuda.memory_reserved(self.device))
-        room = budget - globals_ - acts
-        if room >= L * block + caches:
-            return Placement(frozenset(range(L)), True)
-        on_device = room - 2 * block >= caches
-        left = room - 2 * block - (caches if on_device else 0)
-        if left < 0:
-            need = (globals_ + acts + 2 * block + CUDA_MARGIN_BYTES) / 2**30
-            raise ConfigError(
-                f"--gpu-memory-budget: {budget / 2**30:.1f} GiB usable is too small to generate "
-                f"{batch} prompt(s) of up to {capacity} tokens: at least {need:.1f} GiB needed; "
-                "give fewer prompts at once, a smaller --max-new-tokens, or a larger budget"
-            )
-        return Placement(frozenset(range(min(L, left // block))), on_device)
+        return place(
+            L,
+            self.weights.block_bytes() + self.weights.dequant_bytes(),
+            self._cache_bytes(batch, capacity),
+            globals_ + acts,
+            budget,
+            f"{batch} prompt(s) of up to {capacity} tokens",
+        )
 
     def _cache_bytes(self, batch: int, capacity: int) -> int:
         a = self.args
@@ -237,6 +229,30 @@ class Generator:
             self.weights.release(i)
             del w
         return h
+
+
+def place(
+    blocks: int, block_bytes: int, cache_bytes: int, other_bytes: int, budget: int, what: str
+) -> Placement:
+    """Where `blocks` blocks of `block_bytes` and their KV caches (`cache_bytes` each) go on a
+    device of `budget` bytes of which `other_bytes` are taken (the globals, activations): all
+    of it when it fits; else the caches if they fit beside two streaming slots, and as many
+    blocks as the rest holds, resident from block 0 (the first a step needs). ConfigError naming
+    --gpu-memory-budget when not even two slots fit (`what`: the batch, for the message)."""
+    room = budget - other_bytes
+    caches = blocks * cache_bytes
+    if room >= blocks * block_bytes + caches:
+        return Placement(frozenset(range(blocks)), True)
+    on_device = room - 2 * block_bytes >= caches
+    left = room - 2 * block_bytes - (caches if on_device else 0)
+    if left < 0:
+        need = (other_bytes + 2 * block_bytes + CUDA_MARGIN_BYTES) / 2**30
+        raise ConfigError(
+            f"--gpu-memory-budget: {budget / 2**30:.1f} GiB usable is too small to generate "
+            f"{what}: at least {need:.1f} GiB needed; give fewer prompts at once, a smaller "
+            "--max-new-tokens, or a larger budget"
+        )
+    return Placement(frozenset(range(min(blocks, left // block_bytes))), on_device)
 
 
 def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> list[int]:

@@ -12,8 +12,9 @@ import torch
 from click.testing import CliRunner
 from peft import PeftModel
 
-from appliance.adapter.generate import Generator, Placement, Sampling
+from appliance.adapter.generate import Generator, Placement, Sampling, place
 from appliance.cli.main import main
+from appliance.errors import ConfigError
 from appliance.models.hf_checkpoint import read_model_args
 from tests.helpers_model import load_hf, lora_with_random_b, make_model
 
@@ -99,3 +100,15 @@ def test_generate_command_answers_prompts_from_flags_and_a_file(tmp_path):
     result = CliRunner().invoke(main, [*argv[:5], "--prompts", str(tmp_path / "none.txt")])
     assert result.exit_code == 1
     assert result.stderr == f"error: --prompts {tmp_path / 'none.txt'}: no such file\n"
+
+
+def test_placement_keeps_what_the_budget_holds_caches_first_then_blocks():
+    GiB = 2**30
+    everything = place(8, GiB, GiB // 4, GiB, 12 * GiB, "b")  # 1 + 8 + 2: all of it
+    assert everything == Placement(frozenset(range(8)), True)
+    streamed = place(8, GiB, GiB // 4, GiB, 7 * GiB, "b")  # 6 left: 2 slots, caches 2, 2 blocks
+    assert streamed == Placement(frozenset({0, 1}), True)
+    host_caches = place(8, GiB, GiB, GiB, 4 * GiB, "b")  # caches of 8 GiB go to host memory
+    assert host_caches == Placement(frozenset({0}), False)
+    with pytest.raises(ConfigError, match=r"--gpu-memory-budget: 2.5 GiB usable is too small"):
+        place(8, GiB, GiB, GiB, int(2.5 * GiB), "3 prompt(s) of up to 40 tokens")
