@@ -2,12 +2,13 @@
 #   make train   install into .venv and run the built-in demo fine-tune on embedded Ray
 #   make test    install and run the whole test suite (what CI runs), the 30 slowest listed
 #   make test-fast  the edit loop: no integration, slow or gpu test (tests/conftest.py marks them)
+#   make dashboards  Prometheus + Grafana (docker) for an `appliance train` running on this box
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/pip --disable-pip-version-check -q
 
-.PHONY: install train test test-fast lint format tools clean
+.PHONY: install train test test-fast lint format tools clean dashboards dashboards-down
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +44,17 @@ lint: install
 format: install
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
+
+# Grafana at http://localhost:3000 (user admin, GRAFANA_ADMIN_PASSWORD), Prometheus at :9090,
+# scraping 127.0.0.1:8080, where `appliance train` serves its metrics (deploy/compose/dashboards.yml)
+DASHBOARDS := docker compose -f deploy/compose/dashboards.yml
+
+dashboards:
+	$(DASHBOARDS) up -d
+	@echo "Grafana http://localhost:3000 (admin), Prometheus http://localhost:9090; metrics from 127.0.0.1:8080"
+
+dashboards-down:
+	$(DASHBOARDS) down
 
 clean:
 	rm -rf $(VENV) .venv-tools .tools build appliance/quant/*.so

@@ -35,8 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from appliance.data.chat import ChatTemplate
+from appliance.data.chat import ChatTemplate, FieldMap
 from appliance.data.files import find_data_files, named_files
+from appliance.data.mixture import MixedShardReader, Source, source_counts
 from appliance.data.packing import LONG_DOCUMENTS, fill_rows, fit_long_document, split_document
 from appliance.data.records import (
     ON_BAD_RECORD,
@@ -114,13 +115,19 @@ class TokenizeWorker:
         holdout: Holdout | None = None,
         files: list[str] | None = None,
         long_documents: str = "split",
+        fields: FieldMap | None = None,
+        mix: list[tuple[str, float, list[str] | None]] | None = None,
+        data_weight: float = 1.0,
     ):
         """`chat_template`: renders conversation records (None: they are refused). `holdout`:
         the documents of `--eval-split` this worker skips (or, for evaluation, only reads).
         `files`: the data files by name (`files.file_names`), as the run listed them when it
         started: a worker restarted mid-run reads those, whatever the directory holds by then
         (None: the files `data_path` names now). `long_documents`: what becomes of a document
-        longer than a row (packing.fit_long_document)."""
+        longer than a row (packing.fit_long_document). `fields`: where conversations of another
+        shape keep their messages (chat.FieldMap, from --field-messages and its kin). `mix`:
+        further datasets (path, weight, their files by name as `files`) mixed with `data_path`
+        at `data_weight` (data/mixture.py): the cursor then counts mixed documents."""
         if num_workers < 1 or not 0 <= worker_index < num_workers:
             raise ValueError(f"worker_index {worker_index} not in [0, num_workers={num_workers})")
         if seq_len < 1 or micro_batch_size < 1:
@@ -138,6 +145,7 @@ class TokenizeWorker:
         self.long_documents = long_documents
         self.packing = packing
         self.chat_template = chat_template
+        self.fields = fields
         self.holdout = holdout
         self.data_path = str(data_path)
         self.worker_index = worker_index
@@ -148,6 +156,13 @@ class TokenizeWorker:
         self.on_bad_record = on_bad_record
 
         self.files = find_data_files(data_path) if files is None else named_files(data_path, files)
+        self.sources = None  # a mixture's datasets, with their document counts
+        if mix:
+            self.sources = [Source(tuple(self.files), data_weight)] + [
+                Source(tuple(find_data_files(p) if n is None else named_files(p, n)), w)
+                for p, w, n in mix
+            ]
+            self.counts = source_counts(self.sources)
         self.tokenizer = load_tokenizer(tokenizer_path)
         vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
         pad_id = eos_id if pad_id is None else pad_id  # padding is masked: any valid id works
@@ -321,9 +336,15 @@ class TokenizeWorker:
 
     def _start_epoch_stream(self, doc: int, offset: int, row: int = 0) -> None:
         self._start = (doc, offset)
-        self._shard_reader = ShardReader(
-            self.files, self.worker_index, self.num_workers, doc, self.holdout
-        )
+        if self.sources is not None:
+            self._shard_reader: ShardReader | MixedShardReader = MixedShardReader(
+                self.sources, self.worker_index, self.num_workers, doc, self.holdout,
+                self._epoch, self.counts,
+            )  # fmt: skip
+        else:
+            self._shard_reader = ShardReader(
+                self.files, self.worker_index, self.num_workers, doc, self.holdout
+            )
         self._reader = iter(self._shard_reader)
         self._shard_reader_done = False
         self._shard_docs_seen = 0  # documents (good or bad) read in this pass
@@ -482,7 +503,7 @@ class TokenizeWorker:
         good: list[tuple[int, Record]] = []
         for raw in raws:
             try:
-                good.append((raw.doc, parse_document(raw, self.chat_template)))
+                good.append((raw.doc, parse_document(raw, self.chat_template, self.fields)))
                 if good[-1][1].cut and not self._cut_said:  # said once: the first one cut
                     self._cut_note, self._cut_said = good[-1][1].cut, True
             except DataError as e:
@@ -547,6 +568,8 @@ class ShardWorker(TokenizeWorker):
     runs on: tokenizer workers go wherever the cluster has CPUs."""
 
     def __init__(self, data_path: str, tokenizer_path: str, **kwargs: Any):
+        if kwargs.get("mix"):  # further datasets: fetched alike
+            kwargs["mix"] = [(str(localize_data(p)), w, n) for p, w, n in kwargs["mix"]]
         super().__init__(str(localize_data(data_path)), str(localize(tokenizer_path)), **kwargs)
 
     def node_id(self) -> str:

@@ -7,7 +7,8 @@ training gives it (`data/records.py`): a text record predicts every token and th
 completion only the completion and EOS, a conversation only its assistant turns. Each document is
 truncated to `seq_len` tokens and scored alone: the result is the summed NLL over the target tokens
 of all documents divided by their number, i.e. what transformers' model gives summed over the same
-sequences.
+sequences; its exponential is the perplexity, and with an adapter the base model's loss on the
+same tokens is given beside it (`with_base`).
 
 The forward pass is the training engine's (StreamedEngine.eval_loss), so a model larger than the
 GPU is evaluated the same way it is trained: block by block. `eval_batches` packs the same
@@ -17,6 +18,7 @@ loss, fewer engine calls.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,8 +29,9 @@ from tokenizers import Tokenizer
 
 from appliance.actors.weight_store import local_source
 from appliance.data import records as data
-from appliance.data.chat import ChatError, ChatTemplate, load_chat_template
+from appliance.data.chat import ChatError, ChatTemplate, FieldMap, load_chat_template
 from appliance.data.files import find_data_files, is_pattern, named_files
+from appliance.data.mixture import MixedShardReader, Source
 from appliance.data.packing import fill_rows
 from appliance.data.records import (
     SKIP_EXAMPLES,
@@ -44,7 +47,7 @@ from appliance.engine.step import MicroBatch, StreamedEngine
 from appliance.errors import ConfigError
 from appliance.models import hf_checkpoint
 from appliance.models.layers import IGNORE_INDEX
-from appliance.models.lora import load_adapter
+from appliance.models.lora import LoraSpec, LoraWeights, load_adapter
 from appliance.storage import uri as storage
 from appliance.storage.localize import localize, localize_data
 
@@ -63,6 +66,8 @@ def read_documents(
     on_bad_record: str = "fail",
     warn: Callable[[str], None] | None = None,
     files: list[str] | None = None,
+    fields: FieldMap | None = None,
+    mix: list[tuple[str | Path, float, list[str] | None]] | None = None,
 ) -> list[Document]:
     """Every document of `data_path`, encoded as training encodes it and truncated to `seq_len`
     tokens; documents left without a target are dropped. DataError naming `file:line` (or
@@ -70,12 +75,22 @@ def read_documents(
     `holdout`: only the documents --eval-split holds out. `warn` is told of skipped records and
     of truncated documents (how many, the tokens not scored). `files`: the data files by name,
     as the run listed them when it started (`files.file_names`; None: what `data_path`
-    names now): --eval-split's documents are counted over those, as the workers count them."""
+    names now): --eval-split's documents are counted over those, as the workers count them.
+    `fields`: where conversations of another shape keep their messages (chat.FieldMap). `mix`:
+    a run's --mix-data (path, weight, files by name): with `holdout`, the documents held out of
+    each dataset of the mixture, once (data/mixture.py)."""
     found = find_data_files(data_path) if files is None else named_files(data_path, files)
     records, skipped = [], []
-    for raw in ShardReader(found, 0, 1, holdout=holdout):
+    reader: ShardReader | MixedShardReader = ShardReader(found, 0, 1, holdout=holdout)
+    if mix:
+        sources = [Source(tuple(found), 1.0)] + [
+            Source(tuple(find_data_files(p) if n is None else named_files(p, n)), w)
+            for p, w, n in mix
+        ]
+        reader = MixedShardReader(sources, 0, 1, holdout=holdout)
+    for raw in reader:
         try:
-            records.append(parse_document(raw, chat))
+            records.append(parse_document(raw, chat, fields))
         except DataError as e:
             if on_bad_record != "skip":
                 raise with_skip_hint(e) from None
@@ -151,11 +166,16 @@ def validation_batches(cfg, inp, warn: Callable[[str], None] | None = None) -> l
     `read_documents` (skipped records, documents cut to --seq-len)."""
 
     holdout = files = None
+    mix: list = []
     if cfg.eval_data:
         path = localize_data(cfg.eval_data)
     else:  # --eval-split: the documents the workers skip, counted over the same files
         path = localize_data(cfg.data)
         holdout, files = Holdout(cfg.eval_split, cfg.seed, held_out=True), inp.data_files
+        mix = [
+            (localize_data(p), w, names)
+            for (p, w), names in zip(cfg.mixture(), inp.mix_files, strict=True)
+        ]
     # from the model's URI, as the tokenizer workers do: with --cluster this runs in the
     # driver, on the head, and inp's paths are the trainer node's (its S3 cache)
     tokenizer = data.load_tokenizer(localize(storage.join(cfg.model, "tokenizer.json")))
@@ -175,6 +195,8 @@ def validation_batches(cfg, inp, warn: Callable[[str], None] | None = None) -> l
             cfg.on_bad_record,
             warn=warn,
             files=files,
+            fields=cfg.field_map(),
+            mix=mix,
         )
     except DataError as e:  # a record of the validation set: say which set it is
         raise DataError(f"{what}: {e}") from None
@@ -212,8 +234,13 @@ def evaluate(
     on_bad_record: str = "fail",
     warn: Callable[[str], None] | None = None,
     holdout: Holdout | None = None,
+    fields: FieldMap | None = None,
+    with_base: bool = False,
 ) -> dict:
-    """{"loss": summed next-token NLL / target tokens, "tokens": target tokens}.
+    """{"loss": summed next-token NLL / target tokens, "tokens": target tokens, "perplexity":
+    exp(loss)}; `with_base` (and an adapter): also the base model's, without the adapter, on
+    the same tokens ("base_loss", "base_perplexity"), from the same engine (one more pass per
+    group of documents).
 
     ConfigError for bad arguments, ModelError for an unusable model or adapter, DataError naming
     `file:line` for a malformed record (unless `on_bad_record="skip"`) or a tokenizer that is not
@@ -255,6 +282,7 @@ def evaluate(
         holdout,
         on_bad_record=on_bad_record,
         warn=warn,
+        fields=fields,
     )
     if not seqs:
         raise DataError(
@@ -269,12 +297,28 @@ def evaluate(
     source = local_source(model_dir, str(dtype).removeprefix("torch."), base_quant)
     lora = load_adapter(adapter_dir, args, device) if adapter_dir is not None else None
     engine = StreamedEngine(source, lora, device=device, dtype=dtype)
+    base = LoraWeights(args, LoraSpec(targets=())) if with_base and lora is not None else None
     try:
-        total, n = 0.0, 0
+        total, base_total, n = 0.0, 0.0, 0
         for group in groups(seqs, batch_tokens):
-            nll, count = engine.eval_loss([micro_batch(ids, mask) for ids, mask in group])
+            mbs = [micro_batch(ids, mask) for ids, mask in group]
+            nll, count = engine.eval_loss(mbs)
             total += nll
             n += count
+            if base is not None:  # the same engine, its adapter set aside for one pass
+                engine.lora, adapter = base, engine.lora
+                try:
+                    base_total += engine.eval_loss(mbs)[0]
+                finally:
+                    engine.lora = adapter
     finally:
         engine.close()
-    return {"loss": total / n, "tokens": n}
+    result = {"loss": total / n, "tokens": n, "perplexity": perplexity(total / n)}
+    if base is not None:
+        result.update(base_loss=base_total / n, base_perplexity=perplexity(base_total / n))
+    return result
+
+
+def perplexity(loss: float) -> float:
+    """exp(mean NLL); inf past what a float holds."""
+    return math.exp(loss) if loss < 709 else math.inf

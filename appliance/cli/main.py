@@ -1,4 +1,4 @@
-"""The `appliance` command: train, eval, export, bench, plan, doctor.
+"""The `appliance` command: train, eval, generate, export, bench, plan, doctor.
 
 Flags of `train` are generated from config.TrainConfig, so the config file and the command line
 share one typed schema. User errors print as `error: ...` lines and exit 1, without a traceback.
@@ -287,7 +287,7 @@ def adapter_defaults(adapter: str, adapter_dir, given: dict, device: str | None 
     if device is not None and config.get("device", "auto") not in ("auto", device):
         known.pop("dtype", None)  # chosen for another kind of device: this one's auto instead
     for key, value in given.items():
-        if value is None and known.get(key) is not None:
+        if value is None and known.get(key) not in (None, []):
             given[key] = taken[key] = known[key]
     if "data" in taken and split:
         given["eval_split"], given["seed"] = split, config.get("seed", TrainConfig.seed)
@@ -373,6 +373,19 @@ def adapter_defaults(adapter: str, adapter_dir, given: dict, device: str | None 
     show_default=True,
     help="A malformed record: stop naming it (fail), or leave it out with a warning (skip).",
 )
+@click.option("--field-messages", default=None, help=FIELDS["field_messages"].metadata["help"])
+@click.option(
+    "--message-property-mappings",
+    default=None,
+    help=FIELDS["message_property_mappings"].metadata["help"],
+)
+@click.option("--roles", default=None, help=FIELDS["roles"].metadata["help"])
+@click.option(
+    "--no-base",
+    is_flag=True,
+    help="With --adapter, score the adapter alone (by default the base model's loss is given "
+    "beside it: base_loss, base_perplexity).",
+)
 @friendly_errors
 def eval_cmd(
     model: str | None,
@@ -384,8 +397,13 @@ def eval_cmd(
     base_quant: str | None,
     chat_template: str | None = None,
     on_bad_record: str = "fail",
+    field_messages: str | None = None,
+    message_property_mappings: str | None = None,
+    roles: str | None = None,
+    no_base: bool = False,
 ):
-    """Print {"loss": mean next-token NLL, "tokens": target tokens} as one JSON line."""
+    """Print {"loss": mean next-token NLL, "tokens": target tokens, "perplexity"} as one JSON
+    line; with --adapter also the base model's "base_loss" and "base_perplexity"."""
     from appliance.actors.trainer import resolve_device, resolve_dtype
     from appliance.adapter.evaluate import check_device, evaluate
     from appliance.data.files import dataset_notes, resolve_dataset
@@ -401,9 +419,14 @@ def eval_cmd(
     holdout = None
     if adapter:
         given = {"model": model, "seq_len": seq_len, "chat_template": chat_template, "data": data,
-                 "base_quant": base_quant, "dtype": dtype}  # fmt: skip
+                 "base_quant": base_quant, "dtype": dtype, "field_messages": field_messages,
+                 "message_property_mappings": message_property_mappings,
+                 "roles": roles}  # fmt: skip
         filled = adapter_defaults(adapter, adapter_dir, given, device=dev)
-        model, seq_len, chat_template, data, base_quant, dtype = (filled[k] for k in given)
+        model, seq_len, chat_template, data, base_quant, dtype = (
+            filled[k] for k in list(given)[:6]
+        )
+        field_messages, message_property_mappings, roles = (filled[k] for k in list(given)[6:])
         if "eval_split" in filled:  # the documents the run held out of its --data
             holdout = Holdout(filled["eval_split"], filled["seed"], held_out=True)
     else:
@@ -415,6 +438,9 @@ def eval_cmd(
                 f"{'them' if len(missing) > 1 else 'it'} from)"
             )
     base_quant, dtype = base_quant or TrainConfig.base_quant, dtype or TrainConfig.dtype
+    shape = {"field_messages": field_messages, "message_property_mappings":
+             message_property_mappings, "roles": roles}  # fmt: skip
+    fields = build_config(flag_values={k: v for k, v in shape.items() if v}).field_map()
     model_dir = localize_model(resolve_model(model))  # the model's errors before the data's
     if adapter_dir is not None and (note := other_model_note(adapter_dir, model_dir, model)):
         click.echo(f"note: {note}", err=True)
@@ -433,8 +459,129 @@ def eval_cmd(
         on_bad_record=on_bad_record,
         warn=lambda message: click.echo(f"warning: {message}", err=True),
         holdout=holdout,
+        fields=fields,
+        with_base=adapter_dir is not None and not no_base,
     )
     click.echo(json.dumps(result))
+
+
+@main.command(short_help="Answer prompts with a model and an adapter (or a merged export).")
+@click.option("--model", default=None, help=_MODEL_HELP)
+@click.option("--adapter", default=None, help=_ADAPTER_HELP + " None: the model alone.")
+@click.option("--prompt", "prompt_texts", multiple=True, help="A prompt (repeat for several).")
+@click.option("--prompts", "prompts_file", default=None, help="A file of prompts, one a line.")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option(
+    "--temperature",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="0: greedy; above 0, sample at this temperature.",
+)
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampling.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
+@click.option("--dtype", type=click.Choice(CHOICES["dtype"]), default=None)
+@click.option("--base-quant", type=click.Choice(CHOICES["base_quant"]), default=None)
+@click.option(
+    "--gpu-memory-budget",
+    default=None,
+    help="Cap the GPU memory, e.g. 24GiB: blocks (and then the KV caches) beyond it stay in "
+    "host memory and stream through the GPU.",
+)
+@click.option(
+    "--chat-template",
+    default=None,
+    help="Chat template for the prompts: a built-in name (chatml, llama3, gemma, mistral) or a "
+    "jinja file (default: the model's; with --adapter, its run's --chat-template).",
+)
+@click.option(
+    "--no-chat-template", is_flag=True, help="Give the prompts as raw text, no chat template."
+)
+@friendly_errors
+def generate(
+    model: str | None,
+    adapter: str | None,
+    prompt_texts: tuple[str, ...],
+    prompts_file: str | None,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    device: str,
+    dtype: str | None,
+    base_quant: str | None,
+    gpu_memory_budget: str | None,
+    chat_template: str | None,
+    no_chat_template: bool,
+) -> None:
+    """Print one JSON line per prompt: {"prompt", "answer", "tokens"}."""
+    from pathlib import Path
+
+    from appliance.actors.trainer import resolve_device, resolve_dtype
+    from appliance.adapter.evaluate import check_device
+    from appliance.adapter.generate import Generator, Sampling
+    from appliance.config import parse_bytes
+    from appliance.data.chat import ChatError, load_chat_template
+    from appliance.engine.blocks import dtype_from_name
+    from appliance.storage.hub import resolve_model
+    from appliance.storage.localize import localize_adapter, localize_model
+
+    prompts = list(prompt_texts)
+    if prompts_file is not None:
+        if not Path(prompts_file).is_file():
+            raise ConfigError(f"--prompts {prompts_file}: no such file")
+        lines = Path(prompts_file).read_text(encoding="utf-8").splitlines()
+        prompts += [line for line in lines if line.strip()]
+    if not prompts:
+        raise click.UsageError("give --prompt TEXT (repeatable) or --prompts FILE")
+    problems = [
+        f"{name} must be {rule} (got {value})"
+        for name, value, ok, rule in (
+            ("--max-new-tokens", max_new_tokens, max_new_tokens >= 1, "≥ 1"),
+            ("--temperature", temperature, temperature >= 0, "≥ 0"),
+            ("--top-p", top_p, 0 < top_p <= 1, "in (0, 1]"),
+        )
+        if not ok
+    ]
+    if problems:
+        raise ConfigError("\n".join(problems))
+    dev = resolve_device(device)
+    check_device(dev)
+    adapter_dir = localize_adapter(adapter) if adapter else None
+    if adapter:
+        given = {"model": model, "chat_template": chat_template, "base_quant": base_quant,
+                 "dtype": dtype}  # fmt: skip
+        filled = adapter_defaults(adapter, adapter_dir, given, device=dev)
+        model, chat_template, base_quant, dtype = (filled[k] for k in given)
+    elif model is None:
+        raise click.UsageError("--model needed (without --adapter there is no run to take it from)")
+    try:
+        budget = parse_bytes(gpu_memory_budget) if gpu_memory_budget else None
+    except ValueError as e:
+        raise ConfigError(f"--gpu-memory-budget: {e}") from None
+    model_dir = localize_model(resolve_model(model))
+    try:
+        chat = None if no_chat_template else load_chat_template(model_dir, chat_template)
+    except ChatError as e:
+        raise ConfigError(str(e)) from None
+    gen = Generator(
+        model_dir,
+        adapter_dir,
+        device=dev,
+        dtype=dtype_from_name(resolve_dtype(dtype or TrainConfig.dtype, dev)),
+        base_quant=base_quant or TrainConfig.base_quant,
+        chat=chat,
+        gpu_memory_budget=budget,
+    )
+    try:
+        ids = [gen.encode(p) for p in prompts]
+        outs = gen.generate(ids, Sampling(max_new_tokens, temperature, top_p, seed))
+    finally:
+        gen.close()
+    for prompt, out in zip(prompts, outs, strict=True):
+        answer = gen.decode([t for t in out if t not in gen.stop_ids])
+        click.echo(json.dumps({"prompt": prompt, "answer": answer, "tokens": len(out)}))
 
 
 @main.command()

@@ -22,6 +22,7 @@ from appliance.config.schema import (
     RUN_LENGTH,
     WANDB_MODES,
     TrainConfig,
+    pair_items,
     parse_bytes,
 )
 from appliance.engine.memory import gpu_budget_problem
@@ -128,6 +129,12 @@ def _coerce(name: str, value: Any, errors: list[str], where: str) -> Any:
             errors.append(f"{where}: {value!r} holds a NUL byte: give it without one")
             return FIELDS[name].default
         if kind is tuple:
+            if isinstance(value, dict):  # {role: from, content: value}, {user: [human, usr]}
+                value = [
+                    f"{k}={v}"
+                    for k, vs in value.items()
+                    for v in (vs if isinstance(vs, (list, tuple)) else [vs])
+                ]
             items = [value] if isinstance(value, str) else list(value)
             items = [part for i in items for part in str(i).split(",")]  # a,b given repeatedly
             return tuple(i.strip() for i in items if i.strip())
@@ -296,6 +303,52 @@ def _one_run_length(layers: list[tuple[dict, Callable | None]], notes: list[str]
                 del layer[k]
 
 
+def _mixture_problems(cfg: TrainConfig, label: Callable[[str], str]) -> list[str]:
+    """--mix-data takes PATH=WEIGHT items, each weight a number > 0, and needs --data; so does
+    --data-weight."""
+    errs = []
+    for item in cfg.mix_data:
+        path, _, weight = item.rpartition("=")
+        try:
+            ok = bool(path.strip()) and float(weight) > 0 and math.isfinite(float(weight))
+        except ValueError:
+            ok = False
+        if not ok:
+            errs.append(
+                f"{label('mix_data')}: {item} is not PATH=WEIGHT with a weight > 0 (e.g. "
+                "chat.jsonl=0.5)"
+            )
+    if cfg.mix_data and cfg.data is None:
+        errs.append(f"{label('mix_data')} needs --data (the first dataset of the mixture)")
+    if not (cfg.data_weight > 0):
+        errs.append(f"{label('data_weight')} must be > 0 (got {cfg.data_weight})")
+    return errs
+
+
+def _mapping_problems(cfg: TrainConfig, label: Callable[[str], str]) -> list[str]:
+    """--message-property-mappings takes role=KEY and content=KEY; --roles ROLE=NAME with ROLE
+    one of system, user, assistant, tool, each NAME once."""
+    from appliance.data.chat import ROLES
+
+    errs = []
+    for key, value in pair_items(cfg.message_property_mappings):
+        if key not in ("role", "content") or not value:
+            errs.append(
+                f"{label('message_property_mappings')}: {key}={value} is not role=KEY or "
+                "content=KEY (e.g. role=from,content=value)"
+            )
+    seen: dict[str, str] = {}
+    for role, name in pair_items(cfg.roles):
+        if role not in ROLES or not name:
+            errs.append(
+                f"{label('roles')}: {role}={name} is not ROLE=NAME with ROLE one of "
+                f"{', '.join(ROLES)} (e.g. user=human,assistant=bot)"
+            )
+        elif seen.setdefault(name, role) != role:
+            errs.append(f"{label('roles')}: {name} is given to both {seen[name]} and {role}")
+    return errs
+
+
 def validate(cfg: TrainConfig, label: Callable[[str], str] = flag) -> list[str]:
     """Every problem with `cfg`, each naming where its value came from: `label(field)` (the flag
     by default); empty when valid."""
@@ -338,6 +391,8 @@ def validate(cfg: TrainConfig, label: Callable[[str], str] = flag) -> list[str]:
         errs.append(
             f"{label('lora_targets')}: {','.join(bad) or '(none)'} not among {','.join(TARGETS)}"
         )
+    errs += _mapping_problems(cfg, label)
+    errs += _mixture_problems(cfg, label)
     for name, options in CHOICES.items():
         if getattr(cfg, name) not in options:
             errs.append(

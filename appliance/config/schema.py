@@ -36,6 +36,13 @@ class TrainConfig:
         "a dataset id (org/name, or org/name/data/train-* for one split) in the local Hugging "
         "Face cache.",
     )
+    mix_data: tuple[str, ...] = _f(
+        (),
+        "Further datasets mixed with --data, each PATH=WEIGHT (any --data form): a weight is how "
+        "many times its documents are read per epoch (2: twice; 0.5: half, the other half the "
+        "next epoch), interleaved evenly (in a config file also a mapping {PATH: WEIGHT}).",
+    )
+    data_weight: float = _f(1.0, "The weight of --data in a mixture with --mix-data.")
     output: str | None = _f(
         None, "Where the adapter and checkpoints go (directory or s3:// prefix)."
     )
@@ -121,8 +128,26 @@ class TrainConfig:
     )
     chat_template: str | None = _f(
         None,
-        "Jinja chat template file for conversation records (messages / ShareGPT), instead of "
-        "the model's (tokenizer_config.json chat_template, or chat_template.jinja).",
+        "Chat template for conversation records (messages, ShareGPT, Alpaca) instead of the "
+        "model's (tokenizer_config.json chat_template, or chat_template.jinja): a built-in name "
+        "(chatml, llama3, gemma, mistral: as those models publish them) or a jinja file.",
+    )
+    field_messages: str | None = _f(
+        None,
+        "The record key holding a conversation's list of messages, when it is not messages or "
+        "conversations (axolotl's field_messages).",
+    )
+    message_property_mappings: tuple[str, ...] = _f(
+        (),
+        "A message's keys for its role and content when they are not role/content (or "
+        "ShareGPT's from/value): role=KEY,content=KEY (axolotl's message_property_mappings; in "
+        "a config file also a mapping {role: KEY, content: KEY}).",
+    )
+    roles: tuple[str, ...] = _f(
+        (),
+        "The names a dataset gives the roles, beside system/user/assistant/tool and ShareGPT's "
+        "human/gpt: ROLE=NAME,... e.g. user=usr,assistant=bot (axolotl's roles; in a config "
+        "file also a mapping {user: [usr, person], assistant: [bot]}).",
     )
     # ---- validation during training
     eval_data: str | None = _f(
@@ -234,13 +259,32 @@ class TrainConfig:
             self.lora_rank, self.lora_alpha, self.lora_dropout, tuple(self.lora_targets)
         )
 
+    def mixture(self) -> list[tuple[str, float]]:
+        """--mix-data's (path, weight) pairs (validated by config.build: a weight > 0)."""
+        out = []
+        for item in self.mix_data:
+            path, _, weight = item.rpartition("=")
+            out.append((path.strip(), float(weight)))
+        return out
+
+    def field_map(self):
+        """The data's conversation shape (data.chat.FieldMap) from --field-messages,
+        --message-property-mappings and --roles; None when none is given (validated by
+        config.build: keys role/content, roles among system/user/assistant/tool)."""
+        from appliance.data.chat import FieldMap
+
+        if not (self.field_messages or self.message_property_mappings or self.roles):
+            return None
+        keys = dict(pair_items(self.message_property_mappings))
+        names = tuple((name, role) for role, name in pair_items(self.roles))
+        return FieldMap(self.field_messages, keys.get("role"), keys.get("content"), names)
+
     def budget_bytes(self) -> int | None:
         return parse_bytes(self.gpu_memory_budget) if self.gpu_memory_budget else None
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d["lora_targets"] = list(self.lora_targets)
-        return d
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -258,7 +302,17 @@ CHOICES = {
 # `train --help` shows its flags in these groups, in this order; a flag not listed lands in
 # "Other options". A new flag: add its field name to one group.
 HELP_GROUPS: dict[str, tuple[str, ...]] = {
-    "Model and data": ("config", "model", "data", "output", "steps", "epochs", "seq_len"),
+    "Model and data": (
+        "config",
+        "model",
+        "data",
+        "mix_data",
+        "data_weight",
+        "output",
+        "steps",
+        "epochs",
+        "seq_len",
+    ),
     "LoRA": ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets"),
     "Optimisation": (
         "micro_batch_size",
@@ -284,6 +338,9 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         "packing",
         "long_documents",
         "chat_template",
+        "field_messages",
+        "message_property_mappings",
+        "roles",
         "tokenize_workers",
         "prefetch",
         "on_bad_record",
@@ -329,6 +386,11 @@ DEMO_SETTINGS: dict[str, Any] = dict(
 )
 AUTO = "auto"  # --micro-batches-per-step auto (resolved by the driver at start)
 RUN_LENGTH = ("steps", "epochs")  # one choice: setting either replaces the demo's steps
+
+
+def pair_items(items: tuple[str, ...]) -> list[tuple[str, str]]:
+    """`KEY=VALUE` items as (key, value) pairs (an item without `=`: (item, ""))."""
+    return [(k.strip(), v.strip()) for k, _, v in (item.partition("=") for item in items)]
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)

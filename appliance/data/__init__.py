@@ -1,10 +1,14 @@
 """Training data: files → records → tokens → packed rows.
 
-files.py    what is a data file (jsonl, json, parquet, arrow, txt, compressed), finding them
-            under --data (dirs, globs, hub datasets), reading them line by line
-records.py  one document or conversation per record, checked, tokenized, held out
-chat.py     chat templates (rendered as transformers renders them) and which tokens train
-packing.py  documents packed into rows of --seq-len tokens
+files.py      what is a data file (jsonl, json, parquet, arrow, csv, tsv, txt, compressed),
+              finding them under --data (dirs, globs, hub datasets), reading them line by line
+delimited.py  CSV and TSV rows as records
+records.py    one document or conversation per record (text, prompt + completion, messages,
+              ShareGPT, Alpaca), checked, tokenized, held out
+chat.py       chat templates (rendered as transformers renders them), conversations of any
+              shape (FieldMap), and which tokens train
+templates.py  chat templates by name (chatml, llama3, gemma, mistral)
+packing.py    documents packed into rows of --seq-len tokens
 """
 
 from appliance.data.chat import ChatError, ChatTemplate, load_chat_template

@@ -32,10 +32,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from appliance.data.templates import NAMED_TEMPLATES, is_template_name
 from appliance.errors import ApplianceError, type_name
 
 ROLES = ("system", "user", "assistant", "tool")
-SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "tool": "tool"}
+# ShareGPT's `from` names (both its own and OpenAI's) and the roles they are
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 TEMPLATE_FILE = "chat_template.jinja"
 PROCESSOR_TEMPLATE_FILE = "chat_template.json"  # {"chat_template": ...}, beside a processor
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -210,7 +219,8 @@ def _override_template(override: str | Path) -> tuple[str, str]:
     `chat_template` (a tokenizer_config.json, a processor's chat_template.json)."""
     path = Path(override)
     if not path.is_file():
-        raise ChatError(f"--chat-template {override}: no such file")
+        names = ", ".join(NAMED_TEMPLATES)
+        raise ChatError(f"--chat-template {override}: no such file, nor a built-in name ({names})")
     if path.suffix.lower() != ".json":
         return str(path), path.read_text(encoding="utf-8")
     try:
@@ -231,8 +241,9 @@ def load_chat_template(model_dir: str | Path, override: str | Path | None = None
     """The model's ChatTemplate, or None when it has none (and no override is given).
 
     `model_dir` holds tokenizer_config.json (optional) and maybe chat_template.jinja; `override`
-    is --chat-template FILE: a jinja template, or a .json file holding `chat_template`. ChatError
-    naming the file when one cannot be read or compiled.
+    is --chat-template NAME (a built-in template, `templates.NAMED_TEMPLATES`) or FILE: a jinja
+    template, or a .json file holding `chat_template`. ChatError naming the file when one cannot
+    be read or compiled.
     """
     model_dir = Path(model_dir)
     config_path = model_dir / "tokenizer_config.json"
@@ -243,7 +254,9 @@ def load_chat_template(model_dir: str | Path, override: str | Path | None = None
         except (OSError, ValueError) as e:
             raise ChatError(f"cannot read {config_path}: {e}") from None
     specials = {k: t for k in SPECIAL_TOKEN_KEYS if (t := _token_text(config.get(k))) is not None}
-    if override is not None:
+    if isinstance(override, str) and is_template_name(override):
+        source, template = f"--chat-template {override}", NAMED_TEMPLATES[override]
+    elif override is not None:
         source, template = _override_template(override)
     elif (model_dir / TEMPLATE_FILE).is_file():
         source = str(model_dir / TEMPLATE_FILE)
@@ -266,7 +279,23 @@ def load_chat_template(model_dir: str | Path, override: str | Path | None = None
     return chat
 
 
-def messages_of(obj: dict, where: str) -> list[dict] | None:
+@dataclass(frozen=True)
+class FieldMap:
+    """Where a dataset of another shape keeps its conversations (axolotl's keys, the flags of the
+    same names): `messages`, the record's key that holds the list of messages
+    (`--field-messages`); `role` and `content`, a message's keys for them
+    (`--message-property-mappings role=from,content=value`); `roles`, (name, role) pairs: what
+    the dataset calls each role (`--roles user=human,assistant=bot`), beside the names known
+    already. None: the record's own form decides (messages: role/content, conversations:
+    from/value)."""
+
+    messages: str | None = None
+    role: str | None = None
+    content: str | None = None
+    roles: tuple[tuple[str, str], ...] = ()
+
+
+def messages_of(obj: dict, where: str, fields: FieldMap | None = None) -> list[dict] | None:
     """The messages of a conversation record, as its chat template receives them, or None when
     the record is not a conversation. ChatError naming `where` when it is a bad one.
 
@@ -274,23 +303,26 @@ def messages_of(obj: dict, where: str) -> list[dict] | None:
     other key of a message (`tool_calls`, `name`, `tool_call_id`, `reasoning_content`, ...) goes to
     the template as given, as transformers passes it; a key whose value is null is left out (a
     parquet or arrow table gives every message each key of its column). `content` may be null or
-    missing on a message with `tool_calls`. `weight` (OpenAI's fine-tuning format): 1, the
-    default, trains an assistant turn; 0 renders it without training it (the record's `tools`:
-    `tools_of`). ShareGPT `conversations` (`{"from": "human", "value": "..."}`) are mapped onto
-    role and content (system, human, gpt, tool: system, user, assistant, tool)."""
-    if "messages" in obj:
-        raw, key, role_key, content_key, roles = (
-            obj["messages"],
-            "messages",
-            "role",
-            "content",
-            None,
-        )
-    elif "conversations" in obj:
-        raw, key, role_key, content_key = obj["conversations"], "conversations", "from", "value"
-        roles = SHAREGPT_ROLES
+    missing on a message with `tool_calls`, and may be a list of OpenAI content parts
+    (`[{"type": "text", "text": ...}, ...]`: their texts joined; any other part is refused by its
+    type). `weight` (OpenAI's fine-tuning format): 1, the default, trains an assistant turn; 0
+    renders it without training it (the record's `tools`: `tools_of`). ShareGPT `conversations`
+    (`{"from": "human", "value": "..."}`) are mapped onto role and content (system, human or
+    user, gpt or assistant, tool). `fields`: another shape's keys and role names (FieldMap)."""
+    fields = fields or FieldMap()
+    if fields.messages is not None:
+        key = fields.messages
     else:
+        key = next((k for k in ("messages", "conversations") if k in obj), None)
+    if key is None or key not in obj:
         return None
+    raw = obj[key]
+    sharegpt = key == "conversations" and fields.messages is None
+    role_key = fields.role or ("from" if sharegpt else "role")
+    content_key = fields.content or ("value" if sharegpt else "content")
+    roles = dict(SHAREGPT_ROLES) if sharegpt or fields.messages or fields.roles else None
+    if roles is not None:
+        roles.update(fields.roles)
     shape = f'a list of {{"{role_key}": ..., "{content_key}": "..."}} objects'
     if not isinstance(raw, list):
         raise ChatError(f'{where}: "{key}" must be {shape} (found {type_name(raw)})')
@@ -303,11 +335,13 @@ def messages_of(obj: dict, where: str) -> list[dict] | None:
     for i, m in enumerate(raw):
         at = f'{where}: "{key}"[{i}]'
         if not isinstance(m, dict) or role_key not in m:
-            raise ChatError(f'{at} must be {{"{role_key}", "{content_key}"}}')
+            raise ChatError(f'{at} must be {{"{role_key}", "{content_key}"}}{_keys_hint(m)}')
         role = m[role_key]
-        if role not in allowed:
+        if not isinstance(role, str) or role not in allowed:
             raise ChatError(
-                f"{at} has unknown {role_key} {role!r}; expected one of " + ", ".join(allowed)
+                f"{at} has unknown {role_key} {role!r}; expected one of "
+                + ", ".join(allowed)
+                + " (or name it: --roles user=NAME, assistant=NAME, ...)"
             )
         role = roles[role] if roles else role
         others = {k: v for k, v in m.items() if k not in (role_key, content_key) and v is not None}
@@ -316,8 +350,7 @@ def messages_of(obj: dict, where: str) -> list[dict] | None:
         if content is not None or not others.get("tool_calls"):  # else a turn of tool calls only
             if content_key not in m:
                 raise ChatError(f'{at} must be {{"{role_key}", "{content_key}"}}')
-            if not isinstance(content, str):
-                raise ChatError(f"{at}.{content_key} must be a string (found {type_name(content)})")
+            content = _content_text(content, f"{at}.{content_key}")
         if content_key in m:
             message["content"] = content
         message.update(others)
@@ -335,6 +368,41 @@ def messages_of(obj: dict, where: str) -> list[dict] | None:
     if all(m.get("weight", 1) == 0 for m in assistant):
         raise ChatError(f"{where}: every assistant turn has weight 0: nothing to learn")
     return messages
+
+
+def _keys_hint(m: Any) -> str:
+    """For a message without the keys looked for: the keys it has, and the flag that maps them."""
+    if not isinstance(m, dict):
+        return f" (found {type_name(m)})"
+    keys = ", ".join(json.dumps(k) for k in list(m)[:6])
+    return f" (its keys: {keys}; for other names: --message-property-mappings role=KEY,content=KEY)"
+
+
+def _content_text(content: Any, at: str) -> str:
+    """A message's content as text: a string, or OpenAI content parts whose texts are joined
+    (`[{"type": "text", "text": "..."}]`). ChatError naming `at` and the part otherwise: a
+    non-text part (an image, audio) cannot be trained by a text model."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ChatError(
+            f"{at} must be a string or a list of text parts (found {type_name(content)})"
+        )
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            found = f'a "{kind}" part' if isinstance(kind, str) else type_name(part)
+            raise ChatError(
+                f'{at}[{j}] is {found}: only text parts ({{"type": "text", "text": "..."}}) '
+                "can be trained on a text model; drop the part (or the record)"
+            )
+        if not isinstance(part.get("text"), str):
+            raise ChatError(
+                f"{at}[{j}].text must be a string (found {type_name(part.get('text'))})"
+            )
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def tools_of(obj: dict, where: str) -> list[dict] | None:

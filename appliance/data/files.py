@@ -4,12 +4,13 @@ A dataset is a `.jsonl`, `.json`, `.parquet`, `.arrow` or `.txt` file, a directo
 recursively for them (sorted by relative path; other files are skipped, and `unreadable_files`
 names them), or a glob pattern naming files (`data/train-*.jsonl`, `data/**`: `globs`; taken in
 the same order). `.jsonl`, `.json` and `.txt` files may be compressed (`.gz`, `.bz2`, `.xz`, `.zst`:
-read as they are decompressed, never unpacked to disk). Documents are numbered in that order over
+read as they are decompressed, never unpacked to disk; `.csv` and `.tsv` too). Documents are numbered in that order over
 all files: a non-blank `.jsonl` line is one document, a `.json` file is JSON Lines too unless it
 holds one JSON array, whose items are the documents (`file:[N]` in errors; parsed one by one as the
 file is read, so an array takes no more memory than JSON Lines), a `.parquet` or `.arrow` row is
 one document (read with pyarrow, the same columns as the JSON keys, `file:row N` in errors;
-`.arrow` is what `datasets` writes: save_to_disk, its cache), a `.txt` file is one document.
+`.arrow` is what `datasets` writes: save_to_disk, its cache), a `.csv` or `.tsv` row after the
+header is one document (`delimited.py`, `file:line` in errors), a `.txt` file is one document.
 `records.ShardReader` deals them out to the tokenizer workers.
 
 Also what a run says about a dataset directory before it reads it (`dataset_notes`: files
@@ -34,26 +35,29 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from appliance.data import delimited
+from appliance.data.delimited import DELIMITED
 from appliance.errors import DataError
 from appliance.storage.globs import brace_hint, glob_match, has_glob, split_glob
 from appliance.storage.hub import is_hub_id, resolve_repo
 from appliance.storage.names import why_outside
 from appliance.storage.uri import is_s3
 
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".txt")
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".txt", ".csv", ".tsv")
 TABLES = ("parquet", "arrow")  # a row is a document, the columns its keys
-COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")  # of .jsonl, .json and .txt files (not tables)
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")  # of text files (not of parquet or arrow tables)
 DATA_FILES = (
-    ".jsonl, .json, .parquet, .arrow or .txt; .jsonl, .json and .txt also .gz, .bz2, .xz or .zst"
+    ".jsonl, .json, .parquet, .arrow, .csv, .tsv or .txt; all but .parquet and .arrow also .gz, "
+    ".bz2, .xz or .zst"
 )
 # JSON files that `datasets` writes beside the data (save_to_disk, push_to_hub): never records
 METADATA_FILES = ("dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json")
 
 
 def data_format(path: Path) -> str | None:
-    """What a file under `--data` holds, from its name: "jsonl", "json", "parquet", "arrow" or
-    "txt" (a compressed one by the suffix before its compression's: `a.jsonl.gz` is "jsonl"), or
-    None for a file that is not data (`.csv`, `README.md`, `datasets`' metadata JSON)."""
+    """What a file under `--data` holds, from its name: "jsonl", "json", "parquet", "arrow",
+    "csv", "tsv" or "txt" (a compressed one by the suffix before its compression's: `a.jsonl.gz`
+    is "jsonl"), or None for a file that is not data (`README.md`, `datasets`' metadata JSON)."""
     name = path.name.lower()
     if name in METADATA_FILES:
         return None
@@ -531,6 +535,12 @@ def table_rows(f: Path) -> Iterator[dict]:
         yield from batch.to_pylist()
 
 
+def delimited_rows(f: Path) -> Iterator[tuple[int, dict]]:
+    """(line, row) of each record of a .csv or .tsv file (`delimited.py`), decompressed."""
+    with _reading(f) as fh:
+        yield from delimited.delimited_rows(fh, f, data_format(f) or "csv")
+
+
 def table_num_rows(f: Path) -> int:
     """Rows in a .parquet file (from its footer) or an .arrow file (its batches' lengths)."""
     if data_format(f) == "parquet":
@@ -553,6 +563,8 @@ def count_documents(files: Sequence[Path], limit: int) -> int:
             n += 1
         elif kind in TABLES:
             n += table_num_rows(f)
+        elif kind in DELIMITED:
+            n += sum(1 for _ in itertools.islice(delimited_rows(f), limit - n))
         else:
             if kind == "json" and is_json_array(f):
                 documents: Iterator = json_array_items(f)

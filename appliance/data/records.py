@@ -30,15 +30,18 @@ from tokenizers import Tokenizer
 from appliance.data.chat import (
     ChatError,
     ChatTemplate,
+    FieldMap,
     messages_of,
     render_with_spans,
     target_mask,
     tools_of,
 )
+from appliance.data.delimited import DELIMITED
 from appliance.data.files import (
     MAX_LINE_BYTES,
     TABLES,
     data_format,
+    delimited_rows,
     find_data_files,
     is_json_array,
     json_array_items,
@@ -47,6 +50,7 @@ from appliance.data.files import (
     table_num_rows,
     table_rows,
 )
+from appliance.data.templates import NAMED_TEMPLATES
 from appliance.errors import DataError, type_name
 
 ON_BAD_RECORD = ("fail", "skip")
@@ -214,45 +218,46 @@ class ShardReader:
         g = 0  # global document index
         first = self.start_doc * self.num_workers + self.worker_index
         for f in self.files:
-            kind = data_format(f)
-            if kind == "txt":
-                if self._mine(g, first):
-                    yield RawDocument(g // self.num_workers, str(f), _head(f), "txt")
-                g += 1
-                self.total_documents = g
-                continue
-            if kind in TABLES:
+            if data_format(f) in TABLES:  # decode a table only if it holds one of this shard's
                 n = table_num_rows(f)
-                # decode the file only if it holds one of this shard's documents
-                if any(self._mine(i, first) for i in range(g, g + n)):
-                    for row, obj in enumerate(table_rows(f)):
-                        if self._mine(g, first):
-                            yield RawDocument(
-                                g // self.num_workers, f"{f}:row {row}", obj, "object"
-                            )
-                        g += 1
-                else:
+                if not any(self._mine(i, first) for i in range(g, g + n)):
                     g += n
-                self.total_documents = g
-                continue
-            if kind == "json" and is_json_array(f):
-                for i, obj in enumerate(json_array_items(f)):
-                    if self._mine(g, first):
-                        yield RawDocument(g // self.num_workers, f"{f}:[{i}]", obj, "object")
-                    g += 1
-                self.total_documents = g
-                continue
-            for lineno, line in enumerate(read_lines(f, MAX_LINE_BYTES), 1):
-                if isinstance(line, int):  # too long to hold: its length, the record left out
-                    kind = "oversize"
-                elif not line.strip():
-                    continue  # blank lines are not documents
-                else:
-                    kind = "jsonl"
+                    self.total_documents = g
+                    continue
+            for where, data, kind in file_documents(f):
                 if self._mine(g, first):
-                    yield RawDocument(g // self.num_workers, f"{f}:{lineno}", line, kind)
+                    yield RawDocument(g // self.num_workers, where, document_data(data), kind)
                 g += 1
                 self.total_documents = g
+
+
+def file_documents(f: Path) -> Iterator[tuple[str, Any, str]]:
+    """Every document of one data file, in order: (where, data, kind) as RawDocument holds them,
+    but a .txt file's data is its path (`document_data` reads it: only a document that is read
+    is)."""
+    kind = data_format(f)
+    if kind == "txt":
+        yield str(f), f, "txt"
+    elif kind in TABLES:
+        for row, obj in enumerate(table_rows(f)):
+            yield f"{f}:row {row}", obj, "object"
+    elif kind in DELIMITED:
+        for line, obj in delimited_rows(f):
+            yield f"{f}:{line}", obj, "object"
+    elif kind == "json" and is_json_array(f):
+        for i, obj in enumerate(json_array_items(f)):
+            yield f"{f}:[{i}]", obj, "object"
+    else:
+        for lineno, line in enumerate(read_lines(f, MAX_LINE_BYTES), 1):
+            if isinstance(line, int):  # too long to hold: its length, the record left out
+                yield f"{f}:{lineno}", line, "oversize"
+            elif line.strip():  # blank lines are not documents
+                yield f"{f}:{lineno}", line, "jsonl"
+
+
+def document_data(data: Any) -> Any:
+    """A document's data from `file_documents`: a .txt file's path read (`_head`)."""
+    return _head(data) if isinstance(data, Path) else data
 
 
 def _head(path: Path) -> bytes:
@@ -288,11 +293,15 @@ def _json_line(text: str, where: str) -> Any:
         raise BadRecord(f"{where}: malformed JSON: {problem}") from None
 
 
-def parse_document(raw: RawDocument, chat: ChatTemplate | None = None) -> Record:
+def parse_document(
+    raw: RawDocument, chat: ChatTemplate | None = None, fields: FieldMap | None = None
+) -> Record:
     """Decode and validate one document; DataError naming `file:line` (or file) if it is bad.
 
-    A conversation is rendered with `chat` (the model's template) into `text` + `spans`;
-    without a template it is an error that says to pass --chat-template."""
+    A conversation (and an Alpaca record, `alpaca_messages`) is rendered with `chat` (the
+    model's template, or --chat-template's) into `text` + `spans`; without a template it is an
+    error that says to pass --chat-template. `fields`: where a conversation of another shape
+    keeps its messages, roles and contents (chat.FieldMap)."""
     if raw.kind == "oversize":  # a line too long to hold: left out, said once
         said = f"a line of {raw.data:,} bytes (over {MAX_LINE_BYTES:,}) is left out"
         return Record(text="", cut=cut_note(raw.where, said))
@@ -325,13 +334,15 @@ def parse_document(raw: RawDocument, chat: ChatTemplate | None = None) -> Record
                 )
         return cut_record(Record(prompt=obj["prompt"], completion=obj["completion"]), raw.where)
     try:
-        messages = messages_of(obj, raw.where)
+        messages = messages_of(obj, raw.where, fields)
+        if messages is None:
+            messages = alpaca_messages(obj, raw.where)
         if messages is not None:
             if chat is None:
                 raise DataError(
                     f"{raw.where}: a chat record, but the tokenizer has no chat template "
                     "(no chat_template in tokenizer_config.json, no chat_template.jinja): "
-                    "pass --chat-template FILE"
+                    f"pass --chat-template NAME ({', '.join(NAMED_TEMPLATES)}) or FILE"
                 )
             tools = tools_of(obj, raw.where)
             text, spans = render_with_spans(chat, messages, raw.where, tools)
@@ -343,16 +354,42 @@ def parse_document(raw: RawDocument, chat: ChatTemplate | None = None) -> Record
     shown = _names(keys) or "none"
     if nulls:
         shown += f"; null: {_names(nulls)}"
+    wanted = '"prompt" + "completion", "messages", "conversations"'
+    if fields is not None and fields.messages is not None:
+        wanted += f', --field-messages "{fields.messages}"'
     hint = ""
-    if {"instruction", "output"} <= set(keys):  # Alpaca: its prompt template is the user's to pick
-        hint = (
-            ' (an Alpaca-style record: write it as "prompt" + "completion", the prompt being '
-            'the instruction and input in the template you want, or as "messages")'
-        )
-    raise BadRecord(
-        f'{raw.where}: record has no "text" (nor "prompt" + "completion", "messages", '
-        f'"conversations"); keys found: {shown}{hint}'
-    )
+    listed = [
+        k for k in keys if isinstance(obj[k], list) and obj[k] and isinstance(obj[k][0], dict)
+    ]
+    if listed and (fields is None or fields.messages is None):  # a conversation, under its name?
+        hint = f" (a conversation under {json.dumps(listed[0])}? --field-messages {listed[0]})"
+    raise BadRecord(f'{raw.where}: record has no "text" (nor {wanted}); keys found: {shown}{hint}')
+
+
+ALPACA_KEYS = ("instruction", "input", "output", "system")
+
+
+def alpaca_messages(obj: dict, where: str) -> list[dict] | None:
+    """An Alpaca record's conversation, or None when `obj` is not one: `{"instruction": ...,
+    "input": ..., "output": ...}` (`input` and `system` optional) is the user turn `instruction`,
+    then a line break and `input` when it is not empty, and the assistant turn `output`, after a
+    system turn `system` when given (LLaMA-Factory's reading). Rendered with the chat template
+    like any conversation, so the prompt's wording is the template's. ChatError naming `where`
+    and the key when a value is not a string."""
+    if "instruction" not in obj or "output" not in obj:
+        return None
+    for key in ALPACA_KEYS:
+        if key in obj and not isinstance(obj[key], str):
+            raise ChatError(f'{where}: "{key}" must be a string, found {type_name(obj[key])}')
+    user = obj["instruction"]
+    if obj.get("input"):
+        user += "\n" + obj["input"]
+    messages = [{"role": "system", "content": obj["system"]}] if obj.get("system") else []
+    return [
+        *messages,
+        {"role": "user", "content": user},
+        {"role": "assistant", "content": obj["output"]},
+    ]
 
 
 def _names(keys: list[str]) -> str:
@@ -454,12 +491,14 @@ def check_has_targets(
     holdout: Holdout | None = None,
     on_bad_record: str = "fail",
     chunk: int = 64,
+    fields: FieldMap | None = None,
 ) -> None:
     """DataError unless some document of the training data has a target token (a token after
     its first that is trained on). Reads until it finds one: the first chunk, for any normal
     dataset; only a dataset with nothing to learn is read to the end, and refused before training
     starts. A bad record fails here as it would in a worker, unless `on_bad_record="skip"`.
-    `tokenizer`: the one `load_tokenizer` (or `check_tokenizer_fits`) returned."""
+    `tokenizer`: the one `load_tokenizer` (or `check_tokenizer_fits`) returned. `fields`: as
+    parse_document's."""
     records: list[Record] = []
     reader = iter(ShardReader(find_data_files(data_path), 0, 1, holdout=holdout))
     read, bad = 0, []  # documents read; the bad ones' errors
@@ -468,7 +507,7 @@ def check_has_targets(
         if raw is not None:
             read += 1
             try:
-                records.append(parse_document(raw, chat))
+                records.append(parse_document(raw, chat, fields))
             except DataError as e:
                 if on_bad_record != "skip":
                     raise with_skip_hint(e) from None

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from appliance.models.kv_cache import KVCache
+
 # LoRA target short names → the HF module they adapt inside a block.
 TARGET_MODULES = {
     "q": "self_attn.q_proj",
@@ -291,14 +293,18 @@ def attention(
 ) -> torch.Tensor:
     """Self-attention of x (B·T, C) or (B, T, C), T the RoPE table's length (see `heads`).
     `mask`: None (causal), a bool tensor (B, 1, T, T) from `document_mask` (packed documents,
-    plain SDPA), or a flex_attention BlockMask (packed documents on CUDA)."""
+    plain SDPA), a flex_attention BlockMask (packed documents on CUDA), or the block's KVCache
+    (generating: the keys so far, models/kv_cache.py)."""
     T, hs = cos.shape[-2], args.head_dim
     q = heads(linear(x, w, "self_attn.q_proj", lora), args.num_heads, hs, T)
     k = heads(linear(x, w, "self_attn.k_proj", lora), args.num_kv_heads, hs, T)
     v = heads(linear(x, w, "self_attn.v_proj", lora), args.num_kv_heads, hs, T)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, nh|nkv, T, hs)
     gqa = args.num_kv_heads != args.num_heads
-    if mask is None:
+    if isinstance(mask, KVCache):
+        k, v = mask.append(k, v)
+        y = masked_sdpa(q, k, v, mask.visible(None))
+    elif mask is None:
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     elif isinstance(mask, torch.Tensor):
         y = masked_sdpa(q, k, v, mask)
@@ -341,17 +347,22 @@ def attend(
     SDPA with an explicit boolean mask (a window shorter than T); scores written out in full,
     softmax in fp32 (softcap, which SDPA cannot take), as transformers' eager attention does.
     `mask`: a bool (B, 1, T, T) of what else may be seen (True: may), e.g. packed documents'
-    same-document mask; it takes the masked paths.
+    same-document mask; it takes the masked paths. Or the block's KVCache (generating): the new
+    keys and values join the cache's, and the cache says what each query sees (its window too).
     """
     T, gqa = q.shape[2], q.shape[1] != k.shape[1]
-    if mask is None and softcap is None and (window is None or window >= T):
+    if isinstance(mask, KVCache):
+        k, v = mask.append(k, v)
+        keep = mask.visible(window)  # (B, 1, T, keys so far)
+    elif mask is None and softcap is None and (window is None or window >= T):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    i = torch.arange(T, device=q.device)
-    keep = i[None, :] <= i[:, None]  # (T, T): key j ≤ query t
-    if window is not None and window < T:
-        keep = keep & (i[:, None] - i[None, :] < window)
-    if mask is not None:
-        keep = keep & mask  # (B, 1, T, T)
+    else:
+        i = torch.arange(T, device=q.device)
+        keep = i[None, :] <= i[:, None]  # (T, T): key j ≤ query t
+        if window is not None and window < T:
+            keep = keep & (i[:, None] - i[None, :] < window)
+        if mask is not None:
+            keep = keep & mask  # (B, 1, T, T)
     if softcap is None:
         return masked_sdpa(q, k, v, keep, scale)
     k, v = repeat_kv(k, v, q.shape[1])

@@ -36,6 +36,9 @@ def worker_kwargs(
         holdout=Holdout(cfg.eval_split, cfg.seed) if cfg.eval_split else None,
         files=inp.data_files,  # as listed at the start: a restart reads the same documents
         long_documents=cfg.long_documents,
+        fields=cfg.field_map(),
+        mix=[(p, w, names) for (p, w), names in zip(cfg.mixture(), inp.mix_files, strict=True)],
+        data_weight=cfg.data_weight,
     )
 
 

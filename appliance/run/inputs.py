@@ -21,6 +21,7 @@ from appliance.data.files import (
     resolve_dataset,
 )
 from appliance.data.records import Holdout, check_dataset, check_has_targets, check_tokenizer_fits
+from appliance.data.templates import is_template_name
 from appliance.engine.blocks import dtype_from_name
 from appliance.errors import NOT_FOUND, ConfigError, StorageError, appliance_command
 from appliance.models import TARGETS, resolve_targets
@@ -81,7 +82,11 @@ def absolute_paths(cfg: TrainConfig) -> None:
     cfg.model, cfg.data, cfg.output = absolute(cfg.model), absolute(cfg.data), absolute(cfg.output)
     if cfg.eval_data:
         cfg.eval_data = absolute(resolve_dataset(cfg.eval_data, "--eval-data"))
-    if cfg.chat_template:
+    cfg.mix_data = tuple(
+        f"{absolute(resolve_dataset(path, '--mix-data'))}={weight:g}"
+        for path, weight in cfg.mixture()
+    )
+    if cfg.chat_template and not is_template_name(cfg.chat_template):  # a file, not chatml
         cfg.chat_template = absolute(cfg.chat_template)
 
 
@@ -123,16 +128,34 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
     # errors here are clear; inside an actor they'd be wrapped
     files = check_dataset(data_path)
     notes = dataset_notes(data_path, "--data", cfg.data)  # files skipped, several splits
+    mix_files, mix_fingerprints = [], []  # --mix-data's datasets: listed once, as --data's
+    for uri, _ in cfg.mixture():
+        path = localize_data(uri)
+        found = check_dataset(path)
+        notes += dataset_notes(path, "--mix-data", uri)
+        mix_files.append(file_names(path, found))
+        mix_fingerprints.append(data_fingerprint(path, found))
     eval_data = eval_fingerprint = None
     if cfg.eval_data:
         eval_data = localize_data(cfg.eval_data)
         eval_fingerprint = data_fingerprint(eval_data, check_dataset(eval_data))
         notes += dataset_notes(eval_data, "--eval-data", cfg.eval_data)
         notes += not_held_out_notes(data_path, eval_data, cfg.eval_data)
-    chat = load_chat_template(model_dir, localize(cfg.chat_template) if cfg.chat_template else None)
+    template = cfg.chat_template
+    if template and not is_template_name(template):  # a file: fetched from s3:// if there
+        template = str(localize(template))
+    chat = load_chat_template(model_dir, template)
     if args.eos_token_id is not None:  # (its absence is reported below)
         holdout = Holdout(cfg.eval_split, cfg.seed) if cfg.eval_split else None
-        check_has_targets(data_path, tokenizer, args.eos_token_id, chat, holdout, cfg.on_bad_record)
+        check_has_targets(
+            data_path,
+            tokenizer,
+            args.eos_token_id,
+            chat,
+            holdout,
+            cfg.on_bad_record,
+            fields=cfg.field_map(),
+        )
     problems = seq_len_problems(args, cfg.seq_len)
     try:  # --lora-targets against the model's family (Phi-3's fused modules)
         targets = resolve_targets(args, tuple(cfg.lora_targets))
@@ -156,6 +179,8 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
     # read once (decide_output and run.json use them); an s3:// model's from its local copy
     fingerprint = model_fingerprint(str(model_dir))
     data = data_fingerprint(data_path, files)
+    if mix_fingerprints:  # the mixture is the run's data: any of its files changed changes it
+        data = mixture_fingerprint(data, mix_fingerprints)
     decision = decide_output(cfg, fingerprint, data, eval_fingerprint)
     cfg = decision.applied_to(cfg)  # the run's config (the caller's is left as it was)
     notes += decision.notes
@@ -175,7 +200,17 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
         data_files=file_names(data_path, files),
         documents=count_documents(files, MAX_DEFAULT_WORKERS),  # a default worker count's cap
         eval_data_fingerprint=eval_fingerprint,
+        mix_files=mix_files,
     )
+
+
+def mixture_fingerprint(data: dict, mixed: list[dict]) -> dict:
+    """--data's fingerprint with --mix-data's folded into its digest (and kept beside it): a
+    resume compares the digest, so a changed file of any dataset of the mixture is seen."""
+    import hashlib
+
+    digest = hashlib.sha256("\0".join([data["digest"], *(m["digest"] for m in mixed)]).encode())
+    return {**data, "digest": digest.hexdigest(), "mix": mixed}
 
 
 def lora_rank_problems(args: ModelArgs, rank: int, targets: tuple[str, ...]) -> list[str]:

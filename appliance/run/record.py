@@ -41,6 +41,8 @@ IDENTITY_KEYS = (
     "packing",
     "eval_split",
     "long_documents",
+    "mix_data",
+    "data_weight",
 )
 # what a run.json written before an identity key existed meant by its absence: such a run packed
 # documents as one stream, had an unquantized base and no held-out split
@@ -49,6 +51,8 @@ LEGACY_IDENTITY = {
     "packing": "stream",
     "eval_split": None,
     "long_documents": "split",
+    "mix_data": [],
+    "data_weight": 1.0,
 }
 
 

@@ -30,6 +30,7 @@ class Inputs:
     data_files: list[str] | None = None  # data_path's files when the run started, by name
     documents: int | None = None  # data_path's documents, counted up to MAX_DEFAULT_WORKERS
     eval_data_fingerprint: dict | None = None  # of eval_data, likewise
+    mix_files: list[list[str]] = field(default_factory=list)  # --mix-data's files, by name
 
 
 @dataclass

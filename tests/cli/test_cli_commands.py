@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -60,8 +61,10 @@ def test_eval_prints_one_json_line_with_loss_and_tokens(model_and_adapter):
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 1
     printed = json.loads(lines[0])
-    assert set(printed) == {"loss", "tokens"}
-    assert printed == evaluate(model, data, 10, adapter_dir=adapter)
+    assert set(printed) == {"loss", "tokens", "perplexity", "base_loss", "base_perplexity"}
+    assert printed == evaluate(model, data, 10, adapter_dir=adapter, with_base=True)
+    assert printed["base_loss"] == evaluate(model, data, 10)["loss"]  # the model alone
+    assert printed["perplexity"] == math.exp(printed["loss"])
     # records longer than --seq-len 10 are cut, and stderr says so
     assert result.stderr.startswith("warning: --seq-len 10 cut "), result.stderr
     assert "pass a larger --seq-len" in result.stderr
@@ -76,8 +79,8 @@ def test_eval_prints_one_json_line_with_loss_and_tokens(model_and_adapter):
     result = CliRunner().invoke(main, argv)
     assert result.exit_code == 0, result.output
     assert result.stderr.splitlines() == [
-        f"note: --data {d}: skipped 1 file(s) that are not data (.jsonl, .json, .parquet, .arrow "
-        "or .txt; .jsonl, .json and .txt also .gz, .bz2, .xz or .zst): README.md",
+        f"note: --data {d}: skipped 1 file(s) that are not data (.jsonl, .json, .parquet, .arrow, "
+        ".csv, .tsv or .txt; all but .parquet and .arrow also .gz, .bz2, .xz or .zst): README.md",
         f"note: --data {d}: its 2 files are named for several splits (1 validation: "
         "data/validation-0.jsonl; 1 test: data/test-0.jsonl), and every one is read: to use one "
         f"split, give --data its files alone (e.g. --data '{d}/data/validation*')",
@@ -116,7 +119,7 @@ def test_eval_and_export_take_the_model_and_seq_len_from_the_adapters_run(
         result = CliRunner().invoke(main, [*map(str, argv)])
         return result.exit_code, result.stdout, result.stderr
 
-    expected = evaluate(model, data, 12, adapter_dir=adapter)
+    expected = evaluate(model, data, 12, adapter_dir=adapter, with_base=True)
     run = copy("run", **{"run.json": {"status": "complete", "config": config.to_dict()}})
     step = copy("step", **{"config.json": config.to_dict(), "manifest.json": {"step": 2}})
     for made, source in ((run, run / "run.json"), (step, step / "config.json")):
@@ -168,7 +171,9 @@ def test_eval_and_export_take_the_model_and_seq_len_from_the_adapters_run(
         f"(from {run}/run.json)\n"
     ), err
     held_out = Holdout(0.5, 7, held_out=True)
-    assert json.loads(out) == evaluate(model, data, 12, adapter_dir=adapter, holdout=held_out)
+    assert json.loads(out) == evaluate(
+        model, data, 12, adapter_dir=adapter, holdout=held_out, with_base=True
+    )
     assert json.loads(out)["tokens"] < evaluate(model, data, 12, adapter_dir=adapter)["tokens"]
 
     # a QLoRA run's adapter is scored on the base it trained on, unless told otherwise
@@ -181,7 +186,7 @@ def test_eval_and_export_take_the_model_and_seq_len_from_the_adapters_run(
         f"note: --model {model} --seq-len 12 --base-quant int8 --dtype float32 "
         f"(from {run}/run.json)\n"
     ), err
-    quantized = evaluate(model, data, 12, adapter_dir=adapter, base_quant="int8")
+    quantized = evaluate(model, data, 12, adapter_dir=adapter, base_quant="int8", with_base=True)
     assert json.loads(out) == quantized != expected
     code, out, err = invoke(
         "eval", "--adapter", run, "--data", data, "--base-quant", "none", "--device", "cpu"

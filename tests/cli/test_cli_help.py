@@ -26,7 +26,8 @@ def test_train_help_lists_every_flag_once_in_its_group():
         for name in names:
             assert f"--{name.replace('_', '-')} " in sections[title], (title, name)
     for name in C.FIELDS:
-        assert len(re.findall(rf"^  --{name.replace('_', '-')}\b", text, re.MULTILINE)) == 1
+        flag = name.replace("_", "-")  # whole: --data is not --data-weight
+        assert len(re.findall(rf"^  --{flag}(?![\w-])", text, re.MULTILINE)) == 1, flag
     assert "time-based" in text  # the --checkpoint-every default, said
 
 

@@ -261,11 +261,11 @@ def test_a_template_that_does_not_compile_names_its_source_and_line(tmp_path):
         ({"messages": [{"role": "user"}]}, '"messages"[0] must be {"role", "content"}'),
         (
             {"messages": [{"role": "user", "content": 3}]},
-            '"messages"[0].content must be a string (found a number)',
+            '"messages"[0].content must be a string or a list of text parts (found a number)',
         ),
         (
             {"messages": [{"role": "user", "content": None}]},
-            '"messages"[0].content must be a string (found null)',
+            '"messages"[0].content must be a string or a list of text parts (found null)',
         ),
         (
             {
@@ -307,7 +307,8 @@ def test_a_template_that_does_not_compile_names_its_source_and_line(tmp_path):
         ),
         (
             {"messages": [{"role": "robot", "content": "a"}]},
-            "\"messages\"[0] has unknown role 'robot'; expected one of system, user, assistant, tool",
+            "\"messages\"[0] has unknown role 'robot'; expected one of system, user, assistant, "
+            "tool (or name it: --roles user=NAME, assistant=NAME, ...)",
         ),
         (
             {"messages": [{"role": "user", "content": "a"}]},
@@ -315,7 +316,8 @@ def test_a_template_that_does_not_compile_names_its_source_and_line(tmp_path):
         ),
         (
             {"conversations": [{"from": "bot", "value": "a"}]},
-            "\"conversations\"[0] has unknown from 'bot'; expected one of system, human, gpt, tool",
+            "\"conversations\"[0] has unknown from 'bot'; expected one of system, human, user, "
+            "gpt, assistant, tool (or name it: --roles user=NAME, assistant=NAME, ...)",
         ),
     ],
 )
@@ -337,7 +339,7 @@ def test_chat_record_without_a_template_says_to_pass_one(model_dir, tmp_path):
     with pytest.raises(
         DataError,
         match=r"c.jsonl:1: a chat record, but the tokenizer has no "
-        r"chat template .*pass --chat-template FILE",
+        r"chat template .*pass --chat-template NAME \(chatml, llama3, gemma, mistral\) or FILE",
     ):
         w.next_batch()
 
@@ -362,8 +364,8 @@ def test_parquet_errors_name_file_and_row_and_other_files_are_named(model_dir, t
     (tmp_path / "e" / "b.arrow").write_bytes(b"not arrow at all")
     with pytest.raises(DataError, match=r"b.arrow: cannot read as arrow: "):
         find_data_files(tmp_path / "e" / "b.arrow")
-    (tmp_path / "d" / "notes.csv").write_text("a,b\n")
-    assert unreadable_files(tmp_path / "d") == ["notes.csv"]
+    (tmp_path / "d" / "notes.xlsx").write_text("a,b\n")
+    assert unreadable_files(tmp_path / "d") == ["notes.xlsx"]
     assert find_data_files(tmp_path / "d") == [tmp_path / "d" / "p.parquet"]
     with pytest.raises(
         DataError,

@@ -99,11 +99,8 @@ def test_parse_text_and_prompt_completion():
             'd.jsonl:7: record has no "text" (nor "prompt" + "completion", "messages", "conversations"); keys found: "prompt"',
         ),
         (
-            b'{"instruction": "a", "input": "", "output": "b"}',
-            'd.jsonl:7: record has no "text" (nor "prompt" + "completion", "messages", '
-            '"conversations"); keys found: "input", "instruction", "output" (an Alpaca-style '
-            'record: write it as "prompt" + "completion", the prompt being the instruction and '
-            'input in the template you want, or as "messages")',
+            b'{"instruction": "a", "input": "", "output": 3}',
+            'd.jsonl:7: "output" must be a string, found a number',
         ),
         (
             b"{}",

@@ -38,7 +38,7 @@ def write_files(root: Path, names: list[str], text: str = "x") -> None:
 def test_find_data_files_is_recursive_sorted_and_ignores_other_files(tmp_path):
     names = [
         *("b.jsonl", "a/z.txt", "a/y.jsonl", "c.md", "a/notes.json", "a/b/x.TXT", "0.txt"),
-        *("d.jsonl.gz", "e.csv.gz", "f.parquet.gz", "a/dataset_info.json", "t.txt.zst"),
+        *("d.jsonl.gz", "e.xlsx.gz", "f.parquet.gz", "a/dataset_info.json", "t.txt.zst"),
         *("g.arrow", "h.arrow.gz", "a/state.json"),
     ]
     write_files(tmp_path, names)
@@ -54,12 +54,12 @@ def test_find_data_files_is_recursive_sorted_and_ignores_other_files(tmp_path):
         "g.arrow",
         "t.txt.zst",
     ]
-    # datasets' metadata beside the data is not data; nor is a compressed .csv or .parquet
+    # datasets' metadata beside the data is not data; nor is a spreadsheet or a compressed .parquet
     assert unreadable_files(tmp_path) == [
         "a/dataset_info.json",
         "a/state.json",
         "c.md",
-        "e.csv.gz",
+        "e.xlsx.gz",
         "f.parquet.gz",
         "h.arrow.gz",
     ]
@@ -99,19 +99,19 @@ def test_directory_without_data_files_is_named(tmp_path):
     with pytest.raises(DataError) as e:
         find_data_files(tmp_path)
     assert str(e.value) == (
-        "empty dataset: no data files (.jsonl, .json, .parquet, .arrow or .txt; .jsonl, .json "
-        f"and .txt also .gz, .bz2, .xz or .zst) under {tmp_path} (skipped 1 other file(s): "
+        "empty dataset: no data files (.jsonl, .json, .parquet, .arrow, .csv, .tsv or .txt; all "
+        f"but .parquet and .arrow also .gz, .bz2, .xz or .zst) under {tmp_path} (skipped 1 other file(s): "
         "readme.md)"
     )
 
 
 def test_unsupported_single_file(tmp_path):
-    (tmp_path / "d.csv").write_text("a,b")
+    (tmp_path / "d.xlsx").write_text("a,b")
     with pytest.raises(
         DataError,
-        match=r"unsupported dataset file .*d\.csv: expected a data file \(\.jsonl, \.json,",
+        match=r"unsupported dataset file .*d\.xlsx: expected a data file \(\.jsonl, \.json,",
     ):
-        find_data_files(tmp_path / "d.csv")
+        find_data_files(tmp_path / "d.xlsx")
 
 
 def test_has_documents(tmp_path):
@@ -153,7 +153,8 @@ def test_dataset_notes_name_skipped_files_and_several_splits(tmp_path):
     )
     assert dataset_notes(hub, "--data", "s3://b/hub") == [
         "--data s3://b/hub: skipped 1 file(s) that are not data (.jsonl, .json, .parquet, "
-        ".arrow or .txt; .jsonl, .json and .txt also .gz, .bz2, .xz or .zst): README.md",
+        ".arrow, .csv, .tsv or .txt; all but .parquet and .arrow also .gz, .bz2, .xz or .zst): "
+        "README.md",
         "--data s3://b/hub: its 3 files are named for several splits (2 train: "
         "data/train-00000-of-00002.parquet, ...; 1 test: data/test-00000-of-00001.parquet), "
         "and every one is read: to use one split, give --data its files alone (e.g. --data "

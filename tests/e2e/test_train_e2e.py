@@ -148,7 +148,7 @@ def test_the_run_notes_skipped_files_several_splits_and_eval_files_it_trains_on(
     write_jsonl(data / "data" / "test-0.jsonl", n=5, seed=1)
     (data / "README.md").write_text("a dataset card")
     write_jsonl(held_out / "a.jsonl", n=5, seed=2)
-    (held_out / "scores.csv").write_text("a,b\n")
+    (held_out / "scores.xlsx").write_text("a,b\n")
     (held_out / "b.jsonl").symlink_to(data / "data" / "test-0.jsonl")  # trained on: not held out
     cfg = tiny_train_config(model_dir, data, tmp_path / "out", steps=1, eval_data=str(held_out))
     notes = prepare(cfg).notes  # what `appliance train` prints before it starts the actors
@@ -157,7 +157,7 @@ def test_the_run_notes_skipped_files_several_splits_and_eval_files_it_trains_on(
     assert notes[0].endswith(": README.md")
     assert notes[1].startswith(f"--data {data}: its 2 files are named for several splits (")
     assert notes[2].startswith(f"--eval-data {held_out}: skipped 1 file(s) that are not data (")
-    assert notes[2].endswith(": scores.csv")
+    assert notes[2].endswith(": scores.xlsx")
     assert notes[3] == (
         f"--eval-data {held_out}: 1 of its files are --data's too, so its loss is not held out "
         f"({data / 'data' / 'test-0.jsonl'}): give files the run does not train on, or --eval-split"
@@ -492,3 +492,55 @@ def test_compile_blocks_goes_from_the_config_to_the_trainers_engine(model_dir):
     assert Trainer(handles, settings).engine._block is models.compiled_block_forward
     default = TrainerSettings(lora=cfg.lora_spec())
     assert Trainer(handles, default).engine._block is models.block_forward
+
+
+def test_data_as_it_comes_trains_and_evaluates_with_a_template_by_name(
+    ray_local, model_dir, tmp_path
+):
+    """Alpaca rows in a CSV, ShareGPT with OpenAI's role names, OpenAI content parts: one
+    dataset, mixed with a TSV of prompts and completions at weight 2 (--mix-data), rendered with
+    --chat-template chatml (the model has no template of its own), trained and validated
+    through the actors."""
+    said = sentences(40, seed=3)
+    pairs = list(zip(said[::2], said[1::2], strict=True))
+    data = tmp_path / "mixed"
+    data.mkdir()
+    (data / "a.csv").write_text(
+        "instruction,input,output\n" + "".join(f"{q},{a[:5]},{a}\n" for q, a in pairs[:5])
+    )
+    (data / "b.jsonl").write_text(
+        "".join(
+            json.dumps({"conversations": [{"from": "user", "value": q},
+                                          {"from": "assistant", "value": a}]}) + "\n"
+            for q, a in pairs[5:10]
+        )
+    )  # fmt: skip
+    (data / "c.jsonl").write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": q}]},
+                                     {"role": "assistant", "content": a}]}) + "\n"
+            for q, a in pairs[10:15]
+        )
+    )  # fmt: skip
+    (tmp_path / "d.tsv").write_text(
+        "prompt\tcompletion\n" + "".join(f"{q}\t{a}\n" for q, a in pairs[15:])
+    )
+    out = tmp_path / "out"
+    cfg = tiny_train_config(
+        model_dir,
+        data,
+        out,
+        steps=3,
+        seq_len=32,
+        chat_template="chatml",
+        eval_split=0.2,
+        mix_data=f"{tmp_path / 'd.tsv'}=2",
+    )
+    summary = train(cfg, Progress("json"))
+    run = json.loads((out / "run.json").read_text())
+    assert run["status"] == "complete" and summary["steps"] == 3
+    assert run["config"]["chat_template"] == "chatml"  # a name, not a path made of it
+    assert run["config"]["mix_data"] == [f"{tmp_path / 'd.tsv'}=2"]
+    assert len(run["data_fingerprint"]["mix"]) == 1  # a resume checks the mixture's files too
+    assert all(math.isfinite(x) for x in run["losses"])
+    assert math.isfinite(summary["eval_loss"]) and summary["eval_loss"] > 0

@@ -438,3 +438,93 @@ def test_metrics_port_defaults_to_8080_where_compose_and_kuberay_scrape(compose)
     raycluster = (ROOT / "helm" / "appliance" / "templates" / "raycluster.yaml").read_text()
     assert raycluster.count('"metrics-export-port" "8080"') == 2  # head and workers
     assert "http://127.0.0.1:8080/metrics" in (ROOT / "docs" / "metrics.md").read_text()
+
+
+# ------------------------------------------------- deploy/compose/dashboards.yml (a native run)
+
+
+@pytest.fixture(scope="module")
+def native() -> dict:
+    """`make dashboards`: Prometheus and Grafana for an `appliance train` run on the host."""
+    return yaml.safe_load((COMPOSE_DIR / "dashboards.yml").read_text())
+
+
+def test_native_dashboards_need_no_gpu_and_listen_on_loopback_only(native):
+    services = native["services"]
+    assert set(services) == {"prometheus", "grafana"}  # no appliance container, no GPU
+    for name, service in services.items():
+        assert service["network_mode"] == "host", name  # reaches the run's loopback endpoint
+        assert "ports" not in service and "deploy" not in service, name
+    assert "--web.listen-address=127.0.0.1:9090" in services["prometheus"]["command"]
+    env = services["grafana"]["environment"]
+    assert env["GF_SERVER_HTTP_ADDR"] == "127.0.0.1"
+    assert re.fullmatch(r"\$\{GRAFANA_ADMIN_PASSWORD:\?[^$]+\}", env["GF_SECURITY_ADMIN_PASSWORD"])
+    assert str(env["GF_AUTH_ANONYMOUS_ENABLED"]).lower() == "false"
+    named = set(native.get("volumes", {}))
+    for name, service in services.items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            assert source.startswith((".", "/")) or source in named, f"{name}: {source}"
+        for host, _ in bind_mounts(service):
+            assert host.exists(), f"{name}: mount source {host} does not exist"
+    makefile = (ROOT / "Makefile").read_text()
+    assert "docker compose -f deploy/compose/dashboards.yml" in makefile
+    assert (
+        re.search(r"^dashboards:", makefile, re.M)
+        and "make dashboards" in (ROOT / "docs" / "metrics.md").read_text()
+    )
+
+
+def test_native_prometheus_scrapes_where_appliance_train_serves_and_validates(native):
+    from appliance.config import FIELDS
+
+    mounts = {t: h for h, t in bind_mounts(native["services"]["prometheus"])}
+    config_path = mounts["/etc/prometheus/prometheus.yml"]
+    config = yaml.safe_load(config_path.read_text())
+    targets = [t for job in config["scrape_configs"] for s in job["static_configs"] for t in s["targets"]]  # fmt: skip
+    # the run's defaults: --metrics-host 127.0.0.1, --metrics-port 8080
+    assert targets == [f"{FIELDS['metrics_host'].default}:{DEFAULT_METRICS_PORT}"]
+    if shutil.which("promtool"):
+        out = subprocess.run(
+            ["promtool", "check", "config", str(config_path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+    compose = shutil.which("docker")
+    if (
+        compose
+        and subprocess.run([compose, "compose", "version"], capture_output=True).returncode == 0
+    ):
+        out = subprocess.run(
+            [compose, "compose", "-f", str(COMPOSE_DIR / "dashboards.yml"), "config", "-q"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={"GRAFANA_ADMIN_PASSWORD": "x", "PATH": "/usr/bin:/bin"},
+        )
+        assert out.returncode == 0, out.stderr
+
+
+def test_native_grafana_provisions_the_charts_dashboards_on_its_prometheus(native):
+    grafana = {t: h for h, t in bind_mounts(native["services"]["grafana"])}
+    dashboards = grafana["/var/lib/grafana/dashboards/appliance"]
+    assert dashboards == DASHBOARDS.resolve(), "Grafana must mount the Helm chart's dashboards"
+    home = Path(native["services"]["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"])  # fmt: skip
+    assert (dashboards / home.relative_to("/var/lib/grafana/dashboards/appliance")).is_file()
+    provider = yaml.safe_load(
+        (grafana["/etc/grafana/provisioning/dashboards"] / "appliance.yml").read_text()
+    )
+    assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards/appliance"
+    sources = grafana["/etc/grafana/provisioning/datasources"]
+    (ds,) = yaml.safe_load((sources / "prometheus.yml").read_text())["datasources"]
+    listen = next(
+        a.split("=", 1)[1]
+        for a in native["services"]["prometheus"]["command"]
+        if a.startswith("--web.listen-address=")
+    )
+    assert ds["url"] == f"http://{listen}" and ds["isDefault"] is True
+    for p in DASHBOARD_FILES:  # every dashboard's datasource variable takes this one's type
+        variables = {v["name"]: v for v in load(p)["templating"]["list"]}
+        assert variables["datasource"]["query"] == ds["type"] == "prometheus", p.name

@@ -155,8 +155,8 @@ def test_a_pattern_that_names_nothing_or_no_data_is_named(tmp_path):
     with pytest.raises(DataError) as e:
         find_data_files(tmp_path / "*.md")
     assert str(e.value) == (
-        f"empty dataset: no data files (.jsonl, .json, .parquet, .arrow or .txt; .jsonl, .json "
-        f"and .txt also .gz, .bz2, .xz or .zst) match {tmp_path}/*.md (it matched 1 other "
+        f"empty dataset: no data files (.jsonl, .json, .parquet, .arrow, .csv, .tsv or .txt; all "
+        f"but .parquet and .arrow also .gz, .bz2, .xz or .zst) match {tmp_path}/*.md (it matched 1 other "
         f"file(s): {tmp_path}/notes.md)"
     )
     (tmp_path / "blank").mkdir()
