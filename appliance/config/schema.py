@@ -61,6 +61,18 @@ class TrainConfig:
     weight_decay: float = _f(0.0, "AdamW weight decay on the LoRA parameters.")
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this (0 disables).")
     seed: int = _f(0, "Seed for LoRA init, dropout and data order.")
+    # ---- what trains
+    finetuning_type: str = _f(
+        "lora",
+        "lora (an adapter; the base stays frozen) | full (every weight trains: fp32 master "
+        "weights and AdamW moments in host memory, 12 B per parameter; the output is the whole "
+        "model in the Hugging Face layout). LLaMA-Factory's name for the same choice.",
+    )
+    freeze_embeddings: bool = _f(
+        False,
+        "With --finetuning-type full: the input embeddings do not train (no gradient, master or "
+        "moments for them; with tied embeddings the LM head is frozen too).",
+    )
     # ---- LoRA
     lora_rank: int = _f(16, "LoRA rank r.")
     lora_alpha: float = _f(32.0, "LoRA alpha (scale = alpha / rank).")
@@ -207,6 +219,7 @@ CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "base_quant": ("none", "int8", "nf4"),
+    "finetuning_type": ("lora", "full"),
     "on_bad_record": ("fail", "skip"),
     "packing": ("documents", "stream"),
     "log_format": ("auto", "rich", "json", "plain"),
@@ -217,6 +230,7 @@ CHOICES = {
 # "Other options". A new flag: add its field name to one group.
 HELP_GROUPS: dict[str, tuple[str, ...]] = {
     "Model and data": ("config", "model", "data", "output", "steps", "epochs", "seq_len"),
+    "What trains": ("finetuning_type", "freeze_embeddings"),
     "LoRA": ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets"),
     "Optimisation": (
         "micro_batch_size",
