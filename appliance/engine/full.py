@@ -424,6 +424,28 @@ class FullFinetuneEngine(StreamedEngine):
             out.update({n: block[n[len(prefix) :]] for n in names})
         return out
 
+    def load_weights(self, named: dict[str, torch.Tensor]) -> None:
+        """Start over from `named` (checkpoint name → tensor, every weight): the store and the
+        masters take them, AdamW's moments go, the step count is 0."""
+        self.settle()
+        parts = {GLOBALS: {k: named[k] for k in self.source.globals()}}
+        for i in range(self.args.num_layers):
+            prefix = f"model.layers.{i}."
+            parts[str(i)] = {k: named[prefix + k] for k in self.source.block(i)}
+        self.host.reset(parts)
+        self.step_count = 0
+        self._reload_device()
+
+    def _reload_device(self) -> None:
+        """Every device copy made before the host weights changed goes (CUDA, or copy_blocks)."""
+        w = self.weights._w
+        for i in range(self.args.num_layers):
+            w.reload(i)
+        if w.copies:
+            for k, t in self.source.globals().items():
+                if w.globals[k].data_ptr() != t.data_ptr():
+                    w.globals[k].copy_(t)
+
     def state_dict(self) -> dict:
         self.settle()
         return {"host_adamw": self.host.state_dict(), "step": self.step_count}
@@ -435,11 +457,7 @@ class FullFinetuneEngine(StreamedEngine):
         self.settle()
         self.host.load_state_dict(state["host_adamw"])
         self.step_count = int(state["step"])
-        for i in range(self.args.num_layers):
-            self.weights._w.reload(i)
-        if self.weights._w.copies:
-            for k, t in self.source.globals().items():
-                self.weights._w.globals[k].copy_(t)
+        self._reload_device()
 
 
 def _accumulate(leaves: dict[str, torch.Tensor], acc: dict[str, torch.Tensor]) -> None:

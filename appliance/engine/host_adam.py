@@ -112,6 +112,18 @@ class HostAdamW:
 
     # ------------------------------------------------------------ state
 
+    @torch.no_grad()
+    def reset(self, parts: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Start over from `parts` (as the constructor's; frozen tensors are not read): the
+        weights and masters take them, the moments go (AdamW makes them again at its next step)."""
+        for p, store in self.store.items():
+            for k, t in store.items():
+                t.copy_(parts[p][k])
+                if self.master[p][k] is not t:
+                    self.master[p][k].copy_(parts[p][k])
+        for opt in self.optimizers.values():
+            opt.state.clear()
+
     def state_dict(self) -> dict:
         """Each part's master weights (fp32) and AdamW state: exact resume in any compute dtype."""
         return {

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from appliance.actors.full_trainer import FullTrainer
 from appliance.actors.tokenize_worker import ACTOR_OPTIONS, ShardWorker, default_num_workers
 from appliance.actors.trainer import Trainer, TrainerSettings
 from appliance.actors.weight_store import WeightStore
@@ -67,6 +68,8 @@ def trainer_settings(inp: Inputs, world_size: int = 1) -> TrainerSettings:
         base_revision=base.revision if base else None,
         world_size=world_size,
         compile_blocks=cfg.compile_blocks,
+        model=str(cfg.model),
+        freeze_embeddings=cfg.freeze_embeddings,
     )
 
 
@@ -80,6 +83,9 @@ class Run:
 
     def __init__(self, inp: Inputs, progress: Progress, slots: list[Slot] | None = None):
         self.inp, self.cfg, self.progress = inp, inp.cfg, progress
+        self.full = self.cfg.finetuning_type == "full"  # every weight trains (full_trainer.py)
+        if self.full and self.trainer_class is Trainer:
+            self.trainer_class = FullTrainer
         self.slots = slots  # --cluster: where trainers can go (start.trainer_slots)
         self.state = RunState()
         self.metrics = DriverMetrics()
@@ -177,7 +183,9 @@ class Run:
         store = ray.remote(num_cpus=0)(WeightStore)
         nodes = list(dict.fromkeys(s.node_id for s in self.ranks))  # each trainer node once
         self.stores = {
-            n: store.options(**on_node(n)).remote(cfg.model, inp.dtype, cfg.base_quant)
+            n: store.options(**on_node(n)).remote(
+                cfg.model, inp.dtype, cfg.base_quant, writable=self.full
+            )
             for n in nodes
         }
         handles = ray.get([self.stores[n].handles.remote() for n in nodes])
@@ -593,6 +601,8 @@ class Run:
         }
         self._write_card(done)
         self.record("complete", done)
+        if self.full:  # the writable homes' files go now (weight_home.py)
+            ray.get([s.close.remote() for s in self.stores.values()])
 
     def _write_card(self, done: dict) -> None:
         """The adapter's README.md (model_card.py). A card is documentation: failing to write
@@ -624,6 +634,8 @@ class Run:
         """End this run's actors (the driver's ray.shutdown does it too; tests share one Ray)."""
         import ray
 
+        if self.full:  # the writable homes' files go with their stores (weight_home.py)
+            ray.get([s.close.remote() for s in self.stores.values()])
         for actor in [*self.workers, *self.trainers, *self.stores.values()]:
             ray.kill(actor)
 
