@@ -1,0 +1,57 @@
+"""Full fine-tuning's host arithmetic (plan/full.py): bytes per parameter by part, the GPU's
+gradient buffers as the engine allocates them, and `train` refusing, before it reads a weight, a
+run whose masters and moments cannot fit this host."""
+
+from __future__ import annotations
+
+import torch
+from click.testing import CliRunner
+
+from appliance.cli.main import main
+from appliance.engine.blocks import DictBlockSource
+from appliance.engine.full import FullFinetuneEngine
+from appliance.hardware.measure import host_memory_available
+from appliance.models import param_count
+from appliance.models.presets import PRESETS
+from appliance.plan import full
+from tests.helpers_model import config_only_7b, make_model
+
+
+def test_host_bytes_per_parameter_by_part():
+    args = PRESETS["7b"].args
+    n = param_count(args)
+    bf16 = full.host_bytes(args, 2)
+    assert bf16 == {"weights": 2 * n, "master": 4 * n, "moments": 8 * n, "grad_buffers": 4 * n,
+                    "total": 18 * n}  # fmt: skip
+    assert full.host_bytes(args, 4)["total"] == 16 * n  # fp32: the weights are the master
+    frozen = full.host_bytes(args, 2, freeze_embeddings=True, trainers=2)
+    trained = n - args.vocab_size * args.hidden_size
+    assert frozen["moments"] == 2 * 8 * trained and frozen["weights"] == 2 * n
+
+
+def test_the_plans_gpu_gradient_buffers_are_the_engines(tmp_path):
+    for variant, freeze in (("llama-mha", False), ("qwen3-qknorm-tied", True)):
+        model_dir = make_model(tmp_path / variant, variant)
+        engine = FullFinetuneEngine(
+            DictBlockSource.from_hf(model_dir, torch.float32), freeze_embeddings=freeze
+        )
+        expected = full.gpu_grad_bytes(engine.args, 4, freeze)
+        assert engine.grad_buffer_bytes() == expected, variant
+
+
+def test_train_refuses_a_full_finetune_the_host_cannot_hold_before_reading_weights(tmp_path):
+    avail = host_memory_available()
+    # an fp32 weight store of a third of the RAM: a LoRA run fits, 16 B per parameter does not
+    model = config_only_7b(tmp_path / "model", avail // 3)
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    out = tmp_path / "out"
+    argv = ["--model", str(model), "--data", str(data), "--output", str(out), "--device", "cpu"]
+    p = CliRunner().invoke(main, ["train", *argv, "--finetuning-type", "full"])
+    assert p.exit_code == 1
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert errors[0].startswith("error: --finetuning-type full: host memory needs ")
+    assert "weights " in errors[0] and "moments " in errors[0] and "grad buffers " in errors[0]
+    assert "--finetuning-type lora" in errors[0]
+    assert "safetensors" not in p.output  # refused before any weight was looked for
+    assert not (out / "run.json").exists()  # nothing started, nothing written
