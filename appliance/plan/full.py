@@ -64,6 +64,16 @@ def gpu_grad_bytes(args: ModelArgs, dtype_bytes: int, freeze_embeddings: bool = 
     return glob * 4 + block_param_count(args) * (2 * 4 + dtype_bytes)
 
 
+def blocks_uploaded_per_step(num_blocks: int, resident_blocks: int) -> int:
+    """Host→device block copies in one full fine-tune step: every block's weights change each
+    step, so a resident block is copied once (after its update) and a streamed one twice; only
+    the last block, with none resident, stays from the forward into the backward (block 0,
+    kept into the next forward in a LoRA run, is copied again after its update)."""
+    resident = min(max(resident_blocks, 0), num_blocks)
+    streamed = num_blocks - resident
+    return resident + 2 * streamed - (1 if resident == 0 and streamed else 0)
+
+
 def step_costs(
     args: ModelArgs,
     freeze_embeddings: bool,

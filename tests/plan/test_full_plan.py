@@ -55,3 +55,33 @@ def test_train_refuses_a_full_finetune_the_host_cannot_hold_before_reading_weigh
     assert "--finetuning-type lora" in errors[0]
     assert "safetensors" not in p.output  # refused before any weight was looked for
     assert not (out / "run.json").exists()  # nothing started, nothing written
+
+
+def test_the_plan_counts_the_block_copies_the_engine_makes_and_the_host_side_of_the_floor(
+    tmp_path,
+):
+    from appliance.plan.estimate import plan_input
+    from appliance.plan.report import make_plan
+    from tests.helpers_model import batch
+
+    model_dir = make_model(tmp_path / "m", "llama-mha", num_hidden_layers=4)
+    engine = FullFinetuneEngine(DictBlockSource.from_hf(model_dir, torch.float32), copy_blocks=True)
+    ids, labels = batch(4, 16)
+    mbs = [(ids[:2], labels[:2]), (ids[2:], labels[2:])]
+    engine.train_step(mbs, 1e-3)
+    steady = engine.train_step(mbs, 1e-3)  # block 0 was updated: copied again
+    block = engine.weights.block_bytes()
+    assert steady.h2d_bytes == full.blocks_uploaded_per_step(4, 0) * block == 7 * block
+    assert full.blocks_uploaded_per_step(4, 4) == 4  # resident: once a step, after the update
+
+    p = plan_input(None, "7b", "a10", "8", None, seq_len=2048, micro_batch_size=1,
+                   finetuning_type="full")  # fmt: skip
+    r = make_plan(p)
+    f = r["full_finetune"]
+    n = param_count(p.args)
+    assert f["trained_parameters"] == n and f["d2h_bytes_per_step"] == 4 * n
+    assert r["flops_per_step"] == make_plan(plan_input(None, "7b", "a10", "8", None,
+        seq_len=2048, micro_batch_size=1))["flops_per_step"] * 8 / 6  # fmt: skip
+    seconds = [r["h2d_seconds"], f["d2h_seconds"], r["compute_seconds"], f["optimizer_seconds"]]
+    assert r["step_seconds_floor"] == max(seconds)
+    assert r["host_bytes"]["optimizer_state"] == 16 * n  # master, moments, gradients (bf16)
