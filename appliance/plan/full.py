@@ -126,3 +126,22 @@ def host_problem(
         f"trained parameter) and this box has {available / gib:.1f} GiB available: "
         f"{' or '.join(fixes)}, or a host with more memory"
     )
+
+
+def adamw_check(params: int = 20_000_000) -> tuple[str, str, str]:
+    """`appliance doctor`'s (status, detail, fix) for the CPU AdamW of a full fine-tune: its
+    measured rate on this host (fused, all threads; a second or so), and what it means for 7B."""
+    import torch
+
+    from appliance.engine.host_adam import measure_rate
+    from appliance.models.presets import PRESETS
+
+    rate = measure_rate(params)
+    seconds = trained_params(PRESETS["7b"].args) / rate
+    threads = torch.get_num_threads()
+    detail = (
+        f"fused CPU AdamW: {rate / 1e6:.0f} M params/s on {threads} threads "
+        f"({rate / threads / 1e6:.0f} M per core): {seconds:.1f} s a step for a 7B full "
+        "fine-tune, beside the GPU (--finetuning-type full)"
+    )
+    return "ok", detail, ""

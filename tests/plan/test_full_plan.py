@@ -85,3 +85,9 @@ def test_the_plan_counts_the_block_copies_the_engine_makes_and_the_host_side_of_
     seconds = [r["h2d_seconds"], f["d2h_seconds"], r["compute_seconds"], f["optimizer_seconds"]]
     assert r["step_seconds_floor"] == max(seconds)
     assert r["host_bytes"]["optimizer_state"] == 16 * n  # master, moments, gradients (bf16)
+
+
+def test_doctor_measures_this_hosts_adamw_rate():
+    status, detail, fix = full.adamw_check(params=1_000_000)
+    assert status == "ok" and fix == ""
+    assert detail.startswith("fused CPU AdamW: ") and "s a step for a 7B full fine-tune" in detail
