@@ -146,3 +146,17 @@ def test_a_quantized_base_and_float16_are_refused_in_one_line(tmp_path):
         FullFinetuneEngine(DictBlockSource.from_hf(model_dir, torch.float32, base_quant="int8"))
     with pytest.raises(ConfigError, match="float16 .* bfloat16 or float32"):
         FullFinetuneEngine(DictBlockSource.from_hf(model_dir, torch.float32), dtype=torch.float16)
+
+
+def test_a_step_reports_the_optimizer_time_and_the_phases_partition_it(tmp_path):
+    from appliance.metrics.recorders import TrainerMetrics
+
+    model_dir = make_model(tmp_path / "model", "llama-mha")
+    engine = FullFinetuneEngine(DictBlockSource.from_hf(model_dir, torch.float32))
+    engine.train_step(step_batches(0), LR)
+    stats = engine.train_step(step_batches(1), LR)  # waits for step 0's updates as it reads
+    assert stats.optimizer_host_seconds > 0 and stats.d2h_bytes == 0  # a CPU moves nothing
+    assert stats.trained_parameters == engine.host.num_parameters()
+    assert set(stats.phase_seconds) == {"forward", "backward", "h2d_stall", "h2d_host", "optimizer"}
+    assert sum(stats.phase_seconds.values()) <= stats.step_seconds * 1.01
+    TrainerMetrics(rank=0).record_step(stats.as_dict())  # every phase is a known one
