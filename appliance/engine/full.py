@@ -161,9 +161,9 @@ class FullFinetuneEngine(StreamedEngine):
         frozen = {EMBED} if freeze_embeddings else set()
         parts = {GLOBALS: source.globals()}
         parts.update({str(i): source.block(i) for i in range(source.num_blocks)})
-        self.host = HostAdamW(
-            parts, betas=betas, eps=eps, weight_decay=weight_decay, impl=adamw, frozen=frozen
-        )
+        # ranks of a group share their node's weights: each keeps its own fp32 masters
+        self.host = HostAdamW(parts, betas=betas, eps=eps, weight_decay=weight_decay, impl=adamw,
+                              frozen=frozen, alias=group is None)  # fmt: skip
         self.weights = _UpdatedWeights(self.weights, self)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="host-adamw")
         self._pending: dict[str, Future] = {}  # part → its update, until a read waits for it

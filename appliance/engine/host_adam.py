@@ -47,7 +47,9 @@ class HostAdamW:
 
     `parts`: part name → (tensor name → the compute-dtype host tensor the engine reads, written
     back after each update). `frozen`: tensor names of a part that do not train (no master, no
-    moments). In fp32 the master is the tensor itself (updated in place, no extra copy)."""
+    moments). In fp32 with `alias` the master is the tensor itself (updated in place, no extra
+    copy); data-parallel ranks that share a node's weights must not alias (each would apply its
+    update to what another rank already updated), so they keep their own fp32 masters."""
 
     def __init__(
         self,
@@ -58,6 +60,7 @@ class HostAdamW:
         weight_decay: float = 0.0,
         impl: str = "fused",
         frozen: set[str] = frozenset(),
+        alias: bool = True,
     ):
         self.store = {
             p: {k: t for k, t in ts.items() if k not in frozen} for p, ts in parts.items()
@@ -65,7 +68,10 @@ class HostAdamW:
         self.master: dict[str, dict[str, torch.Tensor]] = {}
         for p, ts in self.store.items():
             self.master[p] = {
-                k: t if t.dtype == torch.float32 else t.detach().float() for k, t in ts.items()
+                k: t
+                if alias and t.dtype == torch.float32
+                else t.detach().to(torch.float32, copy=True)
+                for k, t in ts.items()
             }
         self.optimizers = {
             p: adamw(list(m.values()), betas=betas, eps=eps, weight_decay=weight_decay, impl=impl)

@@ -48,7 +48,8 @@ def host_bytes(
     n = trained_params(args, freeze_embeddings)
     parts = {
         "weights": param_count(args) * dtype_bytes,
-        "master": trainers * n * (0 if dtype_bytes == 4 else 4),
+        # fp32 with one trainer: the weights are the master; ranks keep their own
+        "master": trainers * n * (0 if dtype_bytes == 4 and trainers == 1 else 4),
         "moments": trainers * n * 8,
         "grad_buffers": trainers * n * 4,
     }
