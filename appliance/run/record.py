@@ -40,10 +40,13 @@ IDENTITY_KEYS = (
     "base_quant",
     "packing",
     "eval_split",
+    "finetuning_type",
+    "freeze_embeddings",
 )
 # what a run.json written before an identity key existed meant by its absence: such a run packed
-# documents as one stream, had an unquantized base and no held-out split
-LEGACY_IDENTITY = {"base_quant": "none", "packing": "stream", "eval_split": None}
+# documents as one stream, had an unquantized base and no held-out split, and trained LoRA
+LEGACY_IDENTITY = {"base_quant": "none", "packing": "stream", "eval_split": None,
+                   "finetuning_type": "lora", "freeze_embeddings": False}  # fmt: skip
 
 
 def run_identity(cfg: TrainConfig) -> dict:

@@ -497,3 +497,19 @@ def test_full_finetuning_refuses_a_quantized_base_float16_and_stray_freeze_in_on
     ]
     with pytest.raises(ConfigError, match="^--freeze-embeddings goes with --finetuning-type full$"):
         C.build_config({}, {**base, "freeze_embeddings": True})
+
+
+def test_resuming_a_full_finetune_as_lora_is_refused_naming_both(tmp_path):
+    import json
+
+    from appliance.run.record import write_run_file
+    from appliance.run.resume import decide_output
+
+    out = tmp_path / "out"
+    out.mkdir()
+    write_run_file(C.build_config({}, {"model": "m", "data": "d", "output": str(out),
+                                       "finetuning_type": "full"}), "interrupted")  # fmt: skip
+    run = json.loads((out / "run.json").read_text())["config"]
+    flags = {"output": str(out), "resume": True, "finetuning_type": "lora"}
+    with pytest.raises(ConfigError, match="--finetuning-type lora \\(the run: full\\)"):
+        decide_output(C.build_config({}, flags, run_values=run))
