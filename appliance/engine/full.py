@@ -241,7 +241,8 @@ class FullFinetuneEngine(StreamedEngine):
                 done.synchronize()
 
         self._norms[part] = self._worker.submit(_norms_after, landed, grads, keep)
-        if not self.grad_clip:  # nothing to wait for: the update follows the norms
+        if not self.grad_clip:  # nothing to wait for: the update follows the norms job (one
+            # worker, in order), which waited for the copy
             self._pending[part] = self._worker.submit(
                 _update_after, lambda: None, self.host, part, grads, self._lr, 1.0, None
             )
