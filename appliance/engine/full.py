@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from appliance.engine.blocks import BlockSource, FlatBlockSource, pack
-from appliance.engine.device_weights import SideStream
+from appliance.engine.device_weights import SideStream, event_seconds
 from appliance.engine.host_adam import GLOBALS, HostAdamW
 from appliance.engine.step import MicroBatch, StepStats, StreamedEngine, count_targets
 from appliance.engine.step import micro_batches_of as _micro_batches
@@ -302,10 +302,11 @@ class FullFinetuneEngine(StreamedEngine):
         if micro_batches:
             hs = self._forward(micro_batches, step=self.step_count, dropout=False, save=True,
                                first=first, attn=attn)  # fmt: skip
-            for h, lab in zip(hs, labels, strict=True):
-                part, grad = self._head(h, lab, leaves, denom, acc_globals)
-                loss += part
-                grads.append(grad)
+            with self._busy():
+                for h, lab in zip(hs, labels, strict=True):
+                    part, grad = self._head(h, lab, leaves, denom, acc_globals)
+                    loss += part
+                    grads.append(grad)
             del hs
             self.weights.prefetch(L - 1)
             self.saved.prefetch(L - 1)
@@ -318,10 +319,11 @@ class FullFinetuneEngine(StreamedEngine):
                 self._block_backward(i, micro_batches, attn, grads, first, acc)
             self._land(str(i), acc)
         if micro_batches and EMBED in self.host.trains(GLOBALS):
-            for mb, grad in zip(micro_batches, grads, strict=True):
-                e = layers.embed(mb.ids.to(dev), leaves, self.args.embed_scale)
-                e.backward(grad)
-                _accumulate(leaves, acc_globals)
+            with self._busy():
+                for mb, grad in zip(micro_batches, grads, strict=True):
+                    e = layers.embed(mb.ids.to(dev), leaves, self.args.embed_scale)
+                    e.backward(grad)
+                    _accumulate(leaves, acc_globals)
         del grads
         self._land(GLOBALS, acc_globals)
         if self.group is not None:
@@ -342,6 +344,11 @@ class FullFinetuneEngine(StreamedEngine):
             "optimizer": wait,
         }  # fmt: skip
         tokens = sum(mb.ids.numel() for mb in micro_batches)
+        busy = ratio = None
+        if dev.type == "cuda":  # compute-stream spans: blocks' micro-batches, head, embedding
+            busy = event_seconds(self._busy_events)
+            ratio = busy / (t2 - t0)
+        self._busy_events.clear()
         return FullStepStats(
             loss=float(loss),
             tokens=tokens,
@@ -351,6 +358,8 @@ class FullFinetuneEngine(StreamedEngine):
             h2d_bytes=w["h2d_bytes"],
             offload_h2d_bytes=self.saved.take_h2d_bytes(),
             h2d_seconds=w["h2d_seconds"],
+            gpu_busy_seconds=busy,
+            gpu_busy_ratio=ratio,
             step_seconds=t2 - t0,
             flops=self.flops_per_step(tokens),
             optimizer_host_seconds=self.host.take_seconds(),
@@ -382,14 +391,15 @@ class FullFinetuneEngine(StreamedEngine):
         self.saved.prefetch(i - 1)
         leaves = {k: v.detach().requires_grad_(True) for k, v in w.items()}
         lora = self.lora.context(i, self.dtype)
-        for m in range(len(micro_batches)):
-            x = inputs[m].detach().requires_grad_(True)
-            inputs[m] = None
-            cos, sin, mask = self._block_inputs(attn[m], x.shape[1], i)
-            y = self._block(x, leaves, self.args, cos, sin, lora, mask, layer=i)
-            y.backward(grads[m])
-            grads[m] = x.grad
-            _accumulate(leaves, acc)
+        with self._busy():
+            for m in range(len(micro_batches)):
+                x = inputs[m].detach().requires_grad_(True)
+                inputs[m] = None
+                cos, sin, mask = self._block_inputs(attn[m], x.shape[1], i)
+                y = self._block(x, leaves, self.args, cos, sin, lora, mask, layer=i)
+                y.backward(grads[m])
+                grads[m] = x.grad
+                _accumulate(leaves, acc)
         self.saved.done(i)
         if i > 0:
             self.weights.release(i)
