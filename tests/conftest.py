@@ -138,6 +138,7 @@ _CLI_SOURCE = ("from appliance.cli.main import main", "from appliance.__main__ i
 SLOW: dict[str, tuple[str, ...] | None] = {
     "engine/test_compiled_blocks.py": None,  # Inductor compiles C++ for every variant
     "engine/test_data_parallel_engine.py": None,  # mp.spawn of gloo process groups
+    "engine/test_full_data_parallel.py": None,  # mp.spawn of gloo process groups
     "bench/test_block_step.py": ("test_the_compiled_block_equals_the_eager_block",),  # Inductor
     "bench/test_bench.py": ("test_compile_blocks_runs_the_engines_blocks_compiled",),  # Inductor
     "bench/test_gpu_collect.py": None,  # a child process collects the whole suite

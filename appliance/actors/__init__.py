@@ -6,6 +6,9 @@ Ray (the tests and the bench use them directly).
     tokenize_worker.py  TokenizeWorker / ShardWorker: data files → token rows, off the trainer
     trainer.py          Trainer: one per GPU; runs the streamed engine over the rows it is fed,
                         saves adapters and checkpoints
+    full_trainer.py     FullTrainer: a Trainer that trains every weight (--finetuning-type full)
+                        and writes the whole model in the Hugging Face layout
+    weight_home.py      WeightHome: the writable /dev/shm file a full fine-tune's store owns
 """
 
 from appliance.actors.tokenize_worker import ShardWorker, TokenizeWorker

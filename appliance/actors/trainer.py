@@ -83,6 +83,9 @@ class TrainerSettings:
     base_revision: str | None = None
     world_size: int = 1  # data-parallel trainers; > 1: call join_group before the first step
     compile_blocks: bool = False  # torch.compile the blocks (StreamedEngine)
+    # full fine-tuning (actors/full_trainer.py): --model as given, and --freeze-embeddings
+    model: str = ""
+    freeze_embeddings: bool = False
 
 
 def resolve_device(device: str) -> str:
@@ -261,7 +264,7 @@ class Trainer:
             except UntrustedState as e:
                 untrusted += [*ckpt.skipped, f"{storage.join(ckpt.uri, TRAINER_STATE)}: {e}"]
                 older_than = ckpt.step
-        small = {name: data for name, data in ckpt.files.items() if name not in BIG_FILES}
+        small = {name: data for name, data in ckpt.files.items() if not self._big(name)}
         shared = self.settings.world_size > 1  # one rank: nobody else to read it
         return {
             "name": ckpt.name,
@@ -269,6 +272,10 @@ class Trainer:
             "files": small,
             "state": [ray.put(state)] if shared else [],
         }
+
+    def _big(self, name: str) -> bool:
+        """A checkpoint file only rank 0 reads (never sent to the driver)."""
+        return name in BIG_FILES
 
     def write_adapter(self, output: str) -> None:
         """Rank 0: publish the final PEFT adapter in `output` (write_adapter)."""

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from appliance import quant
+from appliance.actors import weight_home
 from appliance.engine.blocks import (
     FlatBlockSource,
     FlatIndex,
@@ -58,11 +59,17 @@ class WeightHandles:
     block_index: list[FlatIndex]
     nbytes: int
     base_quant: str = "none"  # int8 | nf4: the blocks' linear weights are stored quantized
+    # full fine-tuning: the buffers live in this writable shared-memory file (weight_home.py),
+    # and each ref is an (offset, bytes) span of it
+    home: str | None = None
 
     def source(self) -> FlatBlockSource:
-        """Resolve into a block source of zero-copy views (ray.get of shared-memory objects)."""
+        """Resolve into a block source of zero-copy views (ray.get of shared-memory objects;
+        with a writable home, read-write maps of its file)."""
         refs = [*self.global_refs, *self.block_refs]
-        if _is_ref(refs[0]):
+        if self.home is not None:
+            bufs = weight_home.buffers(self.home, refs)
+        elif _is_ref(refs[0]):
             import ray
 
             bufs = ray.get(refs)
@@ -100,7 +107,14 @@ class WeightStore:
         dtype: str = "float32",
         base_quant: str = "none",
         read_threads: int | None = None,
+        writable: bool = False,
     ):
+        """`writable` (full fine-tuning): the buffers go to a writable shared-memory home
+        (weight_home.py) that the trainers update, not to Ray's immutable object store."""
+        if writable and base_quant != "none":
+            raise ValueError("a writable store holds the weights unquantized (base_quant none)")
+        self.writable = writable
+        self.home: weight_home.WeightHome | None = None
         if base_quant not in quant.KINDS:
             raise ValueError(f"base_quant {base_quant!r}: one of {', '.join(quant.KINDS)}")
         self.model_dir = str(model_dir)
@@ -136,8 +150,15 @@ class WeightStore:
         put = _putter()
         # With Ray, put copies into the object store: an assembled block's buffer is then free
         # for a later block (fresh memory would cost a page fault per 4 KiB, every block).
-        # Without Ray the store keeps the buffers themselves.
-        recycle = put is not _keep
+        # Without Ray the store keeps the buffers themselves. Writable: copies into the home.
+        recycle = put is not _keep or self.writable
+
+        def put_k(k: int, arr: np.ndarray) -> Any:
+            """Buffer k, put: its ref (or the array kept, or its span of the home)."""
+            return self.home.put(k, arr) if self.home is not None else put(arr)
+
+        if self.writable:
+            self.home = weight_home.WeightHome([p.size for p in plans])
         free: list[np.ndarray] = []  # list.append/pop are atomic: shared by the threads
         block_size = max((p.size for p in plans[g:] if p.span is None), default=0)
 
@@ -148,7 +169,7 @@ class WeightStore:
             plan = plans[k]
             if plan.span is not None:  # the file's own bytes: put them as they lie
                 view = _map(*plan.span, plan.size)
-                return (put(view) if recycle else view.copy()), plan.index, plan.size
+                return (put_k(k, view) if recycle else view.copy()), plan.index, plan.size
             out = None
             if recycle and k >= g:
                 try:
@@ -156,7 +177,7 @@ class WeightStore:
                 except IndexError:
                     out = np.empty(block_size, dtype=np.uint8)
             buf = _read_buffer(plan, out)
-            ref = put(buf)
+            ref = put_k(k, buf)
             if out is not None:
                 free.append(out)
             return ref, plan.index, buf.nbytes
@@ -171,9 +192,16 @@ class WeightStore:
         self.buffers_from_file = sum(p.span is not None for p in plans)
         WeightStoreMetrics().record(nbytes)
         self.load_seconds = time.perf_counter() - t0
+        home = self.home.path if self.home is not None else None
         return WeightHandles(
-            args, self.dtype, refs[:g], indexes[:g], refs[g:], indexes[g:], nbytes, self.base_quant
-        )
+            args, self.dtype, refs[:g], indexes[:g], refs[g:], indexes[g:], nbytes, self.base_quant,
+            home,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Remove a writable home (trainers that map it keep their pages until they unmap)."""
+        if self.home is not None:
+            self.home.close()
 
     def _plan(
         self, names: dict[str, str], locs: dict[str, TensorLocation], quantize: bool

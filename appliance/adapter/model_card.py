@@ -151,7 +151,11 @@ def training_rows(
     tokens = record.get("target_tokens")
     trained = f"{steps} ({shape}" + (f"; {tokens:,} tokens trained on)" if tokens else ")")
     rows.append(("steps", trained))
-    rows.append(_lora_row(adapter_config))
+    if c.get("finetuning_type") == "full":
+        frozen = " but the input embeddings (frozen)" if c.get("freeze_embeddings") else ""
+        rows.append(("fine-tuning", f"full: every weight{frozen} trained, fp32 AdamW on the host"))
+    else:
+        rows.append(_lora_row(adapter_config))
     schedule = (
         f"AdamW, lr {_fmt(c['lr'])}, {c['warmup_steps']} warm-up steps then cosine decay to "
         f"{_fmt(c['min_lr_ratio'])}× lr, weight decay {_fmt(c['weight_decay'])}, gradient clip "
@@ -235,12 +239,34 @@ def merged_card(
     )
 
 
+def full_card(record: dict[str, Any], base: BaseModel, output: str) -> str:
+    """The card of the model a completed full fine-tune (--finetuning-type full) wrote."""
+    name = output.rstrip("/").rsplit("/", 1)[-1] or output
+    return (
+        _front_matter(
+            base,
+            True,
+            library_name="transformers",
+            base_model_relation="finetune",
+            tags=["full-finetune", "appliance"],
+        )
+        + f"\n# {name}\n\n`{base.name}` with every weight fine-tuned by appliance. It loads "
+        f"with transformers alone:\n\n```python\nfrom transformers import {base.loader}\n\n"
+        f'model = {base.loader}.from_pretrained("{output}")\n```\n\n'
+        f"## Training\n\n{_table(training_rows(record, base, {}))}"
+    )
+
+
 def write_adapter_card(record: dict[str, Any], base: BaseModel, output: str) -> str | None:
-    """Write the adapter's card into `output` (local or s3://). Returns a note for the user when
-    a README.md there is not appliance's: it is left as it is and no card is written."""
+    """Write the adapter's card into `output` (local or s3://); a full fine-tune's, the
+    model's. Returns a note for the user when a README.md there is not appliance's: it is left
+    as it is and no card is written."""
     uri = storage.join(output, CARD)
     if is_ours(uri) is False:
         return f"{uri} is not a card appliance wrote: left as it is (no model card written)"
+    if record["config"].get("finetuning_type") == "full":
+        storage.write_bytes(uri, full_card(record, base, output).encode())
+        return None
 
     adapter_config = json.loads(storage.read_bytes(storage.join(output, ADAPTER_CONFIG)))
     storage.write_bytes(uri, adapter_card(record, base, output, adapter_config).encode())

@@ -91,6 +91,12 @@ def parser(prog: str = "python -m appliance.bench") -> argparse.ArgumentParser:
         "printed and in the JSON.",
     )
     ap.add_argument(
+        "--finetuning-type",
+        choices=["lora", "full"],
+        default="lora",
+        help="full: every weight trains, AdamW on the host (train --finetuning-type full). [lora]",
+    )
+    ap.add_argument(
         "--compile-blocks",
         action="store_true",
         help="Run the blocks through torch.compile, as train --compile-blocks.",
@@ -139,6 +145,7 @@ def run_from_args(a: argparse.Namespace) -> dict:
         profile=a.profile,
         compile_blocks=a.compile_blocks,
         modes=modes,
+        finetuning_type=a.finetuning_type,
         on_row=write_rows if a.json_path else None,
     )
     print_table(result)

@@ -46,6 +46,7 @@ from appliance.actors.trainer import resolve_dtype
 from appliance.bench.synthetic import SyntheticBlockSource
 from appliance.engine.blocks import dtype_from_name
 from appliance.engine.device_weights import with_index
+from appliance.engine.full import FullFinetuneEngine
 from appliance.engine.memory import blocks_uploaded_per_step, gpu_memory_cap, streaming_budget
 from appliance.engine.step import StreamedEngine
 from appliance.errors import ConfigError, first_line
@@ -70,6 +71,7 @@ from appliance.models import (
 from appliance.models.layers import ModelArgs
 from appliance.models.lora import LoraSpec, LoraWeights
 from appliance.models.presets import PRESETS, Shape
+from appliance.plan import full
 
 LR = 1e-4
 MODES = ("streamed", "resident")  # the rows, in order
@@ -109,19 +111,17 @@ def _run_mode(
     matmul: float,
     profile: bool = False,
     compile_blocks: bool = False,
+    full_finetune: bool = False,
 ) -> dict:
     args, L = source.args, source.args.num_layers
     row: dict = {"mode": mode, "tokens_per_step": sum(ids.numel() for ids, _ in batches)}
     if device.type == "cuda":  # peak_gpu_bytes: this mode's own peak (benchmarks/compare.py)
         torch.cuda.reset_peak_memory_stats(device)
-    lora = LoraWeights(args, LoraSpec(), device, seed=0)
-    engine = StreamedEngine(
-        source,
-        lora,
-        device=device,
-        dtype=dtype,
-        gpu_memory_budget=budget if mode == "streamed" else None,
-        compile_blocks=compile_blocks,
+    lora = None if full_finetune else LoraWeights(args, LoraSpec(), device, seed=0)
+    kw = dict(device=device, dtype=dtype, compile_blocks=compile_blocks,
+              gpu_memory_budget=budget if mode == "streamed" else None)  # fmt: skip
+    engine = (
+        FullFinetuneEngine(source, **kw) if full_finetune else StreamedEngine(source, lora, **kw)
     )
     measured_b = None  # B from the engine's own host memory (CUDA, streamed)
     try:
@@ -179,15 +179,32 @@ def _run_mode(
         del engine, lora
         _release_cuda(device)
 
-    # the bytes one steady-state step copies (block 0 stays between steps; planner's count)
-    W = blocks_uploaded_per_step(L, resident) * block_bytes
+    # the bytes one steady-state step copies (block 0 stays between steps; planner's count;
+    # full fine-tuning copies every block again after its update: plan/full.py)
+    uploads = full.blocks_uploaded_per_step if full_finetune else blocks_uploaded_per_step
+    W = uploads(L, resident) * block_bytes
     B = measured_b or bandwidth
     step = statistics.mean(s.step_seconds for s in timed)
-    flops = timed[0].flops
+    flops = timed[0].flops  # 8·N·T for a full fine-tune (its weight gradients)
     h2d_bytes = statistics.mean(s.h2d_bytes for s in timed)
     h2d_seconds = statistics.mean(s.h2d_seconds for s in timed)
     floor_h2d, floor_compute = W / B, flops / matmul
     floor = max(floor_h2d, floor_compute)
+    if full_finetune:  # fp32 gradients device→host, on the link's other direction
+        d2h = 4 * timed[0].trained_parameters
+        floor = max(floor, d2h / B)
+        row["full_finetune"] = {
+            "trained_parameters": timed[0].trained_parameters,
+            "d2h_bytes_per_step": d2h,
+            "d2h_bytes_measured_per_step": statistics.mean(s.d2h_bytes for s in timed),
+            "floor_d2h_seconds": d2h / B,
+            "optimizer_host_seconds_per_step": statistics.mean(
+                s.optimizer_host_seconds for s in timed
+            ),
+            "optimizer_exposed_seconds_per_step": statistics.mean(
+                s.phase_seconds["optimizer"] for s in timed
+            ),
+        }
     busy = [s.gpu_busy_ratio for s in timed if s.gpu_busy_ratio is not None]
     busy_seconds = [s.gpu_busy_seconds for s in timed if s.gpu_busy_seconds is not None]
     issue = [s.host_issue_seconds / s.step_seconds for s in timed if s.host_issue_seconds]
@@ -294,6 +311,7 @@ def run_bench(
     compile_blocks: bool = False,
     modes: tuple[str, ...] = MODES,
     on_row: Callable[[dict], None] | None = None,
+    finetuning_type: str = "lora",
 ) -> dict:
     """Run `preset` streamed and resident; returns every measured number (see module doc).
     `on_row`: called with the result so far after each row (the bench's --json writes it then,
@@ -304,6 +322,9 @@ def run_bench(
     warm-up steps take the compiling.
     `modes`: the rows to run (both by default; `("streamed",)` saves a big model's resident
     row where only the streamed one is wanted).
+    `finetuning_type` "full": every weight trains (engine/full.py); the floor counts 8·N·T and
+    the fp32 gradients' device→host bytes, and each row says the CPU AdamW's time and how much
+    of it the step waited for.
 
     `None` picks the preset's default for the device; dtype defaults to the trainer's (`--dtype
     auto`: trainer.resolve_dtype). ConfigError for a preset that cannot run here, with what to
@@ -311,6 +332,8 @@ def run_bench(
     """
     if preset not in PRESETS:
         raise ConfigError(f"--preset {preset!r} is unknown; one of {', '.join(PRESETS)}")
+    if finetuning_type == "full" and base_quant != "none":
+        raise ConfigError("--finetuning-type full trains every weight: give --base-quant none")
     if not modes or any(m not in MODES for m in modes):
         raise ConfigError(f"--modes {','.join(modes)}: give one or both of {','.join(MODES)}")
     p, device = PRESETS[preset], torch.device(device)
@@ -398,6 +421,7 @@ def run_bench(
         "torch": torch.__version__,
         "dtype": dname,
         "base_quant": base_quant,
+        "finetuning_type": finetuning_type,
         "compile_blocks": compile_blocks,
         "dequant_kernels": _dequant_kernels(base_quant, device, dtype),
         "model": {**model_facts(args, dtype), "weight_bytes": weight_bytes},
@@ -434,6 +458,7 @@ def run_bench(
                     matmul,
                     profile,
                     compile_blocks,
+                    finetuning_type == "full",
                 )
             )
         result = {

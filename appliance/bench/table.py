@@ -70,6 +70,14 @@ def format_table(result: dict) -> str:
             )
         )
     for r in result["modes"]:
+        if r["fits"] and (f := r.get("full_finetune")):  # --finetuning-type full
+            lines.append(
+                f"{r['mode']}: full fine-tune, {f['trained_parameters'] / 1e6:.4g}M parameters: "
+                f"{f['d2h_bytes_per_step'] / 1e9:.4g} GB of gradients device→host (floor "
+                f"{f['floor_d2h_seconds']:.4g} s); CPU AdamW {f['optimizer_host_seconds_per_step']:.4g}"
+                f" s a step, of which the step waited {f['optimizer_exposed_seconds_per_step']:.4g} s"
+            )
+    for r in result["modes"]:
         if r["fits"] and r.get("host_issue_ratio") is not None:
             lines.append(
                 f"{r['mode']}: the host issued work for {r['host_issue_ratio']:.0%} of the step"

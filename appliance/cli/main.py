@@ -691,6 +691,15 @@ PLAN_DTYPES = tuple(d for d in CHOICES["dtype"] if d != "auto")  # estimate.DTYP
     show_default=True,
     help="Compute dtype (train's auto is bfloat16 on a GPU with bf16).",
 )
+@click.option(
+    "--finetuning-type",
+    type=click.Choice(CHOICES["finetuning_type"]),
+    default=TrainConfig.finetuning_type,
+    show_default=True,
+    help="full: every weight trains (host memory for masters and moments, gradients device→host, "
+    "the CPU's AdamW).",
+)
+@click.option("--freeze-embeddings", is_flag=True, help=_help("freeze_embeddings"))
 @click.option("--h2d-gbps", type=float, default=None, help="Measured B (GB/s), e.g. from doctor.")
 @click.option("--tflops", type=float, default=None, help="Measured P (TFLOP/s), e.g. from doctor.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")

@@ -398,6 +398,7 @@ def validate(cfg: TrainConfig, label: Callable[[str], str] = flag) -> list[str]:
             errs.append(
                 f"{label(name)} must be one of {' | '.join(options)} (got {getattr(cfg, name)!r})"
             )
+    errs += _full_finetune_problems(cfg, label)
     if cfg.steps is not None and cfg.epochs is not None:
         errs.append(f"{label('steps')} and {label('epochs')} are exclusive: give one")
     if cfg.eval_split is not None and not 0 < cfg.eval_split < 1:
@@ -457,4 +458,26 @@ def validate(cfg: TrainConfig, label: Callable[[str], str] = flag) -> list[str]:
             errs.append("--data is required with --model")
         if cfg.output is None:
             errs.append("--output is required with --model")
+    return errs
+
+
+def _full_finetune_problems(cfg: TrainConfig, label: Callable[[str], str]) -> list[str]:
+    """What --finetuning-type full cannot be combined with, one line each."""
+    full = cfg.finetuning_type == "full"
+    if cfg.freeze_embeddings and not full:
+        return [f"{label('freeze_embeddings')} goes with --finetuning-type full"]
+    if not full:
+        return []
+    errs = []
+    if cfg.base_quant != "none":
+        errs.append(
+            f"{label('finetuning_type')} full trains every weight, and a quantized base "
+            f"({label('base_quant')} {cfg.base_quant}) cannot be trained: use --base-quant "
+            "none, or --finetuning-type lora for QLoRA"
+        )
+    if cfg.dtype == "float16":
+        errs.append(
+            f"{label('finetuning_type')} full has no float16 loss scaling for weight "
+            f"gradients: use {label('dtype')} bfloat16 or float32"
+        )
     return errs

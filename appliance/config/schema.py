@@ -73,6 +73,18 @@ class TrainConfig:
     weight_decay: float = _f(0.0, "AdamW weight decay on the LoRA parameters.")
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this (0 disables).")
     seed: int = _f(0, "Seed for LoRA init, dropout and data order.")
+    # ---- what trains
+    finetuning_type: str = _f(
+        "lora",
+        "lora (an adapter; the base stays frozen) | full (every weight trains: fp32 master "
+        "weights and AdamW moments in host memory, 12 B per parameter; the output is the whole "
+        "model in the Hugging Face layout). LLaMA-Factory's name for the same choice.",
+    )
+    freeze_embeddings: bool = _f(
+        False,
+        "With --finetuning-type full: the input embeddings do not train (no gradient, master or "
+        "moments for them; with tied embeddings the LM head is frozen too).",
+    )
     # ---- LoRA
     lora_rank: int = _f(16, "LoRA rank r.")
     lora_alpha: float = _f(32.0, "LoRA alpha (scale = alpha / rank).")
@@ -292,6 +304,7 @@ CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "base_quant": ("none", "int8", "nf4"),
+    "finetuning_type": ("lora", "full"),
     "on_bad_record": ("fail", "skip"),
     "packing": ("documents", "stream"),
     "long_documents": ("split", "truncate", "drop"),
@@ -313,6 +326,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         "epochs",
         "seq_len",
     ),
+    "What trains": ("finetuning_type", "freeze_embeddings"),
     "LoRA": ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets"),
     "Optimisation": (
         "micro_batch_size",

@@ -8,6 +8,9 @@ saved_inputs.py    block inputs saved for the backward, offloaded to host memory
 blocks.py          a block's tensors as one flat buffer (the layout the store and GPU share)
 memory.py          how much of the GPU the step needs, and how many blocks stay resident
 loss_scale.py      the fp16 loss scaler
+full.py            FullFinetuneEngine: every weight trains (--finetuning-type full): weight
+                   gradients off the device per block, AdamW on the host beside the GPU
+host_adam.py       HostAdamW: fp32 master weights and AdamW moments in host memory, per block
 """
 
 from appliance.engine.memory import MemoryPlan, plan_memory

@@ -370,6 +370,16 @@ class DeviceWeights:
             self._slot_free[slot] = self._copier.compute_mark()
             self._free_slots.append(slot)
 
+    def reload(self, i: int) -> None:
+        """Block i's host weights changed (full fine-tuning, engine/full.py): forget its device
+        copy, resident or streamed, so the next get or prefetch copies the new weights."""
+        if not self.copies or i not in self._on_device:
+            return
+        _, _, slot = self._on_device.pop(i)
+        if slot is not None:
+            self._slot_free[slot] = self._copier.compute_mark()
+            self._free_slots.append(slot)
+
     def measure_bandwidth(self, reps: int = 10) -> float:
         """Bytes/s host→device from the memory the engine copies from: block 0's flat host
         buffer when it is page-locked in place (registered object-store pages, or torch-pinned),

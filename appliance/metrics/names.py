@@ -125,6 +125,17 @@ DEQUANT_SECONDS = MetricSpec(
     "(--base-quant; inside forward and backward, not a phase of its own).",
     ("rank",),
 )  # fmt: skip
+D2H_BYTES = MetricSpec(
+    "appliance_d2h_bytes", COUNTER, "bytes",
+    "Bytes of fp32 weight gradients copied device to host (--finetuning-type full; 0 on a CPU).",
+    ("rank",),
+)  # fmt: skip
+OPTIMIZER_HOST_SECONDS = MetricSpec(
+    "appliance_optimizer_host_seconds", COUNTER, "seconds",
+    "Seconds the host's AdamW worked (--finetuning-type full), beside the GPU; the optimizer "
+    "phase is the part the step waited for, so 1 - optimizer phase / this is the overlap.",
+    ("rank",),
+)  # fmt: skip
 MODEL_FLOPS = MetricSpec(
     "appliance_model_flops", COUNTER, "FLOP",
     "Model FLOPs of the steps (about 6 x parameters x tokens with recompute); its rate is the "
@@ -244,7 +255,7 @@ WEIGHT_STORE_BYTES = MetricSpec(
 
 REGISTRY: tuple[MetricSpec, ...] = (
     TOKENS, STEPS, STEP, STEP_SECONDS, STEP_TIME_SECONDS, PHASE_SECONDS, H2D_BYTES, H2D_SECONDS,
-    DEQUANT_SECONDS,
+    DEQUANT_SECONDS, D2H_BYTES, OPTIMIZER_HOST_SECONDS,
     MODEL_FLOPS, LOSS, SKIPPED_STEPS, LOSS_SCALE, LEARNING_RATE, MFU, GPU_BUSY,
     GPU_NVML_UTILIZATION, GPU_MEMORY_ALLOCATED, GPU_MEMORY_RESERVED, TOKENIZER_TOKENS,
     TOKENIZER_DOCUMENTS, TOKENIZER_ERRORS, TOKENIZER_SECONDS, BATCHES_IN_FLIGHT,

@@ -42,6 +42,7 @@ from appliance.metrics.names import (  # fmt: skip
     BATCHES_IN_FLIGHT,
     CHECKPOINTS,
     COUNTER,
+    D2H_BYTES,
     DEQUANT_SECONDS,
     DRIVER_RANK,
     EVAL_LOSS,
@@ -57,6 +58,7 @@ from appliance.metrics.names import (  # fmt: skip
     LOSS_SCALE,
     MFU,
     MODEL_FLOPS,
+    OPTIMIZER_HOST_SECONDS,
     PHASE_SECONDS,
     PHASES,
     RESTART_KINDS,
@@ -273,7 +275,8 @@ class TrainerMetrics(_Recorder):
           phase_seconds: {phase: seconds} with phases from PHASES except "other" — they must not
             overlap (h2d_stall is not also inside forward/backward); the rest of step_seconds is
             recorded as phase "other";
-          h2d_bytes, h2d_seconds, dequant_seconds; flops (model FLOPs of the step); mfu (0..1,
+          h2d_bytes, h2d_seconds, dequant_seconds; d2h_bytes, optimizer_host_seconds (full
+          fine-tuning); flops (model FLOPs of the step); mfu (0..1,
           else derived from flops and peak_flops); gpu_busy_ratio (0..1: CUDA-event busy seconds / step_seconds);
           nvml_util_mean (0..1, from gpu_monitor.NvmlSampler.take_mean()); gpu_mem_allocated,
           gpu_mem_reserved (bytes); loss_scale and skipped_step (float16 compute only).
@@ -307,6 +310,8 @@ class TrainerMetrics(_Recorder):
         self._inc(H2D_BYTES, stats.get("h2d_bytes"))
         self._inc(H2D_SECONDS, stats.get("h2d_seconds"))
         self._inc(DEQUANT_SECONDS, stats.get("dequant_seconds"))
+        self._inc(D2H_BYTES, stats.get("d2h_bytes"))  # full fine-tuning
+        self._inc(OPTIMIZER_HOST_SECONDS, stats.get("optimizer_host_seconds"))
         flops = stats.get("flops")
         self._inc(MODEL_FLOPS, flops)
         self._set(LOSS, stats["loss"])

@@ -5,6 +5,7 @@ report.py    `appliance plan`: the estimate at the chosen micro-batches, as JSON
 fixes.py     what to change when it does not fit
 auto.py      --micro-batches-per-step auto, measured on this GPU
 doctor.py    `appliance doctor`: this machine checked against what a run needs
+full.py      a full fine-tune's host side: memory per parameter, gradients device→host, AdamW
 """
 
 from appliance.plan.estimate import PlanInput, evaluate, plan_input

@@ -49,6 +49,7 @@ from appliance.metrics.endpoint import (
 )
 from appliance.models import param_count
 from appliance.models.layers import ModelArgs
+from appliance.plan import full
 from appliance.plan.estimate import (
     TOKENIZER_WORKER_BYTES,
     TOKENIZER_WORKERS,
@@ -558,6 +559,7 @@ def run_checks(
         check_memlock(needs),
         check_disk(model, needs),
         *check_speed(),
+        Check("adamw", *full.adamw_check()),
         check_port(metrics_port),
         check_ray(needs),
     ]

@@ -47,6 +47,7 @@ from appliance.errors import ConfigError
 from appliance.hardware import gpus as hardware
 from appliance.models.hf_checkpoint import block_shapes, read_model_args, seq_len_problems
 from appliance.models.layers import TARGET_MODULES, ModelArgs
+from appliance.plan import full
 from appliance.quant import is_linear_weight, quantized_nbytes
 from appliance.storage import uri as storage
 
@@ -137,6 +138,13 @@ class PlanInput:
     flops_per_second: float | None = None  # overrides the table's P
     measured: hardware.Gpu | None = None  # this box's GPU, measured (train's auto M): not `gpu`
     train_defaults: tuple[str, ...] = ()  # the shape flags left at train's defaults (printout)
+    finetuning_type: str = TRAIN.finetuning_type  # full: every weight trains (plan/full.py)
+    freeze_embeddings: bool = False
+    adamw_params_per_second: float | None = None  # measured (doctor); else full.ADAMW_...
+
+    @property
+    def full(self) -> bool:
+        return self.finetuning_type == "full"
 
     @property
     def card(self) -> hardware.Gpu:
@@ -191,6 +199,8 @@ def plan_input(
     h2d_gbps: float | None = None,
     tflops: float | None = None,
     train_defaults: tuple[str, ...] = (),
+    finetuning_type: str = TRAIN.finetuning_type,
+    freeze_embeddings: bool = False,
 ) -> PlanInput:
     """Check the CLI's flags (every problem at once, each naming its flag) and resolve them.
     `train_defaults`: the shape flags the user left at train's defaults, for the printout."""
@@ -240,6 +250,8 @@ def plan_input(
             problem = gpu_budget_problem(gpu_memory_budget, budget)
             if problem:
                 errors.append(problem)
+    if finetuning_type == "full" and base_quant != "none":
+        errors.append("--finetuning-type full trains every weight: give --base-quant none")
     if errors:
         raise ConfigError("\n".join(errors))
     args, label = load_args(model, preset)
@@ -264,6 +276,8 @@ def plan_input(
         h2d_bytes_per_second=h2d_gbps * 1e9 if h2d_gbps else None,
         flops_per_second=tflops * 1e12 if tflops else None,
         train_defaults=train_defaults,
+        finetuning_type=finetuning_type,
+        freeze_embeddings=freeze_embeddings,
     )
 
 
@@ -282,9 +296,11 @@ def memory_plan(p: PlanInput, micro_batches: int) -> MemoryPlan:
         block_bytes=block_bytes(p.args, p.dtype_bytes, p.base_quant),
         # as the engine counts them (StreamedEngine.plan_inputs): the globals, and a quantized
         # block's dequantized weights while it computes
+        # (full fine-tuning: and the gradient buffers, FullFinetuneEngine.plan_inputs)
         globals_bytes=globals_bytes(p.args, p.dtype_bytes)
-        + dequant_bytes(p.args, p.dtype_bytes, p.base_quant),
-        lora_params=lora_param_count(p.args, p.lora_rank, p.lora_targets),
+        + dequant_bytes(p.args, p.dtype_bytes, p.base_quant)
+        + (full.gpu_grad_bytes(p.args, p.dtype_bytes, p.freeze_embeddings) if p.full else 0),
+        lora_params=0 if p.full else lora_param_count(p.args, p.lora_rank, p.lora_targets),
         longest=p.seq_len,
     )
 
@@ -300,9 +316,13 @@ def host_bytes(p: PlanInput, mem: MemoryPlan) -> dict[str, int]:
         "trainer_processes": p.gpus * TRAINER_PROCESS_BYTES,
         "tokenizer_workers": TOKENIZER_WORKERS * TOKENIZER_WORKER_BYTES,
     }
+    if p.full:  # fp32 masters, moments and gradients beside each trainer's CPU AdamW
+        f = full.host_bytes(p.args, p.dtype_bytes, p.freeze_embeddings, p.gpus)
+        parts["optimizer_state"] = f["master"] + f["moments"] + f["grad_buffers"]
     parts["shm_needed"] = store
     parts["ram_needed"] = (
         store
+        + parts.get("optimizer_state", 0)
         + parts["offloaded_activations"]
         + parts["trainer_processes"]
         + parts["tokenizer_workers"]
@@ -322,11 +342,27 @@ def evaluate(p: PlanInput, micro_batches: int) -> dict:
     card, args, L = p.card, p.args, p.args.num_layers
     mem = memory_plan(p, micro_batches)
     tokens_per_trainer = micro_batches * p.micro_batch_size * p.seq_len
-    uploads = blocks_uploaded_per_step(L, mem.resident_blocks)
+    uploads = (full.blocks_uploaded_per_step if p.full else blocks_uploaded_per_step)(
+        L, mem.resident_blocks
+    )
     streamed = uploads * mem.block_bytes
-    flops = step_flops(args, tokens_per_trainer)
+    flops = step_flops(args, tokens_per_trainer) * (8 / 6 if p.full else 1)  # + weight grads
     h2d_s, compute_s = streamed / card.h2d_bytes_per_second, flops / card.flops_per_second
     floor = max(h2d_s, compute_s)
+    extra = {}
+    if p.full:  # the gradients device→host (the link's other direction) and the CPU's AdamW
+        rate = p.adamw_params_per_second or full.ADAMW_PARAMS_PER_SECOND
+        costs = full.step_costs(args, p.freeze_embeddings, card.h2d_bytes_per_second, rate)
+        seconds = {"host→device": h2d_s, "device→host": costs["d2h_seconds"],
+                   "compute": compute_s, "cpu optimizer": costs["optimizer_seconds"]}  # fmt: skip
+        floor = max(seconds.values())
+        extra["full_finetune"] = {
+            **costs,
+            "trained_parameters": full.trained_params(args, p.freeze_embeddings),
+            "host_bytes": full.host_bytes(args, p.dtype_bytes, p.freeze_embeddings, p.gpus),
+            "gpu_grad_bytes": full.gpu_grad_bytes(args, p.dtype_bytes, p.freeze_embeddings),
+            "binds": full.binds(seconds),
+        }
     tokens_per_step = p.gpus * tokens_per_trainer
     host = host_bytes(p, mem)
     host_fits = host["ram_needed"] <= host_ram_bytes(p)
@@ -367,6 +403,7 @@ def evaluate(p: PlanInput, micro_batches: int) -> dict:
         "step_seconds_floor": floor,
         "tokens_per_second": tokens_per_step / floor if floor > 0 else math.inf,
         "crossover_tokens_per_step": crossover,
+        **extra,
     }
 
 

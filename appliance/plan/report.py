@@ -116,7 +116,7 @@ def format_plan(r: dict) -> str:
         f"  host→device                    {r['streamed_bytes_per_step'] / 1e9:.3g} GB "
         f"({r['blocks_uploaded_per_step']} block copies, both passes) at "
         f"B = {r['h2d_bytes_per_second'] / 1e9:.3g} GB/s → {r['h2d_seconds']:.3g} s",
-        f"  compute                        {r['flops_per_step'] / 1e12:.4g} TFLOP (6·N·T, blocks) "
+        f"  compute                        {r['flops_per_step'] / 1e12:.4g} TFLOP ({'8' if 'full_finetune' in r else '6'}·N·T, blocks) "
         f"at P = {r['flops_per_second'] / 1e12:.4g} TFLOP/s → {r['compute_seconds']:.3g} s",
         f"  not in the floor               attention {r['attention_flops_per_step'] / 1e12:.3g} "
         f"TFLOP, LM head {r['head_flops_per_step'] / 1e12:.3g} TFLOP",
@@ -125,6 +125,7 @@ def format_plan(r: dict) -> str:
         f"  crossover T*                   {r['crossover_tokens_per_step']:.4g} tokens per GPU "
         "step (compute-bound above it)",
     ]
+    lines += _full_lines(r)
     if "steps" in r:
         lines += [
             "",
@@ -163,3 +164,24 @@ def run_plan(p: PlanInput, as_json: bool) -> dict:
     r = make_plan(p)
     print(json.dumps(r, indent=2) if as_json else format_plan(r))
     return r
+
+
+def _full_lines(r: dict) -> list[str]:
+    """--finetuning-type full: the host's share of the step (plan/full.py)."""
+    f = r.get("full_finetune")
+    if f is None:
+        return []
+    h = f["host_bytes"]
+    per = h["total"] / max(f["trained_parameters"], 1)
+    return [
+        "",
+        f"Full fine-tune ({f['trained_parameters'] / 1e9:.3g}B trained parameters)",
+        f"  host: weights {_b(h['weights'])}, fp32 master {_b(h['master'])}, AdamW moments "
+        f"{_b(h['moments'])}, gradient buffers {_b(h['grad_buffers'])} (≈ {per:.0f} B/param)",
+        f"  GPU gradient buffers           {_b(f['gpu_grad_bytes'])} (in globals above)",
+        f"  device→host                    {f['d2h_bytes_per_step'] / 1e9:.3g} GB of fp32 "
+        f"gradients → {f['d2h_seconds']:.3g} s",
+        f"  CPU AdamW                      {f['optimizer_seconds']:.3g} s at "
+        f"{f['adamw_params_per_second'] / 1e6:.0f} M params/s",
+        f"  binds                          {f['binds']} (the floor is the longest; they overlap)",
+    ]

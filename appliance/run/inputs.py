@@ -24,6 +24,7 @@ from appliance.data.records import Holdout, check_dataset, check_has_targets, ch
 from appliance.data.templates import is_template_name
 from appliance.engine.blocks import dtype_from_name
 from appliance.errors import NOT_FOUND, ConfigError, StorageError, appliance_command
+from appliance.hardware.host import ram_available_bytes
 from appliance.models import TARGETS, resolve_targets
 from appliance.models.hf_checkpoint import (
     SafetensorsCheckpoint,
@@ -33,6 +34,7 @@ from appliance.models.hf_checkpoint import (
     tokenizer_path,
 )
 from appliance.models.layers import ModelArgs
+from appliance.plan import full
 from appliance.plan.doctor import blocking_problems
 from appliance.run.demo import make_demo
 from appliance.run.record import (
@@ -239,6 +241,12 @@ def check_box(cfg: TrainConfig, args: ModelArgs) -> None:
     device = resolve_device(cfg.device)
     dtype_bytes = dtype_from_name(resolve_dtype(cfg.dtype, device)).itemsize
     problems = blocking_problems(args, device == "cuda", cfg.base_quant, dtype_bytes)
+    if cfg.finetuning_type == "full":  # masters, moments and gradients on the host: 18 B/param
+        trainers = cfg.trainers or 1
+        problem = full.host_problem(
+            args, dtype_bytes, ram_available_bytes(), cfg.freeze_embeddings, trainers
+        )
+        problems += [problem] if problem else []
     if problems:
         problems.append(
             f"({appliance_command()} doctor --model {cfg.model} checks the rest of this box)"

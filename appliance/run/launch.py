@@ -43,6 +43,8 @@ def trainer_settings(inp: Inputs, world_size: int = 1) -> TrainerSettings:
         base_revision=base.revision if base else None,
         world_size=world_size,
         compile_blocks=cfg.compile_blocks,
+        model=str(cfg.model),
+        freeze_embeddings=cfg.freeze_embeddings,
     )
 
 
@@ -95,14 +97,18 @@ def actor_counts(
 
 def start_stores(inp: Inputs, ranks: list[Slot], progress: Progress) -> tuple[dict, dict]:
     """One WeightStore per trainer node (the base model loaded once per node) and the handles
-    to its buffers, both keyed by node id; says how long the load took."""
+    to its buffers, both keyed by node id; says how long the load took. A full fine-tune's
+    stores also give the weights a writable home (actors/weight_home.py)."""
     import ray
 
     cfg = inp.cfg
     store = ray.remote(num_cpus=0)(WeightStore)
     nodes = list(dict.fromkeys(s.node_id for s in ranks))  # each trainer node once
     stores = {
-        n: store.options(**on_node(n)).remote(cfg.model, inp.dtype, cfg.base_quant) for n in nodes
+        n: store.options(**on_node(n)).remote(
+            cfg.model, inp.dtype, cfg.base_quant, writable=cfg.finetuning_type == "full"
+        )
+        for n in nodes
     }
     handles = ray.get([stores[n].handles.remote() for n in nodes])
     handles = dict(zip(nodes, handles, strict=True))

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from appliance.actors.full_trainer import FullTrainer
 from appliance.actors.tokenize_worker import ACTOR_OPTIONS
 from appliance.actors.trainer import Trainer
 from appliance.adapter import model_card
@@ -70,6 +71,9 @@ class Run:
 
     def __init__(self, inp: Inputs, progress: Progress, slots: list[Slot] | None = None):
         self.inp, self.cfg, self.progress = inp, inp.cfg, progress
+        self.full = self.cfg.finetuning_type == "full"  # every weight trains (full_trainer.py)
+        if self.full and self.trainer_class is Trainer:
+            self.trainer_class = FullTrainer
         self.slots = slots  # --cluster: where trainers can go (start.trainer_slots)
         self.state = RunState()
         self.metrics = DriverMetrics()
@@ -554,6 +558,8 @@ class Run:
         self._write_card(done)
         self.report.finish()  # the adapter to the trackers, and their runs ended
         self.record("complete", done)
+        if self.full:  # the writable homes' files go now (weight_home.py)
+            ray.get([s.close.remote() for s in self.stores.values()])
 
     def _write_card(self, done: dict) -> None:
         """The adapter's README.md (model_card.py). A card is documentation: failing to write
@@ -586,5 +592,7 @@ class Run:
         """End this run's actors (the driver's ray.shutdown does it too; tests share one Ray)."""
         import ray
 
+        if self.full:  # the writable homes' files go with their stores (weight_home.py)
+            ray.get([s.close.remote() for s in self.stores.values()])
         for actor in [*self.workers, *self.trainers, *self.stores.values()]:
             ray.kill(actor)

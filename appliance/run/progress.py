@@ -130,6 +130,9 @@ class Progress:
                 record["skipped_steps"] = stats.get("skipped_steps", 0)
             if stats.get("eval_loss") is not None:  # only on the steps that validated
                 record["eval_loss"] = stats["eval_loss"]
+            if "optimizer_host_seconds" in stats:  # a full fine-tune: the host's AdamW, d2h
+                record["optimizer_host_seconds"] = stats["optimizer_host_seconds"]
+                record["d2h_bytes"] = stats["d2h_bytes"]
             print(json.dumps(record), file=self.stream, flush=True)
         elif self.format == "plain":
             validated = stats.get("eval_loss") is not None  # a validation step: always a line

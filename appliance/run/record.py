@@ -43,9 +43,11 @@ IDENTITY_KEYS = (
     "long_documents",
     "mix_data",
     "data_weight",
+    "finetuning_type",
+    "freeze_embeddings",
 )
 # what a run.json written before an identity key existed meant by its absence: such a run packed
-# documents as one stream, had an unquantized base and no held-out split
+# documents as one stream, had an unquantized base and no held-out split, and trained LoRA
 LEGACY_IDENTITY = {
     "base_quant": "none",
     "packing": "stream",
@@ -53,6 +55,8 @@ LEGACY_IDENTITY = {
     "long_documents": "split",
     "mix_data": [],
     "data_weight": 1.0,
+    "finetuning_type": "lora",
+    "freeze_embeddings": False,
 }
 
 

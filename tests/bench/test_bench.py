@@ -23,6 +23,7 @@ import torch
 from appliance.bench import cli as BC
 from appliance.bench import step as B
 from appliance.bench.table import format_table, write_json
+from appliance.engine.memory import step_flops
 from appliance.engine.step import StreamedEngine
 from appliance.errors import ConfigError
 from appliance.models import block_param_count, block_shapes, param_count
@@ -542,3 +543,21 @@ def test_compile_blocks_runs_the_engines_blocks_compiled_and_says_so(tmp_path, c
     assert (e["compile_blocks"], c["compile_blocks"]) == (False, True)
     (loss_e,), (loss_c,) = e["modes"][0]["losses"], c["modes"][0]["losses"]
     assert loss_c == pytest.approx(loss_e, rel=1e-5)
+
+
+def test_the_full_finetune_row_counts_8nt_and_the_gradients_device_to_host():
+    kw = dict(micro_batch_size=1, seq_len=32, micro_batches=2, steps=1, warmup=1)
+    result = B.run_bench("tiny", "cpu", modes=("resident",), finetuning_type="full", **kw)
+    row = result["modes"][0]
+    assert result["finetuning_type"] == "full" and row["fits"]
+    lora_flops = step_flops(B.PRESETS["tiny"].args, row["tokens_per_step"])  # 6·N·T
+    assert row["flops_per_step"] == lora_flops * 8 / 6
+    f = row["full_finetune"]
+    assert f["trained_parameters"] == param_count(B.PRESETS["tiny"].args)
+    assert f["d2h_bytes_per_step"] == 4 * f["trained_parameters"]
+    assert f["d2h_bytes_measured_per_step"] == 0  # a CPU copies nothing device→host
+    assert f["optimizer_host_seconds_per_step"] > 0
+    assert row["floor_seconds"] >= f["floor_d2h_seconds"]
+    assert "full fine-tune, " in format_table(result)
+    with pytest.raises(ConfigError, match="--finetuning-type full .* --base-quant none"):
+        B.run_bench("tiny", "cpu", finetuning_type="full", base_quant="int8", **kw)

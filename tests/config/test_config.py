@@ -477,3 +477,39 @@ def test_eval_or_export_with_another_model_than_the_runs_says_so(tmp_path):
             "than it learned on"
         )
     assert other_model_note(tmp_path / "peft", other, str(other)) is None  # nothing recorded
+
+
+def test_full_finetuning_refuses_a_quantized_base_float16_and_stray_freeze_in_one_line_each():
+    base = {"model": "m", "data": "d", "output": "o"}
+    cfg = C.build_config({"finetuning_type": "full", "freeze_embeddings": True}, base)
+    assert (cfg.finetuning_type, cfg.freeze_embeddings) == ("full", True)
+    assert C.build_config({}, base).finetuning_type == "lora"  # LoRA stays the default
+    with pytest.raises(ConfigError) as e:
+        C.build_config(
+            {"finetuning_type": "full"}, {**base, "base_quant": "nf4", "dtype": "float16"}
+        )
+    assert str(e.value).splitlines() == [
+        "config file: finetuning_type full trains every weight, and a quantized base "
+        "(--base-quant nf4) cannot be trained: use --base-quant none, or --finetuning-type lora "
+        "for QLoRA",
+        "config file: finetuning_type full has no float16 loss scaling for weight gradients: "
+        "use --dtype bfloat16 or float32",
+    ]
+    with pytest.raises(ConfigError, match="^--freeze-embeddings goes with --finetuning-type full$"):
+        C.build_config({}, {**base, "freeze_embeddings": True})
+
+
+def test_resuming_a_full_finetune_as_lora_is_refused_naming_both(tmp_path):
+    import json
+
+    from appliance.run.record import write_run_file
+    from appliance.run.resume import decide_output
+
+    out = tmp_path / "out"
+    out.mkdir()
+    write_run_file(C.build_config({}, {"model": "m", "data": "d", "output": str(out),
+                                       "finetuning_type": "full"}), "interrupted")  # fmt: skip
+    run = json.loads((out / "run.json").read_text())["config"]
+    flags = {"output": str(out), "resume": True, "finetuning_type": "lora"}
+    with pytest.raises(ConfigError, match="--finetuning-type lora \\(the run: full\\)"):
+        decide_output(C.build_config({}, flags, run_values=run))

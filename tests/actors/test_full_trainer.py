@@ -1,0 +1,84 @@
+"""FullTrainer and the weight store's writable home, as plain classes (no Ray): trainers share
+the home's weights, a checkpoint round-trips the model (sharded, as transformers loads it) and the
+optimizer exactly, a restart before any checkpoint puts the base weights back, and a checkpoint
+that is not this model's full fine-tune is refused in one line."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from appliance.actors.full_trainer import INDEX, FullTrainer
+from appliance.actors.trainer import Trainer, TrainerSettings
+from appliance.actors.weight_store import WeightStore
+from appliance.storage.checkpoints import CheckpointError
+from tests.helpers_model import SPEC, batch, make_model
+
+
+def settings(model_dir, **kw) -> TrainerSettings:
+    return TrainerSettings(lora=SPEC, model=str(model_dir), weight_decay=0.01, **kw)
+
+
+def micro_batches(seed: int):
+    ids, labels = batch(4, 16, seed=seed)
+    return [(ids[:2], labels[:2]), (ids[2:], labels[2:])]
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    return make_model(tmp_path / "model", "qwen3-qknorm-tied")
+
+
+def test_trainers_share_the_home_and_a_checkpoint_restores_the_run_exactly(model_dir, tmp_path):
+    store = WeightStore(model_dir, "float32", writable=True)
+    handles = store.handles()
+    assert handles.home is not None and os.path.exists(handles.home)
+    a = FullTrainer(handles, settings(model_dir))
+    a.engine.train_step(micro_batches(0), 1e-3)
+    a.shard_bytes = 100_000  # several shards, as a big model writes them
+    a.save_checkpoint(str(tmp_path / "out"), 1, {}, keep=2)
+    ckpt_model = tmp_path / "out" / "checkpoints" / "step-000001" / "model"
+    assert (ckpt_model / INDEX).is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(ckpt_model, dtype=torch.float32)
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p, a.engine.named_weights()[name]), name
+
+    # a second trainer on the same store maps the same pages: it sees the update
+    b = FullTrainer(handles, settings(model_dir))
+    wa, wb = a.engine.named_weights(), b.engine.named_weights()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # the trainer that died is recreated from the checkpoint: the next step is the same
+    a_stats = a.engine.train_step(micro_batches(1), 1e-3)
+    after_a = {k: v.clone() for k, v in a.engine.named_weights().items()}
+    c = FullTrainer(handles, settings(model_dir))
+    assert c.restore_latest_checkpoint(str(tmp_path / "out"))["name"] == "step-000001"
+    assert c.engine.step_count == 1
+    assert c.engine.train_step(micro_batches(1), 1e-3).loss == a_stats.loss
+    after_c = c.engine.named_weights()
+    assert all(torch.equal(after_a[k], after_c[k]) for k in after_a)
+
+    # with no checkpoint (a trainer that died before the first), the base weights come back
+    d = FullTrainer(handles, settings(model_dir))
+    assert d.restore_latest_checkpoint(str(tmp_path / "empty")) is None
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for name, p in base.named_parameters():
+        assert torch.equal(d.engine.named_weights()[name], p), name
+    store.close()
+    assert not os.path.exists(handles.home)
+
+
+def test_another_models_or_a_lora_runs_state_is_refused_in_one_line(model_dir, tmp_path):
+    other = make_model(tmp_path / "other", "qwen3-qknorm-tied", intermediate_size=96)
+    # (a store owns its home: it is kept while its trainers map it)
+    stores = [WeightStore(d, "float32", writable=True) for d in (model_dir, other)]
+    mine = FullTrainer(stores[0].handles(), settings(model_dir))
+    theirs = FullTrainer(stores[1].handles(), settings(other))
+    with pytest.raises(CheckpointError, match=r"^--resume: part 0: mlp\.\w+\.weight is shape .*"
+                       r"another model's; resume with the model it trained$"):  # fmt: skip
+        mine.load_state_bytes(theirs.state_bytes())
+    lora = Trainer(WeightStore(model_dir, "float32").handles(), settings(model_dir))
+    with pytest.raises(CheckpointError, match="LoRA run's .* --finetuning-type lora$"):
+        mine.load_state_bytes(lora.state_bytes())
