@@ -69,6 +69,13 @@ class ModelArgs:
     # the multimodal architecture whose language model this is (Gemma3ForConditionalGeneration):
     # its tensors and adapter keys are named under it (models/multimodal.py); None: a text model
     language_model_of: str | None = None
+    # ---- mixture of experts (models/moe.py); num_experts 0: a dense model
+    num_experts: int = 0
+    experts_per_token: int = 0  # top-k
+    moe_intermediate_size: int = 0  # one expert's MLP width
+    norm_topk_prob: bool = False  # renormalise the top-k probabilities to sum to 1
+    router_aux_coef: float = 0.0  # the load-balancing loss's weight (0: not added)
+    clip_qkv: float | None = None  # q, k, v clamped to ±clip_qkv (OLMoE)
 
     def window(self, layer: int) -> int | None:
         """The sliding window of block `layer` (keys within `window` positions), None: causal."""
@@ -95,6 +102,9 @@ class ModelArgs:
             # Phi-3's fused modules: rows are q, k, v (resp. gate, up) one after the other
             "self_attn.qkv_proj": ((self.num_heads + 2 * self.num_kv_heads) * hs, C),
             "mlp.gate_up_proj": (2 * inter, C),
+            # one expert's share of a MoE block's fused expert tensors (models/moe.py)
+            "mlp.experts.gate_up_proj": (2 * self.moe_intermediate_size, C),
+            "mlp.experts.down_proj": (C, self.moe_intermediate_size),
         }[module]
 
 

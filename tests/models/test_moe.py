@@ -1,0 +1,100 @@
+"""Mixture-of-experts models (models/moe.py, qwen3_moe.py, olmoe.py): the streamed step equals
+transformers + PEFT (fp32, 1e-5 relative), the load-balancing loss included, LoRA on the
+attention (default) and on the experts (PEFT's target_parameters)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import PeftModel
+
+from appliance.engine.blocks import DictBlockSource
+from appliance.engine.step import StreamedEngine
+from appliance.models.lora import LoraSpec
+from tests.engine.test_engine_parity import RTOL, assert_gradients_match
+from tests.helpers_model import (
+    MOE_VARIANTS,
+    batch,
+    load_hf,
+    lora_with_random_b,
+    make_model,
+    rel_err,
+)
+
+ATTENTION = LoraSpec(rank=4, alpha=8.0, targets=("q", "k", "v", "o"))
+WITH_EXPERTS = LoraSpec(rank=2, alpha=4.0, targets=("q", "v", "experts"))
+
+
+def moe_reference_loss(model, ids, labels) -> torch.Tensor:
+    """transformers' loss: mean NLL plus router_aux_loss_coef × the load-balancing loss when
+    config.json asks for the router logits."""
+    out = model(input_ids=ids)
+    logits = out.logits.float()
+    nll = F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )
+    loss = nll / (labels != -100).sum()
+    config = model.base_model.model.config if hasattr(model, "base_model") else model.config
+    if config.output_router_logits:
+        loss = loss + config.router_aux_loss_coef * out.aux_loss
+    return loss
+
+
+@pytest.mark.parametrize("variant", MOE_VARIANTS)
+@pytest.mark.parametrize("spec", [ATTENTION, WITH_EXPERTS], ids=["attention", "experts"])
+def test_moe_loss_and_every_lora_gradient_match_transformers_with_peft(variant, spec, tmp_path):
+    model_dir = make_model(tmp_path / "model", variant, with_tokenizer=False)
+    source = DictBlockSource.from_hf(model_dir, torch.float32)
+    lora = lora_with_random_b(source.args, spec)
+    lora.save(tmp_path / "adapter")
+    ref = PeftModel.from_pretrained(load_hf(model_dir), tmp_path / "adapter", is_trainable=True)
+    ids, labels = batch(4, 24, seed=2)
+
+    engine = StreamedEngine(source, lora, grad_clip=None)
+    loss, _, _ = engine.forward_backward([(ids[:2], labels[:2]), (ids[2:], labels[2:])], step=0)
+
+    ref_loss = moe_reference_loss(ref, ids, labels)
+    ref_loss.backward()
+    assert rel_err(torch.tensor(loss), ref_loss) < RTOL
+    assert_gradients_match(lora, ref)
+
+
+def packed_rows(seed: int = 4) -> tuple[list, list]:
+    """Two rows of 24 packed tokens (row 0: documents of 10 and 14 tokens, row 1: one of 24),
+    as (ids, labels, (positions, segments)), and the documents alone as (ids, labels) rows."""
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(3, 64, (n,), generator=g) for n in (10, 14, 24)]
+    alone = []
+    for d in docs:
+        labels = torch.cat((d[1:], torch.tensor([-100])))  # no target crosses a document's end
+        labels[:2] = -100
+        alone.append((d[None], labels[None]))
+    ids = torch.stack((torch.cat((docs[0], docs[1])), docs[2]))
+    labels = torch.stack((torch.cat((alone[0][1][0], alone[1][1][0])), alone[2][1][0]))
+    positions = torch.stack((torch.cat((torch.arange(10), torch.arange(14))), torch.arange(24)))
+    segments = torch.stack((torch.tensor([0] * 10 + [1] * 14), torch.zeros(24, dtype=torch.long)))
+    return [(ids, labels, (positions, segments))], alone
+
+
+@pytest.mark.parametrize("variant", MOE_VARIANTS)
+def test_packed_documents_through_a_moe_model_equal_them_one_by_one(variant, tmp_path):
+    """Packed documents (positions restart, attention within a document) through the MoE
+    blocks equal each document alone through transformers + PEFT, experts adapted too. (The
+    load-balancing loss is off: it is a statistic of the whole batch, not of each document.)"""
+    model_dir = make_model(
+        tmp_path / "model", variant, with_tokenizer=False, output_router_logits=False
+    )
+    source = DictBlockSource.from_hf(model_dir, torch.float32)
+    lora = lora_with_random_b(source.args, WITH_EXPERTS)
+    lora.save(tmp_path / "adapter")
+    ref = PeftModel.from_pretrained(load_hf(model_dir), tmp_path / "adapter", is_trainable=True)
+    packed, alone = packed_rows()
+
+    loss, n_target, _ = StreamedEngine(source, lora, grad_clip=None).forward_backward(packed, 0)
+
+    ref_loss = sum(moe_reference_loss(ref, ids, lab) * (lab != -100).sum() for ids, lab in alone)
+    ref_loss = ref_loss / n_target
+    ref_loss.backward()
+    assert rel_err(torch.tensor(loss), ref_loss) < RTOL
+    assert_gradients_match(lora, ref)
