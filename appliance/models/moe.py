@@ -65,7 +65,7 @@ def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _lora_delta(ab: tuple[torch.Tensor, torch.Tensor], j: int, num: int) -> tuple:
+def expert_lora(ab: tuple[torch.Tensor, torch.Tensor], j: int, num: int) -> tuple:
     """Expert j's LoRA factors (B_j (out, r), A_j (r, in)) from PEFT's layout for a 3-D
     parameter (`target_parameters`): A (r·E, in), its rows expert-major; B (out, r·E), its
     columns rank-major (expert fastest)."""
@@ -81,7 +81,7 @@ def _merged(
     into the expert's weight before the matmul: W + scale · B @ A, one baddbmm)."""
     if ab is None:
         return w
-    B, A = _lora_delta(ab, j, num)
+    B, A = expert_lora(ab, j, num)
     return torch.addmm(w, B, A, alpha=scale)
 
 

@@ -7,11 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from peft import PeftModel
+from peft import PeftModel, get_peft_model_state_dict
 
+from appliance.adapter.export import export_merged
 from appliance.engine.blocks import DictBlockSource
 from appliance.engine.step import StreamedEngine
-from appliance.models.lora import LoraSpec
+from appliance.errors import ConfigError
+from appliance.models import resolve_targets
+from appliance.models.hf_checkpoint import read_model_args
+from appliance.models.lora import LoraSpec, LoraWeights
 from tests.engine.test_engine_parity import RTOL, assert_gradients_match
 from tests.helpers_model import (
     MOE_VARIANTS,
@@ -98,3 +102,47 @@ def test_packed_documents_through_a_moe_model_equal_them_one_by_one(variant, tmp
     ref_loss.backward()
     assert rel_err(torch.tensor(loss), ref_loss) < RTOL
     assert_gradients_match(lora, ref)
+
+
+def test_a_trained_moe_adapter_loads_in_peft_and_its_export_gives_the_same_logits(tmp_path):
+    """Train LoRA on Qwen3-MoE's attention and experts → the adapter loads with
+    PeftModel.from_pretrained (no key missing or unexpected) and gives the engine's logits →
+    `appliance export` merges it, experts included, into a checkpoint plain transformers loads
+    with the same logits."""
+    model_dir = make_model(tmp_path / "model", "qwen3-moe")
+    source = DictBlockSource.from_hf(model_dir, torch.float32)
+    lora = LoraWeights(source.args, WITH_EXPERTS)  # PEFT's initialisation: B = 0
+    engine = StreamedEngine(source, lora)
+    for step in range(2):
+        ids, labels = batch(4, 16, seed=20 + step)
+        engine.train_step([(ids[:2], labels[:2]), (ids[2:], labels[2:])], lr=5e-2)
+    lora.save(tmp_path / "adapter")
+
+    peft = PeftModel.from_pretrained(load_hf(model_dir), tmp_path / "adapter").eval()
+    result = peft.load_adapter(tmp_path / "adapter", adapter_name="again")
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    loaded = get_peft_model_state_dict(peft, adapter_name="again")
+    assert sorted(loaded) == sorted(lora.peft_state_dict())
+    ids, _ = batch(2, 24, seed=99)
+    with torch.no_grad():
+        theirs = peft(input_ids=ids).logits.float()
+        base = load_hf(model_dir)(input_ids=ids).logits.float()
+    assert rel_err(engine.logits(ids), theirs) < RTOL
+    assert rel_err(base, theirs) > 1e-3  # the adapter moved
+
+    out = export_merged(model_dir, tmp_path / "adapter", tmp_path / "merged")
+    with torch.no_grad():
+        merged = load_hf(out)(input_ids=ids).logits.float()
+    assert rel_err(merged, theirs) < RTOL
+
+
+def test_lora_on_the_experts_is_named_and_refused_with_dropout(tmp_path):
+    model_dir = make_model(tmp_path / "model", "olmoe", with_tokenizer=False)
+    args = read_model_args(model_dir)
+    # the Llama defaults adapt a MoE block's attention; gate/up/down alone are not its modules
+    assert resolve_targets(args, ("q", "k", "v", "o", "gate", "up", "down")) == ("q", "k", "v", "o")
+    assert resolve_targets(args, ("v", "experts")) == ("v", "experts")
+    with pytest.raises(ConfigError, match="--lora-targets gate: OlmoeForCausalLM has no such"):
+        resolve_targets(args, ("q", "gate"))
+    with pytest.raises(ConfigError, match="--lora-dropout 0.1: LoRA on the experts takes no"):
+        LoraWeights(args, LoraSpec(rank=2, dropout=0.1, targets=("q", "experts")))
