@@ -129,8 +129,19 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         dict(num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, intermediate_size=32,
              clip_qkv=0.5),
     ),
+    # sinks, sliding (8 < T) and full layers, biases everywhere, YaRN (T > 16: interpolated
+    # frequencies), top-2 of 6 by the top logits then softmax, clamped SwiGLU; the loss on
+    "gpt-oss": (
+        "GptOssForCausalLM",
+        dict(num_key_value_heads=2, head_dim=16, num_local_experts=6, num_experts_per_tok=2,
+             intermediate_size=24, sliding_window=8, output_router_logits=True,
+             router_aux_loss_coef=0.02,
+             rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                              "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                              "original_max_position_embeddings": 16}),
+    ),
 }  # fmt: skip
-MOE_VARIANTS = ("qwen3-moe", "mixtral", "olmoe")
+MOE_VARIANTS = ("qwen3-moe", "mixtral", "olmoe", "gpt-oss")
 
 
 def _multimodal(config_class, vision: dict, **outer):
@@ -155,6 +166,7 @@ _CONFIGS = {
     "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
     "MixtralForCausalLM": transformers.MixtralConfig,
     "OlmoeForCausalLM": transformers.OlmoeConfig,
+    "GptOssForCausalLM": transformers.GptOssConfig,
     "Gemma3ForConditionalGeneration": _multimodal(
         transformers.Gemma3Config, _VISION, mm_tokens_per_image=4
     ),

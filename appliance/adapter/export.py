@@ -169,17 +169,27 @@ def _merge(tensors: dict[str, torch.Tensor], lora: LoraWeights) -> int:
     return merged
 
 
-def _merge_experts(
-    tensors: dict[str, torch.Tensor], lora: LoraWeights, i: int, module: str
-) -> int:
+def _merge_experts(tensors: dict[str, torch.Tensor], lora: LoraWeights, i: int, module: str) -> int:
     """Fold LoRA on block i's experts (PEFT's layout for the fused tensors: moe.expert_lora)
-    into each expert's weights as the checkpoint stores them apart: gate_up's update's first I
-    rows into the gate weight, the others into the up weight; down's into the down weight.
-    Returns 1 when the block's experts are among `tensors`, else 0."""
+    into the experts' weights as the checkpoint stores them: apart (gate_up's update's first I
+    rows into the gate weight, the others into the up weight; down's into the down weight),
+    or fused and transposed (gpt-oss). Returns 1 when the block's experts are among `tensors`,
+    else 0."""
     args = lora.args
     layout = expert_layout(args)
     A, B = (p.detach().float().cpu() for p in lora.blocks[i][module])
     prefix = f"model.layers.{i}."
+    if layout is None:  # fused as the files store them (gpt-oss: (E, in, out), transposed)
+        name = prefix + module
+        if name not in tensors:
+            return 0
+        W = tensors[name]
+        merged = W.float()
+        for j in range(args.num_experts):
+            Bj, Aj = moe.expert_lora((A, B), j, args.num_experts)
+            merged[j] += ((Bj @ Aj) * lora.spec.scale).T
+        tensors[name] = merged.to(W.dtype)
+        return 1
     if prefix + layout.down.format(0) not in tensors:
         return 0
     for j in range(args.num_experts):

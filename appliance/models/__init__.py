@@ -30,7 +30,7 @@ import types
 import torch
 
 from appliance.errors import ConfigError
-from appliance.models import gemma, layers, llama, moe, olmoe, phi3, qwen3, qwen3_moe
+from appliance.models import gemma, gpt_oss, layers, llama, moe, olmoe, phi3, qwen3, qwen3_moe
 
 FAMILIES: dict[str, types.ModuleType] = {
     "LlamaForCausalLM": llama,
@@ -43,6 +43,7 @@ FAMILIES: dict[str, types.ModuleType] = {
     "Qwen3MoeForCausalLM": qwen3_moe,
     "MixtralForCausalLM": qwen3_moe,
     "OlmoeForCausalLM": olmoe,
+    "GptOssForCausalLM": gpt_oss,
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 

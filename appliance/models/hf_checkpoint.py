@@ -28,7 +28,7 @@ from appliance.storage.names import why_outside
 # the text architectures, then the multimodal ones whose language model is trained (see
 # models/multimodal.py: the vision tower is left as it is)
 SUPPORTED_ARCHITECTURES = models.SUPPORTED_ARCHITECTURES + multimodal.ARCHITECTURES
-MOE_ARCHITECTURES = tuple(a for a, f in models.FAMILIES.items() if hasattr(f, "layout"))
+MOE_ARCHITECTURES = tuple(a for a, f in models.FAMILIES.items() if getattr(f, "MOE", False))
 # the architecture of a config.json that names none, by its model_type (transformers'
 # AutoModelForCausalLM mapping, for the families supported here)
 MODEL_TYPES = {
@@ -44,6 +44,7 @@ MODEL_TYPES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 # what a safetensors file that cannot be read raises: a missing or unreadable file (OSError), a
 # truncated or garbled header (SafetensorError), a tensor past the end of the file (RuntimeError)

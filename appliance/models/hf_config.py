@@ -28,6 +28,8 @@ def model_fields(arch: str, cfg: dict, where: Path) -> dict[str, Any]:
         fields.update(_phi3_fields(cfg, where, fields))
     elif family in (models.qwen3_moe, models.olmoe):
         fields.update(_moe_fields(arch, cfg, where, fields))
+    elif family is models.gpt_oss:
+        fields.update(_gpt_oss_fields(cfg, where, fields["num_layers"]))
     else:
         fields.update(_llama_fields(arch, cfg, where))
     return fields
@@ -128,6 +130,7 @@ def _rope(
         "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
         "linear": ("factor",),
         "longrope": ("short_factor", "long_factor"),
+        "yarn": ("factor",),
     }[kind]
     if kind != "linear" and "original_max_position_embeddings" in cfg:
         rope.setdefault("original_max_position_embeddings", cfg["original_max_position_embeddings"])
@@ -141,6 +144,11 @@ def _rope(
     if kind == "llama3":  # (no rope_type item: llama3 is the default reading of rope_scaling)
         return rope_theta, tuple(sorted(items.items()))
     items["rope_type"] = kind
+    if kind == "yarn":  # optional (layers._yarn_inv_freq, layers._yarn_attention_factor)
+        for k in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+            if rope.get(k) is not None:
+                items[k] = float(rope[k])
+        items["truncate"] = bool(rope.get("truncate", True))
     if kind == "longrope":
         items["short_factor"] = tuple(float(x) for x in rope["short_factor"])
         items["long_factor"] = tuple(float(x) for x in rope["long_factor"])
@@ -353,3 +361,46 @@ def _moe_fields(arch: str, cfg: dict, where: Path, common: dict[str, Any]) -> di
         clip = cfg.get("clip_qkv")
         out["clip_qkv"] = float(clip) if clip is not None else None
     return out
+
+
+def _gpt_oss_fields(cfg: dict, where: Path, num_layers: int) -> dict[str, Any]:
+    """gpt-oss (models/gpt_oss.py): YaRN RoPE, alternating sliding/full layers, biases on every
+    projection, top-k-then-softmax routing. Its released checkpoints' MXFP4 experts are
+    refused by name (dequantize them first)."""
+    qc = cfg.get("quantization_config") or {}
+    if qc:
+        method = qc.get("quant_method", "?")
+        raise ModelError(
+            f"{where}: quantization_config (quant_method {method!r}: the experts stored "
+            "quantized) is not supported; dequantize the model first: load it with "
+            "transformers' Mxfp4Config(dequantize=True) and save_pretrained it"
+        )
+    for key, default in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):
+        if float(cfg.get(key, default)) != default:
+            raise ModelError(f"{where}: {key}={cfg[key]} is not supported (only {default})")
+    field, rope = _rope_dict(cfg)
+    theta, scaling = _rope(rope, cfg, where, field, ("yarn",), theta=150000.0)
+    _no_partial_rotary(cfg, rope, where)
+    experts, k = int(cfg.get("num_local_experts", 128)), int(cfg.get("num_experts_per_tok", 4))
+    if not 1 <= k <= experts:
+        raise ModelError(
+            f"{where}: num_local_experts={experts} with num_experts_per_tok={k}: need 1 ≤ "
+            "num_experts_per_tok ≤ num_local_experts"
+        )
+    bias = bool(cfg.get("attention_bias", True))
+    sliding = cfg.get("sliding_window", 128)
+    types = _layer_types(cfg, where, num_layers, 2)  # left out: sliding, full, sliding, ...
+    return dict(
+        rope_theta=theta,
+        rope_scaling=scaling,
+        attention_bias=bias,
+        o_bias=bias,
+        sliding_window=int(sliding) if sliding else None,
+        layer_types=types,
+        num_experts=experts,
+        experts_per_token=k,
+        moe_intermediate_size=int(cfg["intermediate_size"]),
+        router_aux_coef=float(cfg.get("router_aux_loss_coef", 0.001))
+        if cfg.get("output_router_logits")
+        else 0.0,
+    )

@@ -13,6 +13,7 @@ from appliance.models import layers, moe, qwen3_moe
 NORMS = ("input_layernorm", "post_attention_layernorm")
 LINEARS = qwen3_moe.LINEARS
 TARGETS = qwen3_moe.TARGETS
+MOE = True  # a mixture of experts (hf_checkpoint.MOE_ARCHITECTURES)
 DEFAULT_TARGETS = qwen3_moe.DEFAULT_TARGETS
 LAYOUT = qwen3_moe.LAYOUTS["Qwen3MoeForCausalLM"]
 

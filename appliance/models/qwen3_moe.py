@@ -24,6 +24,7 @@ LINEARS = tuple(layers.TARGET_MODULES[t] for t in ("q", "k", "v", "o"))
 TARGETS = ("q", "k", "v", "o", "experts")
 # the attention targets by default: --lora-targets' Llama defaults name gate/up/down, which a
 # MoE block has only inside its experts
+MOE = True  # a mixture of experts (hf_checkpoint.MOE_ARCHITECTURES)
 DEFAULT_TARGETS = ("q", "k", "v", "o")
 
 LAYOUTS = {

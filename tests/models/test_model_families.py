@@ -28,11 +28,13 @@ def test_every_tensor_of_the_checkpoint_is_read_with_the_shape_config_json_impli
         headers = {n: h for n, h in headers.items() if n not in others}
     assert expected_shapes(args) == {name: shape for name, (shape, _) in headers.items()}
     # quantization covers every linear weight (the block's 2-D tensors), fused ones and a MoE
-    # block's experts included, not its router
+    # block's experts stored apart included, not its router (nor gpt-oss's (E, out) biases)
     linear = models.linear_weight_names(args)
     two_d = {n for n, s in models.block_shapes(args).items() if len(s) == 2}
-    moe = models.expert_layout(args)
-    assert set(linear) == two_d - ({moe.router} if moe else set())
+    two_d = {n for n in two_d if not n.endswith("_bias")}
+    routers = {n for n in two_d if n in ("mlp.gate.weight", "block_sparse_moe.gate.weight",
+                                         "mlp.router.weight")}  # fmt: skip
+    assert set(linear) == two_d - routers
     assert all(quant.is_linear_weight(n) for n in linear)
 
 
@@ -146,6 +148,10 @@ def test_gemma3_configs_of_either_transformers_generation_read_the_same(tmp_path
         ("Qwen3MoeForCausalLM", dict(num_experts_per_tok=200), "num_local_experts=128 with "
          "num_experts_per_tok=200"),
         ("MixtralForCausalLM", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
+        ("GptOssForCausalLM", dict(quantization_config={"quant_method": "mxfp4"}),
+         "quantization_config (quant_method 'mxfp4': the experts stored quantized) is not "
+         "supported; dequantize the model first"),
+        ("GptOssForCausalLM", dict(swiglu_limit=8.0), "swiglu_limit=8.0 is not supported"),
         ("LlamaForCausalLM", dict(architectures=["LlavaForConditionalGeneration"],
                                   vision_config={"model_type": "clip_vision_model"}),
          "architecture ['LlavaForConditionalGeneration'] has a vision tower; supported are "

@@ -104,12 +104,15 @@ def test_packed_documents_through_a_moe_model_equal_them_one_by_one(variant, tmp
     assert_gradients_match(lora, ref)
 
 
-def test_a_trained_moe_adapter_loads_in_peft_and_its_export_gives_the_same_logits(tmp_path):
-    """Train LoRA on Qwen3-MoE's attention and experts → the adapter loads with
-    PeftModel.from_pretrained (no key missing or unexpected) and gives the engine's logits →
-    `appliance export` merges it, experts included, into a checkpoint plain transformers loads
-    with the same logits."""
-    model_dir = make_model(tmp_path / "model", "qwen3-moe")
+@pytest.mark.parametrize("variant", ["qwen3-moe", "gpt-oss"])
+def test_a_trained_moe_adapter_loads_in_peft_and_its_export_gives_the_same_logits(
+    variant, tmp_path
+):
+    """Train LoRA on the attention and experts (stored apart: Qwen3-MoE; fused: gpt-oss) → the
+    adapter loads with PeftModel.from_pretrained (no key missing or unexpected) and gives the
+    engine's logits → `appliance export` merges it, experts included, into a checkpoint plain
+    transformers loads with the same logits."""
+    model_dir = make_model(tmp_path / "model", variant)
     source = DictBlockSource.from_hf(model_dir, torch.float32)
     lora = LoraWeights(source.args, WITH_EXPERTS)  # PEFT's initialisation: B = 0
     engine = StreamedEngine(source, lora)
