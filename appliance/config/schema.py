@@ -68,7 +68,8 @@ class TrainConfig:
     lora_targets: tuple[str, ...] = _f(
         tuple(TARGET_MODULES),
         "Modules to adapt, comma-separated: " + ",".join(TARGET_MODULES) + " (Phi-3's fused "
-        "modules: qkv, gate_up, which q,k,v and gate,up also name).",
+        "modules: qkv, gate_up, which q,k,v and gate,up also name; a mixture of experts: "
+        "q,k,v,o by default, and `experts` for every expert's gate_up and down).",
     )
     # ---- hardware
     device: str = _f("auto", "auto | cpu | cuda.")
