@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from peft import PeftModel, get_peft_model_state_dict
 
+from appliance import models
 from appliance.adapter.export import export_merged
 from appliance.engine.blocks import DictBlockSource
 from appliance.engine.step import StreamedEngine
@@ -149,3 +150,96 @@ def test_lora_on_the_experts_is_named_and_refused_with_dropout(tmp_path):
         resolve_targets(args, ("q", "gate"))
     with pytest.raises(ConfigError, match="--lora-dropout 0.1: LoRA on the experts takes no"):
         LoraWeights(args, LoraSpec(rank=2, dropout=0.1, targets=("q", "experts")))
+
+
+@pytest.mark.parametrize("variant, kind", [("qwen3-moe", "nf4"), ("mixtral", "int8")])
+def test_a_quantized_moe_base_quantizes_every_expert_and_computes_with_its_dequantized_weights(
+    variant, kind, tmp_path
+):
+    """--base-quant int8/nf4 on a MoE model: every expert's matrices are quantized (the
+    router and norms are not), and the step equals the same step on the dequantized weights."""
+    from appliance import quant
+
+    model_dir = make_model(tmp_path / "model", variant, with_tokenizer=False)
+    quantized = DictBlockSource.from_hf(model_dir, torch.float32, base_quant=kind)
+    layout = models.expert_layout(quantized.args)
+    block = quantized.block(0)
+    experts = set(layout.expert_weights(quantized.args))
+    assert {n for n, t in block.items() if isinstance(t, quant.QuantizedTensor)} == experts | {
+        f"self_attn.{p}_proj.weight" for p in "qkvo"
+    }
+    plain = DictBlockSource(
+        quantized.args,
+        quantized.globals(),
+        [
+            {n: quant.dequantize(t, torch.float32) if isinstance(t, quant.QuantizedTensor) else t
+             for n, t in quantized.block(i).items()}
+            for i in range(quantized.num_blocks)
+        ],
+    )  # fmt: skip
+    ids, labels = batch(2, 16, seed=6)
+    losses = []
+    for source in (quantized, plain):
+        lora = lora_with_random_b(source.args, WITH_EXPERTS)
+        losses.append(StreamedEngine(source, lora).forward_backward([(ids, labels)], 0)[0])
+    assert losses[0] == losses[1]
+
+
+def _moe_inputs(E=6, C=32, width=16, N=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    gate, up = torch.randn(E, width, C, generator=g) / 6, torch.randn(E, width, C, generator=g) / 6
+    down = torch.randn(E, C, width, generator=g) / 4
+    x = torch.randn(N, C, generator=g)
+    router = torch.randn(E, C, generator=g)
+    return x, router, gate, up, down
+
+
+def test_fused_experts_equal_the_same_experts_stored_apart_with_lora_on_them():
+    """moe.FusedExperts (transformers v5's in-memory layout, gate_up (E, 2I, C); what Qwen3.5-MoE
+    checkpoints store) and moe.SplitExperts (released Qwen3-MoE checkpoints) compute the same
+    MoE output, LoRA on the experts included, and the same gradients for it."""
+    from appliance.models import layers, moe
+
+    E, r = 6, 2
+    x, router, gate, up, down = _moe_inputs(E)
+    split = {f"e.{j}.{n}": t[j] for j in range(E) for n, t in (("g", gate), ("u", up), ("d", down))}
+    g = torch.Generator().manual_seed(1)
+    A1, B1 = torch.randn(r * E, 32, generator=g), torch.randn(32, r * E, generator=g)
+    A2, B2 = torch.randn(r * E, 16, generator=g), torch.randn(32, r * E, generator=g)
+    results = []
+    for fused in (True, False):
+        params = [p.clone().requires_grad_(True) for p in (A1, B1, A2, B2)]
+        lora = layers.LoraContext(
+            {moe.GATE_UP: tuple(params[:2]), moe.DOWN: tuple(params[2:])}, 0.5
+        )
+        if fused:
+            experts = moe.FusedExperts(torch.cat((gate, up), dim=1), down, lora)
+        else:
+            experts = moe.SplitExperts(split, ("e.{}.g", "e.{}.u", "e.{}.d"), E, lora)
+        y, logits = moe.sparse_moe(x, router, experts, moe.Routing(2, renormalize=True))
+        y.square().sum().backward()
+        results.append([y.detach()] + [p.grad for p in params])
+    for a, b in zip(*results, strict=True):
+        assert rel_err(a, b) < RTOL  # (one fused matmul for gate and up, or two: rounding)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_grouped_gemm_equals_the_loop_over_experts_on_cuda():
+    """On CUDA, bf16, fused experts without LoRA run as grouped GEMMs (torch._grouped_mm); they
+    give the loop's output to bf16's rounding."""
+    from appliance.models import moe
+
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this PyTorch has no torch._grouped_mm")
+    x, router, gate, up, down = (t.cuda().bfloat16() for t in _moe_inputs(8, 64, 32, 300))
+    experts = moe.FusedExperts(torch.cat((gate, up), dim=1), down)
+    assert experts.grouped()
+    routing = moe.Routing(2, renormalize=True)
+    grouped, _ = moe.sparse_moe(x, router, experts, routing)
+    weights, index = moe.route(torch.nn.functional.linear(x, router), routing)
+    loop = torch.zeros_like(x)
+    for j in range(8):
+        rows, pos = torch.where(index == j)
+        loop.index_add_(0, rows, experts.forward(j, x[rows]) * weights[rows, pos, None])
+    torch.testing.assert_close(grouped.float(), loop.float(), rtol=2e-2, atol=2e-2)
