@@ -6,7 +6,12 @@ A family is a module of pure functions and tables (see llama.py, qwen3.py, gemma
 - TARGETS: the LoRA target short names it has (and FUSED, for fused modules, the Llama
   targets each one stands for);
 - block_forward(x, w, args, layer, cos, sin, lora, mask): one block, (B·T, C) → (B·T, C): the
-  rows flattened (T: the RoPE table's length; layers.heads).
+  rows flattened (T: the RoPE table's length; layers.heads);
+- a mixture of experts (qwen3_moe.py, olmoe.py, gpt_oss.py) also has MOE = True,
+  DEFAULT_TARGETS (what the Llama default targets mean on it: the attention), extra_shapes(args)
+  (router, experts, other tensors of its own), and its block_forward takes `router_logits`, a
+  list it appends the router's logits to (the load-balancing loss); those whose checkpoints
+  store each expert apart have layout(args) (moe.Layout: the experts' names).
 
 Everything here is keyed by the block's HF tensor names without the `model.layers.{i}.` prefix.
 Attention kernels (layers.attention, layers.attend): Llama, Mistral, Qwen2, Qwen3 and Phi-3 run
@@ -15,8 +20,9 @@ explicit mask when the sequence is longer than the window; Gemma 2 soft-caps its
 SDPA cannot do, and writes its scores out in full (softmax in fp32). See docs/models.md.
 
 The package: layers.py (ModelArgs and the shared layers: RoPE, attention, MLP, LoRA'd linear,
-loss), attention.py, one file per family (llama, qwen3, gemma, phi3; multimodal.py for the text
-model inside image-text checkpoints), hf_config.py and hf_checkpoint.py (reading a Hugging Face
+loss), attention.py, moe.py (the mixture-of-experts MLP: router, experts, load-balancing loss),
+one file per family (llama, qwen3, gemma, phi3, qwen3_moe (also Mixtral), olmoe, gpt_oss;
+multimodal.py for the text model inside image-text checkpoints), hf_config.py and hf_checkpoint.py (reading a Hugging Face
 model directory), lora.py (adapter shapes and files, PEFT's format), presets.py (named shapes for
 the plan and the bench). This file is the families' table and the block's tensor layout.
 """
