@@ -108,7 +108,40 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         "Mistral3ForConditionalGeneration",
         dict(num_key_value_heads=2, head_dim=32, sliding_window=None, rope_theta=1e6),
     ),
-}
+    # mixture of experts (models/moe.py): top-8 of 10 experts renormalised, q/k head norms, the
+    # load-balancing loss on
+    "qwen3-moe": (
+        "Qwen3MoeForCausalLM",
+        dict(num_key_value_heads=2, head_dim=16, num_experts=10, num_experts_per_tok=8,
+             moe_intermediate_size=24, norm_topk_prob=True, output_router_logits=True,
+             router_aux_loss_coef=0.05, rope_theta=1e6),
+    ),
+    # top-2 of 4, always renormalised, weights in fp32; a sliding window 20 < T; the loss on
+    "mixtral": (
+        "MixtralForCausalLM",
+        dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+             intermediate_size=40, sliding_window=20, output_router_logits=True,
+             router_aux_loss_coef=0.02),
+    ),
+    # top-2 of 6, not renormalised; q/k norms over whole projections, q/k/v clipped
+    "olmoe": (
+        "OlmoeForCausalLM",
+        dict(num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, intermediate_size=32,
+             clip_qkv=0.5),
+    ),
+    # sinks, sliding (8 < T) and full layers, biases everywhere, YaRN (T > 16: interpolated
+    # frequencies), top-2 of 6 by the top logits then softmax, clamped SwiGLU; the loss on
+    "gpt-oss": (
+        "GptOssForCausalLM",
+        dict(num_key_value_heads=2, head_dim=16, num_local_experts=6, num_experts_per_tok=2,
+             intermediate_size=24, sliding_window=8, output_router_logits=True,
+             router_aux_loss_coef=0.02,
+             rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                              "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                              "original_max_position_embeddings": 16}),
+    ),
+}  # fmt: skip
+MOE_VARIANTS = ("qwen3-moe", "mixtral", "olmoe", "gpt-oss")
 
 
 def _multimodal(config_class, vision: dict, **outer):
@@ -130,6 +163,10 @@ _CONFIGS = {
     "Gemma2ForCausalLM": transformers.Gemma2Config,
     "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
     "Phi3ForCausalLM": transformers.Phi3Config,
+    "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
+    "MixtralForCausalLM": transformers.MixtralConfig,
+    "OlmoeForCausalLM": transformers.OlmoeConfig,
+    "GptOssForCausalLM": transformers.GptOssConfig,
     "Gemma3ForConditionalGeneration": _multimodal(
         transformers.Gemma3Config, _VISION, mm_tokens_per_image=4
     ),
@@ -157,6 +194,8 @@ def make_model(
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # decisive routing
+                p.mul_(10.0)
     directory = Path(directory)
     model.save_pretrained(directory, max_shard_size="100KB" if shards else "5GB")
     if with_tokenizer:

@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 from appliance.adapter import model_card
 from appliance.adapter.scratch import clean_dead, scratch_dir
 from appliance.errors import NO_SPACE, OTHER, ConfigError, ModelError, StorageError, first_line
-from appliance.models import hf_checkpoint
+from appliance.models import EXPERT_MODULES, expert_layout, hf_checkpoint, moe
 from appliance.models.lora import ADAPTER_CONFIG, LoraWeights, load_adapter
 from appliance.storage import uri as storage
 from appliance.storage.localize import OTHER_WEIGHT_FILES, cache_root
@@ -156,6 +156,9 @@ def _merge(tensors: dict[str, torch.Tensor], lora: LoraWeights) -> int:
     merged = 0
     for i, block in enumerate(lora.blocks):
         for module, (A, B) in block.items():
+            if module in EXPERT_MODULES:
+                merged += _merge_experts(tensors, lora, i, module)
+                continue
             name = f"model.layers.{i}.{module}.weight"
             if name not in tensors:
                 continue
@@ -164,6 +167,43 @@ def _merge(tensors: dict[str, torch.Tensor], lora: LoraWeights) -> int:
             tensors[name] = (W.float() + delta).to(W.dtype)  # (out, in)
             merged += 1
     return merged
+
+
+def _merge_experts(tensors: dict[str, torch.Tensor], lora: LoraWeights, i: int, module: str) -> int:
+    """Fold LoRA on block i's experts (PEFT's layout for the fused tensors: moe.expert_lora)
+    into the experts' weights as the checkpoint stores them: apart (gate_up's update's first I
+    rows into the gate weight, the others into the up weight; down's into the down weight),
+    or fused and transposed (gpt-oss). Returns 1 when the block's experts are among `tensors`,
+    else 0."""
+    args = lora.args
+    layout = expert_layout(args)
+    A, B = (p.detach().float().cpu() for p in lora.blocks[i][module])
+    prefix = f"model.layers.{i}."
+    if layout is None:  # fused as the files store them (gpt-oss: (E, in, out), transposed)
+        name = prefix + module
+        if name not in tensors:
+            return 0
+        W = tensors[name]
+        merged = W.float()
+        for j in range(args.num_experts):
+            Bj, Aj = moe.expert_lora((A, B), j, args.num_experts)
+            merged[j] += ((Bj @ Aj) * lora.spec.scale).T
+        tensors[name] = merged.to(W.dtype)
+        return 1
+    if prefix + layout.down.format(0) not in tensors:
+        return 0
+    for j in range(args.num_experts):
+        Bj, Aj = moe.expert_lora((A, B), j, args.num_experts)
+        delta = (Bj @ Aj) * lora.spec.scale  # (out, in)
+        if module == moe.GATE_UP:
+            parts = zip((layout.gate, layout.up), delta.chunk(2), strict=True)
+        else:
+            parts = [(layout.down, delta)]
+        for pattern, d in parts:
+            name = prefix + pattern.format(j)
+            W = tensors[name]
+            tensors[name] = (W.float() + d).to(W.dtype)
+    return 1
 
 
 def export_to(

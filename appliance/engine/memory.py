@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from appliance.models import block_param_count
+from appliance.models import active_block_param_count
 from appliance.models.layers import HEAD_CHUNK_VALUES, ModelArgs
 
 
@@ -167,8 +167,10 @@ def blocks_uploaded_per_step(num_blocks: int, resident_blocks: int) -> int:
 
 def step_flops(args: ModelArgs, tokens: int) -> float:
     """≈ 6·N·T for LoRA with recompute: forward, recompute, input-gradient (DESIGN.md); N counts
-    the blocks' parameters only (not attention scores, embeddings or the head)."""
-    return 6.0 * args.num_layers * block_param_count(args) * tokens
+    the blocks' parameters only (not attention scores, embeddings or the head), and of a
+    mixture of experts the active ones: each token's k experts and the router
+    (models.active_block_param_count)."""
+    return 6.0 * args.num_layers * active_block_param_count(args) * tokens
 
 
 def gpu_budget_problem(text: str, n: int) -> str | None:

@@ -48,6 +48,7 @@ from appliance.engine.saved_inputs import SavedInputs
 from appliance.errors import ConfigError
 from appliance.models import layers
 from appliance.models.lora import LoraSpec, LoraWeights
+from appliance.models.moe import LoadBalance
 
 #: What a plan is sized for, of a batch (batch_sizes)
 SIZES = ("tokens", "biggest", "longest")
@@ -315,12 +316,14 @@ class StreamedEngine:
         save: bool,
         first: int = 0,
         attn: list | None = None,
+        balance: LoadBalance | None = None,
     ) -> list[torch.Tensor]:
         """Layer-major forward under no_grad. Returns the last hidden states.
         `save` (training): keep each block's inputs in `self.saved`, and the last block on the
         device for the backward; otherwise (eval, logits) every streamed block is released.
         `first`: the global-batch index of micro_batches[0] (this rank's offset). `attn`: the
-        micro-batches' `_attention_inputs`, when the caller keeps them for its backward."""
+        micro-batches' `_attention_inputs`, when the caller keeps them for its backward.
+        `balance`: observes each MoE block's router logits (the load-balancing loss)."""
         L = self.args.num_layers
         g = self.weights.globals
         self.weights.drop_streamed(keep=0)  # what a pass that raised left in the slots
@@ -344,7 +347,10 @@ class StreamedEngine:
                             self.saved.save(i, h)
                         lora.generator = self._generator(step, i, first + m)
                         cos, sin, mask = self._block_inputs(attn[m], h.shape[1], i)
-                        hs[m] = self._block(h, w, self.args, cos, sin, lora, mask, layer=i)
+                        extra = {} if balance is None else {"router_logits": []}
+                        hs[m] = self._block(h, w, self.args, cos, sin, lora, mask, layer=i, **extra)
+                        if balance is not None:
+                            balance.observe(extra["router_logits"])
                 if i + 1 < L or not save:
                     self.weights.release(i)  # in training the last block stays: backward's first
                 # a quantized block's dequantized weights go before the next block's are made
@@ -383,8 +389,12 @@ class StreamedEngine:
         # positions, document masks and RoPE tables: made once, for the forward and the backward
         with self._busy():
             attn = [self._attention_inputs(mb) for mb in micro_batches]
+        balance = self._load_balance()
         if micro_batches:
-            hs = self._forward(micro_batches, step, dropout=True, save=True, first=first, attn=attn)
+            hs = self._forward(
+                micro_batches, step, dropout=True, save=True, first=first, attn=attn,
+                balance=balance,
+            )  # fmt: skip
             # head: this share's part of the global batch's loss, and d(loss)/d(last hidden states)
             grads = []
             with self._busy():
@@ -394,6 +404,13 @@ class StreamedEngine:
                     loss += part
                     grads.append(grad)
             del hs
+        if balance is not None:  # the load-balancing loss: this rank's share of it
+            if self.group is not None:  # its expert counts are the global batch's
+                totals = torch.cat([balance.counts, torch.tensor([balance.rows])]).to(self.device)
+                dist.all_reduce(totals, group=self.group)
+                balance.counts, balance.rows = totals[:-1], float(totals[-1])
+            loss += balance.loss().to(loss.device)
+        if micro_batches:
             self.weights.prefetch(L - 1)
             self.saved.prefetch(L - 1)
         self._issue_seconds = time.perf_counter() - t0
@@ -414,8 +431,14 @@ class StreamedEngine:
                         inputs[m] = None  # free the saved input as soon as it is consumed
                         lora.generator = self._generator(step, i, first + m)
                         cos, sin, mask = self._block_inputs(attn[m], x.shape[1], i)
-                        y = self._block(x, w, self.args, cos, sin, lora, mask, layer=i)
-                        y.backward(grads[m])
+                        extra = {} if balance is None else {"router_logits": []}
+                        y = self._block(x, w, self.args, cos, sin, lora, mask, layer=i, **extra)
+                        aux = None if balance is None else balance.part(extra["router_logits"])
+                        if aux is not None:  # this block's share of the load-balancing loss
+                            scale = 1.0 if self.scaler is None else self.scaler.scale
+                            torch.autograd.backward([y, aux * scale], [grads[m], None])
+                        else:
+                            y.backward(grads[m])
                         grads[m] = x.grad
                     del lora, x
                 self.saved.done(i)
@@ -440,6 +463,14 @@ class StreamedEngine:
             "h2d_stall": stall,
         }
         return float(loss), n_target, phases
+
+    def _load_balance(self) -> LoadBalance | None:
+        """The load-balancing loss's bookkeeping for one step, when config.json asks for it (a
+        MoE model with output_router_logits: router_aux_loss_coef × the loss, added to the
+        training loss as transformers adds it; evaluation losses leave it out)."""
+        if not (self.args.num_experts and self.args.router_aux_coef):
+            return None
+        return LoadBalance(self.args.router_aux_coef, self.args.experts_per_token)
 
     def _all_reduce_grads_and(self, loss: torch.Tensor) -> torch.Tensor:
         """Sum every LoRA gradient and `loss` over the group: one flat fp32 buffer, one collective.

@@ -6,7 +6,12 @@ A family is a module of pure functions and tables (see llama.py, qwen3.py, gemma
 - TARGETS: the LoRA target short names it has (and FUSED, for fused modules, the Llama
   targets each one stands for);
 - block_forward(x, w, args, layer, cos, sin, lora, mask): one block, (B·T, C) → (B·T, C): the
-  rows flattened (T: the RoPE table's length; layers.heads).
+  rows flattened (T: the RoPE table's length; layers.heads);
+- a mixture of experts (qwen3_moe.py, olmoe.py, gpt_oss.py) also has MOE = True,
+  DEFAULT_TARGETS (what the Llama default targets mean on it: the attention), extra_shapes(args)
+  (router, experts, other tensors of its own), and its block_forward takes `router_logits`, a
+  list it appends the router's logits to (the load-balancing loss); those whose checkpoints
+  store each expert apart have layout(args) (moe.Layout: the experts' names).
 
 Everything here is keyed by the block's HF tensor names without the `model.layers.{i}.` prefix.
 Attention kernels (layers.attention, layers.attend): Llama, Mistral, Qwen2, Qwen3 and Phi-3 run
@@ -15,8 +20,9 @@ explicit mask when the sequence is longer than the window; Gemma 2 soft-caps its
 SDPA cannot do, and writes its scores out in full (softmax in fp32). See docs/models.md.
 
 The package: layers.py (ModelArgs and the shared layers: RoPE, attention, MLP, LoRA'd linear,
-loss), attention.py, one file per family (llama, qwen3, gemma, phi3; multimodal.py for the text
-model inside image-text checkpoints), hf_config.py and hf_checkpoint.py (reading a Hugging Face
+loss), attention.py, moe.py (the mixture-of-experts MLP: router, experts, load-balancing loss),
+one file per family (llama, qwen3, gemma, phi3, qwen3_moe (also Mixtral), olmoe, gpt_oss;
+multimodal.py for the text model inside image-text checkpoints), hf_config.py and hf_checkpoint.py (reading a Hugging Face
 model directory), lora.py (adapter shapes and files, PEFT's format), presets.py (named shapes for
 the plan and the bench). This file is the families' table and the block's tensor layout.
 """
@@ -30,7 +36,7 @@ import types
 import torch
 
 from appliance.errors import ConfigError
-from appliance.models import gemma, layers, llama, phi3, qwen3
+from appliance.models import gemma, gpt_oss, layers, llama, moe, olmoe, phi3, qwen3, qwen3_moe
 
 FAMILIES: dict[str, types.ModuleType] = {
     "LlamaForCausalLM": llama,
@@ -40,11 +46,36 @@ FAMILIES: dict[str, types.ModuleType] = {
     "Gemma2ForCausalLM": gemma,
     "Gemma3ForCausalLM": gemma,
     "Phi3ForCausalLM": phi3,
+    "Qwen3MoeForCausalLM": qwen3_moe,
+    "MixtralForCausalLM": qwen3_moe,
+    "OlmoeForCausalLM": olmoe,
+    "GptOssForCausalLM": gpt_oss,
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 
 # LoRA target short name → the HF module it adapts, over every family
-TARGETS = {**layers.TARGET_MODULES, "qkv": "self_attn.qkv_proj", "gate_up": "mlp.gate_up_proj"}
+TARGETS = {
+    **layers.TARGET_MODULES,
+    "qkv": "self_attn.qkv_proj",
+    "gate_up": "mlp.gate_up_proj",
+    "experts": "mlp.experts",  # a MoE block's experts: both their tensors (EXPERT_MODULES)
+}
+#: what LoRA on "experts" adapts: the experts' fused tensors, as PEFT's `target_parameters`
+EXPERT_MODULES = (moe.GATE_UP, moe.DOWN)
+
+
+def lora_modules(targets: tuple[str, ...]) -> list[str]:
+    """The modules (and expert tensors) that LoRA targets (short names) adapt."""
+    out: list[str] = []
+    for t in targets:
+        out += list(EXPERT_MODULES) if t == "experts" else [TARGETS[t]]
+    return out
+
+
+def lora_experts(args: layers.ModelArgs, module: str) -> int:
+    """How many experts one LoRA module's A and B hold side by side: E for the experts' tensors
+    (PEFT: A (r·E, in), B (out, r·E)), 1 for a linear module."""
+    return args.num_experts if module in EXPERT_MODULES else 1
 
 
 def family(args: layers.ModelArgs) -> types.ModuleType:
@@ -70,13 +101,23 @@ def block_shapes(args: layers.ModelArgs) -> dict[str, tuple[int, ...]]:
         out[f"{module}.weight"] = (rows, cols)
         if _has_bias(args, module):
             out[f"{module}.bias"] = (rows,)
+    if hasattr(fam, "extra_shapes"):  # a MoE family's router and experts, OLMoE's q/k norms
+        out.update(fam.extra_shapes(args))
     return out
 
 
 def linear_weight_names(args: layers.ModelArgs) -> list[str]:
     """The weights of a block's linear projections, fused ones included (what quantization
     covers): e.g. `self_attn.q_proj.weight`, or Phi-3's `self_attn.qkv_proj.weight`."""
-    return [f"{module}.weight" for module in family(args).LINEARS]
+    fam = family(args)
+    experts = fam.layout(args).expert_weights(args) if hasattr(fam, "layout") else []
+    return [f"{module}.weight" for module in fam.LINEARS] + experts
+
+
+def expert_layout(args: layers.ModelArgs) -> moe.Layout | None:
+    """Where a MoE model's block keeps its router and experts (None: a dense model)."""
+    fam = family(args)
+    return fam.layout(args) if hasattr(fam, "layout") else None
 
 
 def takes_block_mask(args: layers.ModelArgs) -> bool:
@@ -95,12 +136,19 @@ def block_forward(
     lora: layers.LoraContext | None = None,
     mask: torch.Tensor | None = None,
     layer: int = 0,
+    router_logits: list | None = None,
 ) -> torch.Tensor:
     """Block `layer` of the model's family: (B, T, C) → (B, T, C). cos/sin: the table that block
     takes (ModelArgs.local_rope); `mask`: see layers.attend (None: causal). The family's block runs
-    on the rows flattened, (B·T, C): fewer operator calls (layers.heads)."""
+    on the rows flattened, (B·T, C): fewer operator calls (layers.heads). `router_logits`: a list
+    a MoE block appends its router's logits (B·T, E) to (the load-balancing loss)."""
     B, T, C = x.shape
-    y = family(args).block_forward(x.reshape(B * T, C), w, args, layer, cos, sin, lora, mask)
+    rows = x.reshape(B * T, C)
+    fam = family(args)
+    if router_logits is not None and args.num_experts:
+        y = fam.block_forward(rows, w, args, layer, cos, sin, lora, mask, router_logits)
+    else:
+        y = fam.block_forward(rows, w, args, layer, cos, sin, lora, mask)
     return y.view(B, T, C)
 
 
@@ -116,6 +164,7 @@ def compiled_block_forward(
     lora: layers.LoraContext | None = None,
     mask: torch.Tensor | None = None,
     layer: int = 0,
+    router_logits: list | None = None,
 ) -> torch.Tensor:
     """`block_forward` through torch.compile (Inductor: the block's elementwise work fused into
     generated kernels, fewer launches): the engine's `compile_blocks`. The same math, rounded
@@ -133,7 +182,7 @@ def compiled_block_forward(
     if lora is not None and lora.dropout > 0 and lora.masks is None:
         lora = dataclasses.replace(lora, masks=dropout_masks(x, args, lora))
     kind = first_layer_like(args, layer)
-    return _compiled(x, w, args, cos, sin, lora, mask, layer=kind)
+    return _compiled(x, w, args, cos, sin, lora, mask, layer=kind, router_logits=router_logits)
 
 
 def dropout_masks(
@@ -166,6 +215,8 @@ def resolve_targets(args: layers.ModelArgs, targets: tuple[str, ...]) -> tuple[s
     some parts is refused: the parts cannot be adapted apart.
     """
     fam = family(args)
+    if hasattr(fam, "DEFAULT_TARGETS") and set(targets) == set(layers.TARGET_MODULES):
+        return fam.DEFAULT_TARGETS  # the Llama defaults: a MoE block's attention (qwen3_moe)
     fused = getattr(fam, "FUSED", {})
     wanted = {t for t in targets if t in fam.TARGETS}
     for whole, parts in fused.items():
@@ -191,6 +242,16 @@ def resolve_targets(args: layers.ModelArgs, targets: tuple[str, ...]) -> tuple[s
 def block_param_count(args: layers.ModelArgs) -> int:
     """Parameters in one block: every tensor block_shapes lists."""
     return sum(math.prod(shape) for shape in block_shapes(args).values())
+
+
+def active_block_param_count(args: layers.ModelArgs) -> int:
+    """Parameters one token meets in one block: all of a dense block's; of a MoE block's, the
+    attention, the norms, the router and its k experts (not the E − k others)."""
+    total = block_param_count(args)
+    if not args.num_experts:
+        return total
+    expert = 3 * args.hidden_size * args.moe_intermediate_size  # gate, up, down
+    return total - (args.num_experts - args.experts_per_token) * expert
 
 
 def param_count(args: layers.ModelArgs) -> int:

@@ -28,6 +28,7 @@ from appliance.storage.names import why_outside
 # the text architectures, then the multimodal ones whose language model is trained (see
 # models/multimodal.py: the vision tower is left as it is)
 SUPPORTED_ARCHITECTURES = models.SUPPORTED_ARCHITECTURES + multimodal.ARCHITECTURES
+MOE_ARCHITECTURES = tuple(a for a, f in models.FAMILIES.items() if getattr(f, "MOE", False))
 # the architecture of a config.json that names none, by its model_type (transformers'
 # AutoModelForCausalLM mapping, for the families supported here)
 MODEL_TYPES = {
@@ -40,6 +41,10 @@ MODEL_TYPES = {
     "gemma3": "Gemma3ForConditionalGeneration",
     "phi3": "Phi3ForCausalLM",
     "mistral3": "Mistral3ForConditionalGeneration",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 # what a safetensors file that cannot be read raises: a missing or unreadable file (OSError), a
 # truncated or garbled header (SafetensorError), a tensor past the end of the file (RuntimeError)
@@ -93,8 +98,12 @@ def _refusal(arch: str, cfg: dict) -> str | None:
             f"{' and '.join(multimodal.ARCHITECTURES)}"
         )
     experts = ("num_experts", "num_local_experts", "n_routed_experts")
-    if any(cfg.get(k) for k in experts) or "Moe" in arch or "Mixtral" in arch:
-        return "is a mixture-of-experts model; mixture-of-experts models are not supported yet"
+    moe = any(cfg.get(k) for k in experts) or "Moe" in arch or "Mixtral" in arch
+    if moe and arch not in models.FAMILIES:
+        return (
+            "is a mixture-of-experts model whose routing is not implemented; supported "
+            f"mixture-of-experts models: {', '.join(MOE_ARCHITECTURES)}"
+        )
     return None
 
 

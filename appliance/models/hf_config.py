@@ -26,6 +26,10 @@ def model_fields(arch: str, cfg: dict, where: Path) -> dict[str, Any]:
         fields.update(_gemma_fields(arch, cfg, where, fields["num_layers"]))
     elif family is models.phi3:
         fields.update(_phi3_fields(cfg, where, fields))
+    elif family in (models.qwen3_moe, models.olmoe):
+        fields.update(_moe_fields(arch, cfg, where, fields))
+    elif family is models.gpt_oss:
+        fields.update(_gpt_oss_fields(cfg, where, fields["num_layers"]))
     else:
         fields.update(_llama_fields(arch, cfg, where))
     return fields
@@ -126,6 +130,7 @@ def _rope(
         "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
         "linear": ("factor",),
         "longrope": ("short_factor", "long_factor"),
+        "yarn": ("factor",),
     }[kind]
     if kind != "linear" and "original_max_position_embeddings" in cfg:
         rope.setdefault("original_max_position_embeddings", cfg["original_max_position_embeddings"])
@@ -139,6 +144,11 @@ def _rope(
     if kind == "llama3":  # (no rope_type item: llama3 is the default reading of rope_scaling)
         return rope_theta, tuple(sorted(items.items()))
     items["rope_type"] = kind
+    if kind == "yarn":  # optional (layers._yarn_inv_freq, layers._yarn_attention_factor)
+        for k in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+            if rope.get(k) is not None:
+                items[k] = float(rope[k])
+        items["truncate"] = bool(rope.get("truncate", True))
     if kind == "longrope":
         items["short_factor"] = tuple(float(x) for x in rope["short_factor"])
         items["long_factor"] = tuple(float(x) for x in rope["long_factor"])
@@ -282,4 +292,115 @@ def _phi3_fields(cfg: dict, where: Path, common: dict[str, Any]) -> dict[str, An
         attention_bias=False,  # Phi-3's projections have no bias
         o_bias=False,
         sliding_window=int(sliding) if sliding else None,
+    )
+
+
+# config.json's expert fields by architecture: (number of experts, expert width, its default
+# top-k, the load-balancing loss's default weight); transformers' defaults for what is left out
+_MOE = {
+    "Qwen3MoeForCausalLM": ("num_experts", "moe_intermediate_size", 8, 0.001),
+    "MixtralForCausalLM": ("num_local_experts", "intermediate_size", 2, 0.001),
+    "OlmoeForCausalLM": ("num_experts", "intermediate_size", 8, 0.01),
+}
+
+
+def _moe_fields(arch: str, cfg: dict, where: Path, common: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE, Mixtral, OLMoE (models/qwen3_moe.py, models/olmoe.py): every block sparse,
+    routed by softmax then top-k. What they could also say and the blocks do not implement
+    (dense blocks among the sparse ones, router noise, a sliding window on Qwen3-MoE) is
+    refused by name."""
+    _activation(cfg, where, "hidden_act", "silu")
+    field, rope = _rope_dict(cfg)
+    theta, scaling = _rope(rope, cfg, where, field, ())
+    _no_partial_rotary(cfg, rope, where)
+    n_key, width_key, top_k, coef = _MOE[arch]
+    if n_key not in cfg and "num_local_experts" in cfg:  # transformers ≥5 writes this name
+        n_key = "num_local_experts"
+    experts = int(cfg.get(n_key, 0) or 0)
+    k = int(cfg.get("num_experts_per_tok", top_k))
+    if experts < 1 or not 1 <= k <= experts:
+        raise ModelError(
+            f"{where}: {n_key}={experts} with num_experts_per_tok={k}: need 1 ≤ "
+            f"num_experts_per_tok ≤ {n_key}"
+        )
+    if cfg.get("mlp_only_layers"):
+        raise ModelError(f"{where}: mlp_only_layers (dense blocks among the MoE ones) is not "
+                         "supported")  # fmt: skip
+    if int(cfg.get("decoder_sparse_step", 1)) != 1:
+        raise ModelError(
+            f"{where}: decoder_sparse_step={cfg['decoder_sparse_step']} (dense blocks among the "
+            "MoE ones) is not supported (only 1)"
+        )
+    if float(cfg.get("router_jitter_noise") or 0.0):
+        raise ModelError(f"{where}: router_jitter_noise={cfg['router_jitter_noise']} is not "
+                         "supported (only 0)")  # fmt: skip
+    out: dict[str, Any] = dict(
+        rope_theta=theta,
+        rope_scaling=scaling,
+        num_experts=experts,
+        experts_per_token=k,
+        moe_intermediate_size=int(cfg.get(width_key) or common["intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        router_aux_coef=float(cfg.get("router_aux_loss_coef", coef))
+        if cfg.get("output_router_logits")
+        else 0.0,
+    )
+    if arch == "Qwen3MoeForCausalLM":
+        if cfg.get("use_sliding_window", False):
+            raise ModelError(f"{where}: use_sliding_window=true is not supported")
+        out["qk_norm"] = True
+    elif arch == "MixtralForCausalLM":
+        sliding = cfg.get("sliding_window")
+        out["sliding_window"] = int(sliding) if sliding else None
+    else:  # OLMoE: the norms are over whole projections (olmoe.py), not per head
+        if (
+            "head_dim" in cfg
+            and int(cfg["head_dim"]) * common["num_heads"] != common["hidden_size"]
+        ):
+            raise ModelError(f"{where}: head_dim must be hidden_size / num_attention_heads")
+        clip = cfg.get("clip_qkv")
+        out["clip_qkv"] = float(clip) if clip is not None else None
+    return out
+
+
+def _gpt_oss_fields(cfg: dict, where: Path, num_layers: int) -> dict[str, Any]:
+    """gpt-oss (models/gpt_oss.py): YaRN RoPE, alternating sliding/full layers, biases on every
+    projection, top-k-then-softmax routing. Its released checkpoints' MXFP4 experts are
+    refused by name (dequantize them first)."""
+    qc = cfg.get("quantization_config") or {}
+    if qc:
+        method = qc.get("quant_method", "?")
+        raise ModelError(
+            f"{where}: quantization_config (quant_method {method!r}: the experts stored "
+            "quantized) is not supported; dequantize the model first: load it with "
+            "transformers' Mxfp4Config(dequantize=True) and save_pretrained it"
+        )
+    for key, default in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):
+        if float(cfg.get(key, default)) != default:
+            raise ModelError(f"{where}: {key}={cfg[key]} is not supported (only {default})")
+    field, rope = _rope_dict(cfg)
+    theta, scaling = _rope(rope, cfg, where, field, ("yarn",), theta=150000.0)
+    _no_partial_rotary(cfg, rope, where)
+    experts, k = int(cfg.get("num_local_experts", 128)), int(cfg.get("num_experts_per_tok", 4))
+    if not 1 <= k <= experts:
+        raise ModelError(
+            f"{where}: num_local_experts={experts} with num_experts_per_tok={k}: need 1 ≤ "
+            "num_experts_per_tok ≤ num_local_experts"
+        )
+    bias = bool(cfg.get("attention_bias", True))
+    sliding = cfg.get("sliding_window", 128)
+    types = _layer_types(cfg, where, num_layers, 2)  # left out: sliding, full, sliding, ...
+    return dict(
+        rope_theta=theta,
+        rope_scaling=scaling,
+        attention_bias=bias,
+        o_bias=bias,
+        sliding_window=int(sliding) if sliding else None,
+        layer_types=types,
+        num_experts=experts,
+        experts_per_token=k,
+        moe_intermediate_size=int(cfg["intermediate_size"]),
+        router_aux_coef=float(cfg.get("router_aux_loss_coef", 0.001))
+        if cfg.get("output_router_logits")
+        else 0.0,
     )

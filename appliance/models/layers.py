@@ -46,8 +46,8 @@ class ModelArgs:
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
-    # sorted (key, value) items of the scaling; "rope_type" is llama3 when absent, else linear or
-    # longrope (whose short_factor / long_factor values are tuples)
+    # sorted (key, value) items of the scaling; "rope_type" is llama3 when absent, else linear,
+    # longrope (whose short_factor / long_factor values are tuples) or yarn
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
     attention_bias: bool = False  # bias on q, k, v (Qwen2, some Llamas)
     o_bias: bool = False  # bias on o_proj (Llama with attention_bias)
@@ -71,6 +71,13 @@ class ModelArgs:
     # the multimodal architecture whose language model this is (Gemma3ForConditionalGeneration):
     # its tensors and adapter keys are named under it (models/multimodal.py); None: a text model
     language_model_of: str | None = None
+    # ---- mixture of experts (models/moe.py); num_experts 0: a dense model
+    num_experts: int = 0
+    experts_per_token: int = 0  # top-k
+    moe_intermediate_size: int = 0  # one expert's MLP width
+    norm_topk_prob: bool = False  # renormalise the top-k probabilities to sum to 1
+    router_aux_coef: float = 0.0  # the load-balancing loss's weight (0: not added)
+    clip_qkv: float | None = None  # q, k, v clamped to ±clip_qkv (OLMoE)
 
     def window(self, layer: int) -> int | None:
         """The sliding window of block `layer` (keys within `window` positions), None: causal."""
@@ -97,6 +104,9 @@ class ModelArgs:
             # Phi-3's fused modules: rows are q, k, v (resp. gate, up) one after the other
             "self_attn.qkv_proj": ((self.num_heads + 2 * self.num_kv_heads) * hs, C),
             "mlp.gate_up_proj": (2 * inter, C),
+            # one expert's share of a MoE block's fused expert tensors (models/moe.py)
+            "mlp.experts.gate_up_proj": (2 * self.moe_intermediate_size, C),
+            "mlp.experts.down_proj": (C, self.moe_intermediate_size),
         }[module]
 
 
@@ -117,6 +127,8 @@ def rope_inv_freq(args: ModelArgs, seq_len: int = 0, local: bool = False) -> tor
     kind = p.get("rope_type", "llama3")
     if kind == "linear":
         return 1.0 / (theta**exponents) / p["factor"]
+    if kind == "yarn":
+        return _yarn_inv_freq(p, theta, dim)
     if kind == "longrope":
         long = seq_len > p["original_max_position_embeddings"]
         ext = torch.tensor(p["long_factor" if long else "short_factor"], dtype=torch.float32)
@@ -134,10 +146,50 @@ def rope_inv_freq(args: ModelArgs, seq_len: int = 0, local: bool = False) -> tor
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(p: dict, theta: float, dim: int) -> torch.Tensor:
+    """YaRN (gpt-oss): each frequency interpolated (divided by `factor`) or kept, by how many
+    rotations it makes over the original length: a linear ramp between the dimensions that
+    turn beta_fast and beta_slow times (floored and ceiled unless `truncate` is false), as
+    transformers' _compute_yarn_parameters."""
+    factor, old_len = p["factor"], p["original_max_position_embeddings"]
+    beta_fast, beta_slow = p.get("beta_fast", 32.0), p.get("beta_slow", 1.0)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def _yarn_attention_factor(p: dict) -> float:
+    """YaRN's scale of cos and sin: `attention_factor`, else 0.1·ln(factor) + 1 (with mscale
+    and mscale_all_dim: their ratio of that form)."""
+    if p.get("attention_factor") is not None:
+        return p["attention_factor"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = p["factor"]
+    if p.get("mscale") and p.get("mscale_all_dim"):
+        return mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
+    return mscale(factor)
+
+
 def rope_attention_factor(args: ModelArgs) -> float:
     """longrope's scale of cos and sin (1 otherwise): sqrt(1 + ln(factor) / ln(original length))
     unless the config gives `attention_factor`; factor defaults to max / original positions."""
     p = dict(args.rope_scaling or ())
+    if p.get("rope_type") == "yarn":
+        return _yarn_attention_factor(p)
     if p.get("rope_type") != "longrope":
         return 1.0
     if "attention_factor" in p:

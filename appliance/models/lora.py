@@ -17,8 +17,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from appliance.errors import ModelError
-from appliance.models import TARGETS, multimodal, resolve_targets
+from appliance.errors import ConfigError, ModelError
+from appliance.models import (
+    EXPERT_MODULES,
+    TARGETS,
+    lora_experts,
+    lora_modules,
+    multimodal,
+    resolve_targets,
+)
 from appliance.models.layers import LoraContext, ModelArgs
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -38,7 +45,8 @@ class LoraSpec:
 
     @property
     def modules(self) -> list[str]:
-        return [TARGETS[t] for t in self.targets]
+        """The modules adapted; "experts" stands for both expert tensors (EXPERT_MODULES)."""
+        return lora_modules(self.targets)
 
 
 def folds_scale(scale: float, dtype: torch.dtype) -> bool:
@@ -47,10 +55,17 @@ def folds_scale(scale: float, dtype: torch.dtype) -> bool:
     return dtype != torch.float16 and scale > 0 and scale != 1.0 and math.frexp(scale)[0] == 0.5
 
 
+# PEFT wraps a module's targeted parameters one inside the other, in the module's parameter
+# order: with both expert tensors targeted, gate_up_proj's adapter is the inner one
+# (`mlp.experts.base_layer.lora_A`), down_proj's the outer (`mlp.experts.lora_A`)
+_PEFT_PATHS = {EXPERT_MODULES[0]: "mlp.experts.base_layer", EXPERT_MODULES[1]: "mlp.experts"}
+
+
 def peft_key(block: int, module: str, which: str, layers: str = "model.layers") -> str:
-    """PEFT's key for block `block`'s `module` ('self_attn.q_proj'), which = 'A' | 'B';
-    `layers`: where the blocks are among the model's modules (`peft_layers`)."""
-    return f"base_model.model.{layers}.{block}.{module}.lora_{which}.weight"
+    """PEFT's key for block `block`'s `module` ('self_attn.q_proj', or an expert tensor),
+    which = 'A' | 'B'; `layers`: where the blocks are among the model's modules (`peft_layers`)."""
+    path = _PEFT_PATHS.get(module, module)
+    return f"base_model.model.{layers}.{block}.{path}.lora_{which}.weight"
 
 
 def peft_layers(args: ModelArgs) -> str:
@@ -70,6 +85,12 @@ class LoraWeights:
         self, args: ModelArgs, spec: LoraSpec, device: torch.device | str = "cpu", seed: int = 0
     ):
         spec = dataclasses.replace(spec, targets=resolve_targets(args, spec.targets))
+        if "experts" in spec.targets and spec.dropout:
+            raise ConfigError(
+                f"--lora-dropout {spec.dropout}: LoRA on the experts takes no dropout (PEFT's "
+                "target_parameters refuse it); give --lora-dropout 0 or leave experts out of "
+                "--lora-targets"
+            )
         self.args, self.spec = args, spec
         gen = torch.Generator().manual_seed(seed)
         self.blocks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
@@ -77,11 +98,12 @@ class LoraWeights:
             block = {}
             for module in spec.modules:
                 out_f, in_f = args.module_shape(module)
-                A = torch.empty(spec.rank, in_f)
+                r = spec.rank * lora_experts(args, module)  # the experts' side by side
+                A = torch.empty(r, in_f)
                 # PEFT's default: kaiming_uniform_(a=sqrt(5)) → U(-1/sqrt(in), 1/sqrt(in))
                 bound = 1.0 / math.sqrt(in_f)
                 A.uniform_(-bound, bound, generator=gen)
-                B = torch.zeros(out_f, spec.rank)
+                B = torch.zeros(out_f, r)
                 block[module] = (
                     A.to(device).requires_grad_(True),
                     B.to(device).requires_grad_(True),
@@ -169,8 +191,9 @@ def adapter_config(
     matches the language model's projections only (the vision tower has modules of those names).
     `base_model` is a Hub id (with the snapshot's commit as `revision`) for a model from the
     Hugging Face cache, as PEFT writes it for a model loaded by id, or the model's path."""
-    names = sorted(m.split(".")[-1] for m in spec.modules)
+    names = sorted(m.split(".")[-1] for m in spec.modules if m not in EXPERT_MODULES)
     targets = multimodal.target_pattern(names) if args.language_model_of else names
+    experts = sorted(m for m in spec.modules if m in EXPERT_MODULES)
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -180,6 +203,8 @@ def adapter_config(
         "lora_alpha": spec.alpha,
         "lora_dropout": spec.dropout,
         "target_modules": targets,
+        # the experts' tensors (LoRA on "experts"), as PEFT writes them
+        **({"target_parameters": experts} if experts else {}),
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
@@ -189,7 +214,7 @@ def adapter_config(
     }
 
 
-_MODULE_BY_NAME = {m.split(".")[-1]: short for short, m in TARGETS.items()}
+_MODULE_BY_NAME = {m.split(".")[-1]: t for t, m in TARGETS.items() if t != "experts"}
 MERGE_FIRST = "merge the adapter into its base model with PEFT first (merge_and_unload)"
 
 
@@ -276,7 +301,17 @@ def read_spec(adapter_dir: str | Path, args: ModelArgs | None = None) -> LoraSpe
     if args is not None:
         _check_every_block(path, names, args)
     projections = {n.split(".")[-1] for n in names}
-    targets = tuple(t for t in TARGETS if TARGETS[t].split(".")[-1] in projections)
+    targets = tuple(
+        t for t in TARGETS if t != "experts" and TARGETS[t].split(".")[-1] in projections
+    )
+    parameters = cfg.get("target_parameters") or []
+    if parameters:
+        if sorted(parameters) != sorted(EXPERT_MODULES):
+            raise ModelError(
+                f"{path}: target_parameters {_some(list(parameters))} are not supported (only "
+                f"both of {', '.join(EXPERT_MODULES)}: LoRA on a MoE block's experts)"
+            )
+        targets += ("experts",)
     return LoraSpec(
         int(cfg["r"]), float(cfg["lora_alpha"]), float(cfg.get("lora_dropout", 0.0)), targets
     )

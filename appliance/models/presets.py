@@ -1,4 +1,5 @@
-"""Benchmark presets: real models' shapes (Llama 2/3, Qwen3, Gemma 2/3, Phi-4-mini) and the
+"""Benchmark presets: real models' shapes (Llama 2/3, Qwen3, Gemma 2/3, Phi-4-mini, and the
+mixtures of experts Qwen3-30B-A3B and gpt-oss-20b) and the
 tokens of a step, for `appliance bench` (random weights of these shapes) and `appliance plan`.
 
 Each preset's ModelArgs is what hf_checkpoint.read_model_args would read from the released
@@ -61,6 +62,16 @@ _LONGROPE_48 = (
     ("original_max_position_embeddings", 4096.0),
     ("rope_type", "longrope"),
     ("short_factor", (1.0,) * 48),
+)
+
+
+_YARN_32 = (  # gpt-oss's rope_parameters, as hf_config reads them
+    ("beta_fast", 32.0),
+    ("beta_slow", 1.0),
+    ("factor", 32.0),
+    ("original_max_position_embeddings", 4096.0),
+    ("rope_type", "yarn"),
+    ("truncate", False),
 )
 
 
@@ -136,6 +147,23 @@ PRESETS: dict[str, Preset] = {
         _family("Phi3ForCausalLM", 200064, 3072, 8192, 32, 24, 8, 128,
                 rms_norm_eps=1e-5, partial_rotary_factor=0.75, rope_scaling=_LONGROPE_48,
                 max_position_embeddings=131072, sliding_window=262144, tie_word_embeddings=True),
+        gpu=_GPU_SHAPE, cpu=None,
+    ),
+    # mixture of experts at the released shapes: 128 experts, top 8 (3.3B of 30.5B active)
+    "qwen3-30b-a3b": Preset(
+        _family("Qwen3MoeForCausalLM", 151936, 2048, 6144, 48, 32, 4, 128,
+                rope_theta=1e6, max_position_embeddings=40960, qk_norm=True, num_experts=128,
+                experts_per_token=8, moe_intermediate_size=768, norm_topk_prob=True),
+        gpu=_GPU_SHAPE, cpu=None,
+    ),
+    # sinks, sliding (128) and full layers, YaRN; 32 experts, top 4 (3.6B of 20.9B active),
+    # the experts in bf16 (the released MXFP4 ones dequantized)
+    "gpt-oss-20b": Preset(
+        _family("GptOssForCausalLM", 201088, 2880, 2880, 24, 64, 8, 64,
+                rms_norm_eps=1e-5, rope_theta=150000.0, max_position_embeddings=131072,
+                rope_scaling=_YARN_32, attention_bias=True, o_bias=True, sliding_window=128,
+                layer_types=("sliding_attention", "full_attention") * 12, num_experts=32,
+                experts_per_token=4, moe_intermediate_size=2880),
         gpu=_GPU_SHAPE, cpu=None,
     ),
 }  # fmt: skip

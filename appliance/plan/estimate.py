@@ -45,8 +45,9 @@ from appliance.engine.memory import (
 )
 from appliance.errors import ConfigError
 from appliance.hardware import gpus as hardware
+from appliance.models import lora_experts, lora_modules, resolve_targets
 from appliance.models.hf_checkpoint import block_shapes, read_model_args, seq_len_problems
-from appliance.models.layers import TARGET_MODULES, ModelArgs
+from appliance.models.layers import ModelArgs
 from appliance.plan import full
 from appliance.quant import is_linear_weight, quantized_nbytes
 from appliance.storage import uri as storage
@@ -107,8 +108,12 @@ def dequant_bytes(args: ModelArgs, dtype_bytes: int, base_quant: str = "none") -
 
 
 def lora_param_count(args: ModelArgs, rank: int, targets: tuple[str, ...]) -> int:
-    """LoRA parameters over all blocks: r·(in + out) per adapted module (LoraWeights' shapes)."""
-    per_block = sum(rank * sum(args.module_shape(TARGET_MODULES[t])) for t in targets)
+    """LoRA parameters over all blocks: r·(in + out) per adapted module, times E for a MoE
+    block's experts (LoraWeights' shapes)."""
+    per_block = sum(
+        rank * lora_experts(args, m) * sum(args.module_shape(m))
+        for m in lora_modules(resolve_targets(args, targets))
+    )
     return args.num_layers * per_block
 
 

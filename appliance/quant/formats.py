@@ -52,10 +52,14 @@ def is_linear_weight(name: str) -> bool:
 
     The one rule: the weight of a linear projection module, i.e. a module whose name ends in
     `_proj` (q/k/v/o_proj, gate/up/down_proj, and fused ones such as Phi-3's qkv_proj and
-    gate_up_proj). Norms, biases, embeddings and the LM head are not.
+    gate_up_proj; a MoE block's experts, `mlp.experts.3.gate_proj`), or one of Mixtral's experts
+    (`block_sparse_moe.experts.3.w1`). Norms, biases, embeddings, a MoE router and the LM head
+    are not.
     """
     module, _, kind = name.rpartition(".")
-    return kind == "weight" and module.endswith("_proj")
+    parent, _, leaf = module.rpartition(".")
+    mixtral_expert = leaf in ("w1", "w2", "w3") and parent.rpartition(".")[0].endswith("experts")
+    return kind == "weight" and (module.endswith("_proj") or mixtral_expert)
 
 
 @dataclass

@@ -26,7 +26,12 @@ from appliance.bench.table import format_table, write_json
 from appliance.engine.memory import step_flops
 from appliance.engine.step import StreamedEngine
 from appliance.errors import ConfigError
-from appliance.models import block_param_count, block_shapes, param_count
+from appliance.models import (
+    active_block_param_count,
+    block_param_count,
+    block_shapes,
+    param_count,
+)
 from appliance.models.hf_checkpoint import block_names, read_model_args
 from appliance.models.lora import LoraSpec, LoraWeights
 from tests.helpers_model import write_config
@@ -434,6 +439,32 @@ def test_family_presets_have_their_models_real_size_and_run_shrunk_on_a_cpu(pres
     assert math.isfinite(stats.loss)
 
 
+# mixtures of experts: (published total, active, vocabulary matrices the active count adds to
+# the blocks' active parameters): Qwen counts the embeddings and the LM head, OpenAI the head
+MOE_PARAMS = {"qwen3-30b-a3b": (30.5e9, 3.3e9, 2), "gpt-oss-20b": (20.9e9, 3.6e9, 1)}
+
+
+@pytest.mark.parametrize("preset", sorted(MOE_PARAMS))
+def test_moe_presets_have_their_models_real_size_and_flops_count_the_active_parameters(preset):
+    args = B.PRESETS[preset].args
+    total, active, vocab_matrices = MOE_PARAMS[preset]
+    assert abs(param_count(args) / total - 1) < 0.01, param_count(args)
+    blocks = args.num_layers * active_block_param_count(args)
+    assert abs((blocks + vocab_matrices * args.vocab_size * args.hidden_size) / active - 1) < 0.02
+    assert step_flops(args, 100) == 6 * blocks * 100  # 6·N_active·T, the router included
+    # shrunk (8 experts, narrow), the synthetic source builds its blocks and a step runs
+    tiny = dataclasses.replace(
+        args, vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, num_experts=8, moe_intermediate_size=32, sliding_window=16,
+        layer_types=args.layer_types and args.layer_types[:2],
+    )  # fmt: skip
+    src = B.SyntheticBlockSource(tiny, torch.float32)
+    assert {k: tuple(t.shape) for k, t in src.block(1).items()} == block_shapes(tiny)
+    ids = torch.randint(0, 128, (2, 32))
+    stats = StreamedEngine(src, LoraWeights(tiny, LoraSpec(rank=2))).train_step([(ids, ids)], 1e-3)
+    assert math.isfinite(stats.loss)
+
+
 # the released config.json fields of each family preset's model (transformers writes the rest)
 RELEASED = {
     "qwen3-8b": ("Qwen3ForCausalLM", dict(
@@ -459,6 +490,21 @@ RELEASED = {
         rope_scaling={"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [1.0] * 48},
         max_position_embeddings=131072, sliding_window=262144, rms_norm_eps=1e-5,
         tie_word_embeddings=True)),
+    "qwen3-30b-a3b": ("Qwen3MoeForCausalLM", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, rope_theta=1e6,
+        rope_parameters=None, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        num_experts=128, num_local_experts=None, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True, tie_word_embeddings=False)),
+    "gpt-oss-20b": ("GptOssForCausalLM", dict(
+        vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+        num_experts_per_tok=4, sliding_window=128, rope_theta=150000, rope_parameters=None,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                      "beta_slow": 1.0, "truncate": False,
+                      "original_max_position_embeddings": 4096},
+        layer_types=None, attention_bias=True, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, tie_word_embeddings=False)),
 }  # fmt: skip
 
 

@@ -9,13 +9,13 @@ import dataclasses
 import pytest
 import torch
 
-from appliance import models
+from appliance import models, quant
 from appliance.errors import ConfigError, ModelError
 from appliance.models.hf_checkpoint import SafetensorsCheckpoint, expected_shapes, read_model_args
-from tests.helpers_model import FAMILY_VARIANTS, make_model, write_config
+from tests.helpers_model import FAMILY_VARIANTS, MOE_VARIANTS, make_model, write_config
 
 
-@pytest.mark.parametrize("variant", FAMILY_VARIANTS)
+@pytest.mark.parametrize("variant", FAMILY_VARIANTS + MOE_VARIANTS)
 def test_every_tensor_of_the_checkpoint_is_read_with_the_shape_config_json_implies(
     variant, tmp_path
 ):
@@ -27,10 +27,15 @@ def test_every_tensor_of_the_checkpoint_is_read_with_the_shape_config_json_impli
         assert others and all(not n.startswith(("model.", "lm_head")) for n in others)
         headers = {n: h for n, h in headers.items() if n not in others}
     assert expected_shapes(args) == {name: shape for name, (shape, _) in headers.items()}
-    # quantization covers every linear weight (the block's 2-D tensors), fused ones included
+    # quantization covers every linear weight (the block's 2-D tensors), fused ones and a MoE
+    # block's experts stored apart included, not its router (nor gpt-oss's (E, out) biases)
     linear = models.linear_weight_names(args)
     two_d = {n for n, s in models.block_shapes(args).items() if len(s) == 2}
-    assert set(linear) == two_d
+    two_d = {n for n in two_d if not n.endswith("_bias")}
+    routers = {n for n in two_d if n in ("mlp.gate.weight", "block_sparse_moe.gate.weight",
+                                         "mlp.router.weight")}  # fmt: skip
+    assert set(linear) == two_d - routers
+    assert all(quant.is_linear_weight(n) for n in linear)
 
 
 @pytest.mark.parametrize("variant", ["llama-mha", *(v for v in FAMILY_VARIANTS if "vlm" not in v)])
@@ -132,10 +137,21 @@ def test_gemma3_configs_of_either_transformers_generation_read_the_same(tmp_path
 @pytest.mark.parametrize(
     "arch, changes, message",
     [
-        ("LlamaForCausalLM", dict(architectures=["Qwen3MoeForCausalLM"], num_experts=8),
-         "architecture ['Qwen3MoeForCausalLM'] is a mixture-of-experts model"),
-        ("LlamaForCausalLM", dict(architectures=["MixtralForCausalLM"]),
-         "architecture ['MixtralForCausalLM'] is a mixture-of-experts model"),
+        ("LlamaForCausalLM", dict(architectures=["Qwen2MoeForCausalLM"], num_experts=8),
+         "architecture ['Qwen2MoeForCausalLM'] is a mixture-of-experts model whose routing is "
+         "not implemented; supported mixture-of-experts models: Qwen3MoeForCausalLM, "
+         "MixtralForCausalLM, OlmoeForCausalLM"),
+        ("LlamaForCausalLM", dict(architectures=["DeepseekV3ForCausalLM"], n_routed_experts=64),
+         "architecture ['DeepseekV3ForCausalLM'] is a mixture-of-experts model whose routing"),
+        ("Qwen3MoeForCausalLM", dict(mlp_only_layers=[1]), "mlp_only_layers (dense blocks"),
+        ("Qwen3MoeForCausalLM", dict(decoder_sparse_step=2), "decoder_sparse_step=2"),
+        ("Qwen3MoeForCausalLM", dict(num_experts_per_tok=200), "num_local_experts=128 with "
+         "num_experts_per_tok=200"),
+        ("MixtralForCausalLM", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
+        ("GptOssForCausalLM", dict(quantization_config={"quant_method": "mxfp4"}),
+         "quantization_config (quant_method 'mxfp4': the experts stored quantized) is not "
+         "supported; dequantize the model first"),
+        ("GptOssForCausalLM", dict(swiglu_limit=8.0), "swiglu_limit=8.0 is not supported"),
         ("LlamaForCausalLM", dict(architectures=["LlavaForConditionalGeneration"],
                                   vision_config={"model_type": "clip_vision_model"}),
          "architecture ['LlavaForConditionalGeneration'] has a vision tower; supported are "
