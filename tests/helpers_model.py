@@ -15,7 +15,11 @@ from appliance.models.lora import LoraSpec, LoraWeights
 from tests.helpers_tokenizer import make_tokenizer
 
 VOCAB = 64  # ≥ the test tokenizer's vocabulary
-MULTIMODAL = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration")
+MULTIMODAL = (
+    "Gemma3ForConditionalGeneration",
+    "Mistral3ForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",
+)
 
 BASE = dict(
     vocab_size=VOCAB,
@@ -42,6 +46,16 @@ GEMMA3_LOCAL_ROPE = dict(
         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
     },
     query_pre_attn_scalar=24,
+)
+
+QWEN3_5_HYBRID = dict(
+    num_key_value_heads=2,
+    head_dim=16,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
 )
 
 VARIANTS: dict[str, tuple[str, dict]] = {
@@ -108,6 +122,11 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         "Mistral3ForConditionalGeneration",
         dict(num_key_value_heads=2, head_dim=32, sliding_window=None, rope_theta=1e6),
     ),
+    # Qwen3.5 dense: Gated DeltaNet, gated full attention, Gated DeltaNet (2 key heads serving 4
+    # value heads), RoPE on a quarter of each head
+    "qwen3_5-hybrid": ("Qwen3_5ForCausalLM", QWEN3_5_HYBRID),
+    # the language model of Qwen3.5's image-text checkpoint (its vision tower beside it)
+    "qwen3_5-vlm": ("Qwen3_5ForConditionalGeneration", QWEN3_5_HYBRID),
 }
 
 
@@ -136,6 +155,19 @@ _CONFIGS = {
     "Mistral3ForConditionalGeneration": _multimodal(
         transformers.Mistral3Config, {**_VISION, "head_dim": 16}, tie_word_embeddings=False
     ),
+    "Qwen3_5ForCausalLM": transformers.Qwen3_5TextConfig,
+    "Qwen3_5ForConditionalGeneration": _multimodal(
+        transformers.Qwen3_5Config,
+        dict(
+            depth=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=14,
+        ),
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -147,7 +179,12 @@ def make_model(
     with_tokenizer: bool = True,
     **overrides,
 ) -> Path:
-    """Save a random tiny model of `variant` (+ the test tokenizer) into `directory`."""
+    """Save a random tiny model of `variant` (+ the test tokenizer) into `directory`.
+
+    Gated DeltaNet's A_log is drawn as log U(0.05, 1), not transformers' log U(0.01, 16): with
+    A up to 16 the state decays by e^-20 per token and forgets everything at once, and the
+    decay's LoRA gradients become tiny sums of large terms that two correct fp32 computations
+    (ours, transformers') round 1e-4 apart."""
     arch, extra = VARIANTS[variant]
     cfg = _CONFIGS[arch](**{**BASE, **extra, **overrides})
     cfg.architectures = [arch]
@@ -157,6 +194,8 @@ def make_model(
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("A_log"):  # Gated DeltaNet: decays that keep some state (below)
+                p.copy_(torch.empty_like(p).uniform_(0.05, 1.0).log())
     directory = Path(directory)
     model.save_pretrained(directory, max_shard_size="100KB" if shards else "5GB")
     if with_tokenizer:

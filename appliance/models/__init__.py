@@ -30,7 +30,7 @@ import types
 import torch
 
 from appliance.errors import ConfigError
-from appliance.models import gemma, layers, llama, phi3, qwen3
+from appliance.models import gated_deltanet, gemma, layers, llama, phi3, qwen3, qwen3_5
 
 FAMILIES: dict[str, types.ModuleType] = {
     "LlamaForCausalLM": llama,
@@ -40,11 +40,17 @@ FAMILIES: dict[str, types.ModuleType] = {
     "Gemma2ForCausalLM": gemma,
     "Gemma3ForCausalLM": gemma,
     "Phi3ForCausalLM": phi3,
+    "Qwen3_5ForCausalLM": qwen3_5,
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 
 # LoRA target short name → the HF module it adapts, over every family
-TARGETS = {**layers.TARGET_MODULES, "qkv": "self_attn.qkv_proj", "gate_up": "mlp.gate_up_proj"}
+TARGETS = {
+    **layers.TARGET_MODULES,
+    "qkv": "self_attn.qkv_proj",
+    "gate_up": "mlp.gate_up_proj",
+    **gated_deltanet.TARGET_MODULES,  # Qwen3.5's linear attention: in_proj_qkv, ..., out_proj
+}
 
 
 def family(args: layers.ModelArgs) -> types.ModuleType:
@@ -57,10 +63,21 @@ def _has_bias(args: layers.ModelArgs, module: str) -> bool:
     return args.attention_bias if module.startswith("self_attn.") else args.mlp_bias
 
 
-def block_shapes(args: layers.ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Every tensor of one block (names without the layer prefix) with the shape config.json
-    implies, in checkpoint order: norms, q/k head norms, then each linear's weight and bias."""
+def block_linears(args: layers.ModelArgs, layer: int = 0) -> tuple[str, ...]:
+    """Block `layer`'s linear modules, in the order it calls them: the family's LINEARS, or,
+    where blocks differ by kind (Qwen3.5's linear and full attention), its `linears`."""
     fam = family(args)
+    return fam.linears(args, layer) if hasattr(fam, "linears") else fam.LINEARS
+
+
+def block_shapes(args: layers.ModelArgs, layer: int = 0) -> dict[str, tuple[int, ...]]:
+    """Every tensor of block `layer` (names without the layer prefix) with the shape config.json
+    implies, in checkpoint order: norms, q/k head norms, then each linear's weight and bias.
+    The same for every block but in families whose blocks differ by kind, which give their own
+    (`block_shapes(args, layer)`: Qwen3.5)."""
+    fam = family(args)
+    if hasattr(fam, "block_shapes"):
+        return fam.block_shapes(args, layer)
     out: dict[str, tuple[int, ...]] = {f"{n}.weight": (args.hidden_size,) for n in fam.NORMS}
     if args.qk_norm:
         out["self_attn.q_norm.weight"] = (args.head_dim,)
@@ -73,10 +90,10 @@ def block_shapes(args: layers.ModelArgs) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def linear_weight_names(args: layers.ModelArgs) -> list[str]:
-    """The weights of a block's linear projections, fused ones included (what quantization
+def linear_weight_names(args: layers.ModelArgs, layer: int = 0) -> list[str]:
+    """The weights of block `layer`'s linear projections, fused ones included (what quantization
     covers): e.g. `self_attn.q_proj.weight`, or Phi-3's `self_attn.qkv_proj.weight`."""
-    return [f"{module}.weight" for module in family(args).LINEARS]
+    return [f"{module}.weight" for module in block_linears(args, layer)]
 
 
 def takes_block_mask(args: layers.ModelArgs) -> bool:
@@ -147,15 +164,19 @@ def dropout_masks(
     rows, keep = x.numel() // x.shape[-1], 1.0 - lora.dropout
     return {
         m: x.new_empty(rows, args.module_shape(m)[1]).bernoulli_(keep, generator=lora.generator)
-        for m in family(args).LINEARS
+        for m in family(args).LINEARS  # (Qwen3.5's: every kind's, in each kind's order)
         if m in lora.weights
     }
 
 
 def first_layer_like(args: layers.ModelArgs, layer: int) -> int:
-    """The first block whose attention window is block `layer`'s (ModelArgs.window)."""
-    window = args.window(layer)
-    return next(i for i in range(args.num_layers) if args.window(i) == window)
+    """The first block whose attention window and layer type are block `layer`'s
+    (ModelArgs.window, ModelArgs.layer_types: Qwen3.5's linear and full layers)."""
+
+    def kind(i: int) -> tuple:
+        return args.window(i), args.layer_types[i] if args.layer_types else None
+
+    return next(i for i in range(args.num_layers) if kind(i) == kind(layer))
 
 
 def resolve_targets(args: layers.ModelArgs, targets: tuple[str, ...]) -> tuple[str, ...]:
@@ -188,9 +209,17 @@ def resolve_targets(args: layers.ModelArgs, targets: tuple[str, ...]) -> tuple[s
     return tuple(t for t in fam.TARGETS if t in wanted)
 
 
-def block_param_count(args: layers.ModelArgs) -> int:
-    """Parameters in one block: every tensor block_shapes lists."""
-    return sum(math.prod(shape) for shape in block_shapes(args).values())
+def block_param_count(args: layers.ModelArgs, layer: int | None = None) -> int:
+    """Parameters in block `layer`: every tensor block_shapes lists; None: the biggest block
+    (the blocks of a family differ only where their kinds do: Qwen3.5)."""
+    if layer is None:
+        return max(block_param_count(args, i) for i in range(args.num_layers))
+    return sum(math.prod(shape) for shape in block_shapes(args, layer).values())
+
+
+def blocks_param_count(args: layers.ModelArgs) -> int:
+    """Parameters in all the blocks."""
+    return sum(block_param_count(args, i) for i in range(args.num_layers))
 
 
 def param_count(args: layers.ModelArgs) -> int:
@@ -198,4 +227,4 @@ def param_count(args: layers.ModelArgs) -> int:
     final norm."""
     embed = args.vocab_size * args.hidden_size
     head = 0 if args.tie_word_embeddings else embed
-    return args.num_layers * block_param_count(args) + embed + head + args.hidden_size
+    return blocks_param_count(args) + embed + head + args.hidden_size

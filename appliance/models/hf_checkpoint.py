@@ -40,6 +40,8 @@ MODEL_TYPES = {
     "gemma3": "Gemma3ForConditionalGeneration",
     "phi3": "Phi3ForCausalLM",
     "mistral3": "Mistral3ForConditionalGeneration",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
 }
 # what a safetensors file that cannot be read raises: a missing or unreadable file (OSError), a
 # truncated or garbled header (SafetensorError), a tensor past the end of the file (RuntimeError)
@@ -59,6 +61,16 @@ def _read_json(path: Path, what: str) -> dict:
 
 def _refusal(arch: str, cfg: dict) -> str | None:
     """Why a known kind of model cannot run here (None: no specific reason)."""
+    experts = ("num_experts", "num_local_experts", "n_routed_experts")
+    text = cfg.get("text_config") or {}
+    if (
+        any(cfg.get(k) or text.get(k) for k in experts)
+        or "Moe" in arch
+        or "Mixtral" in arch
+        or cfg.get("enable_moe_block")
+        or text.get("enable_moe_block")
+    ):  # (Qwen3.5-MoE, Gemma 4's MoE block: the vision tower is not what stops them)
+        return "is a mixture-of-experts model; mixture-of-experts models are not supported yet"
     if arch in multimodal.ARCHITECTURES:
         return None
     if "vision_config" in cfg or arch.endswith("ForConditionalGeneration"):
@@ -66,9 +78,6 @@ def _refusal(arch: str, cfg: dict) -> str | None:
             "has a vision tower; supported are text-only causal LMs and the language model of "
             f"{' and '.join(multimodal.ARCHITECTURES)}"
         )
-    experts = ("num_experts", "num_local_experts", "n_routed_experts")
-    if any(cfg.get(k) for k in experts) or "Moe" in arch or "Mixtral" in arch:
-        return "is a mixture-of-experts model; mixture-of-experts models are not supported yet"
     return None
 
 
@@ -378,7 +387,7 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 
 def block_shapes(args: ModelArgs, i: int) -> dict[str, tuple[int, ...]]:
     """Block i's tensor names (full) with the shapes config.json implies."""
-    return {f"model.layers.{i}.{k}": shape for k, shape in models.block_shapes(args).items()}
+    return {f"model.layers.{i}.{k}": shape for k, shape in models.block_shapes(args, i).items()}
 
 
 def seq_len_problems(args: ModelArgs, seq_len: int) -> list[str]:
@@ -399,6 +408,38 @@ def seq_len_problems(args: ModelArgs, seq_len: int) -> list[str]:
             f"--seq-len {args.sliding_window} or less"
         )
     return problems
+
+
+# tensors a checkpoint may hold beside the text model, by what they are (prefix → name)
+_SKIPPED_KINDS = (
+    ("mtp.", "multi-token-prediction"),
+    ("model.mtp.", "multi-token-prediction"),
+    ("model.visual.", "vision tower"),
+    ("visual.", "vision tower"),
+    ("vision_tower.", "vision tower"),
+    ("model.vision_tower.", "vision tower"),
+    ("multi_modal_projector.", "multimodal projector"),
+    ("model.multi_modal_projector.", "multimodal projector"),
+)
+
+
+def skipped_notes(ckpt: SafetensorsCheckpoint, args: ModelArgs) -> list[str]:
+    """One line per kind of tensor in the checkpoint that the text model does not read (Qwen3.5's
+    multi-token-prediction head, a vision tower, ...): what the run leaves out, named; the
+    export copies the files' other tensors as they are."""
+    wanted = set(expected_shapes(args))
+    by_kind: dict[str, list[str]] = {}
+    for name in ckpt.files:
+        if name in wanted:
+            continue
+        stored = ckpt.stored_name(name)
+        kind = next((k for p, k in _SKIPPED_KINDS if stored.startswith(p)), "other")
+        by_kind.setdefault(kind, []).append(stored)
+    return [
+        f"{ckpt.dir}: {len(names)} {kind} tensor{'s' if len(names) > 1 else ''} not read "
+        f"(the text model is trained alone), e.g. {sorted(names)[0]}"
+        for kind, names in sorted(by_kind.items())
+    ]
 
 
 def block_names(args: ModelArgs, i: int) -> list[str]:

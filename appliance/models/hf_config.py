@@ -26,6 +26,8 @@ def model_fields(arch: str, cfg: dict, where: Path) -> dict[str, Any]:
         fields.update(_gemma_fields(arch, cfg, where, fields["num_layers"]))
     elif family is models.phi3:
         fields.update(_phi3_fields(cfg, where, fields))
+    elif family is models.qwen3_5:
+        fields.update(_qwen3_5_fields(cfg, where, fields["num_layers"]))
     else:
         fields.update(_llama_fields(arch, cfg, where))
     return fields
@@ -282,4 +284,57 @@ def _phi3_fields(cfg: dict, where: Path, common: dict[str, Any]) -> dict[str, An
         attention_bias=False,  # Phi-3's projections have no bias
         o_bias=False,
         sliding_window=int(sliding) if sliding else None,
+    )
+
+
+_HYBRID_TYPES = ("linear_attention", "full_attention")
+
+
+def _qwen3_5_fields(cfg: dict, where: Path, num_layers: int) -> dict[str, Any]:
+    """Qwen3.5 / Qwen3.6 dense (text): Gated DeltaNet and gated full-attention layers
+    (models/qwen3_5.py). RoPE on a quarter of each head by default; the multimodal RoPE's
+    sections are read as plain RoPE (text positions are equal in all three)."""
+    _activation(cfg, where, "hidden_act", "silu")
+    field, rope = _rope_dict(cfg)
+    theta, scaling = _rope(rope, cfg, where, field, ())
+    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+    head_dim = int(cfg.get("head_dim", 256))
+    rot = int(head_dim * partial)
+    if not 0 < partial <= 1 or rot < 2 or rot % 2:
+        raise ModelError(
+            f"{where}: partial_rotary_factor={partial} gives {rot} rotated dimensions per head; "
+            "need an even number ≥ 2"
+        )
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = int(cfg.get("full_attention_interval", 4))
+        types = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(num_layers)
+        ]
+    bad = [t for t in types if t not in _HYBRID_TYPES]
+    if len(types) != num_layers or bad:
+        raise ModelError(
+            f"{where}: layer_types must list {num_layers} of {', '.join(_HYBRID_TYPES)} "
+            f"(found {len(types)}{', e.g. ' + repr(bad[0]) if bad else ''})"
+        )
+    nk, nv = int(cfg.get("linear_num_key_heads", 16)), int(cfg.get("linear_num_value_heads", 32))
+    if nv % nk:
+        raise ModelError(
+            f"{where}: linear_num_value_heads {nv} is not a multiple of linear_num_key_heads {nk}"
+        )
+    return dict(
+        head_dim=head_dim,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        partial_rotary_factor=partial,
+        qk_norm=True,
+        norm_offset=1.0,
+        attn_output_gate=True,
+        layer_types=tuple(types),
+        linear_num_key_heads=nk,
+        linear_num_value_heads=nv,
+        linear_key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
+        linear_value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
+        linear_conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
     )

@@ -69,6 +69,13 @@ class ModelArgs:
     # the multimodal architecture whose language model this is (Gemma3ForConditionalGeneration):
     # its tensors and adapter keys are named under it (models/multimodal.py); None: a text model
     language_model_of: str | None = None
+    # ---- hybrid linear attention (Qwen3.5: layer_types "linear_attention"; models/qwen3_5.py)
+    attn_output_gate: bool = False  # q_proj also gives a sigmoid gate on attention's output
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0  # the causal depthwise convolution's width
 
     def window(self, layer: int) -> int | None:
         """The sliding window of block `layer` (keys within `window` positions), None: causal."""
@@ -84,8 +91,10 @@ class ModelArgs:
     def module_shape(self, module: str) -> tuple[int, int]:
         """(out_features, in_features) of a block's linear module, e.g. `self_attn.q_proj`."""
         C, inter, hs = self.hidden_size, self.intermediate_size, self.head_dim
+        kd = self.linear_num_key_heads * self.linear_key_head_dim
+        vd = self.linear_num_value_heads * self.linear_value_head_dim
         return {
-            "self_attn.q_proj": (self.num_heads * hs, C),
+            "self_attn.q_proj": (self.num_heads * hs * (2 if self.attn_output_gate else 1), C),
             "self_attn.k_proj": (self.num_kv_heads * hs, C),
             "self_attn.v_proj": (self.num_kv_heads * hs, C),
             "self_attn.o_proj": (C, self.num_heads * hs),
@@ -95,6 +104,12 @@ class ModelArgs:
             # Phi-3's fused modules: rows are q, k, v (resp. gate, up) one after the other
             "self_attn.qkv_proj": ((self.num_heads + 2 * self.num_kv_heads) * hs, C),
             "mlp.gate_up_proj": (2 * inter, C),
+            # Gated DeltaNet (models/gated_deltanet.py)
+            "linear_attn.in_proj_qkv": (2 * kd + vd, C),
+            "linear_attn.in_proj_z": (vd, C),
+            "linear_attn.in_proj_b": (self.linear_num_value_heads, C),
+            "linear_attn.in_proj_a": (self.linear_num_value_heads, C),
+            "linear_attn.out_proj": (C, vd),
         }[module]
 
 

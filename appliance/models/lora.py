@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from appliance.errors import ModelError
-from appliance.models import TARGETS, multimodal, resolve_targets
+from appliance.models import TARGETS, block_linears, multimodal, resolve_targets
 from appliance.models.layers import LoraContext, ModelArgs
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -73,9 +73,10 @@ class LoraWeights:
         self.args, self.spec = args, spec
         gen = torch.Generator().manual_seed(seed)
         self.blocks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
-        for _ in range(args.num_layers):
+        for i in range(args.num_layers):
             block = {}
-            for module in spec.modules:
+            # the targets block i has (Qwen3.5: linear-attention blocks have no q_proj, ...)
+            for module in (m for m in spec.modules if m in block_linears(args, i)):
                 out_f, in_f = args.module_shape(module)
                 A = torch.empty(spec.rank, in_f)
                 # PEFT's default: kaiming_uniform_(a=sqrt(5)) → U(-1/sqrt(in), 1/sqrt(in))

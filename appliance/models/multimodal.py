@@ -80,6 +80,29 @@ TEXT_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             eos_token_id=2,
         ),
     ),
+    "Qwen3_5ForConditionalGeneration": (
+        "Qwen3_5ForCausalLM",
+        dict(
+            vocab_size=248320,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=32,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=256,
+            hidden_act="silu",
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            rope_theta=1e4,
+            attention_bias=False,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 ARCHITECTURES = tuple(TEXT_DEFAULTS)
 
