@@ -19,6 +19,7 @@ MULTIMODAL = (
     "Gemma3ForConditionalGeneration",
     "Mistral3ForConditionalGeneration",
     "Qwen3_5ForConditionalGeneration",
+    "Gemma4ForConditionalGeneration",
 )
 
 BASE = dict(
@@ -57,6 +58,26 @@ QWEN3_5_HYBRID = dict(
     linear_key_head_dim=8,
     linear_value_head_dim=8,
 )
+
+# Gemma 4: sliding (head 16, 2 KV heads) and full layers (head 32, one KV head, values = keys),
+# per-layer embeddings, the last two blocks reusing the K/V of blocks 1 and 2 with a double-wide
+# MLP, a final soft cap
+GEMMA4_PLE_KV_SHARED = dict(
+    num_hidden_layers=5,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    sliding_window=8,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                 "full_attention"],
+    num_kv_shared_layers=2,
+    hidden_size_per_layer_input=8,
+    vocab_size_per_layer_input=VOCAB,
+    use_double_wide_mlp=True,
+    final_logit_softcapping=5.0,
+)  # fmt: skip
 
 VARIANTS: dict[str, tuple[str, dict]] = {
     "llama-mha": ("LlamaForCausalLM", dict(rope_theta=10000.0)),
@@ -127,6 +148,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "qwen3_5-hybrid": ("Qwen3_5ForCausalLM", QWEN3_5_HYBRID),
     # the language model of Qwen3.5's image-text checkpoint (its vision tower beside it)
     "qwen3_5-vlm": ("Qwen3_5ForConditionalGeneration", QWEN3_5_HYBRID),
+    "gemma4-ple-kv-shared": ("Gemma4ForCausalLM", GEMMA4_PLE_KV_SHARED),
+    # the language model of Gemma 4's image-text checkpoint (vision tower beside it)
+    "gemma4-vlm": ("Gemma4ForConditionalGeneration", GEMMA4_PLE_KV_SHARED),
 }
 
 
@@ -156,6 +180,12 @@ _CONFIGS = {
         transformers.Mistral3Config, {**_VISION, "head_dim": 16}, tie_word_embeddings=False
     ),
     "Qwen3_5ForCausalLM": transformers.Qwen3_5TextConfig,
+    "Gemma4ForCausalLM": transformers.Gemma4TextConfig,
+    "Gemma4ForConditionalGeneration": _multimodal(
+        transformers.Gemma4Config,
+        dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
+        audio_config=None,
+    ),
     "Qwen3_5ForConditionalGeneration": _multimodal(
         transformers.Qwen3_5Config,
         dict(
@@ -184,7 +214,9 @@ def make_model(
     Gated DeltaNet's A_log is drawn as log U(0.05, 1), not transformers' log U(0.01, 16): with
     A up to 16 the state decays by e^-20 per token and forgets everything at once, and the
     decay's LoRA gradients become tiny sums of large terms that two correct fp32 computations
-    (ours, transformers') round 1e-4 apart."""
+    (ours, transformers') round 1e-4 apart. Gemma 4 does not scale its scores by 1/sqrt(head
+    size) (its q/k norms' weights do); at transformers' init of 1 they are so peaked that either
+    fp32 computation is 1e-5 from fp64: the q/k norm weights are halved here."""
     arch, extra = VARIANTS[variant]
     cfg = _CONFIGS[arch](**{**BASE, **extra, **overrides})
     cfg.architectures = [arch]
@@ -194,6 +226,8 @@ def make_model(
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            if arch.startswith("Gemma4") and name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.mul_(0.5)  # Gemma 4's unscaled scores: as 1/sqrt(head size) would (below)
             if name.endswith("A_log"):  # Gated DeltaNet: decays that keep some state (below)
                 p.copy_(torch.empty_like(p).uniform_(0.05, 1.0).log())
     directory = Path(directory)

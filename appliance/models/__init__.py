@@ -30,7 +30,7 @@ import types
 import torch
 
 from appliance.errors import ConfigError
-from appliance.models import gated_deltanet, gemma, layers, llama, phi3, qwen3, qwen3_5
+from appliance.models import gated_deltanet, gemma, gemma4, layers, llama, phi3, qwen3, qwen3_5
 
 FAMILIES: dict[str, types.ModuleType] = {
     "LlamaForCausalLM": llama,
@@ -41,6 +41,7 @@ FAMILIES: dict[str, types.ModuleType] = {
     "Gemma3ForCausalLM": gemma,
     "Phi3ForCausalLM": phi3,
     "Qwen3_5ForCausalLM": qwen3_5,
+    "Gemma4ForCausalLM": gemma4,
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 
@@ -55,6 +56,59 @@ TARGETS = {
 
 def family(args: layers.ModelArgs) -> types.ModuleType:
     return FAMILIES[args.architecture]
+
+
+# ---------------------------------------------------------------- state across blocks
+# Gemma 4 (models/gemma4.py) is the one family whose blocks share more than the residual
+# stream: per-layer embeddings and KV-shared blocks. The engine makes one state per micro-batch
+# (`block_state`), passes it to every block of that micro-batch, and backpropagates from the
+# roots it gives (`backward_roots`); for every other family the state is None.
+
+#: globals kept in host memory, gathered per step, never moved whole to the device
+HOST_GLOBALS = (gemma4.PER_LAYER_TABLE,)
+
+
+def has_block_state(args: layers.ModelArgs) -> bool:
+    return family(args) is gemma4 and bool(args.per_layer_dim or args.num_kv_shared_layers)
+
+
+def block_state(
+    args: layers.ModelArgs,
+    ids: torch.Tensor,
+    g: dict[str, torch.Tensor],
+    host: dict[str, torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+):
+    """A micro-batch's state across blocks (None where the family has none). `ids` (B, T) as
+    the data pipeline gives them (host memory), `g` the device globals, `host` HOST_GLOBALS."""
+    if not has_block_state(args):
+        return None
+    per_layer = None
+    if args.per_layer_dim:
+        per_layer = gemma4.per_layer_inputs(
+            ids, g, host[gemma4.PER_LAYER_TABLE], args, device, dtype
+        )
+    return gemma4.BlockState(per_layer)
+
+
+def backward_roots(y: torch.Tensor, grad: torch.Tensor, state) -> tuple[list, list]:
+    """(tensors, gradients) to backpropagate a recomputed block from: its output, and what the
+    state adds (Gemma 4's store blocks: their K/V, with the gradients the reusing blocks gave)."""
+    return ([y], [grad]) if state is None else state.roots(y, grad)
+
+
+def state_bytes(args: layers.ModelArgs, B: int, T: int, dtype_bytes: int) -> int:
+    """Device bytes one micro-batch's block state holds for the step: per-layer inputs and one
+    K/V pair per shared layer type."""
+    if not has_block_state(args):
+        return 0
+    n = args.num_layers * args.per_layer_dim
+    if args.num_kv_shared_layers:
+        for kind in set(args.layer_types[args.num_layers - args.num_kv_shared_layers :]):
+            nkv, hs = args.attention_heads(gemma4.store_block(args, kind))
+            n += 2 * nkv * hs
+    return B * T * n * dtype_bytes
 
 
 def _has_bias(args: layers.ModelArgs, module: str) -> bool:
@@ -112,12 +166,17 @@ def block_forward(
     lora: layers.LoraContext | None = None,
     mask: torch.Tensor | None = None,
     layer: int = 0,
+    state=None,
 ) -> torch.Tensor:
     """Block `layer` of the model's family: (B, T, C) → (B, T, C). cos/sin: the table that block
-    takes (ModelArgs.local_rope); `mask`: see layers.attend (None: causal). The family's block runs
-    on the rows flattened, (B·T, C): fewer operator calls (layers.heads)."""
+    takes (ModelArgs.local_rope); `mask`: see layers.attend (None: causal); `state`: the
+    micro-batch's `block_state` (Gemma 4). The family's block runs on the rows flattened,
+    (B·T, C): fewer operator calls (layers.heads)."""
     B, T, C = x.shape
-    y = family(args).block_forward(x.reshape(B * T, C), w, args, layer, cos, sin, lora, mask)
+    extra = {} if state is None else {"state": state}
+    y = family(args).block_forward(
+        x.reshape(B * T, C), w, args, layer, cos, sin, lora, mask, **extra
+    )
     return y.view(B, T, C)
 
 
@@ -133,6 +192,7 @@ def compiled_block_forward(
     lora: layers.LoraContext | None = None,
     mask: torch.Tensor | None = None,
     layer: int = 0,
+    state=None,
 ) -> torch.Tensor:
     """`block_forward` through torch.compile (Inductor: the block's elementwise work fused into
     generated kernels, fewer launches): the engine's `compile_blocks`. The same math, rounded
@@ -143,18 +203,21 @@ def compiled_block_forward(
     attention window (ModelArgs.window), so it is replaced by the first layer with the same
     window, and Dynamo specialises on at most two values (Gemma's sliding and full layers).
     LoRA dropout's masks are drawn before the compiled block runs (`dropout_masks`), so it
-    compiles whole with dropout too."""
+    compiles whole with dropout too. A block with a state across blocks (Gemma 4) runs eager.
+    """
     global _compiled
+    if state is not None:
+        return block_forward(x, w, args, cos, sin, lora, mask, layer, state)
     if _compiled is None:
         _compiled = torch.compile(block_forward)
     if lora is not None and lora.dropout > 0 and lora.masks is None:
-        lora = dataclasses.replace(lora, masks=dropout_masks(x, args, lora))
+        lora = dataclasses.replace(lora, masks=dropout_masks(x, args, lora, layer))
     kind = first_layer_like(args, layer)
     return _compiled(x, w, args, cos, sin, lora, mask, layer=kind)
 
 
 def dropout_masks(
-    x: torch.Tensor, args: layers.ModelArgs, lora: layers.LoraContext
+    x: torch.Tensor, args: layers.ModelArgs, lora: layers.LoraContext, layer: int = 0
 ) -> dict[str, torch.Tensor]:
     """The LoRA dropout masks the eager block draws, one per adapted projection, drawn here
     instead: from the same generator, in the order the block calls its projections (the
@@ -163,8 +226,10 @@ def dropout_masks(
     graph at every projection (it cannot trace a Generator)."""
     rows, keep = x.numel() // x.shape[-1], 1.0 - lora.dropout
     return {
-        m: x.new_empty(rows, args.module_shape(m)[1]).bernoulli_(keep, generator=lora.generator)
-        for m in family(args).LINEARS  # (Qwen3.5's: every kind's, in each kind's order)
+        m: x.new_empty(rows, args.module_shape(m, layer)[1]).bernoulli_(
+            keep, generator=lora.generator
+        )
+        for m in block_linears(args, layer)
         if m in lora.weights
     }
 
@@ -209,6 +274,13 @@ def resolve_targets(args: layers.ModelArgs, targets: tuple[str, ...]) -> tuple[s
     return tuple(t for t in fam.TARGETS if t in wanted)
 
 
+def global_shapes(args: layers.ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Tensors outside the blocks that a family adds to the embeddings, final norm and head
+    (Gemma 4's per-layer embeddings), with their shapes."""
+    fam = family(args)
+    return fam.global_shapes(args) if hasattr(fam, "global_shapes") else {}
+
+
 def block_param_count(args: layers.ModelArgs, layer: int | None = None) -> int:
     """Parameters in block `layer`: every tensor block_shapes lists; None: the biggest block
     (the blocks of a family differ only where their kinds do: Qwen3.5)."""
@@ -227,4 +299,5 @@ def param_count(args: layers.ModelArgs) -> int:
     final norm."""
     embed = args.vocab_size * args.hidden_size
     head = 0 if args.tie_word_embeddings else embed
-    return blocks_param_count(args) + embed + head + args.hidden_size
+    extra = sum(math.prod(shape) for shape in global_shapes(args).values())
+    return blocks_param_count(args) + embed + head + args.hidden_size + extra

@@ -42,6 +42,8 @@ MODEL_TYPES = {
     "mistral3": "Mistral3ForConditionalGeneration",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "gemma4_text": "Gemma4ForCausalLM",
+    "gemma4": "Gemma4ForConditionalGeneration",
 }
 # what a safetensors file that cannot be read raises: a missing or unreadable file (OSError), a
 # truncated or garbled header (SafetensorError), a tensor past the end of the file (RuntimeError)
@@ -380,6 +382,7 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     }
     if not args.tie_word_embeddings:
         out["lm_head.weight"] = (V, C)
+    out.update(models.global_shapes(args))
     for i in range(args.num_layers):
         out.update(block_shapes(args, i))
     return out
@@ -419,6 +422,9 @@ _SKIPPED_KINDS = (
     ("vision_tower.", "vision tower"),
     ("model.vision_tower.", "vision tower"),
     ("multi_modal_projector.", "multimodal projector"),
+    ("model.audio_tower.", "audio tower"),
+    ("model.embed_vision.", "multimodal projector"),
+    ("model.embed_audio.", "multimodal projector"),
     ("model.multi_modal_projector.", "multimodal projector"),
 )
 
@@ -452,7 +458,7 @@ def global_names(args: ModelArgs) -> list[str]:
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not args.tie_word_embeddings:
         names.append("lm_head.weight")
-    return names
+    return names + list(models.global_shapes(args))  # Gemma 4's per-layer embeddings
 
 
 def read_globals(

@@ -77,7 +77,7 @@ class LoraWeights:
             block = {}
             # the targets block i has (Qwen3.5: linear-attention blocks have no q_proj, ...)
             for module in (m for m in spec.modules if m in block_linears(args, i)):
-                out_f, in_f = args.module_shape(module)
+                out_f, in_f = args.module_shape(module, i)
                 A = torch.empty(spec.rank, in_f)
                 # PEFT's default: kaiming_uniform_(a=sqrt(5)) → U(-1/sqrt(in), 1/sqrt(in))
                 bound = 1.0 / math.sqrt(in_f)

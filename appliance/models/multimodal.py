@@ -103,6 +103,33 @@ TEXT_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             tie_word_embeddings=False,
         ),
     ),
+    "Gemma4ForConditionalGeneration": (
+        "Gemma4ForCausalLM",
+        dict(
+            vocab_size=262144,
+            hidden_size=2304,
+            intermediate_size=9216,
+            num_hidden_layers=30,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            hidden_activation="gelu_pytorch_tanh",
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-6,
+            attention_bias=False,
+            sliding_window=512,
+            final_logit_softcapping=None,
+            vocab_size_per_layer_input=262144,
+            hidden_size_per_layer_input=256,
+            attention_k_eq_v=False,
+            num_kv_shared_layers=0,
+            use_double_wide_mlp=False,
+            tie_word_embeddings=True,
+            bos_token_id=2,
+            eos_token_id=1,
+            pad_token_id=0,
+        ),
+    ),
 }
 ARCHITECTURES = tuple(TEXT_DEFAULTS)
 
