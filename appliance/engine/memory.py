@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from appliance.models import block_param_count
+from appliance.models import blocks_param_count, gated_deltanet
 from appliance.models.layers import HEAD_CHUNK_VALUES, ModelArgs
 
 
@@ -114,6 +114,8 @@ def plan_memory(
     # the head, one sequence chunk at a time (layers.HEAD_CHUNK_VALUES): fp32 logits, their
     # softmax and its gradient
     work += min(biggest * args.vocab_size, HEAD_CHUNK_VALUES) * 4 * 3
+    if args.linear_num_value_heads:  # Qwen3.5: the chunked rule's fp32 matrices (gated_deltanet)
+        work += gated_deltanet.work_bytes(args, biggest)
     if args.attn_softcap is not None:  # Gemma 2: layers.attend writes out (B, nh, T, T) scores
         # (`longest` = T), kept for the backward with their tanh and fp32 softmax
         work += biggest * longest * args.num_heads * (4 + 3 * dtype_bytes)
@@ -167,8 +169,14 @@ def blocks_uploaded_per_step(num_blocks: int, resident_blocks: int) -> int:
 
 def step_flops(args: ModelArgs, tokens: int) -> float:
     """≈ 6·N·T for LoRA with recompute: forward, recompute, input-gradient (DESIGN.md); N counts
-    the blocks' parameters only (not attention scores, embeddings or the head)."""
-    return 6.0 * args.num_layers * block_param_count(args) * tokens
+    the blocks' parameters only (not attention scores, embeddings or the head). Qwen3.5's
+    linear-attention layers add their chunked rule, which has no parameters to count: its
+    forward, recompute and backward (≈ twice the forward): 4× its forward FLOPs."""
+    flops = 6.0 * blocks_param_count(args) * tokens
+    if args.linear_num_value_heads and args.layer_types:
+        linear = args.layer_types.count("linear_attention")
+        flops += 4.0 * linear * gated_deltanet.rule_flops(args, tokens)
+    return flops
 
 
 def gpu_budget_problem(text: str, n: int) -> str | None:

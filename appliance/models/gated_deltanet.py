@@ -63,6 +63,26 @@ def shapes(args: layers.ModelArgs) -> dict[str, tuple[int, ...]]:
     }
 
 
+def rule_flops(args: layers.ModelArgs, tokens: int) -> float:
+    """Forward FLOPs of the chunked rule over `tokens` tokens in one layer (not counted by
+    6·N·T: they scale with the chunk, not with parameters). Per token and value head, chunk c:
+    q·kᵀ and (βk)·kᵀ within the chunk (2·c·dk), the two triangular solves (c·(dk + dv)), the
+    within-chunk read (c·dv), and the state's read, correction and update (3·dk·dv); ×2 for
+    multiply-adds."""
+    c, dk, dv = CHUNK, args.linear_key_head_dim, args.linear_value_head_dim
+    per_head = 2 * (2 * c * dk + c * (dk + dv) + c * dv + 3 * dk * dv)
+    return float(tokens * args.linear_num_value_heads * per_head)
+
+
+def work_bytes(args: layers.ModelArgs, tokens: int) -> int:
+    """Device bytes the chunked rule holds for the backward of one micro-batch of `tokens`
+    tokens through one layer, in fp32: four (tokens, c) matrices per value head (decays, the
+    system, the within-chunk scores, the solve's output) and q, k, v and what is derived from
+    them (βk, βv, the solves' results) at their head sizes."""
+    h, dk, dv = args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim
+    return tokens * h * (4 * CHUNK + 3 * dk + 3 * dv) * 4
+
+
 # ---------------------------------------------------------------- packed documents
 
 

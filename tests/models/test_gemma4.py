@@ -145,3 +145,27 @@ def test_what_gemma4_cannot_run_is_refused_by_name(tmp_path, changes, message):
     with pytest.raises(ModelError) as e:
         read_model_args(model_dir)
     assert f"{model_dir / 'config.json'}: {message}" in str(e.value)
+
+
+def test_the_gemma4_31b_preset_has_its_size_and_runs_shrunk():
+    """gemma-4-31B's language model: 30.7B parameters; a shrunk copy (global heads twice the
+    sliding ones, values = keys) runs a streamed step on synthetic weights."""
+    import dataclasses
+    import math
+
+    from appliance.bench.synthetic import SyntheticBlockSource
+    from appliance.models.lora import LoraWeights
+    from appliance.models.presets import PRESETS
+
+    args = PRESETS["gemma4-31b"].args
+    assert abs(models.param_count(args) / 30.7e9 - 1) < 0.01
+    tiny = dataclasses.replace(
+        args, vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=6, num_heads=4,
+        num_kv_heads=2, head_dim=16, global_head_dim=32, num_global_kv_heads=1, sliding_window=16,
+        embed_scale=8.0,
+    )  # fmt: skip
+    src = SyntheticBlockSource(tiny, torch.float32)
+    assert {k: tuple(t.shape) for k, t in src.block(5).items()} == models.block_shapes(tiny, 5)
+    ids = torch.randint(0, 128, (2, 32))
+    stats = StreamedEngine(src, LoraWeights(tiny, SPEC)).train_step([(ids, ids)], 1e-3)
+    assert math.isfinite(stats.loss)

@@ -17,7 +17,7 @@ from appliance.engine.step import StreamedEngine
 from appliance.errors import ModelError
 from appliance.models import gated_deltanet
 from appliance.models.hf_checkpoint import SafetensorsCheckpoint, read_model_args, skipped_notes
-from appliance.models.lora import LoraSpec, peft_key, peft_layers
+from appliance.models.lora import LoraSpec, LoraWeights, peft_key, peft_layers
 from tests.engine.test_engine_parity import peft_grads, peft_reference, reference_loss
 from tests.helpers_model import batch, lora_with_random_b, make_model, rel_err, write_config
 
@@ -251,3 +251,32 @@ def test_train_then_peft_load_then_export_round_trip(hybrid, tmp_path):
     assert rel_err(ours, theirs) < RTOL
     assert rel_err(merged, theirs) < RTOL
     assert rel_err(base, theirs) > 1e-3  # the adapter matters
+
+
+def test_the_qwen3_6_27b_preset_counts_its_linear_attention_and_runs_shrunk():
+    """The preset is Qwen3.6-27B's language model (26.9B of the published 27B, which counts the
+    vision tower and the MTP head too); the step's FLOPs add the chunked rule of its 48 linear
+    layers to 6·N·T; a shrunk copy runs a streamed step on synthetic weights of each kind."""
+    import dataclasses
+    import math
+
+    from appliance.bench.synthetic import SyntheticBlockSource
+    from appliance.engine.memory import step_flops
+    from appliance.models.presets import PRESETS
+
+    args = PRESETS["qwen3.6-27b"].args
+    assert abs(models.param_count(args) / 26.9e9 - 1) < 0.01
+    six_nt = 6.0 * models.blocks_param_count(args) * 2048
+    rule = 4 * 48 * gated_deltanet.rule_flops(args, 2048)
+    assert step_flops(args, 2048) == six_nt + rule and 0.005 < rule / six_nt < 0.05
+    tiny = dataclasses.replace(
+        args, vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4,
+        num_kv_heads=2, head_dim=16, layer_types=args.layer_types[:4], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+    )  # fmt: skip
+    src = SyntheticBlockSource(tiny, torch.float32)
+    for i in (0, 3):  # a linear and a full block
+        assert {k: tuple(t.shape) for k, t in src.block(i).items()} == models.block_shapes(tiny, i)
+    ids = torch.randint(0, 128, (2, 70))
+    stats = StreamedEngine(src, LoraWeights(tiny, SPEC)).train_step([(ids, ids)], 1e-3)
+    assert math.isfinite(stats.loss)
