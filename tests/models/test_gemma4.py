@@ -12,7 +12,12 @@ from appliance import models
 from appliance.engine.blocks import DictBlockSource
 from appliance.engine.step import StreamedEngine
 from appliance.errors import ModelError
-from appliance.models.hf_checkpoint import SafetensorsCheckpoint, read_model_args, skipped_notes
+from appliance.models.hf_checkpoint import (
+    SafetensorsCheckpoint,
+    expected_shapes,
+    read_model_args,
+    skipped_notes,
+)
 from appliance.models.lora import LoraSpec
 from tests.engine.test_engine_parity import peft_reference, reference_loss
 from tests.helpers_model import (
@@ -36,6 +41,8 @@ def gemma4(tmp_path_factory):
 
 def test_the_model_reads_as_transformers_builds_it(gemma4):
     args = read_model_args(gemma4)
+    headers = SafetensorsCheckpoint(gemma4).headers()
+    assert expected_shapes(args) == {name: shape for name, (shape, _) in headers.items()}
     assert [args.attention_heads(i) for i in range(5)] == [(2, 16), (1, 32), (2, 16), (2, 16),
                                                            (1, 32)]  # fmt: skip
     assert [args.kv_shared(i) for i in range(5)] == [False, False, False, True, True]

@@ -16,7 +16,12 @@ from appliance.engine.blocks import DictBlockSource
 from appliance.engine.step import StreamedEngine
 from appliance.errors import ModelError
 from appliance.models import gated_deltanet
-from appliance.models.hf_checkpoint import SafetensorsCheckpoint, read_model_args, skipped_notes
+from appliance.models.hf_checkpoint import (
+    SafetensorsCheckpoint,
+    expected_shapes,
+    read_model_args,
+    skipped_notes,
+)
 from appliance.models.lora import LoraSpec, LoraWeights, peft_key, peft_layers
 from tests.engine.test_engine_parity import peft_grads, peft_reference, reference_loss
 from tests.helpers_model import batch, lora_with_random_b, make_model, rel_err, write_config
@@ -112,6 +117,9 @@ def hybrid(tmp_path_factory):
 
 def test_loss_and_every_lora_gradient_match_transformers_with_peft(hybrid, tmp_path):
     """80 tokens: two chunks of the rule; LoRA on every projection, linear attention's too."""
+    headers = SafetensorsCheckpoint(hybrid).headers()
+    expected = expected_shapes(read_model_args(hybrid))
+    assert expected == {name: shape for name, (shape, _) in headers.items()}
     source = DictBlockSource.from_hf(hybrid, torch.float32)
     lora = lora_with_random_b(source.args, SPEC)
     assert set(lora.blocks[0]) == {
