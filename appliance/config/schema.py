@@ -68,7 +68,8 @@ class TrainConfig:
     lora_targets: tuple[str, ...] = _f(
         tuple(TARGET_MODULES),
         "Modules to adapt, comma-separated: " + ",".join(TARGET_MODULES) + " (Phi-3's fused "
-        "modules: qkv, gate_up, which q,k,v and gate,up also name).",
+        "modules: qkv, gate_up, which q,k,v and gate,up also name; Qwen3.5's linear attention: "
+        "in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj).",
     )
     # ---- hardware
     device: str = _f("auto", "auto | cpu | cuda.")
