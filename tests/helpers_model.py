@@ -15,7 +15,12 @@ from appliance.models.lora import LoraSpec, LoraWeights
 from tests.helpers_tokenizer import make_tokenizer
 
 VOCAB = 64  # ≥ the test tokenizer's vocabulary
-MULTIMODAL = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration")
+MULTIMODAL = (
+    "Gemma3ForConditionalGeneration",
+    "Mistral3ForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",
+    "Gemma4ForConditionalGeneration",
+)
 
 BASE = dict(
     vocab_size=VOCAB,
@@ -43,6 +48,36 @@ GEMMA3_LOCAL_ROPE = dict(
     },
     query_pre_attn_scalar=24,
 )
+
+QWEN3_5_HYBRID = dict(
+    num_key_value_heads=2,
+    head_dim=16,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+)
+
+# Gemma 4: sliding (head 16, 2 KV heads) and full layers (head 32, one KV head, values = keys),
+# per-layer embeddings, the last two blocks reusing the K/V of blocks 1 and 2 with a double-wide
+# MLP, a final soft cap
+GEMMA4_PLE_KV_SHARED = dict(
+    num_hidden_layers=5,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    sliding_window=8,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                 "full_attention"],
+    num_kv_shared_layers=2,
+    hidden_size_per_layer_input=8,
+    vocab_size_per_layer_input=VOCAB,
+    use_double_wide_mlp=True,
+    final_logit_softcapping=5.0,
+)  # fmt: skip
 
 VARIANTS: dict[str, tuple[str, dict]] = {
     "llama-mha": ("LlamaForCausalLM", dict(rope_theta=10000.0)),
@@ -140,6 +175,14 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                               "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
                               "original_max_position_embeddings": 16}),
     ),
+    # Qwen3.5 dense: Gated DeltaNet, gated full attention, Gated DeltaNet (2 key heads serving 4
+    # value heads), RoPE on a quarter of each head
+    "qwen3_5-hybrid": ("Qwen3_5ForCausalLM", QWEN3_5_HYBRID),
+    # the language model of Qwen3.5's image-text checkpoint (its vision tower beside it)
+    "qwen3_5-vlm": ("Qwen3_5ForConditionalGeneration", QWEN3_5_HYBRID),
+    "gemma4-ple-kv-shared": ("Gemma4ForCausalLM", GEMMA4_PLE_KV_SHARED),
+    # the language model of Gemma 4's image-text checkpoint (vision tower beside it)
+    "gemma4-vlm": ("Gemma4ForConditionalGeneration", GEMMA4_PLE_KV_SHARED),
 }  # fmt: skip
 MOE_VARIANTS = ("qwen3-moe", "mixtral", "olmoe", "gpt-oss")
 
@@ -173,6 +216,25 @@ _CONFIGS = {
     "Mistral3ForConditionalGeneration": _multimodal(
         transformers.Mistral3Config, {**_VISION, "head_dim": 16}, tie_word_embeddings=False
     ),
+    "Qwen3_5ForCausalLM": transformers.Qwen3_5TextConfig,
+    "Gemma4ForCausalLM": transformers.Gemma4TextConfig,
+    "Gemma4ForConditionalGeneration": _multimodal(
+        transformers.Gemma4Config,
+        dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
+        audio_config=None,
+    ),
+    "Qwen3_5ForConditionalGeneration": _multimodal(
+        transformers.Qwen3_5Config,
+        dict(
+            depth=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=14,
+        ),
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -184,7 +246,14 @@ def make_model(
     with_tokenizer: bool = True,
     **overrides,
 ) -> Path:
-    """Save a random tiny model of `variant` (+ the test tokenizer) into `directory`."""
+    """Save a random tiny model of `variant` (+ the test tokenizer) into `directory`.
+
+    Gated DeltaNet's A_log is drawn as log U(0.05, 1), not transformers' log U(0.01, 16): with
+    A up to 16 the state decays by e^-20 per token and forgets everything at once, and the
+    decay's LoRA gradients become tiny sums of large terms that two correct fp32 computations
+    (ours, transformers') round 1e-4 apart. Gemma 4 does not scale its scores by 1/sqrt(head
+    size) (its q/k norms' weights do); at transformers' init of 1 they are so peaked that either
+    fp32 computation is 1e-5 from fp64: the q/k norm weights are halved here."""
     arch, extra = VARIANTS[variant]
     cfg = _CONFIGS[arch](**{**BASE, **extra, **overrides})
     cfg.architectures = [arch]
@@ -196,6 +265,10 @@ def make_model(
                 p.add_(torch.randn_like(p) * 0.1)
             if name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # decisive routing
                 p.mul_(10.0)
+            if arch.startswith("Gemma4") and name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.mul_(0.5)  # Gemma 4's unscaled scores: as 1/sqrt(head size) would (below)
+            if name.endswith("A_log"):  # Gated DeltaNet: decays that keep some state (below)
+                p.copy_(torch.empty_like(p).uniform_(0.05, 1.0).log())
     directory = Path(directory)
     model.save_pretrained(directory, max_shard_size="100KB" if shards else "5GB")
     if with_tokenizer:

@@ -372,10 +372,11 @@ def run_bench(
     args = p.args
     weight_bytes = param_count(args) * dtype.itemsize
     if base_quant != "none":  # the blocks' linear weights quantized, the rest in dtype
-        shapes = block_shapes(args)
-        linear = [shapes[name] for name in linear_weight_names(args)]
-        weight_bytes -= args.num_layers * sum(math.prod(s) * dtype.itemsize for s in linear)
-        weight_bytes += args.num_layers * sum(quant.quantized_nbytes(s, base_quant) for s in linear)
+        for i in range(args.num_layers):  # (blocks differ by kind in Qwen3.5 and Gemma 4)
+            shapes = block_shapes(args, i)
+            linear = [shapes[name] for name in linear_weight_names(args, i)]
+            weight_bytes -= sum(math.prod(s) * dtype.itemsize for s in linear)
+            weight_bytes += sum(quant.quantized_nbytes(s, base_quant) for s in linear)
     available = host_memory_available()
     if available is not None and weight_bytes > 0.9 * available:
         raise ConfigError(

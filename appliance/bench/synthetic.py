@@ -12,7 +12,7 @@ import torch
 
 from appliance import quant
 from appliance.engine.blocks import FlatIndex, layout, pack, unpack
-from appliance.models import block_shapes
+from appliance.models import block_shapes, global_shapes
 from appliance.models.layers import ModelArgs
 
 
@@ -44,10 +44,10 @@ class SyntheticBlockSource:
         return self.args.num_layers
 
     def _shapes(self, i: int) -> dict[str, tuple[int, ...]]:
-        return block_shapes(self.args)
+        return block_shapes(self.args, i)  # blocks differ by kind in Qwen3.5 and Gemma 4
 
     def _fill(self, t: torch.Tensor, name: str, i: int) -> None:
-        if "norm" in name:
+        if "norm" in name or name == "layer_scalar":
             t.fill_(1.0)
             return
         flat, n, P = t.view(-1), t.numel(), self.POOL
@@ -94,6 +94,8 @@ class SyntheticBlockSource:
             }
             if not a.tie_word_embeddings:
                 g["lm_head.weight"] = torch.empty(a.vocab_size, a.hidden_size, dtype=self.dtype)
+            for name, shape in global_shapes(a).items():  # Gemma 4's per-layer embeddings
+                g[name] = torch.empty(shape, dtype=self.dtype)
             for name, t in g.items():
                 self._fill(t, name, -1)
             self._globals = g

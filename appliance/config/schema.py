@@ -93,8 +93,9 @@ class TrainConfig:
         tuple(TARGET_MODULES),
         "Modules to adapt, comma-separated: " + ",".join(TARGET_MODULES) + " (Phi-3's fused "
         "modules: qkv, gate_up, which q,k,v and gate,up also name; a mixture of experts: "
-        "q,k,v,o by default, and `experts` for every expert's gate_up and down); PEFT's names "
-        "too: q_proj, ..., down_proj, all-linear (all seven).",
+        "q,k,v,o by default, and `experts` for every expert's gate_up and down; Qwen3.5's "
+        "linear attention: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj); PEFT's "
+        "names too: q_proj, ..., down_proj, all-linear (all seven).",
     )
     # ---- hardware
     device: str = _f("auto", "auto | cpu | cuda.")

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from appliance import models
 from appliance.engine.blocks import BlockSource, pack, readonly_tensor, unpack
 from appliance.engine.cuda_host import (
     host_register_range,
@@ -151,7 +152,12 @@ class DeviceWeights:
         self._resident_buffers: dict[int, torch.Tensor] = {}  # allocated by configure, not filled
         self._configured = False
         g = source.globals()
-        self.globals = {k: v.to(device=device, dtype=dtype) for k, v in g.items()}
+        # Gemma 4's per-layer embedding table stays in host memory (models.HOST_GLOBALS): its
+        # rows for a step's tokens are gathered there (models.block_state)
+        self.host_globals = {k: v for k, v in g.items() if k in models.HOST_GLOBALS}
+        self.globals = {
+            k: v.to(device=device, dtype=dtype) for k, v in g.items() if k not in self.host_globals
+        }
         self._copier = SideStream(device)
         # with copies: each block's host buffer, the biggest's size, and two page-locked
         # staging buffers for the blocks that could not be locked in place
@@ -253,16 +259,21 @@ class DeviceWeights:
     def block_bytes(self) -> int:
         """Bytes of one block as uploaded: flat, each tensor padded to 64 bytes (blocks.pack);
         a quantized weight counts its codes and scales."""
-        return sum(_entry_bytes(t, self.dtype) for t in self.source.block(0).values())
+        return max(  # the biggest block: blocks differ by kind in Qwen3.5 and Gemma 4
+            sum(_entry_bytes(t, self.dtype) for t in self.source.block(i).values())
+            for i in range(self.source.num_blocks)
+        )
 
     def dequant_bytes(self) -> int:
         """Device bytes the dequantized weights of one block take while it computes (0 when the
         base is not quantized): the transient that a quantized block adds on the device."""
-        w = self.source.block(0)
-        return sum(
-            math.prod(t.shape) * self.dtype.itemsize
-            for t in w.values()
-            if isinstance(t, QuantizedTensor)
+        return max(
+            sum(
+                math.prod(t.shape) * self.dtype.itemsize
+                for t in self.source.block(i).values()
+                if isinstance(t, QuantizedTensor)
+            )
+            for i in range(self.source.num_blocks)
         )
 
     def prefetch(self, i: int) -> None:

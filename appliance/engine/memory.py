@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from appliance.models import active_block_param_count
+from appliance.models import active_block_param_count, blocks_param_count, gated_deltanet
 from appliance.models.layers import HEAD_CHUNK_VALUES, ModelArgs
 
 
@@ -114,6 +114,8 @@ def plan_memory(
     # the head, one sequence chunk at a time (layers.HEAD_CHUNK_VALUES): fp32 logits, their
     # softmax and its gradient
     work += min(biggest * args.vocab_size, HEAD_CHUNK_VALUES) * 4 * 3
+    if args.linear_num_value_heads:  # Qwen3.5: the chunked rule's fp32 matrices (gated_deltanet)
+        work += gated_deltanet.work_bytes(args, biggest)
     if args.attn_softcap is not None:  # Gemma 2: layers.attend writes out (B, nh, T, T) scores
         # (`longest` = T), kept for the backward with their tanh and fp32 softmax
         work += biggest * longest * args.num_heads * (4 + 3 * dtype_bytes)
@@ -169,8 +171,18 @@ def step_flops(args: ModelArgs, tokens: int) -> float:
     """≈ 6·N·T for LoRA with recompute: forward, recompute, input-gradient (DESIGN.md); N counts
     the blocks' parameters only (not attention scores, embeddings or the head), and of a
     mixture of experts the active ones: each token's k experts and the router
-    (models.active_block_param_count)."""
-    return 6.0 * args.num_layers * active_block_param_count(args) * tokens
+    (models.active_block_param_count). Qwen3.5's linear-attention layers add their chunked
+    rule, which has no parameters to count: its forward, recompute and backward (≈ twice the
+    forward): 4× its forward FLOPs."""
+    if args.num_experts:
+        params = args.num_layers * active_block_param_count(args)
+    else:
+        params = blocks_param_count(args)
+    flops = 6.0 * params * tokens
+    if args.linear_num_value_heads and args.layer_types:
+        linear = args.layer_types.count("linear_attention")
+        flops += 4.0 * linear * gated_deltanet.rule_flops(args, tokens)
+    return flops
 
 
 def gpu_budget_problem(text: str, n: int) -> str | None:

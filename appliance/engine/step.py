@@ -253,7 +253,11 @@ class StreamedEngine:
             # packed documents' masks, kept for a whole step
             globals_bytes=sum(t.numel() * t.element_size() for t in w.globals.values())
             + w.dequant_bytes()
-            + self._mask_bytes(micro_batches),
+            + self._mask_bytes(micro_batches)
+            + sum(
+                models.state_bytes(self.args, *mb.ids.shape, self.dtype.itemsize)
+                for mb in micro_batches
+            ),
             lora_params=self.lora.num_parameters(),
         )
 
@@ -263,17 +267,21 @@ class StreamedEngine:
             self._rope[T, local] = layers.rope_cos_sin(self.args, T, self.device, self.dtype, local)
         return self._rope[T, local]
 
-    def _attention_inputs(self, mb: MicroBatch) -> tuple[torch.Tensor | None, object, dict]:
-        """(positions, mask, RoPE tables by `local`) for one micro-batch, once per pass: plain
-        causal rows (None, None); packed documents their per-row positions and the document mask:
-        a flex_attention BlockMask on CUDA where the block runs layers.attention (the Llama
-        family), a boolean (B, 1, T, T) mask otherwise (layers.attend takes that)."""
+    def _attention_inputs(self, mb: MicroBatch) -> tuple[torch.Tensor | None, object, dict, object]:
+        """(positions, mask, RoPE tables by `local`, block state) for one micro-batch, once per
+        pass: plain causal rows (None, None); packed documents their per-row positions and the
+        document mask: a flex_attention BlockMask on CUDA where the block runs layers.attention
+        (the Llama family), a boolean (B, 1, T, T) mask otherwise (layers.attend takes that).
+        The block state (models.block_state: Gemma 4's per-layer inputs and shared K/V, None
+        for the other families) is what this micro-batch's blocks share for the pass."""
+        g, host = self.weights.globals, self.weights.host_globals
+        state = models.block_state(self.args, mb.ids, g, host, self.device, self.dtype)
         if mb.packing is None:
-            return None, None, {}
+            return None, None, {}, state
         positions, segments = (t.to(self.device) for t in mb.packing)
         if self.device.type == "cuda" and models.takes_block_mask(self.args):
-            return positions, layers.document_block_mask(segments), {}
-        return positions, layers.document_mask(segments), {}
+            return positions, layers.document_block_mask(segments), {}, state
+        return positions, layers.document_mask(segments), {}, state
 
     def _mask_bytes(self, micro_batches: list[MicroBatch]) -> int:
         """Device bytes of the boolean (B, 1, T, T) document masks `_attention_inputs` makes for
@@ -289,7 +297,7 @@ class StreamedEngine:
         """(cos, sin, mask) for block i of a micro-batch: the RoPE table that block takes
         (ModelArgs.local_rope: Gemma 3's sliding layers have their own), gathered per row at the
         packed documents' positions (computed once per table and pass)."""
-        positions, mask, tables = attn
+        positions, mask, tables, _ = attn
         local = self.args.local_rope(i)
         if local not in tables:
             cos, sin = self._cos_sin(T, local)
@@ -348,7 +356,10 @@ class StreamedEngine:
                         lora.generator = self._generator(step, i, first + m)
                         cos, sin, mask = self._block_inputs(attn[m], h.shape[1], i)
                         extra = {} if balance is None else {"router_logits": []}
-                        hs[m] = self._block(h, w, self.args, cos, sin, lora, mask, layer=i, **extra)
+                        state = attn[m][3]  # Gemma 4: its per-layer inputs, shared K/V
+                        hs[m] = self._block(
+                            h, w, self.args, cos, sin, lora, mask, layer=i, state=state, **extra
+                        )
                         if balance is not None:
                             balance.observe(extra["router_logits"])
                 if i + 1 < L or not save:
@@ -432,13 +443,16 @@ class StreamedEngine:
                         lora.generator = self._generator(step, i, first + m)
                         cos, sin, mask = self._block_inputs(attn[m], x.shape[1], i)
                         extra = {} if balance is None else {"router_logits": []}
-                        y = self._block(x, w, self.args, cos, sin, lora, mask, layer=i, **extra)
+                        state = attn[m][3]  # Gemma 4: also its store blocks' K/V
+                        y = self._block(
+                            x, w, self.args, cos, sin, lora, mask, layer=i, state=state, **extra
+                        )
+                        roots, root_grads = models.backward_roots(y, grads[m], state)
                         aux = None if balance is None else balance.part(extra["router_logits"])
                         if aux is not None:  # this block's share of the load-balancing loss
                             scale = 1.0 if self.scaler is None else self.scaler.scale
-                            torch.autograd.backward([y, aux * scale], [grads[m], None])
-                        else:
-                            y.backward(grads[m])
+                            roots, root_grads = [*roots, aux * scale], [*root_grads, None]
+                        torch.autograd.backward(roots, root_grads)
                         grads[m] = x.grad
                     del lora, x
                 self.saved.done(i)

@@ -36,7 +36,20 @@ import types
 import torch
 
 from appliance.errors import ConfigError
-from appliance.models import gemma, gpt_oss, layers, llama, moe, olmoe, phi3, qwen3, qwen3_moe
+from appliance.models import (
+    gated_deltanet,
+    gemma,
+    gemma4,
+    gpt_oss,
+    layers,
+    llama,
+    moe,
+    olmoe,
+    phi3,
+    qwen3,
+    qwen3_5,
+    qwen3_moe,
+)
 
 FAMILIES: dict[str, types.ModuleType] = {
     "LlamaForCausalLM": llama,
@@ -50,6 +63,8 @@ FAMILIES: dict[str, types.ModuleType] = {
     "MixtralForCausalLM": qwen3_moe,
     "OlmoeForCausalLM": olmoe,
     "GptOssForCausalLM": gpt_oss,
+    "Qwen3_5ForCausalLM": qwen3_5,
+    "Gemma4ForCausalLM": gemma4,
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 
@@ -59,6 +74,7 @@ TARGETS = {
     "qkv": "self_attn.qkv_proj",
     "gate_up": "mlp.gate_up_proj",
     "experts": "mlp.experts",  # a MoE block's experts: both their tensors (EXPERT_MODULES)
+    **gated_deltanet.TARGET_MODULES,  # Qwen3.5's linear attention: in_proj_qkv, ..., out_proj
 }
 #: what LoRA on "experts" adapts: the experts' fused tensors, as PEFT's `target_parameters`
 EXPERT_MODULES = (moe.GATE_UP, moe.DOWN)
@@ -82,16 +98,80 @@ def family(args: layers.ModelArgs) -> types.ModuleType:
     return FAMILIES[args.architecture]
 
 
+# ---------------------------------------------------------------- state across blocks
+# Gemma 4 (models/gemma4.py) is the one family whose blocks share more than the residual
+# stream: per-layer embeddings and KV-shared blocks. The engine makes one state per micro-batch
+# (`block_state`), passes it to every block of that micro-batch, and backpropagates from the
+# roots it gives (`backward_roots`); for every other family the state is None.
+
+#: globals kept in host memory, gathered per step, never moved whole to the device
+HOST_GLOBALS = (gemma4.PER_LAYER_TABLE,)
+
+
+def has_block_state(args: layers.ModelArgs) -> bool:
+    return family(args) is gemma4 and bool(args.per_layer_dim or args.num_kv_shared_layers)
+
+
+def block_state(
+    args: layers.ModelArgs,
+    ids: torch.Tensor,
+    g: dict[str, torch.Tensor],
+    host: dict[str, torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+):
+    """A micro-batch's state across blocks (None where the family has none). `ids` (B, T) as
+    the data pipeline gives them (host memory), `g` the device globals, `host` HOST_GLOBALS."""
+    if not has_block_state(args):
+        return None
+    per_layer = None
+    if args.per_layer_dim:
+        per_layer = gemma4.per_layer_inputs(
+            ids, g, host[gemma4.PER_LAYER_TABLE], args, device, dtype
+        )
+    return gemma4.BlockState(per_layer)
+
+
+def backward_roots(y: torch.Tensor, grad: torch.Tensor, state) -> tuple[list, list]:
+    """(tensors, gradients) to backpropagate a recomputed block from: its output, and what the
+    state adds (Gemma 4's store blocks: their K/V, with the gradients the reusing blocks gave)."""
+    return ([y], [grad]) if state is None else state.roots(y, grad)
+
+
+def state_bytes(args: layers.ModelArgs, B: int, T: int, dtype_bytes: int) -> int:
+    """Device bytes one micro-batch's block state holds for the step: per-layer inputs and one
+    K/V pair per shared layer type."""
+    if not has_block_state(args):
+        return 0
+    n = args.num_layers * args.per_layer_dim
+    if args.num_kv_shared_layers:
+        for kind in set(args.layer_types[args.num_layers - args.num_kv_shared_layers :]):
+            nkv, hs = args.attention_heads(gemma4.store_block(args, kind))
+            n += 2 * nkv * hs
+    return B * T * n * dtype_bytes
+
+
 def _has_bias(args: layers.ModelArgs, module: str) -> bool:
     if module == "self_attn.o_proj":
         return args.o_bias
     return args.attention_bias if module.startswith("self_attn.") else args.mlp_bias
 
 
-def block_shapes(args: layers.ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Every tensor of one block (names without the layer prefix) with the shape config.json
-    implies, in checkpoint order: norms, q/k head norms, then each linear's weight and bias."""
+def block_linears(args: layers.ModelArgs, layer: int = 0) -> tuple[str, ...]:
+    """Block `layer`'s linear modules, in the order it calls them: the family's LINEARS, or,
+    where blocks differ by kind (Qwen3.5's linear and full attention), its `linears`."""
     fam = family(args)
+    return fam.linears(args, layer) if hasattr(fam, "linears") else fam.LINEARS
+
+
+def block_shapes(args: layers.ModelArgs, layer: int = 0) -> dict[str, tuple[int, ...]]:
+    """Every tensor of block `layer` (names without the layer prefix) with the shape config.json
+    implies, in checkpoint order: norms, q/k head norms, then each linear's weight and bias.
+    The same for every block but in families whose blocks differ by kind, which give their own
+    (`block_shapes(args, layer)`: Qwen3.5)."""
+    fam = family(args)
+    if hasattr(fam, "block_shapes"):
+        return fam.block_shapes(args, layer)
     out: dict[str, tuple[int, ...]] = {f"{n}.weight": (args.hidden_size,) for n in fam.NORMS}
     if args.qk_norm:
         out["self_attn.q_norm.weight"] = (args.head_dim,)
@@ -106,12 +186,12 @@ def block_shapes(args: layers.ModelArgs) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def linear_weight_names(args: layers.ModelArgs) -> list[str]:
-    """The weights of a block's linear projections, fused ones included (what quantization
+def linear_weight_names(args: layers.ModelArgs, layer: int = 0) -> list[str]:
+    """The weights of block `layer`'s linear projections, fused ones included (what quantization
     covers): e.g. `self_attn.q_proj.weight`, or Phi-3's `self_attn.qkv_proj.weight`."""
     fam = family(args)
     experts = fam.layout(args).expert_weights(args) if hasattr(fam, "layout") else []
-    return [f"{module}.weight" for module in fam.LINEARS] + experts
+    return [f"{module}.weight" for module in block_linears(args, layer)] + experts
 
 
 def expert_layout(args: layers.ModelArgs) -> moe.Layout | None:
@@ -137,18 +217,20 @@ def block_forward(
     mask: torch.Tensor | None = None,
     layer: int = 0,
     router_logits: list | None = None,
+    state=None,
 ) -> torch.Tensor:
     """Block `layer` of the model's family: (B, T, C) → (B, T, C). cos/sin: the table that block
     takes (ModelArgs.local_rope); `mask`: see layers.attend (None: causal). The family's block runs
     on the rows flattened, (B·T, C): fewer operator calls (layers.heads). `router_logits`: a list
-    a MoE block appends its router's logits (B·T, E) to (the load-balancing loss)."""
+    a MoE block appends its router's logits (B·T, E) to (the load-balancing loss); `state`: the
+    micro-batch's `block_state` (Gemma 4)."""
     B, T, C = x.shape
-    rows = x.reshape(B * T, C)
-    fam = family(args)
+    extra: dict = {} if state is None else {"state": state}
     if router_logits is not None and args.num_experts:
-        y = fam.block_forward(rows, w, args, layer, cos, sin, lora, mask, router_logits)
-    else:
-        y = fam.block_forward(rows, w, args, layer, cos, sin, lora, mask)
+        extra["router_logits"] = router_logits
+    y = family(args).block_forward(
+        x.reshape(B * T, C), w, args, layer, cos, sin, lora, mask, **extra
+    )
     return y.view(B, T, C)
 
 
@@ -165,6 +247,7 @@ def compiled_block_forward(
     mask: torch.Tensor | None = None,
     layer: int = 0,
     router_logits: list | None = None,
+    state=None,
 ) -> torch.Tensor:
     """`block_forward` through torch.compile (Inductor: the block's elementwise work fused into
     generated kernels, fewer launches): the engine's `compile_blocks`. The same math, rounded
@@ -175,18 +258,21 @@ def compiled_block_forward(
     attention window (ModelArgs.window), so it is replaced by the first layer with the same
     window, and Dynamo specialises on at most two values (Gemma's sliding and full layers).
     LoRA dropout's masks are drawn before the compiled block runs (`dropout_masks`), so it
-    compiles whole with dropout too."""
+    compiles whole with dropout too. A block with a state across blocks (Gemma 4) runs eager.
+    """
     global _compiled
+    if state is not None:
+        return block_forward(x, w, args, cos, sin, lora, mask, layer, router_logits, state)
     if _compiled is None:
         _compiled = torch.compile(block_forward)
     if lora is not None and lora.dropout > 0 and lora.masks is None:
-        lora = dataclasses.replace(lora, masks=dropout_masks(x, args, lora))
+        lora = dataclasses.replace(lora, masks=dropout_masks(x, args, lora, layer))
     kind = first_layer_like(args, layer)
     return _compiled(x, w, args, cos, sin, lora, mask, layer=kind, router_logits=router_logits)
 
 
 def dropout_masks(
-    x: torch.Tensor, args: layers.ModelArgs, lora: layers.LoraContext
+    x: torch.Tensor, args: layers.ModelArgs, lora: layers.LoraContext, layer: int = 0
 ) -> dict[str, torch.Tensor]:
     """The LoRA dropout masks the eager block draws, one per adapted projection, drawn here
     instead: from the same generator, in the order the block calls its projections (the
@@ -195,16 +281,22 @@ def dropout_masks(
     graph at every projection (it cannot trace a Generator)."""
     rows, keep = x.numel() // x.shape[-1], 1.0 - lora.dropout
     return {
-        m: x.new_empty(rows, args.module_shape(m)[1]).bernoulli_(keep, generator=lora.generator)
-        for m in family(args).LINEARS
+        m: x.new_empty(rows, args.module_shape(m, layer)[1]).bernoulli_(
+            keep, generator=lora.generator
+        )
+        for m in block_linears(args, layer)
         if m in lora.weights
     }
 
 
 def first_layer_like(args: layers.ModelArgs, layer: int) -> int:
-    """The first block whose attention window is block `layer`'s (ModelArgs.window)."""
-    window = args.window(layer)
-    return next(i for i in range(args.num_layers) if args.window(i) == window)
+    """The first block whose attention window and layer type are block `layer`'s
+    (ModelArgs.window, ModelArgs.layer_types: Qwen3.5's linear and full layers)."""
+
+    def kind(i: int) -> tuple:
+        return args.window(i), args.layer_types[i] if args.layer_types else None
+
+    return next(i for i in range(args.num_layers) if kind(i) == kind(layer))
 
 
 def resolve_targets(args: layers.ModelArgs, targets: tuple[str, ...]) -> tuple[str, ...]:
@@ -239,9 +331,24 @@ def resolve_targets(args: layers.ModelArgs, targets: tuple[str, ...]) -> tuple[s
     return tuple(t for t in fam.TARGETS if t in wanted)
 
 
-def block_param_count(args: layers.ModelArgs) -> int:
-    """Parameters in one block: every tensor block_shapes lists."""
-    return sum(math.prod(shape) for shape in block_shapes(args).values())
+def global_shapes(args: layers.ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Tensors outside the blocks that a family adds to the embeddings, final norm and head
+    (Gemma 4's per-layer embeddings), with their shapes."""
+    fam = family(args)
+    return fam.global_shapes(args) if hasattr(fam, "global_shapes") else {}
+
+
+def block_param_count(args: layers.ModelArgs, layer: int | None = None) -> int:
+    """Parameters in block `layer`: every tensor block_shapes lists; None: the biggest block
+    (the blocks of a family differ only where their kinds do: Qwen3.5)."""
+    if layer is None:
+        return max(block_param_count(args, i) for i in range(args.num_layers))
+    return sum(math.prod(shape) for shape in block_shapes(args, layer).values())
+
+
+def blocks_param_count(args: layers.ModelArgs) -> int:
+    """Parameters in all the blocks."""
+    return sum(block_param_count(args, i) for i in range(args.num_layers))
 
 
 def active_block_param_count(args: layers.ModelArgs) -> int:
@@ -259,4 +366,5 @@ def param_count(args: layers.ModelArgs) -> int:
     final norm."""
     embed = args.vocab_size * args.hidden_size
     head = 0 if args.tie_word_embeddings else embed
-    return args.num_layers * block_param_count(args) + embed + head + args.hidden_size
+    extra = sum(math.prod(shape) for shape in global_shapes(args).values())
+    return blocks_param_count(args) + embed + head + args.hidden_size + extra

@@ -45,6 +45,10 @@ MODEL_TYPES = {
     "mixtral": "MixtralForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "gemma4_text": "Gemma4ForCausalLM",
+    "gemma4": "Gemma4ForConditionalGeneration",
 }
 # what a safetensors file that cannot be read raises: a missing or unreadable file (OSError), a
 # truncated or garbled header (SafetensorError), a tensor past the end of the file (RuntimeError)
@@ -90,19 +94,25 @@ def adapter_not_model(directory: Path) -> str | None:
 
 def _refusal(arch: str, cfg: dict) -> str | None:
     """Why a known kind of model cannot run here (None: no specific reason)."""
+    experts = ("num_experts", "num_local_experts", "n_routed_experts")
+    text = cfg.get("text_config") or {}
+    if cfg.get("enable_moe_block") or text.get("enable_moe_block"):
+        return (
+            "is a mixture-of-experts model (Gemma 4's MoE block, not implemented yet); the "
+            "dense Gemma 4 models are supported"
+        )
+    moe = any(cfg.get(k) or text.get(k) for k in experts) or "Moe" in arch or "Mixtral" in arch
+    if moe and arch not in models.FAMILIES:  # (Qwen3.5-MoE: its vision tower is not what stops it)
+        return (
+            "is a mixture-of-experts model whose routing is not implemented; supported "
+            f"mixture-of-experts models: {', '.join(MOE_ARCHITECTURES)}"
+        )
     if arch in multimodal.ARCHITECTURES:
         return None
     if "vision_config" in cfg or arch.endswith("ForConditionalGeneration"):
         return (
             "has a vision tower; supported are text-only causal LMs and the language model of "
             f"{' and '.join(multimodal.ARCHITECTURES)}"
-        )
-    experts = ("num_experts", "num_local_experts", "n_routed_experts")
-    moe = any(cfg.get(k) for k in experts) or "Moe" in arch or "Mixtral" in arch
-    if moe and arch not in models.FAMILIES:
-        return (
-            "is a mixture-of-experts model whose routing is not implemented; supported "
-            f"mixture-of-experts models: {', '.join(MOE_ARCHITECTURES)}"
         )
     return None
 
@@ -406,6 +416,7 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     }
     if not args.tie_word_embeddings:
         out["lm_head.weight"] = (V, C)
+    out.update(models.global_shapes(args))
     for i in range(args.num_layers):
         out.update(block_shapes(args, i))
     return out
@@ -413,7 +424,7 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 
 def block_shapes(args: ModelArgs, i: int) -> dict[str, tuple[int, ...]]:
     """Block i's tensor names (full) with the shapes config.json implies."""
-    return {f"model.layers.{i}.{k}": shape for k, shape in models.block_shapes(args).items()}
+    return {f"model.layers.{i}.{k}": shape for k, shape in models.block_shapes(args, i).items()}
 
 
 def seq_len_problems(args: ModelArgs, seq_len: int) -> list[str]:
@@ -436,6 +447,41 @@ def seq_len_problems(args: ModelArgs, seq_len: int) -> list[str]:
     return problems
 
 
+# tensors a checkpoint may hold beside the text model, by what they are (prefix → name)
+_SKIPPED_KINDS = (
+    ("mtp.", "multi-token-prediction"),
+    ("model.mtp.", "multi-token-prediction"),
+    ("model.visual.", "vision tower"),
+    ("visual.", "vision tower"),
+    ("vision_tower.", "vision tower"),
+    ("model.vision_tower.", "vision tower"),
+    ("multi_modal_projector.", "multimodal projector"),
+    ("model.audio_tower.", "audio tower"),
+    ("model.embed_vision.", "multimodal projector"),
+    ("model.embed_audio.", "multimodal projector"),
+    ("model.multi_modal_projector.", "multimodal projector"),
+)
+
+
+def skipped_notes(ckpt: SafetensorsCheckpoint, args: ModelArgs) -> list[str]:
+    """One line per kind of tensor in the checkpoint that the text model does not read (Qwen3.5's
+    multi-token-prediction head, a vision tower, ...): what the run leaves out, named; the
+    export copies the files' other tensors as they are."""
+    wanted = set(expected_shapes(args))
+    by_kind: dict[str, list[str]] = {}
+    for name in ckpt.files:
+        if name in wanted:
+            continue
+        stored = ckpt.stored_name(name)
+        kind = next((k for p, k in _SKIPPED_KINDS if stored.startswith(p)), "other")
+        by_kind.setdefault(kind, []).append(stored)
+    return [
+        f"{ckpt.dir}: {len(names)} {kind} tensor{'s' if len(names) > 1 else ''} not read "
+        f"(the text model is trained alone), e.g. {sorted(names)[0]}"
+        for kind, names in sorted(by_kind.items())
+    ]
+
+
 def block_names(args: ModelArgs, i: int) -> list[str]:
     """The HF tensor names of block i (full names, with the `model.layers.{i}.` prefix)."""
     return list(block_shapes(args, i))
@@ -446,7 +492,7 @@ def global_names(args: ModelArgs) -> list[str]:
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not args.tie_word_embeddings:
         names.append("lm_head.weight")
-    return names
+    return names + list(models.global_shapes(args))  # Gemma 4's per-layer embeddings
 
 
 def read_globals(

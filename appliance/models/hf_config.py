@@ -30,6 +30,10 @@ def model_fields(arch: str, cfg: dict, where: Path) -> dict[str, Any]:
         fields.update(_moe_fields(arch, cfg, where, fields))
     elif family is models.gpt_oss:
         fields.update(_gpt_oss_fields(cfg, where, fields["num_layers"]))
+    elif family is models.qwen3_5:
+        fields.update(_qwen3_5_fields(cfg, where, fields["num_layers"]))
+    elif family is models.gemma4:
+        fields.update(_gemma4_fields(cfg, where, fields))
     else:
         fields.update(_llama_fields(arch, cfg, where))
     return fields
@@ -403,4 +407,131 @@ def _gpt_oss_fields(cfg: dict, where: Path, num_layers: int) -> dict[str, Any]:
         router_aux_coef=float(cfg.get("router_aux_loss_coef", 0.001))
         if cfg.get("output_router_logits")
         else 0.0,
+    )
+
+
+_HYBRID_TYPES = ("linear_attention", "full_attention")
+
+
+def _qwen3_5_fields(cfg: dict, where: Path, num_layers: int) -> dict[str, Any]:
+    """Qwen3.5 / Qwen3.6 dense (text): Gated DeltaNet and gated full-attention layers
+    (models/qwen3_5.py). RoPE on a quarter of each head by default; the multimodal RoPE's
+    sections are read as plain RoPE (text positions are equal in all three)."""
+    _activation(cfg, where, "hidden_act", "silu")
+    field, rope = _rope_dict(cfg)
+    theta, scaling = _rope(rope, cfg, where, field, ())
+    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+    head_dim = int(cfg.get("head_dim", 256))
+    rot = int(head_dim * partial)
+    if not 0 < partial <= 1 or rot < 2 or rot % 2:
+        raise ModelError(
+            f"{where}: partial_rotary_factor={partial} gives {rot} rotated dimensions per head; "
+            "need an even number ≥ 2"
+        )
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = int(cfg.get("full_attention_interval", 4))
+        types = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(num_layers)
+        ]
+    bad = [t for t in types if t not in _HYBRID_TYPES]
+    if len(types) != num_layers or bad:
+        raise ModelError(
+            f"{where}: layer_types must list {num_layers} of {', '.join(_HYBRID_TYPES)} "
+            f"(found {len(types)}{', e.g. ' + repr(bad[0]) if bad else ''})"
+        )
+    nk, nv = int(cfg.get("linear_num_key_heads", 16)), int(cfg.get("linear_num_value_heads", 32))
+    if nv % nk:
+        raise ModelError(
+            f"{where}: linear_num_value_heads {nv} is not a multiple of linear_num_key_heads {nk}"
+        )
+    return dict(
+        head_dim=head_dim,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        partial_rotary_factor=partial,
+        qk_norm=True,
+        norm_offset=1.0,
+        attn_output_gate=True,
+        layer_types=tuple(types),
+        linear_num_key_heads=nk,
+        linear_num_value_heads=nv,
+        linear_key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
+        linear_value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
+        linear_conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+    )
+
+
+def _gemma4_fields(cfg: dict, where: Path, common: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 4 dense (text; models/gemma4.py). The MoE block is refused before this
+    (hf_checkpoint._refusal)."""
+    key = "hidden_activation" if "hidden_activation" in cfg else "hidden_act"
+    _activation(cfg, where, key, "gelu_pytorch_tanh")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelError(
+            f"{where}: use_bidirectional_attention={cfg['use_bidirectional_attention']!r} is not "
+            "supported"
+        )
+    num_layers = common["num_layers"]
+    types = _layer_types(cfg, where, num_layers, 6)
+    if types[-1] != "full_attention":  # as transformers forces it
+        types = (*types[:-1], "full_attention")
+    # the full layers' head size and key/value heads: per_layer_config as transformers writes
+    # it, else global_head_dim / num_global_key_value_heads (the latter with attention_k_eq_v)
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    per_layer = {int(k): v for k, v in (cfg.get("per_layer_config") or {}).items()}
+    given = per_layer.get(full[0]) or {}  # (keys as written: "5" or "05")
+    k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+    global_hs = int(given.get("head_dim", cfg.get("global_head_dim", 512)))
+    global_kv = given.get("num_key_value_heads")
+    if global_kv is None and k_eq_v:
+        global_kv = cfg.get("num_global_key_value_heads")
+    shared = int(cfg.get("num_kv_shared_layers") or 0)
+    if shared and set(types[num_layers - shared :]) - set(types[: num_layers - shared]):
+        raise ModelError(
+            f"{where}: num_kv_shared_layers={shared} leaves a layer type no earlier layer gives "
+            "keys and values to"
+        )
+    field, rope = _rope_dict(cfg)
+    if "full_attention" not in rope:
+        rope = {
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                               "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        }  # fmt: skip
+    full_rope = dict(rope.get("full_attention") or {})
+    if full_rope.get("rope_type", "default") not in ("proportional", "default"):
+        raise ModelError(
+            f"{where}: {field} (full_attention) type {full_rope['rope_type']!r} is not supported "
+            "(only proportional or default)"
+        )
+    local_theta, _ = _rope(
+        dict(rope.get("sliding_attention") or {}), {}, where, f"{field} (sliding_attention)", ()
+    )
+    scaling = (
+        ("factor", float(full_rope.get("factor", 1.0))),
+        ("partial_rotary_factor", float(full_rope.get("partial_rotary_factor", 1.0))),
+        ("rope_type", "proportional"),
+    )
+    ple = int(cfg.get("hidden_size_per_layer_input") or 0)
+    return dict(
+        norm_offset=0.0,
+        embed_scale=int(cfg["hidden_size"]) ** 0.5,
+        attn_scale=1.0,
+        final_softcap=_float_or_none(cfg.get("final_logit_softcapping")),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        sliding_window=int(cfg["sliding_window"]) if cfg.get("sliding_window") else None,
+        qk_norm=True,
+        layer_types=types,
+        rope_theta=float(full_rope.get("rope_theta", 1e6)),
+        rope_scaling=scaling,
+        rope_local_theta=local_theta,
+        global_head_dim=global_hs,
+        num_global_kv_heads=int(global_kv) if global_kv else 0,
+        attention_k_eq_v=k_eq_v,
+        num_kv_shared_layers=shared,
+        double_wide_mlp=bool(cfg.get("use_double_wide_mlp", False)),
+        per_layer_dim=ple,
+        per_layer_vocab=int(cfg.get("vocab_size_per_layer_input") or 0) if ple else 0,
     )

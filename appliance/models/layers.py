@@ -78,6 +78,21 @@ class ModelArgs:
     norm_topk_prob: bool = False  # renormalise the top-k probabilities to sum to 1
     router_aux_coef: float = 0.0  # the load-balancing loss's weight (0: not added)
     clip_qkv: float | None = None  # q, k, v clamped to ±clip_qkv (OLMoE)
+    # ---- hybrid linear attention (Qwen3.5: layer_types "linear_attention"; models/qwen3_5.py)
+    attn_output_gate: bool = False  # q_proj also gives a sigmoid gate on attention's output
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0  # the causal depthwise convolution's width
+    # ---- Gemma 4 (models/gemma4.py)
+    global_head_dim: int = 0  # the full-attention layers' head size (0: head_dim)
+    num_global_kv_heads: int = 0  # their key/value heads (0: num_kv_heads)
+    attention_k_eq_v: bool = False  # full layers: values are the key projection (no v_proj)
+    num_kv_shared_layers: int = 0  # the last blocks reuse an earlier block's keys and values
+    double_wide_mlp: bool = False  # those blocks' MLP is twice as wide
+    per_layer_dim: int = 0  # per-layer embeddings' width per block (0: none)
+    per_layer_vocab: int = 0  # their table's rows
 
     def window(self, layer: int) -> int | None:
         """The sliding window of block `layer` (keys within `window` positions), None: causal."""
@@ -90,13 +105,34 @@ class ModelArgs:
         layers."""
         return self.rope_local_theta is not None and self.window(layer) is not None
 
-    def module_shape(self, module: str) -> tuple[int, int]:
-        """(out_features, in_features) of a block's linear module, e.g. `self_attn.q_proj`."""
-        C, inter, hs = self.hidden_size, self.intermediate_size, self.head_dim
+    def is_global(self, layer: int) -> bool:
+        """Block `layer` is a Gemma 4 full-attention block with its own head size and heads."""
+        return bool(self.global_head_dim) and self.window(layer) is None
+
+    def attention_heads(self, layer: int) -> tuple[int, int]:
+        """(key/value heads, head size) of block `layer`."""
+        if self.is_global(layer):
+            return self.num_global_kv_heads or self.num_kv_heads, self.global_head_dim
+        return self.num_kv_heads, self.head_dim
+
+    def kv_shared(self, layer: int) -> bool:
+        """Block `layer` reuses an earlier block's keys and values (Gemma 4's last blocks)."""
+        return layer >= self.num_layers - self.num_kv_shared_layers
+
+    def module_shape(self, module: str, layer: int = 0) -> tuple[int, int]:
+        """(out_features, in_features) of block `layer`'s linear module, e.g. `self_attn.q_proj`
+        (the same in every block but Gemma 4's, whose full-attention blocks have their own head
+        size and whose KV-shared blocks may have a double-wide MLP)."""
+        C, inter = self.hidden_size, self.intermediate_size
+        nkv, hs = self.attention_heads(layer)
+        if self.double_wide_mlp and self.kv_shared(layer):
+            inter *= 2
+        kd = self.linear_num_key_heads * self.linear_key_head_dim
+        vd = self.linear_num_value_heads * self.linear_value_head_dim
         return {
-            "self_attn.q_proj": (self.num_heads * hs, C),
-            "self_attn.k_proj": (self.num_kv_heads * hs, C),
-            "self_attn.v_proj": (self.num_kv_heads * hs, C),
+            "self_attn.q_proj": (self.num_heads * hs * (2 if self.attn_output_gate else 1), C),
+            "self_attn.k_proj": (nkv * hs, C),
+            "self_attn.v_proj": (nkv * hs, C),
             "self_attn.o_proj": (C, self.num_heads * hs),
             "mlp.gate_proj": (inter, C),
             "mlp.up_proj": (inter, C),
@@ -107,6 +143,15 @@ class ModelArgs:
             # one expert's share of a MoE block's fused expert tensors (models/moe.py)
             "mlp.experts.gate_up_proj": (2 * self.moe_intermediate_size, C),
             "mlp.experts.down_proj": (C, self.moe_intermediate_size),
+            # Gemma 4's per-layer embeddings
+            "per_layer_input_gate": (self.per_layer_dim, C),
+            "per_layer_projection": (C, self.per_layer_dim),
+            # Gated DeltaNet (models/gated_deltanet.py)
+            "linear_attn.in_proj_qkv": (2 * kd + vd, C),
+            "linear_attn.in_proj_z": (vd, C),
+            "linear_attn.in_proj_b": (self.linear_num_value_heads, C),
+            "linear_attn.in_proj_a": (self.linear_num_value_heads, C),
+            "linear_attn.out_proj": (C, vd),
         }[module]
 
 
@@ -118,6 +163,12 @@ def rope_inv_freq(args: ModelArgs, seq_len: int = 0, local: bool = False) -> tor
     `rope_scaling` says (llama3, linear or longrope), or the unscaled local table (Gemma 3's
     sliding layers, base `rope_local_theta`) when `local`. longrope takes its long factors when
     `seq_len` exceeds original_max_position_embeddings, as transformers does."""
+    if (
+        not local
+        and args.rope_scaling
+        and dict(args.rope_scaling).get("rope_type") == "proportional"
+    ):
+        return proportional_inv_freq(args)
     dim = int(args.head_dim * args.partial_rotary_factor)
     theta = args.rope_local_theta if local else args.rope_theta
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
@@ -182,6 +233,18 @@ def _yarn_attention_factor(p: dict) -> float:
     if p.get("mscale") and p.get("mscale_all_dim"):
         return mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
     return mscale(factor)
+
+
+def proportional_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Gemma 4's full-attention RoPE ("proportional"): frequencies over the whole (global) head,
+    base^(-2j/hs), for the first `partial_rotary_factor`·hs/2 pairs, zero (no rotation) for the
+    others; divided by `factor`."""
+    p = dict(args.rope_scaling or ())
+    hs = args.global_head_dim or args.head_dim
+    angles = int(p.get("partial_rotary_factor", 1.0) * hs // 2)
+    exponents = torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / hs
+    inv_freq = torch.cat((1.0 / (args.rope_theta**exponents), torch.zeros(hs // 2 - angles)))
+    return inv_freq / p.get("factor", 1.0)
 
 
 def rope_attention_factor(args: ModelArgs) -> float:

@@ -21,6 +21,7 @@ from appliance.errors import ConfigError, ModelError
 from appliance.models import (
     EXPERT_MODULES,
     TARGETS,
+    block_linears,
     lora_experts,
     lora_modules,
     multimodal,
@@ -94,10 +95,12 @@ class LoraWeights:
         self.args, self.spec = args, spec
         gen = torch.Generator().manual_seed(seed)
         self.blocks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
-        for _ in range(args.num_layers):
+        for i in range(args.num_layers):
             block = {}
-            for module in spec.modules:
-                out_f, in_f = args.module_shape(module)
+            # the targets block i has (Qwen3.5: linear-attention blocks have no q_proj, ...)
+            has = (m for m in spec.modules if m in block_linears(args, i) or m in EXPERT_MODULES)
+            for module in has:
+                out_f, in_f = args.module_shape(module, i)
                 r = spec.rank * lora_experts(args, module)  # the experts' side by side
                 A = torch.empty(r, in_f)
                 # PEFT's default: kaiming_uniform_(a=sqrt(5)) → U(-1/sqrt(in), 1/sqrt(in))

@@ -1,6 +1,6 @@
-"""Benchmark presets: real models' shapes (Llama 2/3, Qwen3, Gemma 2/3, Phi-4-mini, and the
-mixtures of experts Qwen3-30B-A3B and gpt-oss-20b) and the
-tokens of a step, for `appliance bench` (random weights of these shapes) and `appliance plan`.
+"""Benchmark presets: real models' shapes (Llama 2/3, Qwen3, Gemma 2/3, Phi-4-mini, Qwen3.6,
+Gemma 4, and the mixtures of experts Qwen3-30B-A3B and gpt-oss-20b) and the tokens of a step, for
+`appliance bench` (random weights of these shapes) and `appliance plan`.
 
 Each preset's ModelArgs is what hf_checkpoint.read_model_args would read from the released
 model's config.json (tests/bench/test_bench.py checks the parameter counts against the published ones).
@@ -55,6 +55,13 @@ def _gemma(arch: str, *shape: int, window: int, pattern: int, **kw) -> ModelArgs
         attn_scale=256**-0.5, sliding_window=window, layer_types=types, tie_word_embeddings=True,
         **kw,
     )  # fmt: skip
+
+
+def _hybrid(layers: int, interval: int) -> tuple[str, ...]:
+    """Qwen3.5's layer types: every `interval`-th layer full attention, the others linear."""
+    return tuple(
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)
+    )
 
 
 _LONGROPE_48 = (
@@ -164,6 +171,31 @@ PRESETS: dict[str, Preset] = {
                 rope_scaling=_YARN_32, attention_bias=True, o_bias=True, sliding_window=128,
                 layer_types=("sliding_attention", "full_attention") * 12, num_experts=32,
                 experts_per_token=4, moe_intermediate_size=2880),
+        gpu=_GPU_SHAPE, cpu=None,
+    ),
+    # language model of Qwen3.6-27B: 48 Gated DeltaNet layers (16 key / 48 value heads of 128),
+    # 16 gated full-attention layers (24 / 4 heads of 256, RoPE on 64 dims), untied 248k vocab
+    "qwen3.6-27b": Preset(
+        _family("Qwen3_5ForCausalLM", 248320, 5120, 17408, 64, 24, 4, 256,
+                rope_theta=1e7, max_position_embeddings=262144, qk_norm=True, norm_offset=1.0,
+                attn_output_gate=True, partial_rotary_factor=0.25, layer_types=_hybrid(64, 4),
+                linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                linear_value_head_dim=128, linear_conv_kernel=4),
+        gpu=_GPU_SHAPE, cpu=None,
+    ),
+    # language model of gemma-4-31B: 50 sliding (1024; 16 KV heads of 256) and 10 full layers
+    # (4 KV heads of 512, values = keys, proportional RoPE on a quarter), final soft cap 30
+    "gemma4-31b": Preset(
+        _family("Gemma4ForCausalLM", 262144, 5376, 21504, 60, 32, 16, 256,
+                rope_theta=1e6, max_position_embeddings=262144, qk_norm=True,
+                embed_scale=5376**0.5, attn_scale=1.0, final_softcap=30.0,
+                tie_word_embeddings=True, sliding_window=1024,
+                layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                  for i in range(60)),
+                rope_local_theta=1e4, global_head_dim=512, num_global_kv_heads=4,
+                attention_k_eq_v=True,
+                rope_scaling=(("factor", 1.0), ("partial_rotary_factor", 0.25),
+                              ("rope_type", "proportional"))),
         gpu=_GPU_SHAPE, cpu=None,
     ),
 }  # fmt: skip

@@ -45,7 +45,14 @@ from appliance.engine.memory import (
 )
 from appliance.errors import ConfigError
 from appliance.hardware import gpus as hardware
-from appliance.models import lora_experts, lora_modules, resolve_targets
+from appliance.models import (
+    EXPERT_MODULES,
+    block_linears,
+    first_layer_like,
+    lora_experts,
+    lora_modules,
+    resolve_targets,
+)
 from appliance.models.hf_checkpoint import block_shapes, read_model_args, seq_len_problems
 from appliance.models.layers import ModelArgs
 from appliance.plan import full
@@ -81,13 +88,26 @@ def block_bytes(args: ModelArgs, dtype_bytes: int, base_quant: str = "none") -> 
     (quant.quantized_nbytes: int8 codes + an fp32 scale per output row, or NF4 codes + an fp32
     absmax per 64 values); norms and biases stay in the compute dtype.
     """
-    total = 0
-    for name, shape in block_shapes(args, 0).items():
-        if base_quant != "none" and is_linear_weight(name):
-            total += quantized_nbytes(shape, base_quant)
-        else:
-            total += _pad64(math.prod(shape) * dtype_bytes)
-    return total
+
+    def one(i: int) -> int:
+        total = 0
+        for name, shape in block_shapes(args, i).items():
+            if base_quant != "none" and is_linear_weight(name):
+                total += quantized_nbytes(shape, base_quant)
+            else:
+                total += _pad64(math.prod(shape) * dtype_bytes)
+        return total
+
+    # the biggest block: blocks differ by kind in Qwen3.5 and Gemma 4 (the store and the slots
+    # are sized by it)
+    return max(one(i) for i in _kinds(args))
+
+
+def _kinds(args: ModelArgs) -> list[int]:
+    """One block of each shape (models.first_layer_like), and Gemma 4's KV-shared ones."""
+    return sorted(
+        {first_layer_like(args, i) for i in range(args.num_layers)} | {args.num_layers - 1}
+    )
 
 
 def globals_bytes(args: ModelArgs, dtype_bytes: int) -> int:
@@ -103,18 +123,26 @@ def dequant_bytes(args: ModelArgs, dtype_bytes: int, base_quant: str = "none") -
     H100 under 24 GiB, kept 31 (2026-11-27)."""
     if base_quant == "none":
         return 0
-    shapes = block_shapes(args, 0).items()
-    return sum(math.prod(shape) * dtype_bytes for name, shape in shapes if is_linear_weight(name))
+    return max(
+        sum(
+            math.prod(s) * dtype_bytes
+            for n, s in block_shapes(args, i).items()
+            if is_linear_weight(n)
+        )
+        for i in _kinds(args)
+    )
 
 
 def lora_param_count(args: ModelArgs, rank: int, targets: tuple[str, ...]) -> int:
     """LoRA parameters over all blocks: r·(in + out) per adapted module, times E for a MoE
-    block's experts (LoraWeights' shapes)."""
-    per_block = sum(
-        rank * lora_experts(args, m) * sum(args.module_shape(m))
-        for m in lora_modules(resolve_targets(args, targets))
+    block's experts (LoraWeights' shapes); a block adapts the targets it has (Qwen3.5)."""
+    modules = set(lora_modules(resolve_targets(args, targets)))
+    return sum(
+        rank * lora_experts(args, m) * sum(args.module_shape(m, i))
+        for i in range(args.num_layers)
+        for m in (*block_linears(args, i), *EXPERT_MODULES)
+        if m in modules
     )
-    return args.num_layers * per_block
 
 
 # ---------------------------------------------------------------- inputs
@@ -371,11 +399,18 @@ def evaluate(p: PlanInput, micro_batches: int) -> dict:
     tokens_per_step = p.gpus * tokens_per_trainer
     host = host_bytes(p, mem)
     host_fits = host["ram_needed"] <= host_ram_bytes(p)
-    T, C = p.seq_len, args.num_heads * args.head_dim
+    T = p.seq_len
     seqs = micro_batches * p.micro_batch_size
-    # attention scores (QKᵀ and AV, 4·T²·C a sequence a block forward) × 4 for forward,
-    # recompute and both input gradients; LM head forward + input gradient
-    attention = 16 * L * T * T * C * seqs
+    # attention scores (QKᵀ and AV, 4·T²·C a sequence a block forward, C = heads × head size
+    # of that block: Gemma 4's full blocks are wider) × 4 for forward, recompute and both input
+    # gradients, over the softmax-attention blocks (Qwen3.5's linear-attention blocks are in
+    # `flops`: step_flops); LM head forward + input gradient
+    widths = [
+        args.num_heads * args.attention_heads(i)[1]
+        for i in range(L)
+        if not args.layer_types or args.layer_types[i] != "linear_attention"
+    ]
+    attention = 16 * T * T * sum(widths) * seqs
     head = 4 * args.vocab_size * args.hidden_size * tokens_per_trainer
     per_token = step_flops(args, 1)
     crossover = streamed * card.flops_per_second / (card.h2d_bytes_per_second * per_token)

@@ -31,6 +31,7 @@ from appliance.models.hf_checkpoint import (
     block_shapes,
     read_model_args,
     seq_len_problems,
+    skipped_notes,
     tokenizer_path,
 )
 from appliance.models.layers import ModelArgs
@@ -120,8 +121,11 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
     # RAM estimate, which a wrong shape in config.json would make blame the box's RAM; with no
     # weights at all, the RAM a model that big needs is said first
     has_weights = any(Path(model_dir).glob("*.safetensors"))
+    model_notes = []
     if has_weights:
         SafetensorsCheckpoint(model_dir).check(args)
+        # what the text model leaves out: a vision tower, Qwen3.5's multi-token prediction
+        model_notes = skipped_notes(SafetensorsCheckpoint(model_dir), args)
     check_box(cfg, args)  # /dev/shm, RAM: fail in seconds, not with an OOM kill later
     if not has_weights:
         SafetensorsCheckpoint(model_dir).check(args)  # names what is missing
@@ -129,7 +133,7 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
     tokenizer = check_tokenizer_fits(tok, args.vocab_size, model_dir)  # ids past the embedding
     # errors here are clear; inside an actor they'd be wrapped
     files = check_dataset(data_path)
-    notes = dataset_notes(data_path, "--data", cfg.data)  # files skipped, several splits
+    notes = model_notes + dataset_notes(data_path, "--data", cfg.data)  # files skipped, splits
     mix_files, mix_fingerprints = [], []  # --mix-data's datasets: listed once, as --data's
     for uri, _ in cfg.mixture():
         path = localize_data(uri)

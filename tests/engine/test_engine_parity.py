@@ -78,7 +78,8 @@ def assert_gradients_match(lora: LoraWeights, ref: PeftModel) -> None:
                 key = peft_key(i, module, which, peft_layers(lora.args))
                 assert rel_err(p.grad, ref_grads[key]) < RTOL, key
                 checked += 1
-    assert checked == len(ref_grads) == lora.args.num_layers * len(lora.spec.modules) * 2
+    # every block has every target, but in Qwen3.5, whose linear-attention blocks have no q_proj
+    assert checked == len(ref_grads) == sum(len(block) for block in lora.blocks) * 2
 
 
 # the dense variants (the MoE ones add the load-balancing loss: tests/models/test_moe.py)
