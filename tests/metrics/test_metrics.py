@@ -478,19 +478,6 @@ def ray_metrics_port() -> Iterator[int]:
         yield port
 
 
-@pytest.mark.integration
-def test_the_embedded_rays_gcs_keeps_a_bounded_number_of_task_events(ray_metrics_port):
-    """The embedded Ray's GCS keeps a bounded number of task events (issue 44, item 14): the
-    soak benchmark (benchmarks/soak.py, docs/benchmarks.md "Soak") found its memory growing
-    ~11 KiB a step, the event records of every task, which Ray keeps up to 100,000 of by
-    default. Read in this process, which started Ray with the driver's `ray_init_kwargs` (it
-    was tests/e2e/test_gcs_task_events_bound.py, which started a Ray in a child for it)."""
-    from ray._raylet import Config
-
-    kept = Config.task_events_max_num_task_in_gcs()
-    assert kept == endpoint.TASK_EVENTS_KEPT and kept < 100_000  # Ray's own default
-
-
 @pytest.fixture(scope="module")
 def recorded(ray_metrics_port) -> str:
     """The scrape after an actor recorded every appliance metric once."""
@@ -509,6 +496,21 @@ def test_a_gauge_set_in_an_earlier_ray_session_is_not_set_into_the_next(request)
     scrape_until(port, {"ray_appliance_batches_in_flight"})
     time.sleep(3)  # several refresher rounds and agent reports
     assert 'worker="9"' not in scrape(port)
+
+
+@pytest.mark.integration
+def test_the_embedded_rays_gcs_keeps_a_bounded_number_of_task_events(ray_metrics_port):
+    """The embedded Ray's GCS keeps a bounded number of task events (issue 44, item 14): the
+    soak benchmark (benchmarks/soak.py, docs/benchmarks.md "Soak") found its memory growing
+    ~11 KiB a step, the event records of every task, which Ray keeps up to 100,000 of by
+    default. Read in this process, which started Ray with the driver's `ray_init_kwargs` (it
+    was tests/e2e/test_gcs_task_events_bound.py, which started a Ray in a child for it). After
+    test_a_gauge_set_in_an_earlier_ray_session_is_not_set_into_the_next, which starts this
+    module's session itself."""
+    from ray._raylet import Config
+
+    kept = Config.task_events_max_num_task_in_gcs()
+    assert kept == endpoint.TASK_EVENTS_KEPT and kept < 100_000  # Ray's own default
 
 
 @pytest.mark.integration
