@@ -45,7 +45,14 @@ from appliance.engine.memory import (
 )
 from appliance.errors import ConfigError
 from appliance.hardware import gpus as hardware
-from appliance.models import TARGETS, block_linears, first_layer_like
+from appliance.models import (
+    HOST_GLOBALS,
+    TARGETS,
+    block_linears,
+    first_layer_like,
+    global_shapes,
+    state_bytes,
+)
 from appliance.models.hf_checkpoint import block_shapes, read_model_args, seq_len_problems
 from appliance.models.layers import ModelArgs
 from appliance.quant import is_linear_weight, quantized_nbytes
@@ -102,9 +109,13 @@ def _kinds(args: ModelArgs) -> list[int]:
     )
 
 
-def globals_bytes(args: ModelArgs, dtype_bytes: int) -> int:
-    """Embeddings, final norm and (untied) LM head, in the compute dtype."""
+def globals_bytes(args: ModelArgs, dtype_bytes: int, device: bool = False) -> int:
+    """Embeddings, final norm and (untied) LM head, in the compute dtype, and what a family adds
+    (Gemma 4's per-layer embeddings); `device`: without what stays in host memory
+    (models.HOST_GLOBALS: Gemma 4's per-layer table)."""
     n = args.vocab_size * args.hidden_size * (1 if args.tie_word_embeddings else 2)
+    extra = global_shapes(args)
+    n += sum(math.prod(s) for k, s in extra.items() if not (device and k in HOST_GLOBALS))
     return (n + args.hidden_size) * dtype_bytes
 
 
@@ -307,8 +318,10 @@ def memory_plan(p: PlanInput, micro_batches: int) -> MemoryPlan:
         block_bytes=block_bytes(p.args, p.dtype_bytes, p.base_quant),
         # as the engine counts them (StreamedEngine.plan_inputs): the globals, and a quantized
         # block's dequantized weights while it computes
-        globals_bytes=globals_bytes(p.args, p.dtype_bytes)
-        + dequant_bytes(p.args, p.dtype_bytes, p.base_quant),
+        globals_bytes=globals_bytes(p.args, p.dtype_bytes, device=True)
+        + dequant_bytes(p.args, p.dtype_bytes, p.base_quant)
+        # Gemma 4's state across blocks, per micro-batch, for the step (models.state_bytes)
+        + micro_batches * state_bytes(p.args, p.micro_batch_size, p.seq_len, p.dtype_bytes),
         lora_params=lora_param_count(p.args, p.lora_rank, p.lora_targets),
         longest=p.seq_len,
     )
