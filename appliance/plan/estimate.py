@@ -47,11 +47,14 @@ from appliance.errors import ConfigError
 from appliance.hardware import gpus as hardware
 from appliance.models import (
     EXPERT_MODULES,
+    HOST_GLOBALS,
     block_linears,
     first_layer_like,
+    global_shapes,
     lora_experts,
     lora_modules,
     resolve_targets,
+    state_bytes,
 )
 from appliance.models.hf_checkpoint import block_shapes, read_model_args, seq_len_problems
 from appliance.models.layers import ModelArgs
@@ -110,9 +113,13 @@ def _kinds(args: ModelArgs) -> list[int]:
     )
 
 
-def globals_bytes(args: ModelArgs, dtype_bytes: int) -> int:
-    """Embeddings, final norm and (untied) LM head, in the compute dtype."""
+def globals_bytes(args: ModelArgs, dtype_bytes: int, device: bool = False) -> int:
+    """Embeddings, final norm and (untied) LM head, in the compute dtype, and what a family adds
+    (Gemma 4's per-layer embeddings); `device`: without what stays in host memory
+    (models.HOST_GLOBALS: Gemma 4's per-layer table)."""
     n = args.vocab_size * args.hidden_size * (1 if args.tie_word_embeddings else 2)
+    extra = global_shapes(args)
+    n += sum(math.prod(s) for k, s in extra.items() if not (device and k in HOST_GLOBALS))
     return (n + args.hidden_size) * dtype_bytes
 
 
@@ -330,9 +337,11 @@ def memory_plan(p: PlanInput, micro_batches: int) -> MemoryPlan:
         # as the engine counts them (StreamedEngine.plan_inputs): the globals, and a quantized
         # block's dequantized weights while it computes
         # (full fine-tuning: and the gradient buffers, FullFinetuneEngine.plan_inputs)
-        globals_bytes=globals_bytes(p.args, p.dtype_bytes)
+        globals_bytes=globals_bytes(p.args, p.dtype_bytes, device=True)
         + dequant_bytes(p.args, p.dtype_bytes, p.base_quant)
-        + (full.gpu_grad_bytes(p.args, p.dtype_bytes, p.freeze_embeddings) if p.full else 0),
+        + (full.gpu_grad_bytes(p.args, p.dtype_bytes, p.freeze_embeddings) if p.full else 0)
+        # Gemma 4's state across blocks, per micro-batch, for the step (models.state_bytes)
+        + micro_batches * state_bytes(p.args, p.micro_batch_size, p.seq_len, p.dtype_bytes),
         lora_params=0 if p.full else lora_param_count(p.args, p.lora_rank, p.lora_targets),
         longest=p.seq_len,
     )

@@ -176,3 +176,16 @@ def test_the_gemma4_31b_preset_has_its_size_and_runs_shrunk():
     ids = torch.randint(0, 128, (2, 32))
     stats = StreamedEngine(src, LoraWeights(tiny, SPEC)).train_step([(ids, ids)], 1e-3)
     assert math.isfinite(stats.loss)
+
+
+def test_the_plan_keeps_the_per_layer_table_on_the_host_and_counts_the_state(gemma4):
+    """The weight store holds the per-layer table, the device plan does not; the device plan
+    counts each micro-batch's per-layer inputs and shared K/V (models.state_bytes)."""
+    from appliance.plan.estimate import globals_bytes
+
+    args = read_model_args(gemma4)
+    table = 64 * 5 * 8 * 4  # per_layer_vocab × layers × per_layer_dim, fp32
+    assert globals_bytes(args, 4) - globals_bytes(args, 4, device=True) == table
+    # per token: 5 × 8 per-layer values; K and V of the sliding store (2 × 16) and of the full
+    # store (1 × 32)
+    assert models.state_bytes(args, 2, 10, 4) == 2 * 10 * (5 * 8 + 2 * 2 * 16 + 2 * 32) * 4
