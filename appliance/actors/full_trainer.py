@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -38,6 +39,23 @@ SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
 INDEX = "model.safetensors.index.json"
 # the base model's files that go beside the weights as they are
 COPIED = ("generation_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+
+
+def written_files(names: list[str]) -> list[str]:
+    """Of the file names at the top of an --output (relative, '/'-separated), those a full
+    fine-tune writes there (`write_adapter`), config.json first: what --overwrite removes."""
+    top = [n for n in names if "/" not in n]
+    ours = [
+        n
+        for n in top
+        if n in ("model.safetensors", INDEX, *COPIED)
+        or _SHARD.match(n)
+        or n.startswith("tokenizer")
+    ]
+    return ([HF_CONFIG] if HF_CONFIG in top else []) + sorted(ours)
 
 
 class FullTrainer(Trainer):

@@ -192,8 +192,10 @@ class TrainConfig:
         False,
         "Replace the appliance run in --output: removes only what appliance wrote there (where "
         "its run.json or checkpoint manifests show it): adapter_config.json, "
-        "adapter_model.safetensors, checkpoints/step-N and checkpoints/latest, its own README.md "
-        "card, history.jsonl, run.json. Never touches other files (another tool's checkpoints, notes, data); an "
+        "adapter_model.safetensors (a full fine-tune's config.json, model*.safetensors and "
+        "tokenizer files), checkpoints/step-N and checkpoints/latest, its own README.md "
+        "card, history.jsonl, run.json. Never touches other files (another tool's checkpoints, "
+        "notes, data); an "
         "--output with no appliance run is refused, nothing deleted.",
     )
     allow_data_change: bool = _f(

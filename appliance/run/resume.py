@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, replace
 
+from appliance.actors.full_trainer import written_files
 from appliance.adapter import model_card
 from appliance.config import TrainConfig, flag, shown
 from appliance.errors import ConfigError, appliance_command
@@ -255,10 +256,18 @@ def _recorded_run(output: str) -> bool:
     return record is None or "identity" in record or "config" in record
 
 
+def _recorded_full(output: str) -> bool:
+    """Whether `output`'s run.json records a full fine-tune (--finetuning-type full)."""
+    record, _ = _parse_record(storage.read_bytes(storage.join(output, RUN_FILE)))
+    config = (record or {}).get("config") or {}
+    return isinstance(config, dict) and config.get("finetuning_type") == "full"
+
+
 def previous_run_files(output: str) -> list[tuple[str, bool]]:
     """What --overwrite deletes in `output`, in the order it deletes them: (uri, whether it is a
     directory/prefix). Only what appliance wrote there, where its run.json or its checkpoints'
-    manifests show it: with appliance's run.json, its adapter files, the `latest` marker, every
+    manifests show it: with appliance's run.json, its adapter files (a full fine-tune's model
+    files: full_trainer.written_files), the `latest` marker, every
     `checkpoints/step-N` directory and the temp dirs of an interrupted save, its model card
     (when the card says appliance wrote it) and run.json itself; without one, only the
     checkpoints whose manifest appliance wrote (and `latest`). Anything else (another tool's
@@ -271,6 +280,10 @@ def previous_run_files(output: str) -> list[tuple[str, bool]]:
     if recorded:  # adapter_config.json first: no moment shows a complete-looking adapter
         gone += [(storage.join(output, ADAPTER_CONFIG), False)]
         gone += [(storage.join(output, ADAPTER_WEIGHTS), False)]
+    if recorded and _recorded_full(output):  # a full fine-tune's model, config.json first
+        gone += [
+            (storage.join(output, n), False) for n in written_files(storage.list_files(output))
+        ]
     gone += [(storage.join(checkpoints_uri(output), LATEST_MARKER), False)]  # none restored
     gone += [(uri, True) for uri in steps]
     gone += [(str(p), True) for p in temp_dirs(output)]

@@ -186,6 +186,12 @@ def _no_adapter(uri: str) -> str:
         return none
     if not isinstance(record, dict):
         return none
+    config = record.get("config")
+    if isinstance(config, dict) and config.get("finetuning_type") == "full":
+        return (
+            f"{uri} holds a full fine-tune (--finetuning-type full): its output is a whole model, "
+            f"not an adapter; score it with appliance eval --model {uri} --data FILE --seq-len N"
+        )
     status = record.get("status", "unknown")
     latest = [c for c in saved if c.complete]
     use = (

@@ -17,6 +17,8 @@ from appliance.actors.weight_store import WeightStore
 from appliance.storage.checkpoints import CheckpointError
 from tests.helpers_model import SPEC, batch, make_model
 
+pytest_plugins = ["tests.s3_server"]
+
 
 def settings(model_dir, **kw) -> TrainerSettings:
     return TrainerSettings(lora=SPEC, model=str(model_dir), weight_decay=0.01, **kw)
@@ -82,3 +84,22 @@ def test_another_models_or_a_lora_runs_state_is_refused_in_one_line(model_dir, t
     lora = Trainer(WeightStore(model_dir, "float32").handles(), settings(model_dir))
     with pytest.raises(CheckpointError, match="LoRA run's .* --finetuning-type lora$"):
         mine.load_state_bytes(lora.state_bytes())
+
+
+def test_a_full_checkpoint_and_model_on_s3_restore_exactly(model_dir, s3_bucket):
+    from appliance.storage import uri as storage
+
+    out = f"s3://{s3_bucket}/runs/full"
+    store = WeightStore(model_dir, "float32", writable=True)
+    a = FullTrainer(store.handles(), settings(model_dir))
+    a.shard_bytes = 100_000
+    a.engine.train_step(micro_batches(0), 1e-3)
+    a.save_checkpoint(out, 1, {}, keep=2)
+    a.write_adapter(out)
+    top = [n for n in storage.list_files(out) if "/" not in n]
+    assert "config.json" in top and INDEX in top and "tokenizer.json" in top
+    expected = a.engine.train_step(micro_batches(1), 1e-3).loss
+    b = FullTrainer(store.handles(), settings(model_dir))
+    assert b.restore_latest_checkpoint(out)["name"] == "step-000001"
+    assert b.engine.train_step(micro_batches(1), 1e-3).loss == expected
+    store.close()

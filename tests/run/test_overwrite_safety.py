@@ -131,3 +131,19 @@ def test_train_help_says_what_overwrite_removes_and_never_touches():
     said = text[at : at + 600]
     for needle in ("only what appliance wrote", "run.json", "checkpoints/step-N", "Never touches"):
         assert needle in said, (needle, said)
+
+
+def test_overwrite_of_a_full_finetune_removes_its_model_files_and_only_those(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    config = {"model": "m", "finetuning_type": "full"}
+    (out / "run.json").write_text(json.dumps({"config": config, "status": "complete"}))
+    written = ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+               "model.safetensors.index.json", "tokenizer.json", "generation_config.json"]  # fmt: skip
+    for name in written:
+        (out / name).write_text("x")
+    (out / "model.pt").write_text("mine")  # not a name a full fine-tune writes
+    (out / "notes.txt").write_text("mine")
+    decide_output(overwrite_cfg(out))
+    remove_previous_run(str(out))
+    assert sorted(p.name for p in out.iterdir()) == ["model.pt", "notes.txt"]

@@ -512,3 +512,13 @@ def test_a_model_or_an_adapter_from_s3_fetches_only_the_files_that_are_read(
         ADAPTER_CONFIG, ADAPTER_WEIGHTS, RUN_FILE, CONFIG_FILE, DRIVER_STATE, MANIFEST, CARD
     }  # fmt: skip
     assert s3_cache.ADAPTER_FILES[0] == ADAPTER_CONFIG
+
+
+def test_an_adapter_flag_on_a_full_finetunes_output_says_to_give_it_as_the_model(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    record = {"config": {"finetuning_type": "full"}, "status": "complete"}
+    (out / "run.json").write_text(json.dumps(record))
+    (out / "config.json").write_text("{}")
+    with pytest.raises(StorageError, match="full fine-tune .* appliance eval --model .*run --data"):
+        s3_cache.localize_adapter(str(out))
