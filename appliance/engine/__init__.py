@@ -4,6 +4,7 @@ step.py            StreamedEngine: one optimizer step over M micro-batches, laye
                    each block copied host → GPU once per pass, forward for every micro-batch,
                    then recompute + backward block by block; LoRA gradients and AdamW
 device_weights.py  the blocks on the device: copies on a side stream, page-locked host memory
+expert_streaming.py  a MoE block's experts copied only when tokens are routed to them
 saved_inputs.py    block inputs saved for the backward, offloaded to host memory
 blocks.py          a block's tensors as one flat buffer (the layout the store and GPU share)
 memory.py          how much of the GPU the step needs, and how many blocks stay resident

@@ -28,7 +28,9 @@ from appliance.engine.cuda_host import (
     shared_page_spans,
     unregister_all,
 )
+from appliance.engine.expert_streaming import ExpertBlock, expert_spans
 from appliance.hardware.measure import cuda_copy_seconds
+from appliance.models.moe import Layout
 from appliance.quant import QuantizedTensor, dequantize, quantized_nbytes
 
 
@@ -125,10 +127,19 @@ class DeviceWeights:
     A quantized base (--base-quant) stays quantized up to the device: the flat buffer holds codes
     and scales, and `get(i)` dequantizes them into the compute dtype on the device, once per
     block per pass (the forward asks once for all micro-batches, the backward once more).
+
+    `experts` (a MoE model's moe.Layout, its experts stored apart): streamed blocks cross by
+    expert, their experts copied when a token is routed to them (engine/expert_streaming.py);
+    not for a quantized base.
     """
 
     def __init__(
-        self, source: BlockSource, device: torch.device, dtype: torch.dtype, copies: bool = False
+        self,
+        source: BlockSource,
+        device: torch.device,
+        dtype: torch.dtype,
+        copies: bool = False,
+        experts: Layout | None = None,
     ):
         self.source, self.device, self.dtype = source, device, dtype
         self.cuda = device.type == "cuda"
@@ -151,6 +162,11 @@ class DeviceWeights:
         self._free_slots: list[int] = []
         self._resident_buffers: dict[int, torch.Tensor] = {}  # allocated by configure, not filled
         self._configured = False
+        quantized = any(isinstance(t, QuantizedTensor) for t in source.block(0).values())
+        self._layout = experts if experts is not None and not quantized else None
+        self._experts_on: dict[int, set[int]] = {}  # streamed block → its experts on the device
+        self._used: dict[int, set[int]] = {}  # block → experts routed to since forget_routing
+        self._dev: dict[int, torch.Tensor] = {}  # streamed block → its slot's bytes
         g = source.globals()
         # Gemma 4's per-layer embedding table stays in host memory (models.HOST_GLOBALS): its
         # rows for a step's tokens are gathered there (models.block_state)
@@ -200,6 +216,7 @@ class DeviceWeights:
         for i, (_, _, slot) in list(self._on_device.items()):
             if i not in self.resident or slot is not None:
                 del self._on_device[i]
+                self._experts_on.pop(i, None)
         self._slots, self._slot_free, self._free_slots = [], [], []
         if not self.copies:
             return
@@ -298,22 +315,61 @@ class DeviceWeights:
                 )
             slot = self._free_slots.pop(0)
             dev = self._slots[slot][: flat.numel()]
+        spans = None  # the whole block
+        if self._layout is not None and slot is not None:  # its dense part, and the experts
+            dense, experts = expert_spans(index, self._layout)  # its last forward routed to
+            used = self._used.get(i, set()) & set(experts)
+            spans = dense + [s for j in sorted(used) for s in experts[j]]
+            self._experts_on[i], self._dev[i] = used, dev
         try:
-            start, done = self._copy(dev, flat, pinned, slot)
+            start, done = self._copy(dev, flat, pinned, slot, spans)
         except BaseException:  # (a KeyboardInterrupt in the staging wait): the slot stays free
             if slot is not None:
                 self._free_slots.insert(0, slot)
+            self._experts_on.pop(i, None)
             raise
         self.host_seconds += time.perf_counter() - t0
-        self.h2d_bytes += flat.numel()
+        self.h2d_bytes += flat.numel() if spans is None else sum(b - a for a, b in spans)
         self._h2d_events.append((start, done))
         self._on_device[i] = (unpack(dev, index), done, slot)
 
+    def _fetch_experts(self, i: int, experts) -> None:
+        """Copy into block i's slot those of `experts` not there yet (expert-granular
+        streaming); compute waits for them (an h2d stall, as for a block)."""
+        experts = set(experts)
+        self._used.setdefault(i, set()).update(experts)
+        new = sorted(experts - self._experts_on[i])
+        if not new:
+            return
+        t0 = time.perf_counter()
+        flat, index, pinned = self._host[i]
+        _, spans = expert_spans(index, self._layout)
+        todo = [s for j in new for s in spans.get(j, [])]
+        start, done = self._copy(self._dev[i], flat, pinned, None, todo)
+        self.host_seconds += time.perf_counter() - t0
+        self.h2d_bytes += sum(b - a for a, b in todo)
+        self._h2d_events.append((start, done))
+        if self.cuda:
+            self._stall_events.append(self._copier.compute_waits(done))
+        self._experts_on[i].update(new)
+
+    def forget_routing(self) -> None:
+        """A new pass starts: the experts its blocks need are not known yet (prefetches copy
+        dense parts only until a block's forward has routed)."""
+        self._used.clear()
+
     def _copy(
-        self, dev: torch.Tensor, flat: torch.Tensor, pinned: bool, slot: int | None
+        self,
+        dev: torch.Tensor,
+        flat: torch.Tensor,
+        pinned: bool,
+        slot: int | None,
+        spans: list[tuple[int, int]] | None = None,
     ) -> tuple[torch.cuda.Event | HostEvent, torch.cuda.Event | HostEvent]:
         """Queue `flat` → `dev` on the copy stream, after the slot's last block is done with it
-        (through a pinned staging buffer if `flat` is not page-locked); its (start, done) events."""
+        (through a pinned staging buffer if `flat` is not page-locked); its (start, done) events.
+        `spans`: only those byte ranges (expert-granular streaming), at their own offsets."""
+        spans = [(0, flat.numel())] if spans is None else spans
         with self._copier.copying():
             if slot is not None:
                 self._copier.wait(self._slot_free[slot])  # its last block is done with it
@@ -324,10 +380,12 @@ class DeviceWeights:
                 if self._staging_free[k] is not None:
                     self._staging_free[k].synchronize()  # the copy out of this buffer is done
                 src = self._staging[k][: flat.numel()]
-                src.copy_(flat)  # host memcpy into page-locked memory
+                for a, b in spans:
+                    src[a:b].copy_(flat[a:b])  # host memcpy into page-locked memory
             start = self._copier.event(timing=True)
             start.record()  # right before the copy: the copy's time is the DMA's alone
-            dev.copy_(src, non_blocking=True)
+            for a, b in spans:
+                dev[a:b].copy_(src[a:b], non_blocking=True)
             done = self._copier.event(timing=True)
             done.record()
             if not pinned:
@@ -350,6 +408,10 @@ class DeviceWeights:
                 # compute waits for the copy: this gap is the h2d stall
                 self._stall_events.append(self._copier.compute_waits(done))
             self._on_device[i] = (w, None, slot)
+        if i in self._experts_on:  # streamed by expert: they come when routed to
+            return ExpertBlock(
+                self._materialise(w), self._layout, lambda js: self._fetch_experts(i, js)
+            )
         return self._materialise(w)
 
     def _materialise(self, w: dict) -> dict[str, torch.Tensor]:
@@ -377,6 +439,8 @@ class DeviceWeights:
         if not self.copies or i in self.resident or i not in self._on_device:
             return
         _, _, slot = self._on_device.pop(i)
+        self._experts_on.pop(i, None)
+        self._dev.pop(i, None)
         if slot is not None:
             self._slot_free[slot] = self._copier.compute_mark()
             self._free_slots.append(slot)

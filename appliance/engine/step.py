@@ -138,6 +138,7 @@ class StreamedEngine:
         loss_scaler: LossScaler | None = None,
         copy_blocks: bool = False,
         compile_blocks: bool = False,
+        expert_streaming: bool = True,
     ):
         """`group`: a data-parallel process group. Each rank passes its share of the global batch
         to `train_step`; target tokens, LoRA gradients and the loss are summed over the group, so
@@ -151,7 +152,9 @@ class StreamedEngine:
 
         `copy_blocks` (CPU): copy blocks into streaming slots as on CUDA instead of reading them in
         place (DeviceWeights' `copies`): the tests' way to run the GPU path's bookkeeping here.
-        `compile_blocks`: run the blocks through torch.compile (models.compiled_block_forward)."""
+        `compile_blocks`: run the blocks through torch.compile (models.compiled_block_forward).
+        `expert_streaming`: a MoE model's streamed blocks cross by expert, only the experts its
+        tokens were routed to (engine/expert_streaming.py); False: whole blocks."""
         self.args = source.args
         self.group = group
         self.device = with_index(torch.device(device))  # "cuda" → the current CUDA device
@@ -163,7 +166,8 @@ class StreamedEngine:
         self.budget = gpu_memory_budget
         if loss_scaler is not None and dtype != torch.float16:
             raise ValueError(f"loss scaling is for float16 compute, not {dtype}")
-        self.weights = DeviceWeights(source, self.device, dtype, copies=copy_blocks)
+        experts = models.expert_layout(self.args) if expert_streaming else None
+        self.weights = DeviceWeights(source, self.device, dtype, copy_blocks, experts)
         self.optimizer = None
         if lora is not None:
             self.optimizer = torch.optim.AdamW(
@@ -335,6 +339,7 @@ class StreamedEngine:
         L = self.args.num_layers
         g = self.weights.globals
         self.weights.drop_streamed(keep=0)  # what a pass that raised left in the slots
+        self.weights.forget_routing()  # the backward prefetches what this pass routes to
         with torch.no_grad():
             with self._busy():
                 hs = [
@@ -355,13 +360,12 @@ class StreamedEngine:
                             self.saved.save(i, h)
                         lora.generator = self._generator(step, i, first + m)
                         cos, sin, mask = self._block_inputs(attn[m], h.shape[1], i)
-                        extra = {} if balance is None else {"router_logits": []}
+                        lg = None if balance is None else []  # the routers' logits
                         state = attn[m][3]  # Gemma 4: its per-layer inputs, shared K/V
-                        hs[m] = self._block(
-                            h, w, self.args, cos, sin, lora, mask, layer=i, state=state, **extra
-                        )
-                        if balance is not None:
-                            balance.observe(extra["router_logits"])
+                        hs[m] = self._block(h, w, self.args, cos, sin, lora, mask, layer=i,
+                                            router_logits=lg, state=state)  # fmt: skip
+                        if lg:
+                            balance.observe(lg)
                 if i + 1 < L or not save:
                     self.weights.release(i)  # in training the last block stays: backward's first
                 # a quantized block's dequantized weights go before the next block's are made
@@ -400,12 +404,9 @@ class StreamedEngine:
         # positions, document masks and RoPE tables: made once, for the forward and the backward
         with self._busy():
             attn = [self._attention_inputs(mb) for mb in micro_batches]
-        balance = self._load_balance()
+        balance = LoadBalance.of(self.args)  # the load-balancing loss, if config.json asks
         if micro_batches:
-            hs = self._forward(
-                micro_batches, step, dropout=True, save=True, first=first, attn=attn,
-                balance=balance,
-            )  # fmt: skip
+            hs = self._forward(micro_batches, step, True, True, first, attn, balance)
             # head: this share's part of the global batch's loss, and d(loss)/d(last hidden states)
             grads = []
             with self._busy():
@@ -415,12 +416,8 @@ class StreamedEngine:
                     loss += part
                     grads.append(grad)
             del hs
-        if balance is not None:  # the load-balancing loss: this rank's share of it
-            if self.group is not None:  # its expert counts are the global batch's
-                totals = torch.cat([balance.counts, torch.tensor([balance.rows])]).to(self.device)
-                dist.all_reduce(totals, group=self.group)
-                balance.counts, balance.rows = totals[:-1], float(totals[-1])
-            loss += balance.loss().to(loss.device)
+        if balance is not None:  # this rank's share of it, of the global batch's counts
+            loss += balance.loss(self.group).to(loss.device)
         if micro_batches:
             self.weights.prefetch(L - 1)
             self.saved.prefetch(L - 1)
@@ -442,14 +439,13 @@ class StreamedEngine:
                         inputs[m] = None  # free the saved input as soon as it is consumed
                         lora.generator = self._generator(step, i, first + m)
                         cos, sin, mask = self._block_inputs(attn[m], x.shape[1], i)
-                        extra = {} if balance is None else {"router_logits": []}
+                        lg = None if balance is None else []
                         state = attn[m][3]  # Gemma 4: also its store blocks' K/V
-                        y = self._block(
-                            x, w, self.args, cos, sin, lora, mask, layer=i, state=state, **extra
-                        )
+                        y = self._block(x, w, self.args, cos, sin, lora, mask, layer=i,
+                                        router_logits=lg, state=state)  # fmt: skip
                         roots, root_grads = models.backward_roots(y, grads[m], state)
-                        aux = None if balance is None else balance.part(extra["router_logits"])
-                        if aux is not None:  # this block's share of the load-balancing loss
+                        aux = None if balance is None else balance.part(lg or [])
+                        if aux is not None:  # the block's share of the load-balancing loss
                             scale = 1.0 if self.scaler is None else self.scaler.scale
                             roots, root_grads = [*roots, aux * scale], [*root_grads, None]
                         torch.autograd.backward(roots, root_grads)
@@ -477,14 +473,6 @@ class StreamedEngine:
             "h2d_stall": stall,
         }
         return float(loss), n_target, phases
-
-    def _load_balance(self) -> LoadBalance | None:
-        """The load-balancing loss's bookkeeping for one step, when config.json asks for it (a
-        MoE model with output_router_logits: router_aux_loss_coef × the loss, added to the
-        training loss as transformers adds it; evaluation losses leave it out)."""
-        if not (self.args.num_experts and self.args.router_aux_coef):
-            return None
-        return LoadBalance(self.args.router_aux_coef, self.args.experts_per_token)
 
     def _all_reduce_grads_and(self, loss: torch.Tensor) -> torch.Tensor:
         """Sum every LoRA gradient and `loss` over the group: one flat fp32 buffer, one collective.

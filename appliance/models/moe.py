@@ -106,6 +106,11 @@ class Experts:
     def forward(self, j: int, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def need(self, experts: list[int]) -> None:
+        """Called with the experts a batch of rows was routed to, before any of them runs: a
+        block whose weights are streamed by expert copies them in now (engine/
+        expert_streaming.py). Nothing to do for weights already in place."""
+
 
 class SplitExperts(Experts):
     def __init__(self, w: dict, names: tuple[str, str, str], num: int, lora=None):
@@ -114,6 +119,10 @@ class SplitExperts(Experts):
         weights = lora.weights if lora is not None else {}
         self.gate_up, self.down = weights.get(GATE_UP), weights.get(DOWN)
         self.scale = lora.scale if lora is not None else 1.0
+
+    def need(self, experts: list[int]) -> None:
+        if hasattr(self.w, "need"):  # expert_streaming.ExpertBlock
+            self.w.need(experts)
 
     def forward(self, j: int, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (self.w[n.format(j)] for n in self.names)
@@ -162,8 +171,9 @@ def experts_forward(
     out = torch.zeros_like(x)
     with torch.no_grad():
         mask = F.one_hot(index, num_classes=experts.num).permute(2, 1, 0)  # (E, k, N)
-        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-    for j in hit[:, 0].tolist():
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()[:, 0].tolist()
+    experts.need(hit)
+    for j in hit:
         pos, rows = torch.where(mask[j])
         y = experts.forward(j, x[rows]) * weights[rows, pos, None]
         out.index_add_(0, rows, y.to(out.dtype))
@@ -240,12 +250,20 @@ class LoadBalance:
     summed); after it, `part(logits)` is that block's share of coef · aux (load_balance_part),
     differentiable, for the backward's recompute to add to the block's output."""
 
-    def __init__(self, coef: float, top_k: int):
-        self.coef, self.top_k = coef, top_k
+    def __init__(self, coef: float, top_k: int, num: int):
+        self.coef, self.top_k, self.num = coef, top_k, num
         self.counts: torch.Tensor | None = None
         self.rows = 0.0
-        self.value = 0.0  # coef · aux after the forward (the loss's share of it)
         self._probs: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, args) -> LoadBalance | None:
+        """One step's bookkeeping for ModelArgs `args`, when config.json asks for the loss (a
+        MoE model with output_router_logits: router_aux_loss_coef × the loss, added to the
+        training loss as transformers adds it; evaluation losses leave it out); else None."""
+        if not (args.num_experts and args.router_aux_coef):
+            return None
+        return cls(args.router_aux_coef, args.experts_per_token, args.num_experts)
 
     def observe(self, logits: list[torch.Tensor]) -> None:
         for lg in logits:
@@ -255,9 +273,22 @@ class LoadBalance:
             self._probs = probs if self._probs is None else self._probs + probs
             self.rows += lg.shape[0]
 
-    def loss(self) -> torch.Tensor:
-        """coef · aux over what was observed (0 when nothing was)."""
-        if self.counts is None:
+    def loss(self, group=None) -> torch.Tensor:
+        """coef · aux over what was observed (0 when nothing was). With a data-parallel
+        `group`, the counts and rows are summed over it first (every rank's `part`s then use
+        the global batch's), and the loss is this rank's share: summed over the ranks, the
+        global batch's."""
+        if group is not None:
+            import torch.distributed as dist
+
+            counts = self.counts if self.counts is not None else torch.zeros(self.num)
+            device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+            totals = torch.cat(
+                [counts.float().to(device), torch.tensor([self.rows], device=device)]
+            )
+            dist.all_reduce(totals, group=group)
+            self.counts, self.rows = totals[:-1], float(totals[-1])
+        if self._probs is None:  # this rank observed nothing: no share of the loss
             return torch.zeros(())
         E = self.counts.shape[0]
         return self.coef * E * (self.counts / self.rows * self._probs / self.rows).sum()

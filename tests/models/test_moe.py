@@ -243,3 +243,52 @@ def test_the_grouped_gemm_equals_the_loop_over_experts_on_cuda():
         rows, pos = torch.where(index == j)
         loop.index_add_(0, rows, experts.forward(j, x[rows]) * weights[rows, pos, None])
     torch.testing.assert_close(grouped.float(), loop.float(), rtol=2e-2, atol=2e-2)
+
+
+def _skewed(source: DictBlockSource) -> DictBlockSource:
+    """The router of every block made to send every token to experts 0–3 of 8: their rows are
+    ±u and ±v, the others' zero, so the top 2 logits are |h·u| and |h·v| ≥ 0 and experts 4–7
+    never receive a token."""
+    g = torch.Generator().manual_seed(3)
+    blocks = []
+    for i in range(source.num_blocks):
+        w = dict(source.block(i))
+        u, v = torch.randn(2, source.args.hidden_size, generator=g)
+        router = torch.zeros_like(w["block_sparse_moe.gate.weight"])
+        router[:4] = torch.stack((u, -u, v, -v))
+        w["block_sparse_moe.gate.weight"] = router
+        blocks.append(w)
+    return DictBlockSource(source.args, source.globals(), blocks)
+
+
+def test_expert_granular_streaming_equals_whole_blocks_bit_for_bit_and_moves_only_routed_experts(
+    tmp_path,
+):
+    """Streamed blocks copied into slots (the GPU path, here on a CPU): by expert, only the
+    experts the step's tokens were routed to cross (forward: as routed; backward: prefetched
+    from the forward's routing), and the loss and every LoRA gradient equal whole-block
+    streaming bit for bit. With a router that leaves half the experts idle, fewer bytes move:
+    exactly the dense parts and the routed experts, twice a step less the kept block."""
+    model_dir = make_model(tmp_path / "model", "mixtral", with_tokenizer=False,
+                           num_local_experts=8, output_router_logits=False)  # fmt: skip
+    source = _skewed(DictBlockSource.from_hf(model_dir, torch.float32))
+    args, L = source.args, source.args.num_layers
+    ids, labels = batch(4, 16, seed=8)
+    mbs = [(ids[:2], labels[:2]), (ids[2:], labels[2:])]
+    results = []
+    for by_expert in (True, False):
+        lora = lora_with_random_b(args, WITH_EXPERTS)
+        engine = StreamedEngine(source, lora, copy_blocks=True, expert_streaming=by_expert)
+        loss, _, _ = engine.forward_backward(mbs, 0)
+        results.append((loss, [p.grad for p in lora.parameters()], engine.weights.take_timings()))
+    (loss_e, grads_e, moved_e), (loss_w, grads_w, moved_w) = results
+    assert loss_e == loss_w
+    assert all(torch.equal(a, b) for a, b in zip(grads_e, grads_w, strict=True))
+    # bytes: whole blocks are 2L − 1 block copies; by expert, each copy is the dense part and
+    # experts 0–3 (the forward copies the dense part ahead and the experts when routed to)
+    layout = models.expert_layout(args)
+    block = source.block(0)
+    expert_bytes = sum(block[n].numel() * 4 for n in layout.expert_weights(args)) // 8
+    whole = sum(t.numel() * 4 for t in block.values())
+    assert moved_w["h2d_bytes"] == (2 * L - 1) * whole
+    assert moved_e["h2d_bytes"] == (2 * L - 1) * (whole - 4 * expert_bytes)
