@@ -244,8 +244,9 @@ def evaluate(
 
     ConfigError for bad arguments, ModelError for an unusable model or adapter, DataError naming
     `file:line` for a malformed record (unless `on_bad_record="skip"`) or a tokenizer that is not
-    the model's. An empty result (no target token) is an error. `chat_template`: a jinja file
-    that overrides the model's (--chat-template). `warn` is told, before the model runs, of
+    the model's. An empty result (no target token) is an error. `chat_template`: a built-in
+    name or a jinja file that overrides the model's (--chat-template). `fields`: where
+    conversations of another shape keep their messages (chat.FieldMap). `warn` is told, before the model runs, of
     skipped records and of documents cut to `seq_len`. `holdout`: only the documents a run's
     --eval-split held out of `data_path` (its validation set).
     """

@@ -363,8 +363,9 @@ def adapter_defaults(adapter: str, adapter_dir, given: dict, device: str | None 
 @click.option(
     "--chat-template",
     default=None,
-    help="Jinja chat template file for conversation records, instead of the model's (default "
-    "with --adapter: its run's --chat-template).",
+    help="Chat template for conversation records instead of the model's: a built-in name "
+    "(chatml, llama3, gemma, mistral) or a jinja file (default with --adapter: its run's "
+    "--chat-template).",
 )
 @click.option(
     "--on-bad-record",
