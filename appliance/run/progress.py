@@ -167,8 +167,8 @@ class Progress:
         tps, eta, wait = self._rates(step)
         epoch = f"  epoch {stats['epoch']:.2f}" if stats.get("epoch") is not None else ""
         line = (
-            f"step {step}/{self.total}{epoch}  loss {stats['loss']:.4f}  tok/s {tps:,.0f}  "
-            f"data-wait {wait:.0%}  eta {_fmt_eta(eta)}  restarts {self.restarts}"
+            f"step {step}/{self.total}  loss {stats['loss']:.4f}  tok/s {tps:,.0f}  "
+            f"data-wait {wait:.0%}  eta {_fmt_eta(eta)}  restarts {self.restarts}{epoch}"
         )
         if stats.get("skipped_steps"):  # float16 steps that overflowed and did not update
             line += f"  skipped-steps {stats['skipped_steps']}"

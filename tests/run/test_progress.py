@@ -60,6 +60,28 @@ def test_the_live_table_shows_step_loss_tokens_per_second_data_wait_eta_and_rest
     assert row == ["4/10", "2.2500", "300", "25%", "0:00:20", "2"]
 
 
+def test_the_epoch_is_on_each_line_table_row_and_json_record_when_the_data_was_counted():
+    console = Console(record=True, file=io.StringIO(), width=120, force_terminal=False)
+    rich = Progress("rich", console=console)
+    rich.start(total_steps=8)
+    rich.step(3, {**stats(2.0, tokens=100, step_seconds=1.0, data_wait=0.0), "epoch": 0.75})
+    rich.stop()
+    header, row = table_rows(console)[-2:]
+    assert header[:3] == ["step", "epoch", "loss"] and row[:3] == ["3/8", "0.75", "2.0000"]
+    stream = io.StringIO()
+    plain = Progress("plain", stream=stream, heartbeat=False)
+    plain.start(total_steps=8)
+    plain.step(1, {**stats(2.0, tokens=100, step_seconds=1.0, data_wait=0.0), "epoch": 0.25})
+    plain.step(8, {**stats(2.0, tokens=100, step_seconds=1.0, data_wait=0.0), "epoch": None})
+    first, second = stream.getvalue().splitlines()
+    assert first.startswith("step 1/8  loss 2.0000  tok/s ") and first.endswith("  epoch 0.25")
+    assert second.endswith("restarts 0")  # no epoch where the data was not counted
+    out = io.StringIO()
+    as_json = Progress("json", stream=out)
+    as_json.step(1, {**stats(2.0, tokens=100, step_seconds=1.0, data_wait=0.0), "epoch": 0.25})
+    assert json.loads(out.getvalue())["epoch"] == 0.25
+
+
 def test_off_a_terminal_auto_prints_plain_lines_every_10_steps_or_10_seconds():
     stream, now = io.StringIO(), [0.0]
     progress = Progress("auto", stream=stream, clock=lambda: now[0], heartbeat=False)

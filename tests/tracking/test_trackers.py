@@ -72,3 +72,25 @@ def test_tensorboard_shows_each_step_once_after_the_run_went_back_to_a_checkpoin
     shown = [(e.step, e.value) for e in events.Scalars("train/loss")]
     assert shown == [(1, 11.0), (2, 12.0), (3, 3.0), (4, 4.0)]
     assert np.float32(shown[0][1]) == np.float32(11.0)
+
+
+def test_trackio_holds_the_records_and_a_resume_continues_its_run(tmp_path, monkeypatch):
+    """Trackio is not in the `test` extra (it would downgrade Pillow under wandb): this runs where
+    it is installed (pip install 'appliance[trackio]')."""
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))  # read when trackio is imported
+    pytest.importorskip("trackio")
+    from trackio.sqlite_storage import SQLiteStorage
+
+    settings = {"output": str(tmp_path / "run-a"), "lr": 0.1}
+    first = Trackers(("trackio",), settings, None, print)
+    ids = first.open(0)
+    first.log([{"step": 1, "loss": 2.0, "learning_rate": 0.1}, {"step": 1, "eval_loss": 1.5}])
+    first.close("interrupted")
+    again = Trackers(("trackio",), settings, ids, print)
+    again.open(1)
+    again.log([{"step": 2, "loss": 1.25}])
+    again.close("complete")
+    logs = SQLiteStorage.get_logs("appliance", "run-a")
+    assert [(r["step"], r.get("train/loss"), r.get("eval/loss")) for r in logs] == [
+        (1, 2.0, None), (1, None, 1.5), (2, 1.25, None),
+    ]  # fmt: skip
