@@ -23,6 +23,7 @@ from appliance.data.files import (
 from appliance.data.records import Holdout, check_dataset, check_has_targets, check_tokenizer_fits
 from appliance.data.templates import is_template_name
 from appliance.engine.blocks import dtype_from_name
+from appliance.engine.full import family_problem
 from appliance.errors import NOT_FOUND, ConfigError, StorageError, appliance_command
 from appliance.hardware.host import ram_available_bytes
 from appliance.models import TARGETS, resolve_targets
@@ -251,6 +252,7 @@ def check_box(cfg: TrainConfig, args: ModelArgs) -> None:
             args, dtype_bytes, ram_available_bytes(), cfg.freeze_embeddings, trainers
         )
         problems += [problem] if problem else []
+        problems += [problem] if (problem := family_problem(args)) else []
     if problems:
         problems.append(
             f"({appliance_command()} doctor --model {cfg.model} checks the rest of this box)"

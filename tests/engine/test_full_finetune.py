@@ -10,6 +10,7 @@ must hold"): every step's loss to 1e-6 relative, every weight after the last ste
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 import torch
@@ -61,6 +62,8 @@ def step_batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         ("llama-mha", CLIP, False),
         ("qwen3-qknorm-tied", CLIP, False),
         ("gemma2-softcap-window", CLIP, False),
+        # hybrid: Gated DeltaNet blocks beside gated full attention (their own weights)
+        ("qwen3_5-hybrid", CLIP, False),
         # blocks copied into slots as on a GPU (block 0 kept across steps must be re-copied
         # after its update), and updates queued as each block's gradients land (no clipping)
         ("llama-gqa-rope3-tied", None, True),
@@ -138,6 +141,17 @@ def test_another_models_optimizer_state_is_refused_in_one_line(tmp_path):
     b = FullFinetuneEngine(DictBlockSource.from_hf(other, torch.float32))
     with pytest.raises(ValueError, match=r"mlp\.\w+_proj\.weight is shape .* another model's"):
         b.load_state_dict(a.state_dict())
+
+
+@pytest.mark.parametrize(
+    "variant, why",
+    [("olmoe", "is a mixture of experts"), ("gemma4-ple-kv-shared", "is Gemma 4 (per-layer")],
+)
+def test_families_it_cannot_train_whole_are_refused_in_one_line(variant, why, tmp_path):
+    source = DictBlockSource.from_hf(make_model(tmp_path / "model", variant), torch.float32)
+    with pytest.raises(ConfigError, match=re.escape(why)) as e:
+        FullFinetuneEngine(source)
+    assert "\n" not in str(e.value) and "use --finetuning-type lora" in str(e.value)
 
 
 def test_a_quantized_base_and_float16_are_refused_in_one_line(tmp_path):
