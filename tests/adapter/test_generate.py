@@ -23,7 +23,7 @@ NEW = 12  # a prompt of 10 and 12 new tokens: past Gemma's window of 8
 
 
 @pytest.fixture(scope="module", params=["llama-gqa-rope3-tied", "gemma2-softcap-window",
-                                        "gemma3-local-rope"])  # fmt: skip
+                                        "gemma3-local-rope", "qwen3-qknorm-tied", "olmoe"])  # fmt: skip
 def model_and_adapter(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param)
     model = make_model(d / "model", request.param)
@@ -61,6 +61,14 @@ def test_batched_greedy_tokens_equal_transformers_and_peft_streamed_and_resident
         theirs = upto_stop(out[0, len(prompt) :].tolist(), stops)
         assert ours == theirs, (prompt, ours, theirs)
         assert len(ours) > 3  # more than a token or two was compared
+
+
+@pytest.mark.parametrize("variant", ["qwen3_5-hybrid", "gemma4-ple-kv-shared", "gpt-oss"])
+def test_families_it_cannot_decode_yet_are_refused_by_name(variant, tmp_path):
+    model = make_model(tmp_path / "model", variant)
+    with pytest.raises(ConfigError, match="is not supported yet") as e:
+        Generator(model, None)
+    assert "\n" not in str(e.value) and read_model_args(model).architecture in str(e.value)
 
 
 def test_sampling_is_reproducible_by_its_seed_and_the_base_alone_is_transformers(tmp_path):
