@@ -13,7 +13,11 @@ token for the whole batch. Each block keeps its keys and values across steps (mo
 on the device, or, when the budget has no room for them, in host memory. A model that fits stays
 resident. Prompts of different lengths share one cache: each row's padding is never attended, so
 every row is decoded as if alone (tests/adapter/test_generate.py compares the tokens with
-transformers + PEFT greedy decoding).
+transformers + PEFT greedy decoding). One exception: Phi-3's longrope takes its long factors
+when the batch's longest sequence passes original_max_position_embeddings, where transformers
+decides for each prompt alone, so a short prompt batched with a long one may decode differently
+(only past that length: 4096 tokens for the released models). Qwen3.5, Gemma 4 and gpt-oss are
+refused by name for now (`family_problem`).
 """
 
 from __future__ import annotations
