@@ -46,7 +46,7 @@ from appliance.engine.loss_scale import LossScaler
 from appliance.engine.memory import CUDA_MARGIN_BYTES, effective_budget, plan_memory, step_flops
 from appliance.engine.saved_inputs import SavedInputs
 from appliance.errors import ConfigError
-from appliance.models import layers
+from appliance.models import layers, rope
 from appliance.models.lora import LoraSpec, LoraWeights
 from appliance.models.moe import LoadBalance
 
@@ -268,7 +268,7 @@ class StreamedEngine:
     def _cos_sin(self, T: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables for T positions; `local`: Gemma 3's sliding layers' (ModelArgs.local_rope)."""
         if (T, local) not in self._rope:
-            self._rope[T, local] = layers.rope_cos_sin(self.args, T, self.device, self.dtype, local)
+            self._rope[T, local] = rope.rope_cos_sin(self.args, T, self.device, self.dtype, local)
         return self._rope[T, local]
 
     def _attention_inputs(self, mb: MicroBatch) -> tuple[torch.Tensor | None, object, dict, object]:
@@ -305,7 +305,7 @@ class StreamedEngine:
         local = self.args.local_rope(i)
         if local not in tables:
             cos, sin = self._cos_sin(T, local)
-            tables[local] = (cos, sin) if positions is None else layers.rope_at(cos, sin, positions)
+            tables[local] = (cos, sin) if positions is None else rope.rope_at(cos, sin, positions)
         return (*tables[local], mask)
 
     def _generator(self, step: int, i: int, m: int) -> torch.Generator | None:
