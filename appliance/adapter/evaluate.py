@@ -43,7 +43,8 @@ from appliance.data.records import (
     skipped_message,
     with_skip_hint,
 )
-from appliance.engine.step import MicroBatch, StreamedEngine
+from appliance.engine.batches import MicroBatch
+from appliance.engine.step import StreamedEngine
 from appliance.errors import ConfigError
 from appliance.models import hf_checkpoint
 from appliance.models.layers import IGNORE_INDEX
