@@ -190,7 +190,7 @@ def eval_cmd(
     line; with --adapter also the base model's "base_loss" and "base_perplexity"."""
     from appliance.actors.trainer import resolve_device, resolve_dtype
     from appliance.adapter.evaluate import check_device, evaluate
-    from appliance.data.files import dataset_notes, resolve_dataset
+    from appliance.data.listing import dataset_notes, resolve_dataset
     from appliance.data.records import Holdout
     from appliance.engine.blocks import dtype_from_name
     from appliance.run.record import other_model_note
