@@ -35,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from appliance import models
-from appliance.models import layers
+from appliance.models import layers, rope
 from appliance.models.lora import LoraSpec, LoraWeights
 
 # family → ModelArgs fields beyond the shared shape (the features whose math differs)
@@ -104,7 +104,7 @@ def time_block(
     with torch.no_grad():
         for _, B in lora.blocks[0].values():
             B.copy_(torch.randn(B.shape, generator=gen) * 0.02)  # B = 0: LoRA would add nothing
-    cos, sin = layers.rope_cos_sin(args, seq, dev, dtype)
+    cos, sin = rope.rope_cos_sin(args, seq, dev, dtype)
     x = torch.randn(batch, seq, args.hidden_size, generator=gen).to(dev, dtype)
     grad_out = torch.randn(batch, seq, args.hidden_size, generator=gen).to(dev, dtype)
     block = None

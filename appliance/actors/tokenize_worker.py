@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from appliance.data.chat import ChatTemplate, FieldMap
-from appliance.data.files import find_data_files, named_files
+from appliance.data.listing import find_data_files, named_files
 from appliance.data.mixture import MixedShardReader, Source, source_counts
 from appliance.data.packing import LONG_DOCUMENTS, fill_rows, fit_long_document, split_document
 from appliance.data.records import (
@@ -121,7 +121,7 @@ class TokenizeWorker:
     ):
         """`chat_template`: renders conversation records (None: they are refused). `holdout`:
         the documents of `--eval-split` this worker skips (or, for evaluation, only reads).
-        `files`: the data files by name (`files.file_names`), as the run listed them when it
+        `files`: the data files by name (`listing.file_names`), as the run listed them when it
         started: a worker restarted mid-run reads those, whatever the directory holds by then
         (None: the files `data_path` names now). `long_documents`: what becomes of a document
         longer than a row (packing.fit_long_document). `fields`: where conversations of another

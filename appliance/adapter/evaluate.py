@@ -30,7 +30,7 @@ from tokenizers import Tokenizer
 from appliance.actors.weight_store import local_source
 from appliance.data import records as data
 from appliance.data.chat import ChatError, ChatTemplate, FieldMap, load_chat_template
-from appliance.data.files import find_data_files, is_pattern, named_files
+from appliance.data.listing import find_data_files, is_pattern, named_files
 from appliance.data.mixture import MixedShardReader, Source
 from appliance.data.packing import fill_rows
 from appliance.data.records import (
@@ -43,7 +43,8 @@ from appliance.data.records import (
     skipped_message,
     with_skip_hint,
 )
-from appliance.engine.step import MicroBatch, StreamedEngine
+from appliance.engine.batches import MicroBatch
+from appliance.engine.step import StreamedEngine
 from appliance.errors import ConfigError
 from appliance.models import hf_checkpoint
 from appliance.models.layers import IGNORE_INDEX
@@ -74,7 +75,7 @@ def read_documents(
     `file:row N`) for a bad record, unless `on_bad_record="skip"` (then it is left out).
     `holdout`: only the documents --eval-split holds out. `warn` is told of skipped records and
     of truncated documents (how many, the tokens not scored). `files`: the data files by name,
-    as the run listed them when it started (`files.file_names`; None: what `data_path`
+    as the run listed them when it started (`listing.file_names`; None: what `data_path`
     names now): --eval-split's documents are counted over those, as the workers count them.
     `fields`: where conversations of another shape keep their messages (chat.FieldMap). `mix`:
     a run's --mix-data (path, weight, files by name): with `holdout`, the documents held out of

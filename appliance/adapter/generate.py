@@ -34,7 +34,7 @@ from appliance.data.records import load_tokenizer
 from appliance.engine.device_weights import DeviceWeights
 from appliance.engine.memory import CUDA_MARGIN_BYTES, effective_budget
 from appliance.errors import ConfigError
-from appliance.models import block_forward, hf_checkpoint, layers
+from appliance.models import block_forward, hf_checkpoint, layers, rope
 from appliance.models.kv_cache import KVCache, Positions
 from appliance.models.lora import LoraSpec, LoraWeights, load_adapter
 
@@ -204,7 +204,7 @@ class Generator:
         shape = (B, a.num_kv_heads, capacity, a.head_dim)
         caches = [KVCache(positions, shape, self.dtype, dev, store) for _ in range(a.num_layers)]
         tables = {
-            local: layers.rope_cos_sin(a, capacity, dev, self.dtype, local)
+            local: rope.rope_cos_sin(a, capacity, dev, self.dtype, local)
             for local in {a.local_rope(i) for i in range(a.num_layers)}
         }
         lengths = torch.tensor([len(p) for p in prompts], device=dev)
@@ -245,12 +245,12 @@ class Generator:
         a = self.args
         positions.start_step(queries, first_slot, keys)
         h = layers.embed(ids, self.weights.globals, a.embed_scale)
-        rope = {local: layers.rope_at(*t, queries) for local, t in tables.items()}
+        tables_at = {local: rope.rope_at(*t, queries) for local, t in tables.items()}
         for i in range(a.num_layers):
             w = self.weights.get(i)
             self.weights.prefetch(i + 1)
             lora = self.lora.context(i, self.dtype, dropout=0.0)
-            cos, sin = rope[a.local_rope(i)]
+            cos, sin = tables_at[a.local_rope(i)]
             h = block_forward(h, w, a, cos, sin, lora, caches[i], layer=i)
             self.weights.release(i)
             del w

@@ -1,4 +1,7 @@
-"""The command line (click): `appliance train | eval | export | plan | doctor | bench`, in main.py.
+"""The command line (click): `appliance train | eval | generate | export | plan | doctor | bench`.
+
+main.py: the group and `train`; adapter_commands.py: eval, generate, export; machine_commands.py:
+bench, plan, doctor; common.py: what they share (errors as one line, the --data hint, grouped help).
 
 Each command parses its flags into the typed config (appliance/config/) and hands over to the
 package that does the work: run/ (train), adapter/ (eval, export), plan/ (plan, doctor), bench/.

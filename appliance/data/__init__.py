@@ -1,7 +1,8 @@
 """Training data: files → records → tokens → packed rows.
 
+listing.py    which files a --data names (dirs, globs, hub datasets), the notes about them
 files.py      what is a data file (jsonl, json, parquet, arrow, csv, tsv, txt, compressed),
-              finding them under --data (dirs, globs, hub datasets), reading them line by line
+              reading them line by line, counting their documents
 delimited.py  CSV and TSV rows as records
 records.py    one document or conversation per record (text, prompt + completion, messages,
               ShareGPT, Alpaca), checked, tokenized, held out
@@ -12,7 +13,8 @@ packing.py    documents packed into rows of --seq-len tokens
 """
 
 from appliance.data.chat import ChatError, ChatTemplate, load_chat_template
-from appliance.data.files import data_format, find_data_files, resolve_dataset
+from appliance.data.files import data_format
+from appliance.data.listing import find_data_files, resolve_dataset
 from appliance.data.packing import fill_rows, split_document
 from appliance.data.records import BadRecord, Holdout, Record, load_tokenizer
 

@@ -1,6 +1,6 @@
 """Shard reading, record parsing, tokenization and the batch type. Pure Python: no Ray here.
 
-A dataset (`files.py`: which files, each format read as what documents) is numbered in
+A dataset (`listing.py`: which files; `files.py`: each format read as what documents) is numbered in
 document order over its files. Worker `w` of `N` owns the documents whose global index `% N ==
 w`; its documents are numbered 0, 1, ... within its shard, and the cursor (see
 `tokenize_worker.py`) refers to those shard indices.
@@ -42,7 +42,6 @@ from appliance.data.files import (
     TABLES,
     data_format,
     delimited_rows,
-    find_data_files,
     is_json_array,
     json_array_items,
     read_chunks,
@@ -50,6 +49,7 @@ from appliance.data.files import (
     table_num_rows,
     table_rows,
 )
+from appliance.data.listing import find_data_files
 from appliance.data.templates import NAMED_TEMPLATES
 from appliance.errors import DataError, type_name
 

@@ -12,9 +12,11 @@ loss_scale.py      the fp16 loss scaler
 full.py            FullFinetuneEngine: every weight trains (--finetuning-type full): weight
                    gradients off the device per block, AdamW on the host beside the GPU
 host_adam.py       HostAdamW: fp32 master weights and AdamW moments in host memory, per block
+batches.py         a step's inputs and outputs: MicroBatch, target counts, batch sizes, StepStats
 """
 
+from appliance.engine.batches import StepStats
 from appliance.engine.memory import MemoryPlan, plan_memory
-from appliance.engine.step import StepStats, StreamedEngine
+from appliance.engine.step import StreamedEngine
 
 __all__ = ["MemoryPlan", "StepStats", "StreamedEngine", "plan_memory"]

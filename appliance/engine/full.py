@@ -36,11 +36,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from appliance.engine.batches import MicroBatch, StepStats, count_targets
+from appliance.engine.batches import micro_batches_of as _micro_batches
 from appliance.engine.blocks import BlockSource, FlatBlockSource, pack
 from appliance.engine.device_weights import SideStream, event_seconds
 from appliance.engine.host_adam import GLOBALS, HostAdamW
-from appliance.engine.step import MicroBatch, StepStats, StreamedEngine, count_targets
-from appliance.engine.step import micro_batches_of as _micro_batches
+from appliance.engine.step import StreamedEngine
 from appliance.errors import ConfigError
 from appliance.models import hf_checkpoint, layers
 from appliance.quant import QuantizedTensor

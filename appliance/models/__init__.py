@@ -20,7 +20,7 @@ explicit mask when the sequence is longer than the window; Gemma 2 soft-caps its
 SDPA cannot do, and writes its scores out in full (softmax in fp32). See docs/models.md.
 
 The package: layers.py (ModelArgs and the shared layers: RoPE, attention, MLP, LoRA'd linear,
-loss), attention.py, moe.py (the mixture-of-experts MLP: router, experts, load-balancing loss),
+loss), rope.py (the RoPE tables: scalings, cos/sin), attention.py, moe.py (the mixture-of-experts MLP: router, experts, load-balancing loss),
 one file per family (llama, qwen3, gemma, phi3, qwen3_moe (also Mixtral), olmoe, gpt_oss;
 multimodal.py for the text model inside image-text checkpoints), hf_config.py and hf_checkpoint.py (reading a Hugging Face
 model directory), lora.py (adapter shapes and files, PEFT's format), presets.py (named shapes for

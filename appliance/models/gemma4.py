@@ -4,7 +4,7 @@
   are not scaled (softmax scale 1: ModelArgs.attn_scale), the q/k head norms carry the scale.
 - Sliding layers (head_dim, num_kv_heads, RoPE base rope_local_theta) beside full layers with a
   head of their own (global_head_dim: 512 as released, num_global_kv_heads) and "proportional"
-  RoPE (layers.proportional_inv_freq); with attention_k_eq_v a full layer has no v_proj: its
+  RoPE (rope.proportional_inv_freq); with attention_k_eq_v a full layer has no v_proj: its
   values are its key projection (before the key norm and RoPE).
 - KV sharing: the last num_kv_shared_layers blocks have no k/v projections; they attend over the
   keys and values of the last earlier block of their layer type (the "store" block). Across the

@@ -148,7 +148,7 @@ def _rope(
     if kind == "llama3":  # (no rope_type item: llama3 is the default reading of rope_scaling)
         return rope_theta, tuple(sorted(items.items()))
     items["rope_type"] = kind
-    if kind == "yarn":  # optional (layers._yarn_inv_freq, layers._yarn_attention_factor)
+    if kind == "yarn":  # optional (rope._yarn_inv_freq, rope._yarn_attention_factor)
         for k in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
             if rope.get(k) is not None:
                 items[k] = float(rope[k])
@@ -156,7 +156,7 @@ def _rope(
     if kind == "longrope":
         items["short_factor"] = tuple(float(x) for x in rope["short_factor"])
         items["long_factor"] = tuple(float(x) for x in rope["long_factor"])
-        for k in ("factor", "attention_factor"):  # optional (layers.rope_attention_factor)
+        for k in ("factor", "attention_factor"):  # optional (rope.rope_attention_factor)
             if rope.get(k) is not None:
                 items[k] = float(rope[k])
     return rope_theta, tuple(sorted(items.items()))

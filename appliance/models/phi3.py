@@ -3,7 +3,7 @@
 `qkv_proj` holds q, k and v one after the other (rows), `gate_up_proj` gate then up; LoRA
 adapts the fused modules whole (targets `qkv`, `gate_up`, as PEFT names them `qkv_proj`,
 `gate_up_proj`). Phi-4-mini rotates 3/4 of each head (partial_rotary_factor 0.75) with longrope
-scaling; both live in the RoPE tables (layers.rope_cos_sin) and attention.rotate.
+scaling; both live in the RoPE tables (rope.rope_cos_sin) and attention.rotate.
 """
 
 from __future__ import annotations

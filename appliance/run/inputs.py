@@ -13,13 +13,8 @@ from appliance.actors.tokenize_worker import MAX_DEFAULT_WORKERS
 from appliance.actors.trainer import resolve_device, resolve_dtype
 from appliance.config import TrainConfig
 from appliance.data.chat import load_chat_template
-from appliance.data.files import (
-    count_documents,
-    dataset_notes,
-    file_names,
-    not_held_out_notes,
-    resolve_dataset,
-)
+from appliance.data.files import count_documents
+from appliance.data.listing import dataset_notes, file_names, not_held_out_notes, resolve_dataset
 from appliance.data.records import Holdout, check_dataset, check_has_targets, check_tokenizer_fits
 from appliance.data.templates import is_template_name
 from appliance.engine.blocks import dtype_from_name

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from appliance.config import TrainConfig
-from appliance.data.files import file_names, some_of
+from appliance.data.listing import file_names, some_of
 from appliance.errors import ConfigError, appliance_command
 from appliance.storage import uri as storage
 from appliance.storage.checkpoints import (

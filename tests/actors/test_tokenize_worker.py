@@ -12,7 +12,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from appliance.actors.tokenize_worker import ACTOR_OPTIONS, TokenizeWorker, default_num_workers
-from appliance.data.files import DATA_FILES, file_names
+from appliance.data.files import DATA_FILES
+from appliance.data.listing import file_names
 from appliance.data.records import SKIP_HINT, Batch, DataError, check_dataset
 from appliance.models.layers import IGNORE_INDEX
 from tests.helpers_ray import ray_session

@@ -19,7 +19,7 @@ import transformers
 from appliance.actors.tokenize_worker import TokenizeWorker
 from appliance.adapter.evaluate import evaluate
 from appliance.data.chat import ChatError, load_chat_template, messages_of, target_mask
-from appliance.data.files import find_data_files, unreadable_files
+from appliance.data.listing import find_data_files, unreadable_files
 from appliance.data.records import (
     SKIP_HINT,
     ShardReader,

@@ -9,13 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from appliance.data.files import (
-    count_documents,
+from appliance.data.files import count_documents, has_documents, is_json_array, json_array_items
+from appliance.data.listing import (
     dataset_notes,
     find_data_files,
-    has_documents,
-    is_json_array,
-    json_array_items,
     not_held_out_notes,
     split_of,
     unreadable_files,

@@ -13,7 +13,7 @@ import pytest
 from appliance.actors.tokenize_worker import TokenizeWorker
 from appliance.adapter.evaluate import read_documents
 from appliance.config import build_config
-from appliance.data.files import find_data_files
+from appliance.data.listing import find_data_files
 from appliance.data.mixture import MixedShardReader, Source, mix_order, quota
 from appliance.data.records import Holdout, load_tokenizer, parse_document
 from appliance.errors import ConfigError

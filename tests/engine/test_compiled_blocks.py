@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 from appliance import models
 from appliance.engine.blocks import DictBlockSource
 from appliance.engine.step import StreamedEngine
-from appliance.models import layers
+from appliance.models import rope
 from tests.engine.test_engine_parity import RTOL
 from tests.helpers_model import SPEC, batch, lora_with_random_b, make_model, rel_err
 
@@ -69,7 +69,7 @@ def test_the_compiled_blocks_dropout_masks_are_the_eager_blocks(tmp_path):
     args, w = source.args, source.block(0)
     lora = lora_with_random_b(args, dataclasses.replace(SPEC, dropout=0.3))
     x = torch.randn(2 * 20, args.hidden_size)
-    cos, sin = layers.rope_cos_sin(args, 20, torch.device("cpu"), torch.float32)
+    cos, sin = rope.rope_cos_sin(args, 20, torch.device("cpu"), torch.float32)
     outputs = []
     for drawn_first in (False, True):
         ctx = lora.context(0, torch.float32)

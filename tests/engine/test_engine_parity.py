@@ -20,7 +20,7 @@ from appliance.engine.blocks import DictBlockSource
 from appliance.engine.schedule import lr_at
 from appliance.engine.step import StreamedEngine
 from appliance.errors import ModelError
-from appliance.models import layers
+from appliance.models import layers, rope
 from appliance.models import lora as lora_module
 from appliance.models.hf_checkpoint import SafetensorsCheckpoint, read_block, read_model_args
 from appliance.models.lora import LoraSpec, LoraWeights, folds_scale, peft_key, peft_layers
@@ -168,7 +168,7 @@ def test_a_block_on_its_rows_flattened_equals_it_on_batched_rows_bit_for_bit(var
     g = torch.Generator().manual_seed(4)
     x = torch.randn(2, 20, args.hidden_size, generator=g).to(dtype)
     grad_out = torch.randn(2, 20, args.hidden_size, generator=g).to(dtype)
-    cos, sin = layers.rope_cos_sin(args, 20, torch.device("cpu"), dtype)
+    cos, sin = rope.rope_cos_sin(args, 20, torch.device("cpu"), dtype)
     results = []
     for flat in (True, False):
         xg = x.clone().requires_grad_(True)
@@ -286,7 +286,7 @@ def test_recompute_with_dropout_draws_the_forwards_masks(tmp_path):
 
     # the same model as one autograd graph, with the engine's per-(step, block, micro-batch) masks
     g = source.globals()
-    cos, sin = layers.rope_cos_sin(source.args, 16, torch.device("cpu"), torch.float32)
+    cos, sin = rope.rope_cos_sin(source.args, 16, torch.device("cpu"), torch.float32)
     ref = engine_ref = StreamedEngine(source, plain, seed=7)
     total = 0.0
     n = int((labels != -100).sum())

@@ -12,8 +12,9 @@ import itertools
 import torch
 
 from appliance.engine import device_weights as streaming
+from appliance.engine.batches import count_targets
 from appliance.engine.blocks import DictBlockSource
-from appliance.engine.step import StreamedEngine, count_targets
+from appliance.engine.step import StreamedEngine
 from tests.helpers_model import batch, lora_with_random_b, make_model
 
 

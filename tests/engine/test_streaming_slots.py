@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from appliance.bench.synthetic import SyntheticBlockSource
+from appliance.engine.batches import MicroBatch, batch_sizes
 from appliance.engine.memory import blocks_uploaded_per_step
-from appliance.engine.step import MicroBatch, StreamedEngine, batch_sizes
+from appliance.engine.step import StreamedEngine
 from appliance.models.presets import _llama
 from tests.helpers_model import lora_with_random_b
 

@@ -63,7 +63,7 @@ def test_the_held_out_documents_stay_those_of_the_runs_files_when_one_joins_mid_
     built at the first eval, counts them over the files the run started with, as the workers do:
     a shard written into the directory since would otherwise move trained documents into it."""
     from appliance.adapter.evaluate import validation_batches
-    from appliance.data.files import file_names
+    from appliance.data.listing import file_names
     from appliance.run.state import Inputs
 
     tok, _, eos, pad = make_tokenizer(tmp_path / "model")

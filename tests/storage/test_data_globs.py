@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.data.files import (
+from appliance.data.listing import (
     dataset_notes,
     find_data_files,
     not_held_out_notes,

@@ -95,7 +95,7 @@ def test_a_safetensors_index_naming_a_shard_outside_the_model_is_refused(tmp_pat
 
 
 def test_hub_paths_stay_in_the_snapshot():
-    from appliance.data.files import resolve_dataset
+    from appliance.data.listing import resolve_dataset
     from appliance.storage.hub import resolve_model
 
     with pytest.raises(DataError, match="leaves the dataset repo"):
