@@ -375,9 +375,9 @@ def test_a_hub_id_resume_without_checkpoint_flag_over_config_and_umask(inputs, t
     rc, out_text, err = finish(start(argv, env=hub))
     assert rc == 0, err[-3000:]
     assert f"note: --model {snapshot} --seq-len 32 --dtype float32 (from {out}/run.json)" in err
-    assert json.loads(out_text.strip().splitlines()[-1]) == evaluate(
-        snapshot, data, 32, adapter_dir=out
-    )
+    scored = json.loads(out_text.strip().splitlines()[-1])
+    assert scored == evaluate(snapshot, data, 32, adapter_dir=out, with_base=True)
+    assert scored["base_loss"] != scored["loss"]  # the base model's loss beside the adapter's
     # an adapter without its run, as PEFT saves one: the hub id and commit it names
     peft = tmp_path / "peft"
     peft.mkdir()

@@ -75,6 +75,8 @@ def full_trainer_stats(step: int = 1) -> dict[str, Any]:
         "gpu_mem_reserved": 12 << 30,
         "loss_scale": 32768.0,  # float16 compute
         "skipped_step": True,
+        "d2h_bytes": 1 << 28,  # full fine-tuning: the weight gradients to the host
+        "optimizer_host_seconds": 0.4,  # full fine-tuning: AdamW on the host
         "grad_norm": 0.7,  # not a metric: ignored
     }
 
