@@ -22,13 +22,12 @@ from appliance.models.lora import LoraSpec
 from tests.engine.test_engine_parity import peft_reference, reference_loss
 from tests.helpers_model import (
     batch,
-    load_hf,
     lora_with_random_b,
     make_model,
     rel_err,
     write_config,
 )
-from tests.models.test_qwen3_5 import assert_every_gradient_matches
+from tests.models.test_qwen3_5 import assert_every_gradient_matches, assert_round_trip
 
 RTOL = 1e-5
 SPEC = LoraSpec(rank=4, alpha=8.0)
@@ -93,31 +92,7 @@ def test_a_packed_batch_equals_its_documents_one_by_one(gemma4, tmp_path):
 
 
 def test_train_then_peft_load_then_export_round_trip(gemma4, tmp_path):
-    from peft import PeftModel
-
-    from appliance.adapter.export import export_merged
-
-    source = DictBlockSource.from_hf(gemma4, torch.float32)
-    lora = lora_with_random_b(source.args, SPEC)
-    engine = StreamedEngine(source, lora)
-    for step in range(2):
-        ids, labels = batch(4, 20, seed=20 + step)
-        engine.train_step([(ids[:2], labels[:2]), (ids[2:], labels[2:])], lr=1e-2)
-    lora.save(tmp_path / "adapter")
-    peft = PeftModel.from_pretrained(load_hf(gemma4), tmp_path / "adapter").eval()
-    again = peft.load_adapter(tmp_path / "adapter", adapter_name="again")
-    assert again.missing_keys == [] and again.unexpected_keys == []
-    ids, _ = batch(2, 24, seed=99)
-    ours = engine.logits(ids)
-    with torch.no_grad():
-        theirs = peft(input_ids=ids).logits.float()
-        merged = load_hf(export_merged(gemma4, tmp_path / "adapter", tmp_path / "out"))(
-            input_ids=ids
-        ).logits.float()
-        base = load_hf(gemma4)(input_ids=ids).logits.float()
-    assert rel_err(ours, theirs) < RTOL
-    assert rel_err(merged, theirs) < RTOL
-    assert rel_err(base, theirs) > 1e-3  # the adapter matters
+    assert_round_trip(gemma4, SPEC, tmp_path, seq_len=24)
 
 
 def test_the_image_text_checkpoint_trains_its_language_model(tmp_path):

@@ -230,32 +230,37 @@ def test_a_config_without_layer_types_takes_every_fourth_layer_full(tmp_path):
 
 
 def test_train_then_peft_load_then_export_round_trip(hybrid, tmp_path):
+    assert_round_trip(hybrid, SPEC, tmp_path, seq_len=70)  # 70: past one chunk of the rule
+
+
+def assert_round_trip(model_dir, spec: LoraSpec, tmp_path, seq_len: int) -> None:
     """Two optimizer steps of the streamed engine; the adapter file loads in PEFT on the
     transformers model with no missing or unexpected key and gives the engine's logits; `export`
-    merges it into a checkpoint that plain transformers loads and that gives them too."""
+    merges it into a checkpoint that plain transformers loads and that gives them too (also
+    tests/models/test_gemma4.py)."""
     from peft import PeftModel
 
     from appliance.adapter.export import export_merged
     from tests.helpers_model import load_hf
 
-    source = DictBlockSource.from_hf(hybrid, torch.float32)
-    lora = lora_with_random_b(source.args, SPEC)
+    source = DictBlockSource.from_hf(model_dir, torch.float32)
+    lora = lora_with_random_b(source.args, spec)
     engine = StreamedEngine(source, lora)
     for step in range(2):
         ids, labels = batch(4, 20, seed=20 + step)
         engine.train_step([(ids[:2], labels[:2]), (ids[2:], labels[2:])], lr=1e-2)
     lora.save(tmp_path / "adapter")
-    peft = PeftModel.from_pretrained(load_hf(hybrid), tmp_path / "adapter").eval()
+    peft = PeftModel.from_pretrained(load_hf(model_dir), tmp_path / "adapter").eval()
     again = peft.load_adapter(tmp_path / "adapter", adapter_name="again")
     assert again.missing_keys == [] and again.unexpected_keys == []
-    ids, _ = batch(2, 70, seed=99)
+    ids, _ = batch(2, seq_len, seed=99)
     ours = engine.logits(ids)
     with torch.no_grad():
         theirs = peft(input_ids=ids).logits.float()
-        merged = load_hf(export_merged(hybrid, tmp_path / "adapter", tmp_path / "out"))(
+        merged = load_hf(export_merged(model_dir, tmp_path / "adapter", tmp_path / "out"))(
             input_ids=ids
         ).logits.float()
-        base = load_hf(hybrid)(input_ids=ids).logits.float()
+        base = load_hf(model_dir)(input_ids=ids).logits.float()
     assert rel_err(ours, theirs) < RTOL
     assert rel_err(merged, theirs) < RTOL
     assert rel_err(base, theirs) > 1e-3  # the adapter matters
