@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
 from appliance import models
-from appliance.engine.host_adam import adamw
+from appliance.engine.host_adam import adamw, best_step_seconds
 from appliance.hardware.measure import cpu_name
 from appliance.models.presets import PRESETS
 
@@ -45,13 +44,7 @@ def time_impl(preset: str, impl: str, reps: int) -> tuple[float, list[torch.Tens
     opt = adamw(params, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, impl=impl)
     for group in opt.param_groups:
         group["lr"] = 1e-4
-    best = float("inf")
-    for r in range(reps + 1):
-        t0 = time.perf_counter()
-        opt.step()
-        if r:
-            best = min(best, time.perf_counter() - t0)
-    return best, params
+    return best_step_seconds(opt, reps), params
 
 
 def main() -> None:

@@ -25,7 +25,6 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 
 from appliance.actors.trainer import BIG_FILES, Trainer, UntrustedState
-from appliance.engine.blocks import dtype_from_name
 from appliance.engine.full import FullFinetuneEngine
 from appliance.errors import first_line
 from appliance.models import hf_checkpoint
@@ -64,18 +63,9 @@ class FullTrainer(Trainer):
     shard_bytes = SHARD_BYTES
 
     def _make_engine(self, group) -> FullFinetuneEngine:
-        s = self.settings
+        options = self._engine_options(group)
         return FullFinetuneEngine(
-            self.source,
-            device=self.device,
-            dtype=dtype_from_name(s.dtype),
-            gpu_memory_budget=s.gpu_memory_budget,
-            weight_decay=s.weight_decay,
-            grad_clip=s.grad_clip or None,
-            seed=s.seed,
-            group=group,
-            freeze_embeddings=s.freeze_embeddings,
-            compile_blocks=s.compile_blocks,
+            self.source, freeze_embeddings=self.settings.freeze_embeddings, **options
         )
 
     def _big(self, name: str) -> bool:

@@ -143,10 +143,12 @@ class Trainer:
             self.nvml.start()
 
     def _make_engine(self, group: dist.ProcessGroup | None) -> StreamedEngine:
+        return StreamedEngine(self.source, self.lora, **self._engine_options(group))
+
+    def _engine_options(self, group: dist.ProcessGroup | None) -> dict:
+        """The engine's settings from this rank's (FullTrainer adds its own to them)."""
         s = self.settings
-        return StreamedEngine(
-            self.source,
-            self.lora,
+        return dict(
             device=self.device,
             dtype=dtype_from_name(s.dtype),
             gpu_memory_budget=s.gpu_memory_budget,

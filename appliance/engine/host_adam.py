@@ -168,10 +168,16 @@ def measure_rate(params: int = 50_000_000, impl: str = "fused", reps: int = 3) -
     for p in ps:
         p.grad = torch.full_like(p, 1e-3)
     opt = adamw(ps, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, impl=impl)
+    return sum(p.numel() for p in ps) / best_step_seconds(opt, reps)
+
+
+def best_step_seconds(opt: torch.optim.Optimizer, reps: int) -> float:
+    """The best of `reps` timed `opt.step()`s, after one untimed warm-up step (the first step
+    allocates the moments)."""
     best = float("inf")
     for r in range(reps + 1):
         t0 = time.perf_counter()
         opt.step()
         if r:
             best = min(best, time.perf_counter() - t0)
-    return sum(p.numel() for p in ps) / best
+    return best
