@@ -22,8 +22,12 @@ from appliance.models.hf_checkpoint import (
     read_model_args,
     skipped_notes,
 )
-from appliance.models.lora import LoraSpec, LoraWeights, peft_key, peft_layers
-from tests.engine.test_engine_parity import peft_grads, peft_reference, reference_loss
+from appliance.models.lora import LoraSpec, LoraWeights
+from tests.engine.test_engine_parity import (
+    assert_gradients_match,
+    peft_reference,
+    reference_loss,
+)
 from tests.helpers_model import batch, lora_with_random_b, make_model, rel_err, write_config
 
 RTOL = 1e-5
@@ -98,18 +102,6 @@ def read_model_args_like():
     )  # fmt: skip
 
 
-def assert_every_gradient_matches(lora, ref) -> None:
-    ref_grads = peft_grads(ref)
-    checked = 0
-    for i, block in enumerate(lora.blocks):
-        for module, (A, B) in block.items():
-            for which, p in (("A", A), ("B", B)):
-                key = peft_key(i, module, which, peft_layers(lora.args))
-                assert rel_err(p.grad, ref_grads[key]) < RTOL, key
-                checked += 1
-    assert checked == len(ref_grads)
-
-
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("qwen3_5") / "model", "qwen3_5-hybrid")
@@ -132,7 +124,7 @@ def test_loss_and_every_lora_gradient_match_transformers_with_peft(hybrid, tmp_p
     ref_loss = reference_loss(ref, ids, labels)
     ref_loss.backward()
     assert rel_err(torch.tensor(loss), ref_loss) < RTOL
-    assert_every_gradient_matches(lora, ref)
+    assert_gradients_match(lora, ref)
 
 
 def test_a_packed_batch_equals_its_documents_one_by_one(hybrid, tmp_path):
@@ -165,7 +157,7 @@ def test_a_packed_batch_equals_its_documents_one_by_one(hybrid, tmp_path):
     ref_loss = ref_loss / n_target
     ref_loss.backward()
     assert rel_err(torch.tensor(loss), ref_loss) < RTOL
-    assert_every_gradient_matches(lora, ref)
+    assert_gradients_match(lora, ref)
 
 
 def test_the_image_text_checkpoint_trains_its_language_model_and_names_what_it_skips(tmp_path):
