@@ -20,6 +20,7 @@ MULTIMODAL = (
     "Mistral3ForConditionalGeneration",
     "Qwen3_5ForConditionalGeneration",
     "Gemma4ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
 )
 
 BASE = dict(
@@ -57,6 +58,18 @@ QWEN3_5_HYBRID = dict(
     linear_num_value_heads=4,
     linear_key_head_dim=8,
     linear_value_head_dim=8,
+)
+
+# Qwen3.5-MoE: the hybrid blocks above, each with top-2 of 6 experts (renormalised) and a
+# shared expert of its own width; the load-balancing loss on
+QWEN3_5_MOE = dict(
+    QWEN3_5_HYBRID,
+    num_experts=6,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    shared_expert_intermediate_size=40,
+    output_router_logits=True,
+    router_aux_loss_coef=0.02,
 )
 
 # Gemma 4: sliding (head 16, 2 KV heads) and full layers (head 32, one KV head, values = keys),
@@ -183,6 +196,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "gemma4-ple-kv-shared": ("Gemma4ForCausalLM", GEMMA4_PLE_KV_SHARED),
     # the language model of Gemma 4's image-text checkpoint (vision tower beside it)
     "gemma4-vlm": ("Gemma4ForConditionalGeneration", GEMMA4_PLE_KV_SHARED),
+    "qwen3_5-moe": ("Qwen3_5MoeForCausalLM", QWEN3_5_MOE),
+    # the language model of Qwen3.5-MoE's image-text checkpoint (its vision tower beside it)
+    "qwen3_5-moe-vlm": ("Qwen3_5MoeForConditionalGeneration", QWEN3_5_MOE),
 }  # fmt: skip
 MOE_VARIANTS = ("qwen3-moe", "mixtral", "olmoe", "gpt-oss")
 
@@ -223,6 +239,13 @@ _CONFIGS = {
         dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
         audio_config=None,
     ),
+    "Qwen3_5MoeForCausalLM": transformers.Qwen3_5MoeTextConfig,
+    "Qwen3_5MoeForConditionalGeneration": _multimodal(
+        transformers.Qwen3_5MoeConfig,
+        dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+             patch_size=14),
+        tie_word_embeddings=False,
+    ),  # fmt: skip
     "Qwen3_5ForConditionalGeneration": _multimodal(
         transformers.Qwen3_5Config,
         dict(

@@ -48,6 +48,7 @@ from appliance.models import (
     phi3,
     qwen3,
     qwen3_5,
+    qwen3_5_moe,
     qwen3_moe,
 )
 
@@ -64,6 +65,7 @@ FAMILIES: dict[str, types.ModuleType] = {
     "OlmoeForCausalLM": olmoe,
     "GptOssForCausalLM": gpt_oss,
     "Qwen3_5ForCausalLM": qwen3_5,
+    "Qwen3_5MoeForCausalLM": qwen3_5_moe,
     "Gemma4ForCausalLM": gemma4,
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
@@ -75,6 +77,8 @@ TARGETS = {
     "gate_up": "mlp.gate_up_proj",
     "experts": "mlp.experts",  # a MoE block's experts: both their tensors (EXPERT_MODULES)
     **gated_deltanet.TARGET_MODULES,  # Qwen3.5's linear attention: in_proj_qkv, ..., out_proj
+    # a MoE block's shared expert (Qwen3.5-MoE; PEFT: gate_proj, up_proj, down_proj)
+    **{f"shared_{m.split('.')[-1].removesuffix('_proj')}": m for m in moe.SHARED},
 }
 #: what LoRA on "experts" adapts: the experts' fused tensors, as PEFT's `target_parameters`
 EXPERT_MODULES = (moe.GATE_UP, moe.DOWN)

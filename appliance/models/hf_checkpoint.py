@@ -47,6 +47,8 @@ MODEL_TYPES = {
     "gpt_oss": "GptOssForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     "gemma4_text": "Gemma4ForCausalLM",
     "gemma4": "Gemma4ForConditionalGeneration",
 }
@@ -102,7 +104,7 @@ def _refusal(arch: str, cfg: dict) -> str | None:
             "dense Gemma 4 models are supported"
         )
     moe = any(cfg.get(k) or text.get(k) for k in experts) or "Moe" in arch or "Mixtral" in arch
-    if moe and arch not in models.FAMILIES:  # (Qwen3.5-MoE: its vision tower is not what stops it)
+    if moe and arch not in SUPPORTED_ARCHITECTURES:  # (checked before the vision tower)
         return (
             "is a mixture-of-experts model whose routing is not implemented; supported "
             f"mixture-of-experts models: {', '.join(MOE_ARCHITECTURES)}"

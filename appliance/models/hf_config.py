@@ -18,6 +18,9 @@ _LAYER_TYPES = ("sliding_attention", "full_attention")
 def model_fields(arch: str, cfg: dict, where: Path) -> dict[str, Any]:
     """ModelArgs' fields from config.json `cfg` of architecture `arch` (`where` names the file
     in errors); KeyError for a required field left out (read_model_args names it)."""
+    if arch == "Qwen3_5MoeForCausalLM" and "intermediate_size" not in cfg:
+        # no dense MLP: the block's dense width is its shared expert's
+        cfg = {**cfg, "intermediate_size": cfg.get("shared_expert_intermediate_size", 512)}
     fields = _common_fields(arch, cfg, where)
     family = models.FAMILIES[arch]
     if family is models.qwen3:
@@ -32,6 +35,9 @@ def model_fields(arch: str, cfg: dict, where: Path) -> dict[str, Any]:
         fields.update(_gpt_oss_fields(cfg, where, fields["num_layers"]))
     elif family is models.qwen3_5:
         fields.update(_qwen3_5_fields(cfg, where, fields["num_layers"]))
+    elif family is models.qwen3_5_moe:
+        fields.update(_qwen3_5_fields(cfg, where, fields["num_layers"]))
+        fields.update(_qwen3_5_moe_fields(cfg, where))
     elif family is models.gemma4:
         fields.update(_gemma4_fields(cfg, where, fields))
     else:
@@ -460,6 +466,26 @@ def _qwen3_5_fields(cfg: dict, where: Path, num_layers: int) -> dict[str, Any]:
         linear_key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
         linear_value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
         linear_conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+    )
+
+
+def _qwen3_5_moe_fields(cfg: dict, where: Path) -> dict[str, Any]:
+    """Qwen3.5 / Qwen3.6 MoE's experts (models/qwen3_5_moe.py); transformers' defaults (the
+    35B-A3B's) for what is left out."""
+    experts, k = int(cfg.get("num_experts", 256)), int(cfg.get("num_experts_per_tok", 8))
+    if not 1 <= k <= experts:
+        raise ModelError(
+            f"{where}: num_experts={experts} with num_experts_per_tok={k}: need 1 ≤ "
+            "num_experts_per_tok ≤ num_experts"
+        )
+    return dict(
+        num_experts=experts,
+        experts_per_token=k,
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size", 512)),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 512)),
+        router_aux_coef=float(cfg.get("router_aux_loss_coef", 0.001))
+        if cfg.get("output_router_logits")
+        else 0.0,
     )
 
 

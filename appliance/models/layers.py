@@ -75,6 +75,7 @@ class ModelArgs:
     num_experts: int = 0
     experts_per_token: int = 0  # top-k
     moe_intermediate_size: int = 0  # one expert's MLP width
+    shared_expert_intermediate_size: int = 0  # the shared expert's width (0: none; moe.py)
     norm_topk_prob: bool = False  # renormalise the top-k probabilities to sum to 1
     router_aux_coef: float = 0.0  # the load-balancing loss's weight (0: not added)
     clip_qkv: float | None = None  # q, k, v clamped to ±clip_qkv (OLMoE)
@@ -143,6 +144,10 @@ class ModelArgs:
             # one expert's share of a MoE block's fused expert tensors (models/moe.py)
             "mlp.experts.gate_up_proj": (2 * self.moe_intermediate_size, C),
             "mlp.experts.down_proj": (C, self.moe_intermediate_size),
+            # the shared expert beside the routed ones (Qwen3.5-MoE, Qwen2-MoE: moe.py)
+            "mlp.shared_expert.gate_proj": (self.shared_expert_intermediate_size, C),
+            "mlp.shared_expert.up_proj": (self.shared_expert_intermediate_size, C),
+            "mlp.shared_expert.down_proj": (C, self.shared_expert_intermediate_size),
             # Gemma 4's per-layer embeddings
             "per_layer_input_gate": (self.per_layer_dim, C),
             "per_layer_projection": (C, self.per_layer_dim),

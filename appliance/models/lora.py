@@ -194,7 +194,7 @@ def adapter_config(
     matches the language model's projections only (the vision tower has modules of those names).
     `base_model` is a Hub id (with the snapshot's commit as `revision`) for a model from the
     Hugging Face cache, as PEFT writes it for a model loaded by id, or the model's path."""
-    names = sorted(m.split(".")[-1] for m in spec.modules if m not in EXPERT_MODULES)
+    names = sorted(peft_name(m) for m in spec.modules if m not in EXPERT_MODULES)
     targets = multimodal.target_pattern(names) if args.language_model_of else names
     experts = sorted(m for m in spec.modules if m in EXPERT_MODULES)
     return {
@@ -217,7 +217,20 @@ def adapter_config(
     }
 
 
-_MODULE_BY_NAME = {m.split(".")[-1]: t for t, m in TARGETS.items() if t != "experts"}
+def peft_name(module: str) -> str:
+    """The name `target_modules` gives a module: its own (`q_proj`), or with its parent where
+    the own name is another target's too (`shared_expert.gate_proj`, not the MLP's `gate_proj`)."""
+    return module.removeprefix("mlp.") if ".shared_expert." in f".{module}" else module.split(".")[-1]
+
+
+_MODULE_BY_NAME = {peft_name(m): t for t, m in TARGETS.items() if t != "experts"}
+
+
+def _target_of(name: str) -> str | None:
+    """The target short name a `target_modules` entry names (PEFT matches by suffix), preferring
+    the longest match (`mlp.shared_expert.gate_proj`: shared_gate, not gate); None: no target."""
+    hits = [k for k in _MODULE_BY_NAME if name == k or name.endswith("." + k)]
+    return _MODULE_BY_NAME[max(hits, key=len)] if hits else None
 MERGE_FIRST = "merge the adapter into its base model with PEFT first (merge_and_unload)"
 
 
@@ -250,7 +263,7 @@ def _check_every_block(path: Path, names: list[str], args: ModelArgs) -> None:
     covered: dict[str, set[int]] = {}
     outside = []
     for name in names:
-        module = TARGETS[_MODULE_BY_NAME[name.split(".")[-1]]]
+        module = TARGETS[_target_of(name)]
         keys = {i: f"{layers}.{i}.{module}" for i in blocks}
         hit = {i for i, key in keys.items() if key == name or key.endswith("." + name)}
         covered.setdefault(module, set()).update(hit)
@@ -295,7 +308,7 @@ def read_spec(adapter_dir: str | Path, args: ModelArgs | None = None) -> LoraSpe
                 "names, or the language-model pattern appliance train writes)"
             )
     # PEFT matches by suffix: `q_proj`, `self_attn.q_proj`, `model.layers.0.self_attn.q_proj`
-    unknown = [n for n in names if n.split(".")[-1] not in _MODULE_BY_NAME]
+    unknown = [n for n in names if _target_of(n) is None]
     if unknown:
         raise ModelError(
             f"{path}: target modules {_some(unknown)} are not supported (supported: "
@@ -303,10 +316,8 @@ def read_spec(adapter_dir: str | Path, args: ModelArgs | None = None) -> LoraSpe
         )
     if args is not None:
         _check_every_block(path, names, args)
-    projections = {n.split(".")[-1] for n in names}
-    targets = tuple(
-        t for t in TARGETS if t != "experts" and TARGETS[t].split(".")[-1] in projections
-    )
+    named = {_target_of(n) for n in names}
+    targets = tuple(t for t in TARGETS if t in named)
     parameters = cfg.get("target_parameters") or []
     if parameters:
         if sorted(parameters) != sorted(EXPERT_MODULES):

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from appliance.models import layers
+
 
 @dataclass(frozen=True)
 class Routing:
@@ -218,6 +220,37 @@ def experts_used(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     streaming: the others need not be on the device)."""
     index = torch.topk(logits, top_k, dim=-1).indices
     return torch.bincount(index.reshape(-1), minlength=logits.shape[-1]) > 0
+
+
+# ---------------------------------------------------------------- the shared expert
+
+#: the shared expert's linear modules (LoRA targets shared_gate, shared_up, shared_down) and
+#: its gate, as Qwen2-MoE and Qwen3.5-MoE checkpoints name them
+SHARED = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")
+SHARED_GATE = "mlp.shared_expert_gate.weight"  # (1, C)
+
+
+def shared_shapes(args) -> dict[str, tuple[int, ...]]:
+    """The shared expert's tensors with their shapes (ModelArgs `args`)."""
+    out = {f"{m}.weight": args.module_shape(m) for m in SHARED}
+    out[SHARED_GATE] = (1, args.hidden_size)
+    return out
+
+
+def shared_expert(
+    x: torch.Tensor, w: dict[str, torch.Tensor], lora: layers.LoraContext | None
+) -> torch.Tensor:
+    """The shared expert on rows x (N, C) (Qwen2-MoE, Qwen3.5-MoE): a dense SwiGLU MLP that
+    every row goes through, beside the routed experts, scaled per row by a sigmoid gate:
+
+        sigmoid(x · shared_expert_gateᵀ) · down(silu(gate(x)) · up(x))
+
+    Its three linears are ordinary modules (LoRA adapts them as any projection); the gate is a
+    (1, C) linear that PEFT's targets do not name. The caller adds this to the routed experts'
+    output (transformers' Qwen2MoeSparseMoeBlock / Qwen3_5MoeSparseMoeBlock)."""
+    gate, up, down = SHARED
+    h = layers.silu_mul(layers.linear(x, w, gate, lora), layers.linear(x, w, up, lora))
+    return torch.sigmoid(F.linear(x, w[SHARED_GATE])) * layers.linear(h, w, down, lora)
 
 
 # ---------------------------------------------------------------- load balancing

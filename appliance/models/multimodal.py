@@ -103,6 +103,33 @@ TEXT_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             tie_word_embeddings=False,
         ),
     ),
+    "Qwen3_5MoeForConditionalGeneration": (
+        "Qwen3_5MoeForCausalLM",
+        dict(
+            vocab_size=248320,
+            hidden_size=2048,
+            num_hidden_layers=40,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=256,
+            hidden_act="silu",
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            rope_theta=1e4,
+            attention_bias=False,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            num_experts=256,
+            num_experts_per_tok=8,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            router_aux_loss_coef=0.001,
+            tie_word_embeddings=False,
+        ),
+    ),
     "Gemma4ForConditionalGeneration": (
         "Gemma4ForCausalLM",
         dict(
@@ -189,5 +216,5 @@ def target_pattern(module_names: Iterable[str]) -> str:
 
 def names_of_pattern(pattern: str) -> list[str] | None:
     """The projection names of a `target_pattern` (None: some other pattern)."""
-    m = re.fullmatch(r"\.\*language_model\.\*\\\.\(([A-Za-z0-9_|]+)\)", pattern)
-    return m.group(1).split("|") if m else None
+    m = re.fullmatch(r"\.\*language_model\.\*\\\.\(((?:[A-Za-z0-9_|]|\\\.)+)\)", pattern)
+    return m.group(1).replace("\\.", ".").split("|") if m else None

@@ -40,17 +40,23 @@ def linears(args: layers.ModelArgs, layer: int) -> tuple[str, ...]:
     return (gated_deltanet.LINEARS if is_linear(args, layer) else FULL) + MLP
 
 
-def block_shapes(args: layers.ModelArgs, layer: int) -> dict[str, tuple[int, ...]]:
-    """Block `layer`'s tensors (names under the block) with the shapes config.json implies."""
+def mixer_shapes(args: layers.ModelArgs, layer: int) -> dict[str, tuple[int, ...]]:
+    """The norms and the mixer's tensors of block `layer` (Gated DeltaNet or full attention):
+    what the dense and the MoE blocks share."""
     out: dict[str, tuple[int, ...]] = {f"{n}.weight": (args.hidden_size,) for n in NORMS}
     if is_linear(args, layer):
         out.update(gated_deltanet.shapes(args))
     else:
         out["self_attn.q_norm.weight"] = (args.head_dim,)
         out["self_attn.k_norm.weight"] = (args.head_dim,)
-    for module in linears(args, layer):
-        out[f"{module}.weight"] = args.module_shape(module)
+    mixer = gated_deltanet.LINEARS if is_linear(args, layer) else FULL
+    out.update({f"{m}.weight": args.module_shape(m) for m in mixer})
     return out
+
+
+def block_shapes(args: layers.ModelArgs, layer: int) -> dict[str, tuple[int, ...]]:
+    """Block `layer`'s tensors (names under the block) with the shapes config.json implies."""
+    return {**mixer_shapes(args, layer), **{f"{m}.weight": args.module_shape(m) for m in MLP}}
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, args: layers.ModelArgs) -> torch.Tensor:
@@ -90,10 +96,22 @@ def block_forward(
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(B·T, C) → (B·T, C)."""
+    x = x + mixer(x, w, args, layer, cos, sin, lora, mask)
+    return x + layers.mlp(norm(x, w["post_attention_layernorm.weight"], args), w, lora)
+
+
+def mixer(
+    x: torch.Tensor,
+    w: dict[str, torch.Tensor],
+    args: layers.ModelArgs,
+    layer: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    lora: layers.LoraContext | None,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """The block's first half before the residual add: its mixer on the normed input."""
     h = norm(x, w["input_layernorm.weight"], args)
     if is_linear(args, layer):
-        h = gated_deltanet.linear_attention(h, w, args, lora, cos.shape[-2], mask)
-    else:
-        h = gated_attention(h, w, args, cos, sin, lora, mask)
-    x = x + h
-    return x + layers.mlp(norm(x, w["post_attention_layernorm.weight"], args), w, lora)
+        return gated_deltanet.linear_attention(h, w, args, lora, cos.shape[-2], mask)
+    return gated_attention(h, w, args, cos, sin, lora, mask)

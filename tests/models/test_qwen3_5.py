@@ -191,12 +191,11 @@ def test_the_image_text_checkpoint_trains_its_language_model_and_names_what_it_s
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(architectures=["Qwen3_5MoeForCausalLM"], num_experts=8),
-         "architecture ['Qwen3_5MoeForCausalLM'] is a mixture-of-experts model whose routing is "
+        (dict(architectures=["Qwen3NextForCausalLM"], num_experts=8),
+         "architecture ['Qwen3NextForCausalLM'] is a mixture-of-experts model whose routing is "
          "not implemented; supported mixture-of-experts models: Qwen3MoeForCausalLM"),
-        (dict(architectures=["Qwen3_5MoeForConditionalGeneration"], vision_config={},
-              text_config={"num_experts": 8}),
-         "architecture ['Qwen3_5MoeForConditionalGeneration'] is a mixture-of-experts model"),
+        (dict(architectures=["Qwen3_5MoeForCausalLM"], num_experts=4, num_experts_per_tok=5),
+         "num_experts=4 with num_experts_per_tok=5: need 1 ≤ num_experts_per_tok ≤ num_experts"),
         (dict(layer_types=["linear_attention", "sliding_attention", "full_attention"]),
          "layer_types must list 3 of linear_attention, full_attention (found 3, e.g. "
          "'sliding_attention')"),

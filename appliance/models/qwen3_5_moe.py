@@ -1,0 +1,76 @@
+"""Qwen3.5 / Qwen3.6 MoE (Qwen3_5MoeForCausalLM, and the language model of
+Qwen3_5MoeForConditionalGeneration): the hybrid blocks of Qwen3.5 dense (models/qwen3_5.py:
+Gated DeltaNet or gated full attention, per `layer_types`), each followed by a sparse MoE MLP
+with a shared expert instead of the dense MLP (transformers' Qwen3_5MoeSparseMoeBlock):
+
+    y = routed experts(h) + sigmoid(h · shared_expert_gateᵀ) · shared_expert(h)
+
+Routing: softmax over the experts (fp32), top k, always renormalised, cast back (moe.Routing).
+Every block is sparse. Checkpoints store each expert apart, as Qwen3-MoE's
+(`mlp.experts.{j}.gate_proj.weight`, router `mlp.gate.weight`), the shared expert as a plain
+MLP (`mlp.shared_expert.{gate,up,down}_proj.weight`) and its gate `mlp.shared_expert_gate.weight`
+(1, C). LoRA: the attention's and the linear attention's projections by default (the Llama
+defaults mean these here), the shared expert's linears as ordinary targets (shared_gate,
+shared_up, shared_down: PEFT's `gate_proj`, `up_proj`, `down_proj` match only those in this
+model), the routed experts with `experts` (PEFT's target_parameters), the router and the shared
+gate never.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from appliance.models import gated_deltanet, layers, moe, qwen3_5
+
+MOE = True
+NORMS = qwen3_5.NORMS
+LINEARS = qwen3_5.FULL + gated_deltanet.LINEARS + moe.SHARED  # every linear some block has
+_MIXER = ("q", "k", "v", "o", *gated_deltanet.TARGET_MODULES)
+TARGETS = (*_MIXER, "shared_gate", "shared_up", "shared_down", "experts")
+DEFAULT_TARGETS = _MIXER  # what --lora-targets' Llama defaults mean here: both mixers
+
+LAYOUT = moe.Layout(
+    "mlp.gate.weight",
+    "mlp.experts.{}.gate_proj.weight",
+    "mlp.experts.{}.up_proj.weight",
+    "mlp.experts.{}.down_proj.weight",
+)
+
+
+def layout(args: layers.ModelArgs) -> moe.Layout:
+    return LAYOUT
+
+
+def routing(args: layers.ModelArgs) -> moe.Routing:
+    return moe.Routing(args.experts_per_token, renormalize=True)
+
+
+def linears(args: layers.ModelArgs, layer: int) -> tuple[str, ...]:
+    """Block `layer`'s linear modules, in the order it calls them."""
+    mixer = gated_deltanet.LINEARS if qwen3_5.is_linear(args, layer) else qwen3_5.FULL
+    return mixer + moe.SHARED
+
+
+def block_shapes(args: layers.ModelArgs, layer: int) -> dict[str, tuple[int, ...]]:
+    """Block `layer`'s tensors: norms and mixer (as Qwen3.5 dense), the shared expert and its
+    gate, then the router and the experts."""
+    return {**qwen3_5.mixer_shapes(args, layer), **moe.shared_shapes(args),
+            **LAYOUT.shapes(args)}  # fmt: skip
+
+
+def block_forward(
+    x: torch.Tensor,
+    w: dict[str, torch.Tensor],
+    args: layers.ModelArgs,
+    layer: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    lora: layers.LoraContext | None,
+    mask: torch.Tensor | None = None,
+    router_logits: list | None = None,
+) -> torch.Tensor:
+    """(B·T, C) → (B·T, C); the router's logits (B·T, E) appended to `router_logits` if given."""
+    x = x + qwen3_5.mixer(x, w, args, layer, cos, sin, lora, mask)
+    h = qwen3_5.norm(x, w["post_attention_layernorm.weight"], args)
+    routed = moe.split_moe_mlp(h, w, LAYOUT, args, routing(args), lora, router_logits)
+    return x + (routed + moe.shared_expert(h, w, lora))

@@ -1,0 +1,119 @@
+"""The hybrid mixture-of-experts families: Qwen3.5 / Qwen3.6 MoE (models/qwen3_5_moe.py: Gated
+DeltaNet and gated full attention, routed experts and a shared expert, moe.shared_expert). The
+streamed step equals transformers + PEFT (fp32, 1e-5 relative): loss with the load-balancing
+loss, every LoRA gradient (both mixers, the shared expert, the routed experts), unpacked and
+packed; a trained adapter loads in PEFT and exports."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from appliance import models
+from appliance.engine.blocks import DictBlockSource
+from appliance.engine.step import StreamedEngine
+from appliance.models import gated_deltanet, moe
+from appliance.models.hf_checkpoint import SafetensorsCheckpoint, expected_shapes, read_model_args
+from appliance.models.lora import LoraSpec, adapter_config, read_spec
+from tests.engine.test_engine_parity import RTOL, assert_gradients_match, peft_reference
+from tests.helpers_model import batch, lora_with_random_b, make_model, rel_err
+from tests.models.test_moe import moe_reference_loss, packed_rows
+from tests.models.test_qwen3_5 import assert_round_trip
+
+SHARED = ("shared_gate", "shared_up", "shared_down")
+# every target a Qwen3.5-MoE block has
+EVERYTHING = LoraSpec(
+    rank=2,
+    alpha=4.0,
+    targets=("q", "k", "v", "o", *gated_deltanet.TARGET_MODULES, *SHARED, "experts"),
+)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_moe(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("q35moe") / "model", "qwen3_5-moe")
+
+
+def test_qwen3_5_moe_loss_and_every_lora_gradient_match_transformers_with_peft(
+    qwen3_5_moe, tmp_path
+):
+    """Two micro-batches, the load-balancing loss on, LoRA on every target: the full and linear
+    attention's projections, the shared expert's linears and the routed experts' tensors."""
+    headers = SafetensorsCheckpoint(qwen3_5_moe).headers()
+    assert expected_shapes(read_model_args(qwen3_5_moe)) == {
+        name: shape for name, (shape, _) in headers.items()
+    }
+    source = DictBlockSource.from_hf(qwen3_5_moe, torch.float32)
+    lora = lora_with_random_b(source.args, EVERYTHING)
+    assert set(lora.blocks[0]) == {*gated_deltanet.LINEARS, *moe.SHARED, moe.GATE_UP, moe.DOWN}
+    ref = peft_reference(qwen3_5_moe, lora, tmp_path)
+    ids, labels = batch(4, 24, seed=2)
+    engine = StreamedEngine(source, lora, grad_clip=None)
+    loss, _, _ = engine.forward_backward([(ids[:2], labels[:2]), (ids[2:], labels[2:])], step=0)
+    ref_loss = moe_reference_loss(ref, ids, labels)
+    ref_loss.backward()
+    assert rel_err(torch.tensor(loss), ref_loss) < RTOL
+    assert_gradients_match(lora, ref)
+
+
+def test_qwen3_5_moe_packed_documents_equal_them_one_by_one(tmp_path):
+    """Packed documents through the hybrid MoE blocks (no state of the conv, the recurrence or
+    attention crosses a document) equal each document alone, shared and routed experts adapted.
+    (The load-balancing loss is off: a statistic of the whole batch, as in test_moe.py.)"""
+    model_dir = make_model(
+        tmp_path / "model", "qwen3_5-moe", with_tokenizer=False, output_router_logits=False
+    )
+    source = DictBlockSource.from_hf(model_dir, torch.float32)
+    lora = lora_with_random_b(source.args, EVERYTHING)
+    ref = peft_reference(model_dir, lora, tmp_path)
+    packed, alone = packed_rows()
+    loss, n_target, _ = StreamedEngine(source, lora, grad_clip=None).forward_backward(packed, 0)
+    ref_loss = sum(moe_reference_loss(ref, ids, lab) * (lab != -100).sum() for ids, lab in alone)
+    ref_loss = ref_loss / n_target
+    ref_loss.backward()
+    assert rel_err(torch.tensor(loss), ref_loss) < RTOL
+    assert_gradients_match(lora, ref)
+
+
+def test_qwen3_5_moe_train_then_peft_load_then_export_round_trip(qwen3_5_moe, tmp_path):
+    assert_round_trip(qwen3_5_moe, EVERYTHING, tmp_path, seq_len=24)
+
+
+def test_the_qwen3_5_moe_targets_by_default_and_in_the_adapter_file(qwen3_5_moe):
+    """The Llama default targets mean both mixers' projections (not the experts); the shared
+    expert's linears are named with their parent in target_modules (PEFT's `gate_proj` alone
+    would be the dense MLP's name), and read back as the same targets."""
+    args = read_model_args(qwen3_5_moe)
+    default = models.resolve_targets(args, ("q", "k", "v", "o", "gate", "up", "down"))
+    assert default == ("q", "k", "v", "o", *gated_deltanet.TARGET_MODULES)
+    cfg = adapter_config(EVERYTHING, args)
+    assert {"shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"} <= set(
+        cfg["target_modules"]
+    )
+    assert "gate_proj" not in cfg["target_modules"]
+    assert cfg["target_parameters"] == sorted((moe.GATE_UP, moe.DOWN))
+
+
+def test_the_qwen3_5_moe_image_text_checkpoint_trains_its_language_model(tmp_path):
+    """Qwen3_5MoeForConditionalGeneration: the language model's logits (shared expert and
+    experts adapted) equal transformers + peft on the whole image-text model."""
+    model_dir = make_model(tmp_path / "model", "qwen3_5-moe-vlm", with_tokenizer=False)
+    args = read_model_args(model_dir)
+    assert (args.architecture, args.language_model_of) == (
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeForConditionalGeneration",
+    )
+    source = DictBlockSource.from_hf(model_dir, torch.float32)
+    lora = lora_with_random_b(source.args, EVERYTHING)
+    assert read_spec(_saved(lora, tmp_path), args).targets == lora.spec.targets
+    ids, _ = batch(2, 20)
+    ours = StreamedEngine(source, lora).logits(ids)
+    ref = peft_reference(model_dir, lora, tmp_path)
+    with torch.no_grad():
+        theirs = ref(input_ids=ids).logits.float()
+    assert rel_err(ours, theirs) < RTOL
+
+
+def _saved(lora, tmp_path):
+    lora.save(tmp_path / "adapter")
+    return tmp_path / "adapter"
