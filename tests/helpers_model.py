@@ -92,6 +92,26 @@ GEMMA4_PLE_KV_SHARED = dict(
     final_logit_softcapping=5.0,
 )  # fmt: skip
 
+# Gemma 4's MoE block (26B-A4B): sliding (head 16) and full layers (head 32, values = keys),
+# each block's dense MLP beside top-2 of 6 experts; no per-layer embeddings, no KV sharing, as
+# released
+GEMMA4_MOE = dict(
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    sliding_window=8,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    hidden_size_per_layer_input=0,
+    num_kv_shared_layers=0,
+    enable_moe_block=True,
+    num_experts=6,
+    top_k_experts=2,
+    moe_intermediate_size=24,
+    final_logit_softcapping=5.0,
+)
+
 VARIANTS: dict[str, tuple[str, dict]] = {
     "llama-mha": ("LlamaForCausalLM", dict(rope_theta=10000.0)),
     "llama-gqa-rope3-tied": (
@@ -197,6 +217,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # the language model of Gemma 4's image-text checkpoint (vision tower beside it)
     "gemma4-vlm": ("Gemma4ForConditionalGeneration", GEMMA4_PLE_KV_SHARED),
     "qwen3_5-moe": ("Qwen3_5MoeForCausalLM", QWEN3_5_MOE),
+    "gemma4-moe": ("Gemma4ForCausalLM", GEMMA4_MOE),
     # the language model of Qwen3.5-MoE's image-text checkpoint (its vision tower beside it)
     "qwen3_5-moe-vlm": ("Qwen3_5MoeForConditionalGeneration", QWEN3_5_MOE),
 }  # fmt: skip
@@ -242,8 +263,14 @@ _CONFIGS = {
     "Qwen3_5MoeForCausalLM": transformers.Qwen3_5MoeTextConfig,
     "Qwen3_5MoeForConditionalGeneration": _multimodal(
         transformers.Qwen3_5MoeConfig,
-        dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-             patch_size=14),
+        dict(
+            depth=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=14,
+        ),
         tie_word_embeddings=False,
     ),  # fmt: skip
     "Qwen3_5ForConditionalGeneration": _multimodal(
@@ -288,6 +315,10 @@ def make_model(
                 p.add_(torch.randn_like(p) * 0.1)
             if name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # decisive routing
                 p.mul_(10.0)
+            if name.endswith("router.proj.weight"):  # Gemma 4's: its input is scaled by C^-1/2
+                p.mul_(50.0)
+            if name.endswith(("router.scale", "router.per_expert_scale")):  # not all ones
+                p.add_(torch.randn_like(p) * 0.1)
             if arch.startswith("Gemma4") and name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.mul_(0.5)  # Gemma 4's unscaled scores: as 1/sqrt(head size) would (below)
             if name.endswith("A_log"):  # Gated DeltaNet: decays that keep some state (below)

@@ -173,13 +173,14 @@ def _merge_experts(tensors: dict[str, torch.Tensor], lora: LoraWeights, i: int, 
     """Fold LoRA on block i's experts (PEFT's layout for the fused tensors: moe.expert_lora)
     into the experts' weights as the checkpoint stores them: apart (gate_up's update's first I
     rows into the gate weight, the others into the up weight; down's into the down weight),
-    or fused and transposed (gpt-oss). Returns 1 when the block's experts are among `tensors`,
+    or fused: transposed (gpt-oss, (E, in, out)) or not (Gemma 4, (E, out, in)). Returns 1 when the block's experts are among `tensors`,
     else 0."""
     args = lora.args
     layout = expert_layout(args)
     A, B = (p.detach().float().cpu() for p in lora.blocks[i][module])
     prefix = f"model.layers.{i}."
-    if layout is None:  # fused as the files store them (gpt-oss: (E, in, out), transposed)
+    if layout is None:  # fused as the files store them
+        transposed = module in (moe.GATE_UP, moe.DOWN)  # gpt-oss's; Gemma 4's are not
         name = prefix + module
         if name not in tensors:
             return 0
@@ -187,7 +188,8 @@ def _merge_experts(tensors: dict[str, torch.Tensor], lora: LoraWeights, i: int, 
         merged = W.float()
         for j in range(args.num_experts):
             Bj, Aj = moe.expert_lora((A, B), j, args.num_experts)
-            merged[j] += ((Bj @ Aj) * lora.spec.scale).T
+            delta = (Bj @ Aj) * lora.spec.scale  # (out, in)
+            merged[j] += delta.T if transposed else delta
         tensors[name] = merged.to(W.dtype)
         return 1
     if prefix + layout.down.format(0) not in tensors:

@@ -81,7 +81,15 @@ TARGETS = {
     **{f"shared_{m.split('.')[-1].removesuffix('_proj')}": m for m in moe.SHARED},
 }
 #: what LoRA on "experts" adapts: the experts' fused tensors, as PEFT's `target_parameters`
-EXPERT_MODULES = (moe.GATE_UP, moe.DOWN)
+#: (`mlp.experts.*` in most families, Gemma 4's `experts.*`: `expert_modules` says which)
+EXPERT_MODULES = (moe.GATE_UP, moe.DOWN, *gemma4.EXPERT_MODULES)
+
+
+def expert_modules(args: layers.ModelArgs) -> tuple[str, ...]:
+    """The expert tensors LoRA on "experts" adapts in this model (none in a dense one)."""
+    if not args.num_experts:
+        return ()
+    return getattr(family(args), "EXPERT_MODULES", (moe.GATE_UP, moe.DOWN))
 
 
 def lora_modules(targets: tuple[str, ...]) -> list[str]:
@@ -311,6 +319,10 @@ def resolve_targets(args: layers.ModelArgs, targets: tuple[str, ...]) -> tuple[s
     some parts is refused: the parts cannot be adapted apart.
     """
     fam = family(args)
+    if "experts" in targets and not args.num_experts:
+        raise ConfigError(
+            f"--lora-targets experts: {args.architecture} here has no experts (a dense model)"
+        )
     if hasattr(fam, "DEFAULT_TARGETS") and set(targets) == set(layers.TARGET_MODULES):
         return fam.DEFAULT_TARGETS  # the Llama defaults: a MoE block's attention (qwen3_moe)
     fused = getattr(fam, "FUSED", {})
@@ -363,6 +375,15 @@ def active_block_param_count(args: layers.ModelArgs) -> int:
         return total
     expert = 3 * args.hidden_size * args.moe_intermediate_size  # gate, up, down
     return total - (args.num_experts - args.experts_per_token) * expert
+
+
+def active_blocks_param_count(args: layers.ModelArgs) -> int:
+    """Parameters one token meets over all the blocks (`active_block_param_count` summed over
+    blocks that differ by kind: Qwen3.5-MoE's linear and full attention)."""
+    if not args.num_experts:
+        return blocks_param_count(args)
+    idle = (args.num_experts - args.experts_per_token) * 3 * args.hidden_size
+    return blocks_param_count(args) - args.num_layers * idle * args.moe_intermediate_size
 
 
 def param_count(args: layers.ModelArgs) -> int:

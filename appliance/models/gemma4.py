@@ -18,7 +18,18 @@
 - Each block's output is scaled by its `layer_scalar`; KV-shared blocks may have a double-wide
   MLP (use_double_wide_mlp).
 
-The MoE block (enable_moe_block) is refused by name (models/hf_checkpoint.py).
+- The MoE block (26B-A4B: enable_moe_block): every block keeps its dense MLP and adds routed
+  experts beside it, on the same input x (the residual stream after attention):
+
+      mlp = post_ff_1(MLP(pre_ff(x))) + post_ff_2(experts(pre_ff_2(x)))
+
+  then post_feedforward_layernorm and the residual add as in the dense block. The router
+  (`router.*`) reads x through an RMSNorm without weight, times `router.scale` and C^-1/2;
+  softmax over the experts (fp32), top k, renormalised, each weight times its expert's
+  `router.per_expert_scale`. The experts are fused as the files store them and transformers
+  holds them (`experts.gate_up_proj` (E, 2I, C), `experts.down_proj` (E, C, I)), with GELU
+  (tanh) gating; LoRA on them is PEFT's target_parameters (`experts.gate_up_proj`,
+  `experts.down_proj`). No load-balancing loss (transformers' Gemma 4 adds none).
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from appliance.models import gemma, layers
+from appliance.models import gemma, layers, moe
 from appliance.models.attention import rotate
 
 NORMS = gemma.NORMS
@@ -34,7 +45,7 @@ ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_a
 MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 PER_LAYER = ("per_layer_input_gate", "per_layer_projection")
 LINEARS = ATTENTION + MLP + PER_LAYER  # in the order a block calls them
-TARGETS = tuple(layers.TARGET_MODULES)
+TARGETS = (*layers.TARGET_MODULES, "experts")  # experts: the MoE block's
 # the model's tensors outside the blocks that PLE adds
 PER_LAYER_TABLE = "model.embed_tokens_per_layer.weight"
 PER_LAYER_GLOBALS = (
@@ -42,6 +53,14 @@ PER_LAYER_GLOBALS = (
     "model.per_layer_model_projection.weight",
     "model.per_layer_projection_norm.weight",
 )
+
+
+# the MoE block (enable_moe_block)
+ROUTER, ROUTER_SCALE, EXPERT_SCALE = "router.proj.weight", "router.scale", "router.per_expert_scale"
+GATE_UP, DOWN = "experts.gate_up_proj", "experts.down_proj"  # also their LoRA modules' names
+EXPERT_MODULES = (GATE_UP, DOWN)
+MOE_NORMS = ("post_feedforward_layernorm_1", "pre_feedforward_layernorm_2",
+             "post_feedforward_layernorm_2")  # fmt: skip
 
 
 def linears(args: layers.ModelArgs, layer: int) -> tuple[str, ...]:
@@ -71,6 +90,11 @@ def block_shapes(args: layers.ModelArgs, layer: int) -> dict[str, tuple[int, ...
     out["layer_scalar"] = (1,)
     for module in linears(args, layer):
         out[f"{module}.weight"] = args.module_shape(module, layer)
+    if args.num_experts:
+        E, width = args.num_experts, args.moe_intermediate_size
+        out.update({f"{n}.weight": (C,) for n in MOE_NORMS})
+        out.update({ROUTER: (E, C), ROUTER_SCALE: (C,), EXPERT_SCALE: (E,)})
+        out.update({GATE_UP: (E, 2 * width, C), DOWN: (E, C, width)})
     return out
 
 
@@ -197,6 +221,45 @@ def attention(
     return layers.linear(layers.merge_heads(y, x), w, "self_attn.o_proj", lora)
 
 
+class Experts(moe.Experts):
+    """A MoE block's experts as stored (E, 2I, C) and (E, C, I), GELU (tanh) gated; LoRA on
+    them (PEFT's layout for a 3-D parameter) merged into each expert's weight before its
+    matmul, as PEFT does."""
+
+    def __init__(self, w: dict[str, torch.Tensor], lora: layers.LoraContext | None):
+        self.gate_up_w, self.down_w, self.num = w[GATE_UP], w[DOWN], w[GATE_UP].shape[0]
+        weights = lora.weights if lora is not None else {}
+        self.lora = {m: weights.get(m) for m in EXPERT_MODULES}
+        self.scale = lora.scale if lora is not None else 1.0
+
+    def _weight(self, W: torch.Tensor, module: str, j: int) -> torch.Tensor:
+        if self.lora[module] is None:
+            return W[j]
+        B, A = moe.expert_lora(self.lora[module], j, self.num)
+        return torch.addmm(W[j], B, A, alpha=self.scale)
+
+    def forward(self, j: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self._weight(self.gate_up_w, GATE_UP, j)).chunk(2, dim=-1)
+        h = F.gelu(gate, approximate="tanh") * up
+        return F.linear(h, self._weight(self.down_w, DOWN, j))
+
+
+def experts_mlp(
+    x: torch.Tensor, w: dict[str, torch.Tensor], args: layers.ModelArgs, lora
+) -> torch.Tensor:
+    """The MoE block's routed half on the residual rows x (N, C), normed after the experts
+    (post_feedforward_layernorm_2): see the module docstring."""
+    eps, C = args.rms_norm_eps, args.hidden_size
+    h = norm(x, None, eps) * w[ROUTER_SCALE] * C**-0.5
+    logits = F.linear(h, w[ROUTER])
+    routing = moe.Routing(args.experts_per_token, renormalize=True, cast=False)
+    weights, index = moe.route(logits, routing)
+    weights = weights * w[EXPERT_SCALE][index]
+    h = norm(x, w["pre_feedforward_layernorm_2.weight"], eps)
+    y = moe.experts_forward(h, weights, index, Experts(w, lora))
+    return norm(y, w["post_feedforward_layernorm_2.weight"], eps)
+
+
 def block_forward(
     x: torch.Tensor,
     w: dict[str, torch.Tensor],
@@ -207,15 +270,19 @@ def block_forward(
     lora: layers.LoraContext | None,
     mask: torch.Tensor | None = None,
     state: BlockState | None = None,
+    router_logits: list | None = None,
 ) -> torch.Tensor:
     """(B·T, C) → (B·T, C). `state`: the micro-batch's BlockState (per-layer inputs, shared
-    K/V); needed where the model has either."""
+    K/V); needed where the model has either. (`router_logits`: unused, Gemma 4 has no
+    load-balancing loss.)"""
     eps = args.rms_norm_eps
     h = attention(
         norm(x, w["input_layernorm.weight"], eps), w, args, layer, cos, sin, lora, mask, state
     )
     x = x + norm(h, w["post_attention_layernorm.weight"], eps)
     h = gemma.mlp(norm(x, w["pre_feedforward_layernorm.weight"], eps), w, lora)
+    if args.num_experts:
+        h = norm(h, w["post_feedforward_layernorm_1.weight"], eps) + experts_mlp(x, w, args, lora)
     x = x + norm(h, w["post_feedforward_layernorm.weight"], eps)
     if args.per_layer_dim:
         gate = F.gelu(layers.linear(x, w, "per_layer_input_gate", lora), approximate="tanh")

@@ -98,11 +98,6 @@ def _refusal(arch: str, cfg: dict) -> str | None:
     """Why a known kind of model cannot run here (None: no specific reason)."""
     experts = ("num_experts", "num_local_experts", "n_routed_experts")
     text = cfg.get("text_config") or {}
-    if cfg.get("enable_moe_block") or text.get("enable_moe_block"):
-        return (
-            "is a mixture-of-experts model (Gemma 4's MoE block, not implemented yet); the "
-            "dense Gemma 4 models are supported"
-        )
     moe = any(cfg.get(k) or text.get(k) for k in experts) or "Moe" in arch or "Mixtral" in arch
     if moe and arch not in SUPPORTED_ARCHITECTURES:  # (checked before the vision tower)
         return (

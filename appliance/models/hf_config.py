@@ -490,8 +490,7 @@ def _qwen3_5_moe_fields(cfg: dict, where: Path) -> dict[str, Any]:
 
 
 def _gemma4_fields(cfg: dict, where: Path, common: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 4 dense (text; models/gemma4.py). The MoE block is refused before this
-    (hf_checkpoint._refusal)."""
+    """Gemma 4 (text; models/gemma4.py), dense or with the MoE block (enable_moe_block)."""
     key = "hidden_activation" if "hidden_activation" in cfg else "hidden_act"
     _activation(cfg, where, key, "gelu_pytorch_tanh")
     if cfg.get("use_bidirectional_attention"):
@@ -541,7 +540,19 @@ def _gemma4_fields(cfg: dict, where: Path, common: dict[str, Any]) -> dict[str, 
         ("rope_type", "proportional"),
     )
     ple = int(cfg.get("hidden_size_per_layer_input") or 0)
+    experts, k = 0, 0
+    if cfg.get("enable_moe_block"):  # 26B-A4B: experts beside every block's dense MLP
+        experts, k = int(cfg.get("num_experts") or 0), int(cfg.get("top_k_experts") or 0)
+        if experts < 1 or not 1 <= k <= experts or not cfg.get("moe_intermediate_size"):
+            raise ModelError(
+                f"{where}: enable_moe_block needs num_experts ≥ 1, 1 ≤ top_k_experts ≤ "
+                f"num_experts and moe_intermediate_size (found {experts}, {k}, "
+                f"{cfg.get('moe_intermediate_size')})"
+            )
     return dict(
+        num_experts=experts,
+        experts_per_token=k,
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0) if experts else 0,
         norm_offset=0.0,
         embed_scale=int(cfg["hidden_size"]) ** 0.5,
         attn_scale=1.0,

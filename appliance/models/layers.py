@@ -144,6 +144,8 @@ class ModelArgs:
             # one expert's share of a MoE block's fused expert tensors (models/moe.py)
             "mlp.experts.gate_up_proj": (2 * self.moe_intermediate_size, C),
             "mlp.experts.down_proj": (C, self.moe_intermediate_size),
+            "experts.gate_up_proj": (2 * self.moe_intermediate_size, C),  # Gemma 4's
+            "experts.down_proj": (C, self.moe_intermediate_size),
             # the shared expert beside the routed ones (Qwen3.5-MoE, Qwen2-MoE: moe.py)
             "mlp.shared_expert.gate_proj": (self.shared_expert_intermediate_size, C),
             "mlp.shared_expert.up_proj": (self.shared_expert_intermediate_size, C),

@@ -22,6 +22,7 @@ from appliance.models import (
     EXPERT_MODULES,
     TARGETS,
     block_linears,
+    expert_modules,
     lora_experts,
     lora_modules,
     multimodal,
@@ -59,7 +60,12 @@ def folds_scale(scale: float, dtype: torch.dtype) -> bool:
 # PEFT wraps a module's targeted parameters one inside the other, in the module's parameter
 # order: with both expert tensors targeted, gate_up_proj's adapter is the inner one
 # (`mlp.experts.base_layer.lora_A`), down_proj's the outer (`mlp.experts.lora_A`)
-_PEFT_PATHS = {EXPERT_MODULES[0]: "mlp.experts.base_layer", EXPERT_MODULES[1]: "mlp.experts"}
+_PEFT_PATHS = {
+    EXPERT_MODULES[0]: "mlp.experts.base_layer",
+    EXPERT_MODULES[1]: "mlp.experts",
+    EXPERT_MODULES[2]: "experts.base_layer",  # Gemma 4's experts: no `mlp.` above them
+    EXPERT_MODULES[3]: "experts",
+}
 
 
 def peft_key(block: int, module: str, which: str, layers: str = "model.layers") -> str:
@@ -98,7 +104,8 @@ class LoraWeights:
         for i in range(args.num_layers):
             block = {}
             # the targets block i has (Qwen3.5: linear-attention blocks have no q_proj, ...)
-            has = (m for m in spec.modules if m in block_linears(args, i) or m in EXPERT_MODULES)
+            experts = expert_modules(args)
+            has = (m for m in spec.modules if m in block_linears(args, i) or m in experts)
             for module in has:
                 out_f, in_f = args.module_shape(module, i)
                 r = spec.rank * lora_experts(args, module)  # the experts' side by side
@@ -196,7 +203,7 @@ def adapter_config(
     Hugging Face cache, as PEFT writes it for a model loaded by id, or the model's path."""
     names = sorted(peft_name(m) for m in spec.modules if m not in EXPERT_MODULES)
     targets = multimodal.target_pattern(names) if args.language_model_of else names
-    experts = sorted(m for m in spec.modules if m in EXPERT_MODULES)
+    experts = sorted(m for m in spec.modules if m in expert_modules(args))
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -220,7 +227,9 @@ def adapter_config(
 def peft_name(module: str) -> str:
     """The name `target_modules` gives a module: its own (`q_proj`), or with its parent where
     the own name is another target's too (`shared_expert.gate_proj`, not the MLP's `gate_proj`)."""
-    return module.removeprefix("mlp.") if ".shared_expert." in f".{module}" else module.split(".")[-1]
+    return (
+        module.removeprefix("mlp.") if ".shared_expert." in f".{module}" else module.split(".")[-1]
+    )
 
 
 _MODULE_BY_NAME = {peft_name(m): t for t, m in TARGETS.items() if t != "experts"}
@@ -231,6 +240,8 @@ def _target_of(name: str) -> str | None:
     the longest match (`mlp.shared_expert.gate_proj`: shared_gate, not gate); None: no target."""
     hits = [k for k in _MODULE_BY_NAME if name == k or name.endswith("." + k)]
     return _MODULE_BY_NAME[max(hits, key=len)] if hits else None
+
+
 MERGE_FIRST = "merge the adapter into its base model with PEFT first (merge_and_unload)"
 
 
@@ -320,10 +331,13 @@ def read_spec(adapter_dir: str | Path, args: ModelArgs | None = None) -> LoraSpe
     targets = tuple(t for t in TARGETS if t in named)
     parameters = cfg.get("target_parameters") or []
     if parameters:
-        if sorted(parameters) != sorted(EXPERT_MODULES):
+        pairs = [sorted(EXPERT_MODULES[:2]), sorted(EXPERT_MODULES[2:])]
+        wanted = sorted(expert_modules(args)) if args is not None else None
+        if sorted(parameters) not in pairs or wanted not in (None, sorted(parameters)):
+            both = ", ".join(wanted or EXPERT_MODULES[:2])
             raise ModelError(
                 f"{path}: target_parameters {_some(list(parameters))} are not supported (only "
-                f"both of {', '.join(EXPERT_MODULES)}: LoRA on a MoE block's experts)"
+                f"both of {both}: LoRA on a MoE block's experts)"
             )
         targets += ("experts",)
     return LoraSpec(

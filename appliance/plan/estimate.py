@@ -46,9 +46,9 @@ from appliance.engine.memory import (
 from appliance.errors import ConfigError
 from appliance.hardware import gpus as hardware
 from appliance.models import (
-    EXPERT_MODULES,
     HOST_GLOBALS,
     block_linears,
+    expert_modules,
     first_layer_like,
     global_shapes,
     lora_experts,
@@ -147,7 +147,7 @@ def lora_param_count(args: ModelArgs, rank: int, targets: tuple[str, ...]) -> in
     return sum(
         rank * lora_experts(args, m) * sum(args.module_shape(m, i))
         for i in range(args.num_layers)
-        for m in (*block_linears(args, i), *EXPERT_MODULES)
+        for m in (*block_linears(args, i), *expert_modules(args))
         if m in modules
     )
 

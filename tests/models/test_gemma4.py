@@ -116,8 +116,9 @@ def test_the_image_text_checkpoint_trains_its_language_model(tmp_path):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
-         "architecture ['Gemma4ForCausalLM'] is a mixture-of-experts model"),
+        (dict(enable_moe_block=True, num_experts=4, top_k_experts=5, moe_intermediate_size=32),
+         "enable_moe_block needs num_experts ≥ 1, 1 ≤ top_k_experts ≤ num_experts and "
+         "moe_intermediate_size (found 4, 5, 32)"),
         (dict(use_bidirectional_attention="all"),
          "use_bidirectional_attention='all' is not supported"),
     ],

@@ -15,7 +15,12 @@ from appliance.engine.step import StreamedEngine
 from appliance.models import gated_deltanet, moe
 from appliance.models.hf_checkpoint import SafetensorsCheckpoint, expected_shapes, read_model_args
 from appliance.models.lora import LoraSpec, adapter_config, read_spec
-from tests.engine.test_engine_parity import RTOL, assert_gradients_match, peft_reference
+from tests.engine.test_engine_parity import (
+    RTOL,
+    assert_gradients_match,
+    peft_reference,
+    reference_loss,
+)
 from tests.helpers_model import batch, lora_with_random_b, make_model, rel_err
 from tests.models.test_moe import moe_reference_loss, packed_rows
 from tests.models.test_qwen3_5 import assert_round_trip
@@ -117,3 +122,52 @@ def test_the_qwen3_5_moe_image_text_checkpoint_trains_its_language_model(tmp_pat
 def _saved(lora, tmp_path):
     lora.save(tmp_path / "adapter")
     return tmp_path / "adapter"
+
+
+# ---------------------------------------------------------------- Gemma 4's MoE block
+
+GEMMA4_ALL = LoraSpec(
+    rank=2, alpha=4.0, targets=("q", "k", "v", "o", "gate", "up", "down", "experts")
+)
+
+
+@pytest.fixture(scope="module")
+def gemma4_moe(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("g4moe") / "model", "gemma4-moe")
+
+
+def test_gemma4_moe_loss_and_every_lora_gradient_match_transformers_with_peft(gemma4_moe, tmp_path):
+    """Sliding and full layers (T = 20 > the window), each block's dense MLP and its experts
+    side by side; LoRA on the attention, the dense MLP and the experts (`experts.*`, no `mlp.`)."""
+    headers = SafetensorsCheckpoint(gemma4_moe).headers()
+    args = read_model_args(gemma4_moe)
+    assert expected_shapes(args) == {name: shape for name, (shape, _) in headers.items()}
+    source = DictBlockSource.from_hf(gemma4_moe, torch.float32)
+    lora = lora_with_random_b(source.args, GEMMA4_ALL)
+    assert {"experts.gate_up_proj", "experts.down_proj", "mlp.gate_proj"} <= set(lora.blocks[0])
+    ref = peft_reference(gemma4_moe, lora, tmp_path)
+    ids, labels = batch(4, 20, seed=2)
+    engine = StreamedEngine(source, lora, grad_clip=None)
+    loss, _, _ = engine.forward_backward([(ids[:2], labels[:2]), (ids[2:], labels[2:])], step=0)
+    ref_loss = reference_loss(ref, ids, labels)
+    ref_loss.backward()
+    assert rel_err(torch.tensor(loss), ref_loss) < RTOL
+    assert_gradients_match(lora, ref)
+
+
+def test_gemma4_moe_packed_documents_equal_them_one_by_one(gemma4_moe, tmp_path):
+    source = DictBlockSource.from_hf(gemma4_moe, torch.float32)
+    lora = lora_with_random_b(source.args, GEMMA4_ALL)
+    ref = peft_reference(gemma4_moe, lora, tmp_path)
+    packed, alone = packed_rows()
+    loss, n_target, _ = StreamedEngine(source, lora, grad_clip=None).forward_backward(packed, 0)
+    ref_loss = sum(reference_loss(ref, ids, lab) * (lab != -100).sum() for ids, lab in alone)
+    ref_loss = ref_loss / n_target
+    ref_loss.backward()
+    assert rel_err(torch.tensor(loss), ref_loss) < RTOL
+    assert_gradients_match(lora, ref)
+
+
+def test_gemma4_moe_train_then_peft_load_then_export_round_trip(gemma4_moe, tmp_path):
+    """The experts' LoRA merges into the fused (E, out, in) tensors as the files store them."""
+    assert_round_trip(gemma4_moe, GEMMA4_ALL, tmp_path, seq_len=24)
