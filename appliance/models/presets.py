@@ -1,6 +1,6 @@
 """Benchmark presets: real models' shapes (Llama 2/3, Qwen3, Gemma 2/3, Phi-4-mini, Qwen3.6,
-Gemma 4, and the mixtures of experts Qwen3-30B-A3B and gpt-oss-20b) and the tokens of a step, for
-`appliance bench` (random weights of these shapes) and `appliance plan`.
+Gemma 4, and the mixtures of experts Qwen3-30B-A3B, gpt-oss-20b and Qwen3.6-35B-A3B) and the
+tokens of a step, for `appliance bench` (random weights of these shapes) and `appliance plan`.
 
 Each preset's ModelArgs is what hf_checkpoint.read_model_args would read from the released
 model's config.json (tests/bench/test_bench.py checks the parameter counts against the published ones).
@@ -181,6 +181,19 @@ PRESETS: dict[str, Preset] = {
                 attn_output_gate=True, partial_rotary_factor=0.25, layer_types=_hybrid(64, 4),
                 linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
                 linear_value_head_dim=128, linear_conv_kernel=4),
+        gpu=_GPU_SHAPE, cpu=None,
+    ),
+    # language model of Qwen3.6-35B-A3B: the hybrid layout of qwen3.6-27b (30 Gated DeltaNet, 10
+    # gated full-attention layers) at hidden 2048, each block's MLP 256 experts of width 512, top
+    # 8, plus a shared expert of width 512 (34.7B, 2.4B of them active in the blocks)
+    "qwen3.6-35b-a3b": Preset(
+        _family("Qwen3_5MoeForCausalLM", 248320, 2048, 512, 40, 16, 2, 256,
+                rope_theta=1e7, max_position_embeddings=262144, qk_norm=True, norm_offset=1.0,
+                attn_output_gate=True, partial_rotary_factor=0.25, layer_types=_hybrid(40, 4),
+                linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                linear_value_head_dim=128, linear_conv_kernel=4, num_experts=256,
+                experts_per_token=8, moe_intermediate_size=512,
+                shared_expert_intermediate_size=512),
         gpu=_GPU_SHAPE, cpu=None,
     ),
     # language model of gemma-4-31B: 50 sliding (1024; 16 KV heads of 256) and 10 full layers

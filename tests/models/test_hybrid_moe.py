@@ -171,3 +171,59 @@ def test_gemma4_moe_packed_documents_equal_them_one_by_one(gemma4_moe, tmp_path)
 def test_gemma4_moe_train_then_peft_load_then_export_round_trip(gemma4_moe, tmp_path):
     """The experts' LoRA merges into the fused (E, out, in) tensors as the files store them."""
     assert_round_trip(gemma4_moe, GEMMA4_ALL, tmp_path, seq_len=24)
+
+
+# ---------------------------------------------------------------- presets
+
+# Qwen3.6-35B-A3B's config.json (text_config of the image-text checkpoint) as released
+QWEN3_6_35B_A3B = dict(
+    vocab_size=248320, hidden_size=2048, intermediate_size=None, num_hidden_layers=40,
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256, layer_types=None,
+    full_attention_interval=4, linear_num_key_heads=16, linear_num_value_heads=32,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, max_position_embeddings=262144, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    tie_word_embeddings=False, output_router_logits=False,
+)  # fmt: skip
+
+
+def test_the_qwen3_6_35b_a3b_preset_is_the_released_model_and_counts_active_parameters(
+    tmp_path,
+):
+    """The preset reads as the released config.json does; 34.7B parameters in the language
+    model (the published 35B also counts the vision tower and the MTP head); 2.4B of them a
+    token meets in the blocks, plus the LM head 2.9B (published: 3B active); the step's FLOPs
+    are 6·N_active·T plus the chunked rule of its 30 linear layers; a shrunk copy runs a
+    streamed step on synthetic weights of each kind of block."""
+    import dataclasses
+    import math
+
+    from appliance.bench.synthetic import SyntheticBlockSource
+    from appliance.engine.memory import step_flops
+    from appliance.models.lora import LoraWeights
+    from appliance.models.presets import PRESETS
+    from tests.helpers_model import write_config
+
+    args = PRESETS["qwen3.6-35b-a3b"].args
+    read = read_model_args(write_config(tmp_path, "Qwen3_5MoeForCausalLM", **QWEN3_6_35B_A3B))
+    ids = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    assert dataclasses.replace(read, **ids) == dataclasses.replace(args, **ids)
+    assert abs(models.param_count(args) / 35e9 - 1) < 0.02
+    active = models.active_blocks_param_count(args)
+    assert abs((active + args.vocab_size * args.hidden_size) / 3e9 - 1) < 0.02
+    rule = 4 * 30 * gated_deltanet.rule_flops(args, 2048)
+    assert step_flops(args, 2048) == 6.0 * active * 2048 + rule
+    tiny = dataclasses.replace(
+        args, vocab_size=128, hidden_size=64, intermediate_size=32, num_layers=4, num_heads=4,
+        num_kv_heads=2, head_dim=16, layer_types=args.layer_types[:4], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=8,
+        moe_intermediate_size=16, shared_expert_intermediate_size=32,
+    )  # fmt: skip
+    src = SyntheticBlockSource(tiny, torch.float32)
+    for i in (0, 3):  # a linear and a full block
+        assert {k: tuple(t.shape) for k, t in src.block(i).items()} == models.block_shapes(tiny, i)
+    ids = torch.randint(0, 128, (2, 40))
+    lora = LoraWeights(tiny, LoraSpec(rank=2, targets=("q", "in_proj_qkv", "shared_up", "experts")))
+    stats = StreamedEngine(src, lora).train_step([(ids, ids)], 1e-3)
+    assert math.isfinite(stats.loss)
