@@ -217,6 +217,13 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # the language model of Gemma 4's image-text checkpoint (vision tower beside it)
     "gemma4-vlm": ("Gemma4ForConditionalGeneration", GEMMA4_PLE_KV_SHARED),
     "qwen3_5-moe": ("Qwen3_5MoeForCausalLM", QWEN3_5_MOE),
+    # Qwen2-MoE: q/k/v biases, top-2 of 6 experts not renormalised, a shared expert; the loss on
+    "qwen2-moe": (
+        "Qwen2MoeForCausalLM",
+        dict(num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+             shared_expert_intermediate_size=40, output_router_logits=True,
+             router_aux_loss_coef=0.02),
+    ),
     "gemma4-moe": ("Gemma4ForCausalLM", GEMMA4_MOE),
     # the language model of Qwen3.5-MoE's image-text checkpoint (its vision tower beside it)
     "qwen3_5-moe-vlm": ("Qwen3_5MoeForConditionalGeneration", QWEN3_5_MOE),
@@ -261,6 +268,7 @@ _CONFIGS = {
         audio_config=None,
     ),
     "Qwen3_5MoeForCausalLM": transformers.Qwen3_5MoeTextConfig,
+    "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
     "Qwen3_5MoeForConditionalGeneration": _multimodal(
         transformers.Qwen3_5MoeConfig,
         dict(

@@ -42,6 +42,7 @@ MODEL_TYPES = {
     "phi3": "Phi3ForCausalLM",
     "mistral3": "Mistral3ForConditionalGeneration",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",

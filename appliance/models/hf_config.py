@@ -29,7 +29,7 @@ def model_fields(arch: str, cfg: dict, where: Path) -> dict[str, Any]:
         fields.update(_gemma_fields(arch, cfg, where, fields["num_layers"]))
     elif family is models.phi3:
         fields.update(_phi3_fields(cfg, where, fields))
-    elif family in (models.qwen3_moe, models.olmoe):
+    elif family in (models.qwen3_moe, models.olmoe, models.qwen2_moe):
         fields.update(_moe_fields(arch, cfg, where, fields))
     elif family is models.gpt_oss:
         fields.update(_gpt_oss_fields(cfg, where, fields["num_layers"]))
@@ -311,12 +311,13 @@ _MOE = {
     "Qwen3MoeForCausalLM": ("num_experts", "moe_intermediate_size", 8, 0.001),
     "MixtralForCausalLM": ("num_local_experts", "intermediate_size", 2, 0.001),
     "OlmoeForCausalLM": ("num_experts", "intermediate_size", 8, 0.01),
+    "Qwen2MoeForCausalLM": ("num_experts", "moe_intermediate_size", 4, 0.001),
 }
 
 
 def _moe_fields(arch: str, cfg: dict, where: Path, common: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3-MoE, Mixtral, OLMoE (models/qwen3_moe.py, models/olmoe.py): every block sparse,
-    routed by softmax then top-k. What they could also say and the blocks do not implement
+    """Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE (models/qwen3_moe.py, olmoe.py, qwen2_moe.py): every
+    block sparse, routed by softmax then top-k. What they could also say and the blocks do not implement
     (dense blocks among the sparse ones, router noise, a sliding window on Qwen3-MoE) is
     refused by name."""
     _activation(cfg, where, "hidden_act", "silu")
@@ -355,10 +356,17 @@ def _moe_fields(arch: str, cfg: dict, where: Path, common: dict[str, Any]) -> di
         if cfg.get("output_router_logits")
         else 0.0,
     )
-    if arch == "Qwen3MoeForCausalLM":
+    if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
         if cfg.get("use_sliding_window", False):
             raise ModelError(f"{where}: use_sliding_window=true is not supported")
+    if arch == "Qwen3MoeForCausalLM":
         out["qk_norm"] = True
+    elif arch == "Qwen2MoeForCausalLM":  # biases on q, k, v (not o); a shared expert
+        out["attention_bias"] = bool(cfg.get("qkv_bias", True))
+        out["o_bias"] = False
+        out["shared_expert_intermediate_size"] = int(
+            cfg.get("shared_expert_intermediate_size", 5632)
+        )
     elif arch == "MixtralForCausalLM":
         sliding = cfg.get("sliding_window")
         out["sliding_window"] = int(sliding) if sliding else None

@@ -227,3 +227,28 @@ def test_the_qwen3_6_35b_a3b_preset_is_the_released_model_and_counts_active_para
     lora = LoraWeights(tiny, LoraSpec(rank=2, targets=("q", "in_proj_qkv", "shared_up", "experts")))
     stats = StreamedEngine(src, lora).train_step([(ids, ids)], 1e-3)
     assert math.isfinite(stats.loss)
+
+
+# ---------------------------------------------------------------- Qwen2-MoE: the shared expert
+
+QWEN2_ALL = LoraSpec(rank=2, alpha=4.0, targets=("q", "k", "v", "o", *SHARED, "experts"))
+
+
+def test_qwen2_moe_loss_and_every_lora_gradient_match_then_round_trip(tmp_path):
+    """Qwen2-MoE (q/k/v biases, routed experts not renormalised, a shared expert): the loss
+    with the load-balancing loss and every LoRA gradient equal transformers + PEFT's; then the
+    train → PEFT load → export round trip."""
+    model_dir = make_model(tmp_path / "model", "qwen2-moe")
+    source = DictBlockSource.from_hf(model_dir, torch.float32)
+    assert not source.args.norm_topk_prob and source.args.attention_bias
+    lora = lora_with_random_b(source.args, QWEN2_ALL)
+    assert set(lora.blocks[0]) >= {*moe.SHARED, moe.GATE_UP, moe.DOWN}
+    ref = peft_reference(model_dir, lora, tmp_path / "ref")
+    ids, labels = batch(4, 24, seed=2)
+    engine = StreamedEngine(source, lora, grad_clip=None)
+    loss, _, _ = engine.forward_backward([(ids[:2], labels[:2]), (ids[2:], labels[2:])], step=0)
+    ref_loss = moe_reference_loss(ref, ids, labels)
+    ref_loss.backward()
+    assert rel_err(torch.tensor(loss), ref_loss) < RTOL
+    assert_gradients_match(lora, ref)
+    assert_round_trip(model_dir, QWEN2_ALL, tmp_path / "trip", seq_len=24)
