@@ -40,7 +40,13 @@ from safetensors.torch import save_file
 from appliance.adapter import model_card
 from appliance.adapter.scratch import clean_dead, scratch_dir
 from appliance.errors import NO_SPACE, OTHER, ConfigError, ModelError, StorageError, first_line
-from appliance.models import EXPERT_MODULES, expert_layout, hf_checkpoint, moe
+from appliance.models import (
+    EXPERT_MODULES,
+    expert_layout,
+    experts_transposed,
+    hf_checkpoint,
+    moe,
+)
 from appliance.models.lora import ADAPTER_CONFIG, LoraWeights, load_adapter
 from appliance.storage import uri as storage
 from appliance.storage.localize import OTHER_WEIGHT_FILES, cache_root
@@ -173,14 +179,15 @@ def _merge_experts(tensors: dict[str, torch.Tensor], lora: LoraWeights, i: int, 
     """Fold LoRA on block i's experts (PEFT's layout for the fused tensors: moe.expert_lora)
     into the experts' weights as the checkpoint stores them: apart (gate_up's update's first I
     rows into the gate weight, the others into the up weight; down's into the down weight),
-    or fused: transposed (gpt-oss, (E, in, out)) or not (Gemma 4, (E, out, in)). Returns 1 when the block's experts are among `tensors`,
+    or fused: transposed (gpt-oss, (E, in, out)) or not (Gemma 4, Qwen3.5-MoE as released:
+    (E, out, in)). Returns 1 when the block's experts are among `tensors`,
     else 0."""
     args = lora.args
     layout = expert_layout(args)
     A, B = (p.detach().float().cpu() for p in lora.blocks[i][module])
     prefix = f"model.layers.{i}."
     if layout is None:  # fused as the files store them
-        transposed = module in (moe.GATE_UP, moe.DOWN)  # gpt-oss's; Gemma 4's are not
+        transposed = experts_transposed(args)
         name = prefix + module
         if name not in tensors:
             return 0

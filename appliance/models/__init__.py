@@ -87,6 +87,11 @@ TARGETS = {
 EXPERT_MODULES = (moe.GATE_UP, moe.DOWN, *gemma4.EXPERT_MODULES)
 
 
+def experts_transposed(args: layers.ModelArgs) -> bool:
+    """Whether a model's fused experts are stored (E, in, out) (gpt-oss), not (E, out, in)."""
+    return family(args) is gpt_oss
+
+
 def expert_modules(args: layers.ModelArgs) -> tuple[str, ...]:
     """The expert tensors LoRA on "experts" adapts in this model (none in a dense one)."""
     if not args.num_experts:
@@ -203,13 +208,14 @@ def block_shapes(args: layers.ModelArgs, layer: int = 0) -> dict[str, tuple[int,
 def linear_weight_names(args: layers.ModelArgs, layer: int = 0) -> list[str]:
     """The weights of block `layer`'s linear projections, fused ones included (what quantization
     covers): e.g. `self_attn.q_proj.weight`, or Phi-3's `self_attn.qkv_proj.weight`."""
-    fam = family(args)
-    experts = fam.layout(args).expert_weights(args) if hasattr(fam, "layout") else []
+    layout = expert_layout(args)
+    experts = layout.expert_weights(args) if layout is not None else []
     return [f"{module}.weight" for module in block_linears(args, layer)] + experts
 
 
 def expert_layout(args: layers.ModelArgs) -> moe.Layout | None:
-    """Where a MoE model's block keeps its router and experts (None: a dense model)."""
+    """Where a MoE model's block keeps its router and experts stored apart (None: a dense
+    model, or experts fused in 3-D tensors)."""
     fam = family(args)
     return fam.layout(args) if hasattr(fam, "layout") else None
 

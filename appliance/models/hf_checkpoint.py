@@ -155,6 +155,8 @@ def read_model_args(model_dir: str | Path) -> ModelArgs:
             fields["eos_token_id"] = _eos_elsewhere(model_dir)
         if fields["tie_word_embeddings"] and language_model_of is None and _own_head(model_dir):
             fields["tie_word_embeddings"] = False  # the files' head, as transformers takes it
+        if arch == "Qwen3_5MoeForCausalLM":
+            fields["fused_experts"] = _fused_experts(model_dir)
         return ModelArgs(**fields)
     except KeyError as e:
         raise ModelError(f"{where}: missing required field {e.args[0]!r}") from None
@@ -169,6 +171,17 @@ def _has_lm_head(model_dir: Path) -> bool | None:
         return "lm_head.weight" in SafetensorsCheckpoint(model_dir).files
     except ModelError:
         return None
+
+
+def _fused_experts(model_dir: Path) -> bool:
+    """Whether a Qwen3.5-MoE checkpoint stores its experts fused (`mlp.experts.gate_up_proj`, as
+    released) rather than one matrix each (as transformers' save_pretrained writes them); fused
+    with no weights here (`appliance plan` on a config.json alone): the released layout."""
+    try:
+        files = SafetensorsCheckpoint(model_dir).files
+    except ModelError:
+        return True
+    return "model.layers.0.mlp.experts.0.gate_proj.weight" not in files
 
 
 def _eos_elsewhere(model_dir: Path) -> int | None:

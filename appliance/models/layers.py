@@ -76,6 +76,9 @@ class ModelArgs:
     experts_per_token: int = 0  # top-k
     moe_intermediate_size: int = 0  # one expert's MLP width
     shared_expert_intermediate_size: int = 0  # the shared expert's width (0: none; moe.py)
+    # the experts stored as 3-D tensors (mlp.experts.gate_up_proj, as the released Qwen3.5-MoE
+    # files hold them), not one matrix per expert (as transformers' save_pretrained writes them)
+    fused_experts: bool = False
     norm_topk_prob: bool = False  # renormalise the top-k probabilities to sum to 1
     router_aux_coef: float = 0.0  # the load-balancing loss's weight (0: not added)
     clip_qkv: float | None = None  # q, k, v clamped to ±clip_qkv (OLMoE)

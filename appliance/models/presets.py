@@ -193,7 +193,7 @@ PRESETS: dict[str, Preset] = {
                 linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
                 linear_value_head_dim=128, linear_conv_kernel=4, num_experts=256,
                 experts_per_token=8, moe_intermediate_size=512,
-                shared_expert_intermediate_size=512),
+                shared_expert_intermediate_size=512, fused_experts=True),
         gpu=_GPU_SHAPE, cpu=None,
     ),
     # language model of gemma-4-31B: 50 sliding (1024; 16 KV heads of 256) and 10 full layers

@@ -6,10 +6,12 @@ with a shared expert instead of the dense MLP (transformers' Qwen3_5MoeSparseMoe
     y = routed experts(h) + sigmoid(h · shared_expert_gateᵀ) · shared_expert(h)
 
 Routing: softmax over the experts (fp32), top k, always renormalised, cast back (moe.Routing).
-Every block is sparse. Checkpoints store each expert apart, as Qwen3-MoE's
-(`mlp.experts.{j}.gate_proj.weight`, router `mlp.gate.weight`), the shared expert as a plain
-MLP (`mlp.shared_expert.{gate,up,down}_proj.weight`) and its gate `mlp.shared_expert_gate.weight`
-(1, C). LoRA: the attention's and the linear attention's projections by default (the Llama
+Every block is sparse. The released checkpoints store the experts fused, as transformers v5
+holds them (`mlp.experts.gate_up_proj` (E, 2I, C), `mlp.experts.down_proj` (E, C, I):
+ModelArgs.fused_experts, read from the files' names); transformers' save_pretrained writes
+them apart, as Qwen3-MoE's (`mlp.experts.{j}.gate_proj.weight`): both are read. The router is
+`mlp.gate.weight`, the shared expert a plain MLP (`mlp.shared_expert.{gate,up,down}_proj.weight`)
+with its gate `mlp.shared_expert_gate.weight` (1, C). LoRA: the attention's and the linear attention's projections by default (the Llama
 defaults mean these here), the shared expert's linears as ordinary targets (shared_gate,
 shared_up, shared_down: PEFT's `gate_proj`, `up_proj`, `down_proj` match only those in this
 model), the routed experts with `experts` (PEFT's target_parameters), the router and the shared
@@ -37,8 +39,17 @@ LAYOUT = moe.Layout(
 )
 
 
-def layout(args: layers.ModelArgs) -> moe.Layout:
-    return LAYOUT
+def layout(args: layers.ModelArgs) -> moe.Layout | None:
+    """The experts' names when stored apart (None: fused)."""
+    return None if args.fused_experts else LAYOUT
+
+
+def expert_shapes(args: layers.ModelArgs) -> dict[str, tuple[int, ...]]:
+    """The router and the experts, stored apart or fused."""
+    if not args.fused_experts:
+        return LAYOUT.shapes(args)
+    E, C, width = args.num_experts, args.hidden_size, args.moe_intermediate_size
+    return {LAYOUT.router: (E, C), moe.GATE_UP: (E, 2 * width, C), moe.DOWN: (E, C, width)}
 
 
 def routing(args: layers.ModelArgs) -> moe.Routing:
@@ -55,7 +66,7 @@ def block_shapes(args: layers.ModelArgs, layer: int) -> dict[str, tuple[int, ...
     """Block `layer`'s tensors: norms and mixer (as Qwen3.5 dense), the shared expert and its
     gate, then the router and the experts."""
     return {**qwen3_5.mixer_shapes(args, layer), **moe.shared_shapes(args),
-            **LAYOUT.shapes(args)}  # fmt: skip
+            **expert_shapes(args)}  # fmt: skip
 
 
 def block_forward(
@@ -72,5 +83,11 @@ def block_forward(
     """(B·T, C) → (B·T, C); the router's logits (B·T, E) appended to `router_logits` if given."""
     x = x + qwen3_5.mixer(x, w, args, layer, cos, sin, lora, mask)
     h = qwen3_5.norm(x, w["post_attention_layernorm.weight"], args)
-    routed = moe.split_moe_mlp(h, w, LAYOUT, args, routing(args), lora, router_logits)
+    if args.fused_experts:
+        experts = moe.FusedExperts(w[moe.GATE_UP], w[moe.DOWN], lora)
+        routed, logits = moe.sparse_moe(h, w[LAYOUT.router], experts, routing(args))
+        if router_logits is not None:
+            router_logits.append(logits)
+    else:
+        routed = moe.split_moe_mlp(h, w, LAYOUT, args, routing(args), lora, router_logits)
     return x + (routed + moe.shared_expert(h, w, lora))

@@ -6,8 +6,13 @@ packed; a trained adapter loads in PEFT and exports."""
 
 from __future__ import annotations
 
+import re
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from appliance import models
 from appliance.engine.blocks import DictBlockSource
@@ -34,24 +39,55 @@ EVERYTHING = LoraSpec(
 )
 
 
+def fuse_experts(model_dir: Path) -> Path:
+    """Rewrite a checkpoint's experts stored apart (as save_pretrained writes them) as the fused
+    3-D tensors the released Qwen3.5-MoE files hold: gate_up (E, 2I, C), down (E, C, I)."""
+    path = model_dir / "model.safetensors"
+    tensors, parts = load_file(path), {}
+    for name in list(tensors):
+        m = re.fullmatch(r"(.*\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight", name)
+        if m:
+            parts.setdefault(m[1], {})[(int(m[2]), m[3])] = tensors.pop(name)
+    for prefix, p in parts.items():
+        E = 1 + max(j for j, _ in p)
+        tensors[prefix + "gate_up_proj"] = torch.stack(
+            [torch.cat((p[j, "gate"], p[j, "up"])) for j in range(E)]
+        )
+        tensors[prefix + "down_proj"] = torch.stack([p[j, "down"] for j in range(E)])
+    save_file(tensors, path, metadata={"format": "pt"})
+    return model_dir
+
+
 @pytest.fixture(scope="module")
-def qwen3_5_moe(tmp_path_factory):
+def split_qwen3_5_moe(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("q35moe") / "model", "qwen3_5-moe")
 
 
+@pytest.fixture(scope="module")
+def qwen3_5_moe(split_qwen3_5_moe, tmp_path_factory):
+    """The released layout: experts fused."""
+    fused = tmp_path_factory.mktemp("q35moe-fused") / "model"
+    return fuse_experts(Path(shutil.copytree(split_qwen3_5_moe, fused)))
+
+
+@pytest.mark.parametrize("layout", ["fused", "split"])
 def test_qwen3_5_moe_loss_and_every_lora_gradient_match_transformers_with_peft(
-    qwen3_5_moe, tmp_path
+    layout, request, tmp_path
 ):
     """Two micro-batches, the load-balancing loss on, LoRA on every target: the full and linear
-    attention's projections, the shared expert's linears and the routed experts' tensors."""
-    headers = SafetensorsCheckpoint(qwen3_5_moe).headers()
-    assert expected_shapes(read_model_args(qwen3_5_moe)) == {
-        name: shape for name, (shape, _) in headers.items()
-    }
-    source = DictBlockSource.from_hf(qwen3_5_moe, torch.float32)
+    attention's projections, the shared expert's linears and the routed experts' tensors; the
+    experts fused (as released) or stored apart (as save_pretrained writes them)."""
+    model_dir = request.getfixturevalue(
+        {"fused": "qwen3_5_moe", "split": "split_qwen3_5_moe"}[layout]
+    )
+    args = read_model_args(model_dir)
+    assert args.fused_experts == (layout == "fused")
+    headers = SafetensorsCheckpoint(model_dir).headers()
+    assert expected_shapes(args) == {name: shape for name, (shape, _) in headers.items()}
+    source = DictBlockSource.from_hf(model_dir, torch.float32)
     lora = lora_with_random_b(source.args, EVERYTHING)
     assert set(lora.blocks[0]) == {*gated_deltanet.LINEARS, *moe.SHARED, moe.GATE_UP, moe.DOWN}
-    ref = peft_reference(qwen3_5_moe, lora, tmp_path)
+    ref = peft_reference(model_dir, lora, tmp_path)
     ids, labels = batch(4, 24, seed=2)
     engine = StreamedEngine(source, lora, grad_clip=None)
     loss, _, _ = engine.forward_backward([(ids[:2], labels[:2]), (ids[2:], labels[2:])], step=0)
@@ -100,10 +136,11 @@ def test_the_qwen3_5_moe_targets_by_default_and_in_the_adapter_file(qwen3_5_moe)
 
 
 def test_the_qwen3_5_moe_image_text_checkpoint_trains_its_language_model(tmp_path):
-    """Qwen3_5MoeForConditionalGeneration: the language model's logits (shared expert and
-    experts adapted) equal transformers + peft on the whole image-text model."""
+    """Qwen3_5MoeForConditionalGeneration, its experts fused as released: the language model's
+    logits (shared expert and experts adapted) equal transformers + peft on the whole image-text model."""
     model_dir = make_model(tmp_path / "model", "qwen3_5-moe-vlm", with_tokenizer=False)
-    args = read_model_args(model_dir)
+    args = read_model_args(fuse_experts(model_dir))  # as released: experts fused
+    assert args.fused_experts
     assert (args.architecture, args.language_model_of) == (
         "Qwen3_5MoeForCausalLM",
         "Qwen3_5MoeForConditionalGeneration",
