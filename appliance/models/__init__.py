@@ -7,11 +7,14 @@ A family is a module of pure functions and tables (see llama.py, qwen3.py, gemma
   targets each one stands for);
 - block_forward(x, w, args, layer, cos, sin, lora, mask): one block, (B·T, C) → (B·T, C): the
   rows flattened (T: the RoPE table's length; layers.heads);
-- a mixture of experts (qwen3_moe.py, olmoe.py, gpt_oss.py) also has MOE = True,
+- a mixture of experts (qwen3_moe.py, olmoe.py, gpt_oss.py, qwen2_moe.py, qwen3_5_moe.py) also
+  has MOE = True,
   DEFAULT_TARGETS (what the Llama default targets mean on it: the attention), extra_shapes(args)
   (router, experts, other tensors of its own), and its block_forward takes `router_logits`, a
   list it appends the router's logits to (the load-balancing loss); those whose checkpoints
-  store each expert apart have layout(args) (moe.Layout: the experts' names).
+  store each expert apart have layout(args) (moe.Layout: the experts' names; None where
+  they are fused); one whose experts are not `mlp.experts.*` names their LoRA tensors in
+  EXPERT_MODULES (Gemma 4, whose MoE block sits beside a dense MLP in the same family).
 
 Everything here is keyed by the block's HF tensor names without the `model.layers.{i}.` prefix.
 Attention kernels (layers.attention, layers.attend): Llama, Mistral, Qwen2, Qwen3 and Phi-3 run
@@ -21,7 +24,8 @@ SDPA cannot do, and writes its scores out in full (softmax in fp32). See docs/mo
 
 The package: layers.py (ModelArgs and the shared layers: RoPE, attention, MLP, LoRA'd linear,
 loss), rope.py (the RoPE tables: scalings, cos/sin), attention.py, moe.py (the mixture-of-experts MLP: router, experts, load-balancing loss),
-one file per family (llama, qwen3, gemma, phi3, qwen3_moe (also Mixtral), olmoe, gpt_oss;
+one file per family (llama, qwen3, gemma, phi3, qwen3_moe (also Mixtral), olmoe, gpt_oss,
+qwen2_moe, qwen3_5 (+ gated_deltanet), qwen3_5_moe, gemma4;
 multimodal.py for the text model inside image-text checkpoints), hf_config.py and hf_checkpoint.py (reading a Hugging Face
 model directory), lora.py (adapter shapes and files, PEFT's format), presets.py (named shapes for
 the plan and the bench). This file is the families' table and the block's tensor layout.
