@@ -310,7 +310,8 @@ def test_unsupported_target_modules_are_named_a_few_at_a_time(model_dir, tmp_pat
         f"{adapter}/adapter_config.json: target modules model.layers.0.mlp.fc1, "
         "model.layers.0.mlp.fc2, model.layers.1.mlp.fc1 and 1 more are not supported (supported: "
         "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, qkv_proj, gate_up_proj, "
-        "in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj)"
+        "in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj, shared_expert.gate_proj, "
+        "shared_expert.up_proj, shared_expert.down_proj)"
     )
 
 
