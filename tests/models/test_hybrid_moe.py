@@ -289,3 +289,12 @@ def test_qwen2_moe_loss_and_every_lora_gradient_match_then_round_trip(tmp_path):
     assert rel_err(torch.tensor(loss), ref_loss) < RTOL
     assert_gradients_match(lora, ref)
     assert_round_trip(model_dir, QWEN2_ALL, tmp_path / "trip", seq_len=24)
+
+
+def test_lora_on_the_experts_of_a_dense_gemma4_is_refused_by_name(tmp_path):
+    from appliance.errors import ConfigError
+    from tests.helpers_model import write_config
+
+    args = read_model_args(write_config(tmp_path, "Gemma4ForCausalLM"))
+    with pytest.raises(ConfigError, match="--lora-targets experts: Gemma4ForCausalLM here has no"):
+        models.resolve_targets(args, ("q", "experts"))
