@@ -82,7 +82,8 @@ def assert_gradients_match(lora: LoraWeights, ref: PeftModel) -> None:
     assert checked == len(ref_grads) == sum(len(block) for block in lora.blocks) * 2
 
 
-# the dense variants (the MoE ones add the load-balancing loss: tests/models/test_moe.py)
+# the dense variants (the MoE ones add the load-balancing loss: tests/models/test_moe.py,
+# test_hybrid_moe.py)
 @pytest.fixture(params=[v for v in VARIANTS if v not in MOE_VARIANTS and "moe" not in v])
 def variant_dir(request, tmp_path):
     return make_model(tmp_path / "model", request.param, shards=request.param == "mistral")
