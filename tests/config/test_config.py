@@ -39,7 +39,7 @@ def test_every_problem_is_reported_together_naming_the_flag_or_the_file_and_key(
             "--config run.yaml: lora_dropout must be in [0, 1) (got 1.5)",
             "--config run.yaml: steps: 2.5 is not a valid int",
             "--lora-targets: zz not among q,k,v,o,gate,up,down,qkv,gate_up,experts,in_proj_qkv,"
-            "in_proj_z,in_proj_b,in_proj_a,out_proj",
+            "in_proj_z,in_proj_b,in_proj_a,out_proj,shared_gate,shared_up,shared_down",
             "--log-format must be one of auto | rich | json | plain (got 'xml')",
         ]
     )
