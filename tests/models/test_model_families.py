@@ -137,10 +137,12 @@ def test_gemma3_configs_of_either_transformers_generation_read_the_same(tmp_path
 @pytest.mark.parametrize(
     "arch, changes, message",
     [
-        ("LlamaForCausalLM", dict(architectures=["Qwen2MoeForCausalLM"], num_experts=8),
-         "architecture ['Qwen2MoeForCausalLM'] is a mixture-of-experts model whose routing is "
+        ("LlamaForCausalLM", dict(architectures=["Glm4MoeForCausalLM"], n_routed_experts=8),
+         "architecture ['Glm4MoeForCausalLM'] is a mixture-of-experts model whose routing is "
          "not implemented; supported mixture-of-experts models: Qwen3MoeForCausalLM, "
-         "MixtralForCausalLM, OlmoeForCausalLM"),
+         "MixtralForCausalLM, Qwen2MoeForCausalLM, OlmoeForCausalLM, GptOssForCausalLM, "
+         "Qwen3_5MoeForCausalLM"),
+        ("Qwen2MoeForCausalLM", dict(mlp_only_layers=[1]), "mlp_only_layers (dense blocks"),
         ("LlamaForCausalLM", dict(architectures=["DeepseekV3ForCausalLM"], n_routed_experts=64),
          "architecture ['DeepseekV3ForCausalLM'] is a mixture-of-experts model whose routing"),
         ("Qwen3MoeForCausalLM", dict(mlp_only_layers=[1]), "mlp_only_layers (dense blocks"),
