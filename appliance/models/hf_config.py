@@ -317,9 +317,9 @@ _MOE = {
 
 def _moe_fields(arch: str, cfg: dict, where: Path, common: dict[str, Any]) -> dict[str, Any]:
     """Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE (models/qwen3_moe.py, olmoe.py, qwen2_moe.py): every
-    block sparse, routed by softmax then top-k. What they could also say and the blocks do not implement
-    (dense blocks among the sparse ones, router noise, a sliding window on Qwen3-MoE) is
-    refused by name."""
+    block sparse, routed by softmax then top-k. What they could also say and the blocks do not
+    implement (dense blocks among the sparse ones, router noise, a sliding window on Qwen3-MoE
+    and Qwen2-MoE) is refused by name."""
     _activation(cfg, where, "hidden_act", "silu")
     field, rope = _rope_dict(cfg)
     theta, scaling = _rope(rope, cfg, where, field, ())
