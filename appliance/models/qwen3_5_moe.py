@@ -11,11 +11,12 @@ holds them (`mlp.experts.gate_up_proj` (E, 2I, C), `mlp.experts.down_proj` (E, C
 ModelArgs.fused_experts, read from the files' names); transformers' save_pretrained writes
 them apart, as Qwen3-MoE's (`mlp.experts.{j}.gate_proj.weight`): both are read. The router is
 `mlp.gate.weight`, the shared expert a plain MLP (`mlp.shared_expert.{gate,up,down}_proj.weight`)
-with its gate `mlp.shared_expert_gate.weight` (1, C). LoRA: the attention's and the linear attention's projections by default (the Llama
-defaults mean these here), the shared expert's linears as ordinary targets (shared_gate,
-shared_up, shared_down: PEFT's `gate_proj`, `up_proj`, `down_proj` match only those in this
-model), the routed experts with `experts` (PEFT's target_parameters), the router and the shared
-gate never.
+with its gate `mlp.shared_expert_gate.weight` (1, C).
+
+LoRA: both mixers' projections by default (what the Llama default targets mean here), the
+shared expert's linears as ordinary targets (shared_gate, shared_up, shared_down; written
+`shared_expert.gate_proj` … in target_modules), the routed experts with `experts` (PEFT's
+target_parameters); the router and the shared expert's gate never.
 """
 
 from __future__ import annotations

@@ -137,7 +137,8 @@ def test_the_qwen3_5_moe_targets_by_default_and_in_the_adapter_file(qwen3_5_moe)
 
 def test_the_qwen3_5_moe_image_text_checkpoint_trains_its_language_model(tmp_path):
     """Qwen3_5MoeForConditionalGeneration, its experts fused as released: the language model's
-    logits (shared expert and experts adapted) equal transformers + peft on the whole image-text model."""
+    logits (shared expert and experts adapted) equal transformers + peft on the whole
+    image-text model."""
     model_dir = make_model(tmp_path / "model", "qwen3_5-moe-vlm", with_tokenizer=False)
     args = read_model_args(fuse_experts(model_dir))  # as released: experts fused
     assert args.fused_experts
