@@ -149,6 +149,9 @@ class DeviceWeights:
         # the streaming slot it occupies or None for a resident block's own buffer)
         self._on_device: dict[int, tuple[dict, torch.cuda.Event | None, int | None]] = {}
         self.h2d_bytes = 0
+        # expert-granular streaming: experts copied, and experts whole-block copies would have
+        # copied (E per streamed MoE block copy): their ratio is the step's `expert_share`
+        self.experts_moved = self.experts_streamed = 0
         self._h2d_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         # compute's waits for weights; on CPU the time to fetch a block from its source
         self._stall_events: list[tuple[torch.cuda.Event | HostEvent, ...]] = []
@@ -321,6 +324,8 @@ class DeviceWeights:
             used = self._used.get(i, set()) & set(experts)
             spans = dense + [s for j in sorted(used) for s in experts[j]]
             self._experts_on[i], self._dev[i] = used, dev
+            self.experts_moved += len(used)
+            self.experts_streamed += len(experts)
         try:
             start, done = self._copy(dev, flat, pinned, slot, spans)
         except BaseException:  # (a KeyboardInterrupt in the staging wait): the slot stays free
@@ -348,6 +353,7 @@ class DeviceWeights:
         start, done = self._copy(self._dev[i], flat, pinned, None, todo)
         self.host_seconds += time.perf_counter() - t0
         self.h2d_bytes += sum(b - a for a, b in todo)
+        self.experts_moved += len(new)
         self._h2d_events.append((start, done))
         if self.cuda:
             self._stall_events.append(self._copier.compute_waits(done))
@@ -481,7 +487,10 @@ class DeviceWeights:
         """What the weights cost since the last take or clear (syncs CUDA): `h2d_bytes` copied,
         `h2d_seconds` of copy (DMA) time, `h2d_stall` (compute waiting for a copy), `h2d_host`
         (host time blocked in prefetch: staging waits and memcpy), `dequant` seconds (device
-        time between events on the compute stream, or the host clock on CPU). On CPU nothing is
+        time between events on the compute stream, or the host clock on CPU), `expert_share`
+        (expert-granular streaming: the experts copied over those whole-block copies would
+        have copied, i.e. the mean share of a streamed MoE block's experts that crossed per
+        copy of it; None when no block streamed by expert). On CPU without `copies` nothing is
         copied: the stall is the waits for the source's blocks."""
         if self.cuda:  # every event recorded so far has completed: elapsed_time may ask them
             torch.cuda.synchronize(self.device)
@@ -491,6 +500,9 @@ class DeviceWeights:
             "h2d_stall": event_seconds(self._stall_events),
             "h2d_host": self.host_seconds,
             "dequant": event_seconds(self._dequant_events),
+            "expert_share": self.experts_moved / self.experts_streamed
+            if self.experts_streamed
+            else None,
         }
         self.clear_timings()
         return out
@@ -502,6 +514,7 @@ class DeviceWeights:
         self._stall_events.clear()
         self._dequant_events.clear()
         self.h2d_bytes = 0
+        self.experts_moved = self.experts_streamed = 0
         self.host_seconds = 0.0
 
 

@@ -292,3 +292,5 @@ def test_expert_granular_streaming_equals_whole_blocks_bit_for_bit_and_moves_onl
     whole = sum(t.numel() * 4 for t in block.values())
     assert moved_w["h2d_bytes"] == (2 * L - 1) * whole
     assert moved_e["h2d_bytes"] == (2 * L - 1) * (whole - 4 * expert_bytes)
+    # the share of experts moved (step stats, bench, metrics): 4 of 8 in every copy
+    assert moved_e["expert_share"] == 0.5 and moved_w["expert_share"] is None
