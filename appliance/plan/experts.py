@@ -24,7 +24,12 @@ from __future__ import annotations
 
 import math
 
-from appliance.models import expert_layout
+from appliance.models import (
+    active_block_param_count,
+    blocks_param_count,
+    expert_layout,
+    param_count,
+)
 from appliance.models.hf_checkpoint import block_shapes
 from appliance.models.layers import ModelArgs
 
@@ -74,3 +79,22 @@ def moe_share(args: ModelArgs, base_quant: str, tokens: int) -> dict | None:
 def saved_bytes_per_copy(args: ModelArgs, dtype_bytes: int, share: float) -> int:
     """Bytes a streamed block copy does not move when `share` of its experts cross."""
     return round((1.0 - share) * expert_block_bytes(args, dtype_bytes))
+
+
+def doctor_line(args: ModelArgs, base_quant: str, tokens: int) -> str:
+    """`appliance doctor`'s line for a mixture of experts: the blocks' active parameters
+    (attention, norms, router, k experts: what 6·N_active·T counts) against all of them, and the
+    share of each streamed block's experts expected to cross at `tokens` a step."""
+    m = moe_share(args, base_quant, tokens)
+    active = args.num_layers * active_block_param_count(args)
+    head = (
+        f"mixture of experts, top {m['top_k']} of {m['experts']}: a token meets "
+        f"{active / 1e9:.3g}B of the blocks' {blocks_param_count(args) / 1e9:.3g}B parameters "
+        f"({param_count(args) / 1e9:.3g}B with the embeddings and head); "
+    )
+    if not m["streamed_by_expert"]:
+        return head + "streamed blocks cross whole (experts fused in one tensor, or quantized)"
+    return head + (
+        f"at {tokens} tokens a step, {m['expected_share']:.1%} of each streamed block's experts "
+        "expected to cross (1 − (1 − k/E)^T, routing assumed uniform)"
+    )

@@ -5,7 +5,9 @@ to move at the run's tokens per block pass, 1 − (1 − k/E)^T under uniform ro
 from __future__ import annotations
 
 import torch
+from click.testing import CliRunner
 
+from appliance.cli.main import main
 from appliance.engine.blocks import DictBlockSource
 from appliance.engine.memory import blocks_uploaded_per_step
 from appliance.engine.step import StreamedEngine
@@ -14,6 +16,7 @@ from appliance.plan import experts
 from appliance.plan.estimate import block_bytes, evaluate, plan_input
 from tests.helpers_model import batch, lora_with_random_b, make_model
 from tests.models.test_moe import WITH_EXPERTS
+from tests.plan.test_doctor import doctor_here
 
 
 def test_the_plan_moves_the_expected_share_of_experts_by_the_formula():
@@ -72,3 +75,25 @@ def test_the_engine_moves_about_the_planned_share_with_a_uniform_router(tmp_path
     expected = experts.expected_share(12, 2, 16)
     assert abs(expected - 0.8) < 0.01
     assert 2 * 2 / 16 < stats.expert_share <= expected + 0.05
+
+
+def test_doctor_says_the_active_parameters_and_the_experts_expected_to_move():
+    """`appliance doctor --preset qwen3-30b-a3b --tokens-per-step 16`: the blocks' active
+    parameters against all of them, and 1 − (1 − 8/128)^16 of the experts expected to cross;
+    gpt-oss's fused experts cross whole; a bad --tokens-per-step is one line naming it."""
+    _, checks = doctor_here("--preset", "qwen3-30b-a3b", "--device", "cpu",
+                            "--tokens-per-step", "16")  # fmt: skip
+    c = checks["moe"]
+    assert c["status"] == "ok"
+    assert c["detail"].startswith(
+        "mixture of experts, top 8 of 128: a token meets 2.73B of the blocks' 29.9B parameters "
+        "(30.5B with the embeddings and head); at 16 tokens a step, 64.4% of each streamed "
+        "block's experts expected to cross"
+    )
+    assert f"{1 - (1 - 8 / 128) ** 16:.1%}" == "64.4%"
+    args = PRESETS["gpt-oss-20b"].args
+    assert experts.doctor_line(args, "none", 16).endswith("streamed blocks cross whole "
+                                                         "(experts fused in one tensor, or "
+                                                         "quantized)")  # fmt: skip
+    out = CliRunner().invoke(main, ["doctor", "--preset", "tiny", "--tokens-per-step", "0"])
+    assert out.exit_code != 0 and "--tokens-per-step must be ≥ 1 (got 0)" in out.output
