@@ -16,7 +16,9 @@ import torch
 BLOCKS, SCALES = "_blocks", "_scales"
 GROUP = 32  # values per scale (16 bytes of codes)
 # E2M1 values of the 16 codes (transformers.integrations.mxfp4.FP4_VALUES)
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP4_VALUES = (
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0
+)  # fmt: skip
 BITS_PER_VALUE = 4 + 8 / GROUP  # 4.25: a code, and a 1-byte scale shared by 32 values
 
 
