@@ -169,6 +169,9 @@ class DeviceWeights:
         self._layout = experts if experts is not None and not quantized else None
         self._experts_on: dict[int, set[int]] = {}  # streamed block → its experts on the device
         self._used: dict[int, set[int]] = {}  # block → experts routed to since forget_routing
+        # block → experts its previous pass routed to: what a forward prefetches (a prediction)
+        self._routed_before: dict[int, set[int]] = {}
+        self.expert_waits = 0  # on-demand expert copies compute waited for (not prefetched)
         self._dev: dict[int, torch.Tensor] = {}  # streamed block → its slot's bytes
         g = source.globals()
         # Gemma 4's per-layer embedding table stays in host memory (models.HOST_GLOBALS): its
@@ -321,7 +324,10 @@ class DeviceWeights:
         spans = None  # the whole block
         if self._layout is not None and slot is not None:  # its dense part, and the experts
             dense, experts = expert_spans(index, self._layout)  # its last forward routed to
-            used = self._used.get(i, set()) & set(experts)
+            # the backward: what this pass's forward routed to; a forward: what the block's
+            # previous pass routed to (a prediction: a miss is copied when routed to, an extra
+            # is copied for nothing), so the copy overlaps the previous block's compute
+            used = (self._used.get(i) or self._routed_before.get(i, set())) & set(experts)
             spans = dense + [s for j in sorted(used) for s in experts[j]]
             self._experts_on[i], self._dev[i] = used, dev
             self.experts_moved += len(used)
@@ -354,14 +360,18 @@ class DeviceWeights:
         self.host_seconds += time.perf_counter() - t0
         self.h2d_bytes += sum(b - a for a, b in todo)
         self.experts_moved += len(new)
+        self.expert_waits += 1
         self._h2d_events.append((start, done))
         if self.cuda:
             self._stall_events.append(self._copier.compute_waits(done))
         self._experts_on[i].update(new)
 
     def forget_routing(self) -> None:
-        """A new pass starts: the experts its blocks need are not known yet (prefetches copy
-        dense parts only until a block's forward has routed)."""
+        """A new pass starts: the experts its blocks need are not known until each block's
+        forward routes; its prefetches copy the dense part and the experts the block's previous
+        pass routed to (none on the first pass), and the forward copies any others when routed
+        to (`expert_waits` counts those copies: compute waits for them)."""
+        self._routed_before.update(self._used)
         self._used.clear()
 
     def _copy(
@@ -503,6 +513,7 @@ class DeviceWeights:
             "expert_share": self.experts_moved / self.experts_streamed
             if self.experts_streamed
             else None,
+            "expert_waits": self.expert_waits,
         }
         self.clear_timings()
         return out
@@ -514,7 +525,7 @@ class DeviceWeights:
         self._stall_events.clear()
         self._dequant_events.clear()
         self.h2d_bytes = 0
-        self.experts_moved = self.experts_streamed = 0
+        self.experts_moved = self.experts_streamed = self.expert_waits = 0
         self.host_seconds = 0.0
 
 

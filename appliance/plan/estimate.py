@@ -390,7 +390,7 @@ def evaluate(p: PlanInput, micro_batches: int) -> dict:
     # a MoE block streamed by expert moves its dense part and the experts routed to: the
     # expected share at this trainer's tokens per block pass (plan/experts.py)
     moe = experts.moe_share(args, p.base_quant, tokens_per_trainer)
-    saved = experts.saved_bytes_per_copy(args, p.dtype_bytes, moe["expected_share"]) if (
+    saved = experts.saved_bytes_per_copy(args, p.dtype_bytes, moe["expected_share_per_copy"]) if (
         moe and moe["streamed_by_expert"]) else 0  # fmt: skip
     streamed = uploads * (mem.block_bytes - saved)
     flops = step_flops(args, tokens_per_trainer) * (8 / 6 if p.full else 1)  # + weight grads

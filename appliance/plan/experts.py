@@ -15,7 +15,11 @@ is the most that independent tokens can be expected to reach: 1 − (1 − p)^T 
 expert's probability p, so skewed routers (popular experts) leave more experts idle, and so do
 tokens that route alike (a tiny random Mixtral, 12 tokens, top 2 of 16: 0.55–0.68 measured
 against 0.80, tests/plan/test_moe_plan.py). The plan's bytes are an upper bound in that
-respect. Blocks stream by expert only where the
+respect. A forward's copy of a block also holds the experts its previous step routed to (the
+engine's prediction, engine/expert_streaming.py), and the misses come on demand: under the same
+assumption 1 − (1 − s)² of them, while a backward's copy holds the forward's s; the plan's
+bytes count the mean of the two per copy (the passes copy about as many blocks each). Blocks
+stream by expert only where the
 experts are stored apart (Qwen3-MoE, Mixtral, OLMoE) and the base is not quantized; others
 cross whole (share 1).
 """
@@ -66,12 +70,14 @@ def moe_share(args: ModelArgs, base_quant: str, tokens: int) -> dict | None:
     k, E = args.experts_per_token, args.num_experts
     by_expert = streamed_by_expert(args, base_quant)
     share = expected_share(tokens, k, E) if by_expert else 1.0
+    per_copy = (1.0 - (1.0 - share) ** 2 + share) / 2  # a forward's (predicted) and a backward's
     return {
         "top_k": k,
         "experts": E,
         "routed_tokens_per_block_pass": tokens,
         "streamed_by_expert": by_expert,
         "expected_share": share,
+        "expected_share_per_copy": per_copy,
         "uniform_share_formula": "1 - (1 - k/E)^T",
     }
 

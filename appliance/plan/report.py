@@ -181,7 +181,8 @@ def _moe_lines(r: dict) -> list[str]:
     return [
         f"  experts moved                  {m['expected_share']:.1%} of each streamed block's "
         f"{m['experts']} (top {m['top_k']}, T = {m['routed_tokens_per_block_pass']} routed "
-        f"tokens per block pass: 1 − (1 − k/E)^T, routing assumed uniform)"
+        f"tokens per block pass: 1 − (1 − k/E)^T, routing assumed uniform); "
+        f"{m['expected_share_per_copy']:.1%} per copy with the forward's prediction"
     ]
 
 

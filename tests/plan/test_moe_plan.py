@@ -32,7 +32,9 @@ def test_the_plan_moves_the_expected_share_of_experts_by_the_formula():
     assert experts.expert_block_bytes(args, 2) == experts_bytes
     uploads = blocks_uploaded_per_step(args.num_layers, r["resident_blocks"])
     whole = block_bytes(args, 2)
-    moved = whole - round((1 - share) * experts_bytes)
+    per_copy = (1 - (1 - share) ** 2 + share) / 2  # forwards hold the previous step's too
+    assert r["moe"]["expected_share_per_copy"] == per_copy
+    moved = whole - round((1 - per_copy) * experts_bytes)
     assert r["streamed_bytes_per_step"] == uploads * moved < uploads * whole
 
     big = evaluate(plan_input(None, "qwen3-30b-a3b", "4090", "1", None, seq_len=2048), 1)
