@@ -18,6 +18,7 @@ time, side by side. Peak memory: the store's copy of the model plus one block pe
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import time
@@ -41,7 +42,7 @@ from appliance.engine.blocks import (
 )
 from appliance.errors import ModelError
 from appliance.metrics.recorders import WeightStoreMetrics
-from appliance.models import hf_checkpoint
+from appliance.models import hf_checkpoint, mxfp4
 from appliance.models.hf_checkpoint import ST_DTYPES, TensorLocation, read_model_args
 from appliance.models.layers import ModelArgs
 from appliance.storage.localize import localize_model
@@ -211,7 +212,7 @@ class WeightStore:
         entries = {}
         for short, full in names.items():
             loc = locs[full]
-            if loc.dtype not in ST_DTYPES:
+            if loc.dtype not in ST_DTYPES and loc.dtype != "MXFP4":
                 raise ModelError(
                     f"{loc.path}: {full} has dtype {loc.dtype}, which cannot be read "
                     f"(readable: {', '.join(ST_DTYPES)})"
@@ -283,7 +284,7 @@ def _kept_as_stored(
     """Whether every tensor is kept in the dtype the file stores it in (none quantized)."""
     keep = dtype_from_name(dtype)
     return all(
-        kind == dtype and ST_DTYPES[locs[n].dtype] == keep for n, (_, kind) in entries.items()
+        kind == dtype and ST_DTYPES.get(locs[n].dtype) == keep for n, (_, kind) in entries.items()
     )
 
 
@@ -305,13 +306,21 @@ def _file_span(
 def _read_buffer(plan: _BufferPlan, out: np.ndarray | None = None) -> np.ndarray:
     """Assemble one buffer from its mapped tensors, laid out by its index (into the first
     `size` bytes of `out`, else a new array): a tensor stored as it is kept is copied into its
-    place; another is converted (or quantized, from fp32) into its place."""
+    place; another is converted (or quantized, from fp32; or dequantized, MXFP4) into its
+    place."""
     buf = np.empty(plan.size, dtype=np.uint8) if out is None else out[: plan.size]
     flat = torch.from_numpy(buf)
     dtype = dtype_from_name(plan.dtype)
     for short, loc in plan.locs.items():
         off, shape, kind = plan.index[short]
         raw = _map(loc.path, loc.offset, loc.nbytes)
+        if loc.scales is not None:  # MXFP4 (gpt-oss's experts): dequantized into its place
+            s = loc.scales
+            scales = readonly_tensor(_map(s.path, s.offset, s.nbytes)).view(s.shape)
+            n = math.prod(shape) * dtype.itemsize
+            dest = flat[off : off + n].view(dtype).view(shape)
+            mxfp4.dequantize(readonly_tensor(raw).view((*s.shape, -1)), scales, dtype, dest)
+            continue
         src = ST_DTYPES[loc.dtype]
         if kind == plan.dtype and src == dtype:
             np.copyto(buf[off : off + loc.nbytes], raw)

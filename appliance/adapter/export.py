@@ -123,6 +123,13 @@ def _tensor_bytes(ckpt: hf_checkpoint.SafetensorsCheckpoint) -> dict[str, int]:
     }
 
 
+def _drop_quantization_config(config_json: Path) -> None:
+    """config.json without its quantization_config (the export holds dequantized weights)."""
+    config = json.loads(config_json.read_text())
+    config.pop("quantization_config", None)
+    config_json.write_text(json.dumps(config, indent=2) + "\n")
+
+
 def plan_shards(names_bytes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
     """Group tensor names into shards in model order, never splitting a block across shards.
 
@@ -327,6 +334,8 @@ def export_merged(
                     and f.name != model_card.CARD
                 ):
                     shutil.copy2(f, tmp / f.name)
+            if ckpt.packed:  # MXFP4 experts were written dequantized: a plain checkpoint
+                _drop_quantization_config(tmp / "config.json")
             (tmp / model_card.CARD).write_text(card)
             mode = storage.file_mode()  # save_file makes 0600, copy2 copies the model's mode
             for f in tmp.iterdir():

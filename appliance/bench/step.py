@@ -209,6 +209,7 @@ def _run_mode(
     busy_seconds = [s.gpu_busy_seconds for s in timed if s.gpu_busy_seconds is not None]
     issue = [s.host_issue_seconds / s.step_seconds for s in timed if s.host_issue_seconds]
     dequant = statistics.mean(s.dequant_seconds for s in timed)
+    shares = [s.expert_share for s in timed if s.expert_share is not None]
     return {
         **row,
         "fits": True,
@@ -236,6 +237,9 @@ def _run_mode(
         "dequant_seconds_per_step": dequant,
         "dequant_share": dequant / step,
         "h2d_bytes_per_step": h2d_bytes,
+        # MoE, expert-granular streaming: the share of a streamed block's experts copied per
+        # copy (StepStats.expert_share); None where no block streamed by expert
+        "expert_share": statistics.mean(shares) if shares else None,
         # offloaded activations coming back in the backward: host→device too, beside W (which
         # counts weights only, as the floor is defined); 0 when the saved inputs stay on device
         "offload_h2d_bytes_per_step": statistics.mean(s.offload_h2d_bytes for s in timed),

@@ -78,6 +78,13 @@ def format_table(result: dict) -> str:
                 f" s a step, of which the step waited {f['optimizer_exposed_seconds_per_step']:.4g} s"
             )
     for r in result["modes"]:
+        if r["fits"] and r.get("expert_share") is not None:  # MoE, streamed by expert
+            lines.append(
+                f"{r['mode']}: {r['expert_share']:.1%} of each streamed block's experts copied "
+                f"per copy; {_g(r['h2d_bytes_per_step'] / 1e9)} GB copied a step (W counts "
+                "whole blocks)"
+            )
+    for r in result["modes"]:
         if r["fits"] and r.get("host_issue_ratio") is not None:
             lines.append(
                 f"{r['mode']}: the host issued work for {r['host_issue_ratio']:.0%} of the step"

@@ -152,12 +152,19 @@ def plan_cmd(model, preset, gpu, micro_batches_per_step, gpu_memory_budget, as_j
     help="The metrics port train would be given: checked to be free. Without it, the port train "
     f"takes by default ({DEFAULT_METRICS_PORT}, or the next free one).",
 )
+@click.option(
+    "--tokens-per-step",
+    type=int,
+    default=None,
+    help="A mixture-of-experts model: one trainer's tokens a step, for the share of experts "
+    "expected to move (default: train's seq-len × micro-batch size × micro-batches).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @friendly_errors
-def doctor_cmd(model, preset, base_quant, device, metrics_port, as_json) -> None:
+def doctor_cmd(model, preset, base_quant, device, metrics_port, tokens_per_step, as_json) -> None:
     """Check this box: versions, GPUs, /dev/shm, RAM, memlock, Triton, disk, bandwidth, port, Ray, S3."""
     from appliance.plan.doctor import run_doctor
     from appliance.storage.hub import resolve_model
 
     model = resolve_model(model) if model else model  # a hub id: its local-cache snapshot
-    sys.exit(run_doctor(model, preset, base_quant, device, metrics_port, as_json))
+    sys.exit(run_doctor(model, preset, base_quant, device, metrics_port, as_json, tokens_per_step))

@@ -54,6 +54,8 @@ class StepStats:
         default_factory=dict
     )  # forward, backward, optimizer, h2d_stall, h2d_host: they partition step_seconds
     h2d_bytes: int = 0  # the blocks' weights copied host→device
+    # MoE, expert-granular streaming: the share of a streamed block's experts copied, per copy
+    expert_share: float | None = None
     offload_h2d_bytes: int = 0  # offloaded block inputs copied back host→device (backward)
     h2d_seconds: float = 0.0  # copy (DMA) time, on the copy stream: overlaps compute
     dequant_seconds: float = 0.0  # dequantizing a quantized base, inside forward and backward

@@ -149,6 +149,9 @@ class DeviceWeights:
         # the streaming slot it occupies or None for a resident block's own buffer)
         self._on_device: dict[int, tuple[dict, torch.cuda.Event | None, int | None]] = {}
         self.h2d_bytes = 0
+        # expert-granular streaming: experts copied, and experts whole-block copies would have
+        # copied (E per streamed MoE block copy): their ratio is the step's `expert_share`
+        self.experts_moved = self.experts_streamed = 0
         self._h2d_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         # compute's waits for weights; on CPU the time to fetch a block from its source
         self._stall_events: list[tuple[torch.cuda.Event | HostEvent, ...]] = []
@@ -166,6 +169,9 @@ class DeviceWeights:
         self._layout = experts if experts is not None and not quantized else None
         self._experts_on: dict[int, set[int]] = {}  # streamed block → its experts on the device
         self._used: dict[int, set[int]] = {}  # block → experts routed to since forget_routing
+        # block → experts its previous pass routed to: what a forward prefetches (a prediction)
+        self._routed_before: dict[int, set[int]] = {}
+        self.expert_waits = 0  # on-demand expert copies compute waited for (not prefetched)
         self._dev: dict[int, torch.Tensor] = {}  # streamed block → its slot's bytes
         g = source.globals()
         # Gemma 4's per-layer embedding table stays in host memory (models.HOST_GLOBALS): its
@@ -318,9 +324,14 @@ class DeviceWeights:
         spans = None  # the whole block
         if self._layout is not None and slot is not None:  # its dense part, and the experts
             dense, experts = expert_spans(index, self._layout)  # its last forward routed to
-            used = self._used.get(i, set()) & set(experts)
+            # the backward: what this pass's forward routed to; a forward: what the block's
+            # previous pass routed to (a prediction: a miss is copied when routed to, an extra
+            # is copied for nothing), so the copy overlaps the previous block's compute
+            used = (self._used.get(i) or self._routed_before.get(i, set())) & set(experts)
             spans = dense + [s for j in sorted(used) for s in experts[j]]
             self._experts_on[i], self._dev[i] = used, dev
+            self.experts_moved += len(used)
+            self.experts_streamed += len(experts)
         try:
             start, done = self._copy(dev, flat, pinned, slot, spans)
         except BaseException:  # (a KeyboardInterrupt in the staging wait): the slot stays free
@@ -348,14 +359,19 @@ class DeviceWeights:
         start, done = self._copy(self._dev[i], flat, pinned, None, todo)
         self.host_seconds += time.perf_counter() - t0
         self.h2d_bytes += sum(b - a for a, b in todo)
+        self.experts_moved += len(new)
+        self.expert_waits += 1
         self._h2d_events.append((start, done))
         if self.cuda:
             self._stall_events.append(self._copier.compute_waits(done))
         self._experts_on[i].update(new)
 
     def forget_routing(self) -> None:
-        """A new pass starts: the experts its blocks need are not known yet (prefetches copy
-        dense parts only until a block's forward has routed)."""
+        """A new pass starts: the experts its blocks need are not known until each block's
+        forward routes; its prefetches copy the dense part and the experts the block's previous
+        pass routed to (none on the first pass), and the forward copies any others when routed
+        to (`expert_waits` counts those copies: compute waits for them)."""
+        self._routed_before.update(self._used)
         self._used.clear()
 
     def _copy(
@@ -481,7 +497,10 @@ class DeviceWeights:
         """What the weights cost since the last take or clear (syncs CUDA): `h2d_bytes` copied,
         `h2d_seconds` of copy (DMA) time, `h2d_stall` (compute waiting for a copy), `h2d_host`
         (host time blocked in prefetch: staging waits and memcpy), `dequant` seconds (device
-        time between events on the compute stream, or the host clock on CPU). On CPU nothing is
+        time between events on the compute stream, or the host clock on CPU), `expert_share`
+        (expert-granular streaming: the experts copied over those whole-block copies would
+        have copied, i.e. the mean share of a streamed MoE block's experts that crossed per
+        copy of it; None when no block streamed by expert). On CPU without `copies` nothing is
         copied: the stall is the waits for the source's blocks."""
         if self.cuda:  # every event recorded so far has completed: elapsed_time may ask them
             torch.cuda.synchronize(self.device)
@@ -491,6 +510,10 @@ class DeviceWeights:
             "h2d_stall": event_seconds(self._stall_events),
             "h2d_host": self.host_seconds,
             "dequant": event_seconds(self._dequant_events),
+            "expert_share": self.experts_moved / self.experts_streamed
+            if self.experts_streamed
+            else None,
+            "expert_waits": self.expert_waits,
         }
         self.clear_timings()
         return out
@@ -502,6 +525,7 @@ class DeviceWeights:
         self._stall_events.clear()
         self._dequant_events.clear()
         self.h2d_bytes = 0
+        self.experts_moved = self.experts_streamed = self.expert_waits = 0
         self.host_seconds = 0.0
 
 

@@ -8,7 +8,11 @@ micro-batch's router first picks them: moe.experts_forward asks for the experts 
 (`ExpertBlock.need`) before it runs any, so each pass copies the union, over the pass's
 micro-batches, of the experts that received at least one token, each once. The backward's
 prefetch of a block copies the experts its forward used (the recompute routes the same tokens
-the same way), so the backward never waits for an expert. What is copied is bitwise what a
+the same way), so the backward never waits for an expert. A forward's prefetch of a block
+copies, beside its dense part, the experts the block's previous pass routed to (routing
+changes little between steps, and at a few hundred tokens a step every expert is routed to):
+those copies overlap the previous block's compute instead of stalling the forward when the
+router reaches them; a miss is copied on demand (`expert_waits`), an extra moves for nothing. What is copied is bitwise what a
 whole-block copy holds at those offsets: the result equals whole-block streaming bit for bit.
 
 Only experts stored apart (moe.Layout: Qwen3-MoE, Mixtral, OLMoE) and not quantized stream by

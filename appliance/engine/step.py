@@ -494,6 +494,7 @@ class StreamedEngine:
             grad_norm=norm,
             phase_seconds=phases,
             h2d_bytes=w["h2d_bytes"],
+            expert_share=w["expert_share"],
             offload_h2d_bytes=self.saved.take_h2d_bytes(),
             h2d_seconds=w["h2d_seconds"],
             dequant_seconds=w["dequant"],

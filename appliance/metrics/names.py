@@ -125,6 +125,14 @@ DEQUANT_SECONDS = MetricSpec(
     "(--base-quant; inside forward and backward, not a phase of its own).",
     ("rank",),
 )  # fmt: skip
+EXPERT_SHARE = MetricSpec(
+    "appliance_expert_share_ratio", GAUGE, "ratio",
+    "Mixture-of-experts models: share of a streamed block's experts copied to the device per "
+    "copy of the block, over the last step (expert-granular streaming copies only the experts "
+    "the step's tokens were routed to; 1: all of them). Absent for dense models and for MoE "
+    "blocks that cross whole (resident, quantized, or experts fused in one tensor).",
+    ("rank",),
+)  # fmt: skip
 D2H_BYTES = MetricSpec(
     "appliance_d2h_bytes", COUNTER, "bytes",
     "Bytes of fp32 weight gradients copied device to host (--finetuning-type full; 0 on a CPU).",
@@ -255,7 +263,7 @@ WEIGHT_STORE_BYTES = MetricSpec(
 
 REGISTRY: tuple[MetricSpec, ...] = (
     TOKENS, STEPS, STEP, STEP_SECONDS, STEP_TIME_SECONDS, PHASE_SECONDS, H2D_BYTES, H2D_SECONDS,
-    DEQUANT_SECONDS, D2H_BYTES, OPTIMIZER_HOST_SECONDS,
+    DEQUANT_SECONDS, EXPERT_SHARE, D2H_BYTES, OPTIMIZER_HOST_SECONDS,
     MODEL_FLOPS, LOSS, SKIPPED_STEPS, LOSS_SCALE, LEARNING_RATE, MFU, GPU_BUSY,
     GPU_NVML_UTILIZATION, GPU_MEMORY_ALLOCATED, GPU_MEMORY_RESERVED, TOKENIZER_TOKENS,
     TOKENIZER_DOCUMENTS, TOKENIZER_ERRORS, TOKENIZER_SECONDS, BATCHES_IN_FLIGHT,

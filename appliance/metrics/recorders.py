@@ -46,6 +46,7 @@ from appliance.metrics.names import (  # fmt: skip
     DEQUANT_SECONDS,
     DRIVER_RANK,
     EVAL_LOSS,
+    EXPERT_SHARE,
     GAUGE,
     GPU_BUSY,
     GPU_MEMORY_ALLOCATED,
@@ -275,7 +276,7 @@ class TrainerMetrics(_Recorder):
           phase_seconds: {phase: seconds} with phases from PHASES except "other" — they must not
             overlap (h2d_stall is not also inside forward/backward); the rest of step_seconds is
             recorded as phase "other";
-          h2d_bytes, h2d_seconds, dequant_seconds; d2h_bytes, optimizer_host_seconds (full
+          h2d_bytes, h2d_seconds, dequant_seconds; expert_share (0..1, MoE); d2h_bytes, optimizer_host_seconds (full
           fine-tuning); flops (model FLOPs of the step); mfu (0..1,
           else derived from flops and peak_flops); gpu_busy_ratio (0..1: CUDA-event busy seconds / step_seconds);
           nvml_util_mean (0..1, from gpu_monitor.NvmlSampler.take_mean()); gpu_mem_allocated,
@@ -310,6 +311,7 @@ class TrainerMetrics(_Recorder):
         self._inc(H2D_BYTES, stats.get("h2d_bytes"))
         self._inc(H2D_SECONDS, stats.get("h2d_seconds"))
         self._inc(DEQUANT_SECONDS, stats.get("dequant_seconds"))
+        self._set(EXPERT_SHARE, stats.get("expert_share"))
         self._inc(D2H_BYTES, stats.get("d2h_bytes"))  # full fine-tuning
         self._inc(OPTIMIZER_HOST_SECONDS, stats.get("optimizer_host_seconds"))
         flops = stats.get("flops")

@@ -282,10 +282,11 @@ def compiled_block_forward(
     attention window (ModelArgs.window), so it is replaced by the first layer with the same
     window, and Dynamo specialises on at most two values (Gemma's sliding and full layers).
     LoRA dropout's masks are drawn before the compiled block runs (`dropout_masks`), so it
-    compiles whole with dropout too. A block with a state across blocks (Gemma 4) runs eager.
+    compiles whole with dropout too. A block with a state across blocks (Gemma 4) runs eager,
+    and so does a mixture-of-experts block (`compile_blocks_note`).
     """
     global _compiled
-    if state is not None:
+    if state is not None or args.num_experts:
         return block_forward(x, w, args, cos, sin, lora, mask, layer, router_logits, state)
     if _compiled is None:
         _compiled = torch.compile(block_forward)
@@ -293,6 +294,20 @@ def compiled_block_forward(
         lora = dataclasses.replace(lora, masks=dropout_masks(x, args, lora, layer))
     kind = first_layer_like(args, layer)
     return _compiled(x, w, args, cos, sin, lora, mask, layer=kind, router_logits=router_logits)
+
+
+def compile_blocks_note(args: layers.ModelArgs) -> str | None:
+    """What `--compile-blocks` does not compile in this model (None: every block compiles). A
+    mixture of experts' blocks run eager: the loop over the experts that received rows has
+    data-dependent shapes and a host sync (which experts; expert-granular streaming copies them
+    in), which break Dynamo's graph at every expert and recompile per row count."""
+    if args.num_experts:
+        return (
+            "--compile-blocks: the mixture-of-experts blocks run eager (the loop over the "
+            "experts routed to has data-dependent shapes, which torch.compile would break and "
+            "recompile at every expert); nothing is compiled in this model"
+        )
+    return None
 
 
 def dropout_masks(

@@ -6,9 +6,8 @@ have biases and a clamped SwiGLU.
 Experts as the checkpoint stores them (and transformers holds them): fused and transposed,
 `mlp.experts.gate_up_proj` (E, C, 2I) with gate and up columns interleaved (gate the even ones),
 `gate_up_proj_bias` (E, 2I), `down_proj` (E, I, C), `down_proj_bias` (E, C). The released
-checkpoints store the expert matrices in MXFP4 (`gate_up_proj_blocks` / `_scales`), which is
-refused by name (hf_config): dequantize them first (transformers' Mxfp4Config(dequantize=True),
-then save_pretrained).
+checkpoints store the expert matrices in MXFP4 (`gate_up_proj_blocks` / `_scales`), which
+are dequantized on load (models/mxfp4.py, hf_checkpoint).
 
 Shapes: N rows, C hidden, E experts, I expert width, nh heads, hs head size, T sequence.
 """

@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from appliance import models
 from appliance.errors import ModelError, appliance_command
-from appliance.models import hf_config, multimodal
+from appliance.models import hf_config, multimodal, mxfp4
 from appliance.models.layers import ModelArgs
 from appliance.storage.checkpoints import json_object
 from appliance.storage.names import why_outside
@@ -293,6 +293,15 @@ class SafetensorsCheckpoint:
         self._stored = multimodal.language_names(files)
         self._name = {stored: name for name, stored in self._stored.items()}
         self.files = {self._name.get(stored, stored): path for stored, path in files.items()}
+        # MXFP4 tensors (gpt-oss's released experts, models/mxfp4.py): presented under their own
+        # name, dequantized when read; name → (its blocks' name, its scales' name)
+        self.packed = mxfp4.packed_pairs(self.files)
+        self._packed_files: dict[str, tuple[Path, Path]] = {}  # name → its parts' files
+        # read "as stored" (dtype None: the export), they take the dtype config.json gives
+        self.packed_dtype = _config_dtype(self.dir) if self.packed else torch.bfloat16
+        for name, (blocks, scales) in self.packed.items():
+            self._packed_files[name] = (self.files.pop(blocks), self.files.pop(scales))
+            self.files[name] = self._packed_files[name][0]
 
     def stored_name(self, name: str) -> str:
         """The name a tensor has in the files."""
@@ -317,9 +326,25 @@ class SafetensorsCheckpoint:
         for path, group in by_file.items():
             with _opened(path) as f:
                 for n in group:
+                    if n in self.packed:  # MXFP4: dequantized (bf16 "as stored")
+                        out[n] = self._dequantized(n, dtype or self.packed_dtype)
+                        continue
                     t = f.get_tensor(self.stored_name(n))
                     out[n] = t if dtype is None else t.to(dtype)
         return out
+
+    def _dequantized(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """An MXFP4 tensor (`name`_blocks and `name`_scales) in `dtype`."""
+        parts = []
+        for stored, path in zip(self.packed[name], self._packed_files[name], strict=True):
+            with _opened(path) as f:
+                parts.append(f.get_tensor(self.stored_name(stored)))
+        blocks, scales = parts
+        try:
+            mxfp4.dequantized_shape(tuple(blocks.shape), tuple(scales.shape), name)
+        except ValueError as e:
+            raise ModelError(f"{self.dir}: {e}") from None
+        return mxfp4.dequantize(blocks, scales, dtype)
 
     def check(self, args: ModelArgs) -> None:
         """Before any weight is read: every tensor the model needs is in a readable file, with
@@ -342,7 +367,23 @@ class SafetensorsCheckpoint:
                 for stored in f.keys():
                     s = f.get_slice(stored)
                     out[self.name_of(stored)] = (tuple(s.get_shape()), s.get_dtype())
+        for name, (blocks, scales) in self.packed.items():  # MXFP4: the dequantized tensor
+            shape = self.packed_shape(name, out.pop(blocks), out.pop(scales))
+            out[name] = (shape, _ST_NAMES.get(self.packed_dtype, "BF16"))
         return out
+
+    def packed_shape(self, name: str, blocks: tuple, scales: tuple) -> tuple[int, ...]:
+        """The dequantized shape of an MXFP4 tensor from its parts' (shape, dtype); a
+        ModelError naming it when they are not the released layout."""
+        if blocks[1] != "U8" or scales[1] != "U8":
+            raise ModelError(
+                f"{self.dir}: {name}: MXFP4 blocks and scales must be uint8, not "
+                f"{blocks[1]} and {scales[1]}"
+            )
+        try:
+            return mxfp4.dequantized_shape(blocks[0], scales[0], name)
+        except ValueError as e:
+            raise ModelError(f"{self.dir}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -353,7 +394,10 @@ class TensorLocation:
     offset: int  # absolute byte offset in the file
     nbytes: int
     shape: tuple[int, ...]
-    dtype: str  # safetensors name: 'BF16', 'F32', ...
+    dtype: str  # safetensors name: 'BF16', 'F32', ...; 'MXFP4': the blocks (below)
+    # MXFP4 (models/mxfp4.py): this location is the codes' (`_blocks`), this the scales', and
+    # `shape` the dequantized tensor's
+    scales: TensorLocation | None = None
 
 
 # safetensors dtype names → torch (the ones a weight can have; others are refused by name)
@@ -369,6 +413,18 @@ ST_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+
+
+_ST_NAMES = {t: name for name, t in ST_DTYPES.items()}
+
+
+def _config_dtype(model_dir: Path) -> torch.dtype:
+    """The floating dtype config.json names (`dtype`, or `torch_dtype` as older transformers
+    wrote it), bfloat16 where it names none."""
+    cfg = json_object(model_dir / "config.json") or {}
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.bfloat16
 
 
 def tensor_locations(ckpt: SafetensorsCheckpoint) -> dict[str, TensorLocation]:
@@ -403,6 +459,10 @@ def tensor_locations(ckpt: SafetensorsCheckpoint) -> dict[str, TensorLocation]:
             out[name] = TensorLocation(
                 path, 8 + n + begin, end - begin, tuple(meta["shape"]), meta["dtype"]
             )
+    for name, (blocks, scales) in ckpt.packed.items():  # MXFP4: one location of both parts
+        b, s = out.pop(blocks), out.pop(scales)
+        shape = ckpt.packed_shape(name, (b.shape, b.dtype), (s.shape, s.dtype))
+        out[name] = TensorLocation(b.path, b.offset, b.nbytes, shape, "MXFP4", s)
     return out
 
 

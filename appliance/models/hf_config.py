@@ -384,14 +384,13 @@ def _moe_fields(arch: str, cfg: dict, where: Path, common: dict[str, Any]) -> di
 def _gpt_oss_fields(cfg: dict, where: Path, num_layers: int) -> dict[str, Any]:
     """gpt-oss (models/gpt_oss.py): YaRN RoPE, alternating sliding/full layers, biases on every
     projection, top-k-then-softmax routing. Its released checkpoints' MXFP4 experts are
-    refused by name (dequantize them first)."""
+    dequantized on load (hf_checkpoint, models/mxfp4.py); another quantization is refused."""
     qc = cfg.get("quantization_config") or {}
-    if qc:
+    if qc and qc.get("quant_method") != "mxfp4":
         method = qc.get("quant_method", "?")
         raise ModelError(
-            f"{where}: quantization_config (quant_method {method!r}: the experts stored "
-            "quantized) is not supported; dequantize the model first: load it with "
-            "transformers' Mxfp4Config(dequantize=True) and save_pretrained it"
+            f"{where}: quantization_config (quant_method {method!r}) is not supported; "
+            "supported: the released MXFP4 experts (quant_method 'mxfp4'), or none"
         )
     for key, default in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):
         if float(cfg.get(key, default)) != default:

@@ -5,6 +5,8 @@ report.py    `appliance plan`: the estimate at the chosen micro-batches, as JSON
 fixes.py     what to change when it does not fit
 auto.py      --micro-batches-per-step auto, measured on this GPU
 doctor.py    `appliance doctor`: this machine checked against what a run needs
+software.py  doctor's checks of the box's software and devices (Python, torch, GPUs, Triton)
+experts.py   a mixture of experts: the share of a streamed block's experts expected to move
 full.py      a full fine-tune's host side: memory per parameter, gradients device→host, AdamW
 """
 

@@ -21,19 +21,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import resource
 import shutil
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from appliance.actors.trainer import resolve_dtype
 from appliance.cluster.start import RAM_RESERVE_FRACTION, object_store_bytes, shm_gib_for
 from appliance.config import DEFAULT_METRICS_PORT, TrainConfig
-from appliance.engine.blocks import dtype_from_name
 from appliance.errors import ApplianceError, ConfigError, first_line
-from appliance.hardware.gpu_monitor import _import_pynvml
 from appliance.hardware.host import HUGE_POLICIES, tmpfs_huge_policy
 from appliance.hardware.measure import (
     cgroup_memory_headroom,
@@ -49,7 +44,7 @@ from appliance.metrics.endpoint import (
 )
 from appliance.models import param_count
 from appliance.models.layers import ModelArgs
-from appliance.plan import full
+from appliance.plan import experts, full
 from appliance.plan.estimate import (
     TOKENIZER_WORKER_BYTES,
     TOKENIZER_WORKERS,
@@ -58,21 +53,23 @@ from appliance.plan.estimate import (
     globals_bytes,
     smaller_quants,
 )
-from appliance.quant import reference
+from appliance.plan.software import (  # noqa: F401 - check_triton: tests import it here
+    Check,
+    auto_dtype,
+    check_gpus,
+    check_python,
+    check_quantizers,
+    check_torch,
+    check_triton,
+)
 from appliance.storage import localize as s3_cache
 from appliance.storage import uri as storage
 
 GiB, MiB = 2**30, 2**20
 SHM_ENV = "APPLIANCE_SHM_DIR"
-MIN_PYTHON = (3, 10)
-
-
-@dataclass
-class Check:
-    name: str
-    status: str  # ok | warn | fail
-    detail: str
-    fix: str = ""
+_TRAIN = TrainConfig()
+# one trainer's tokens a step at train's default shape (doctor's --tokens-per-step default)
+TRAIN_TOKENS_PER_STEP = _TRAIN.seq_len * _TRAIN.micro_batch_size * _TRAIN.micro_batches_per_step
 
 
 @dataclass(frozen=True)
@@ -127,84 +124,6 @@ def needs_for(
 # ---------------------------------------------------------------- the checks
 
 
-def check_python() -> Check:
-    v = sys.version_info
-    ok = v[:2] >= MIN_PYTHON
-    return Check(
-        "python",
-        "ok" if ok else "fail",
-        f"Python {platform.python_version()} ({sys.executable})",
-        "" if ok else f"use Python ≥ {'.'.join(map(str, MIN_PYTHON))}",
-    )
-
-
-def check_torch() -> Check:
-    import torch
-
-    cuda = torch.version.cuda
-    driver = _driver_version()
-    detail = f"torch {torch.__version__}, CUDA {cuda or 'none (a CPU build)'}"
-    if driver:
-        detail += f", driver {driver}"
-    if cuda is None:
-        return Check("torch", "warn", detail, "install a CUDA build of torch to train on a GPU")
-    if not torch.cuda.is_available():
-        return Check(
-            "torch",
-            "warn",
-            detail + "; CUDA not usable here",
-            "check the driver (nvidia-smi) and that the container sees the GPU (--gpus all)",
-        )
-    return Check("torch", "ok", detail)
-
-
-def _driver_version() -> str | None:
-
-    pynvml = _import_pynvml()
-    if pynvml is None:
-        return None
-    try:
-        pynvml.nvmlInit()
-        v = pynvml.nvmlSystemGetDriverVersion()
-        return v.decode() if isinstance(v, bytes) else str(v)
-    except Exception:  # no driver, no NVML: nothing to report
-        return None
-
-
-def check_gpus(device: str) -> Check:
-    import torch
-
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if n == 0:
-        if device == "cuda":
-            return Check(
-                "gpus", "fail", "--device cuda, but no GPU is visible", "use --device cpu or auto"
-            )
-        return Check(
-            "gpus",
-            "warn",
-            "no GPU visible: training runs on the CPU (fp32; slow beyond tiny models)",
-            "run on a GPU box (docker run --gpus all ...)",
-        )
-    parts, no_bf16 = [], []
-    for i in range(n):
-        p = torch.cuda.get_device_properties(i)
-        with torch.cuda.device(i):
-            bf16 = auto_dtype("cuda") == torch.bfloat16  # Ampere and newer: bf16 tensor cores
-        parts.append(f"{i}: {p.name} {p.total_memory / GiB:.1f} GiB{'' if bf16 else ' (no bf16)'}")
-        if not bf16:
-            no_bf16.append(str(i))
-    if no_bf16:
-        return Check(
-            "gpus",
-            "warn",
-            "; ".join(parts),
-            f"GPU {','.join(no_bf16)} has no bf16: --dtype auto trains in float16 with loss "
-            "scaling there (an Ampere+ card has bf16's range)",
-        )
-    return Check("gpus", "ok", "; ".join(parts))
-
-
 def shm_dir() -> Path:
     return Path(os.environ.get(SHM_ENV) or "/dev/shm")
 
@@ -251,58 +170,6 @@ def check_shm_pages() -> Check:
         "on the host, mount a tmpfs with huge=within_size and give it to the container as "
         "/dev/shm (docker run -v HOSTDIR:/dev/shm; docker's --tmpfs refuses huge=)",
     )
-
-
-def check_quantizers(base_quant: str) -> Check:
-    """Whether the fused C quantizers (appliance/quant/_quantize.c) were built at install: without them
-    --base-quant int8|nf4 codes the same values with PyTorch, ~5x slower to load."""
-    import importlib
-
-    try:
-        ext = importlib.import_module("appliance.quant._quantize")
-    except ImportError as e:
-        detail = f"the fused C kernels are not built ({e})"
-        if base_quant == "none":
-            return Check("quantizers", "ok", detail + "; only --base-quant int8|nf4 uses them")
-        return Check(
-            "quantizers",
-            "warn",
-            detail + f": --base-quant {base_quant} quantizes with PyTorch, ~5x slower to load",
-            "reinstall the appliance where a C compiler and Python's headers are present "
-            "(e.g. apt-get install gcc python3-dev; pip install --force-reinstall --no-deps .)",
-        )
-    return Check(
-        "quantizers", "ok", f"fused C kernels built ({Path(ext.__file__).name}, {ext.isa()})"
-    )
-
-
-def check_triton(cuda: bool) -> Check:
-    """On a GPU: whether Triton's kernels launch here. Triton builds each kernel's launcher with
-    the system C compiler (`CC`, else cc/gcc/clang) at its first launch; without one the fused
-    dequant of --base-quant falls back to PyTorch (slower, said only in the trainer's log), and
-    torch.compile and the packed rows' flex_attention fail."""
-    if not cuda:
-        return Check("triton", "ok", "no CUDA GPU: Triton's kernels are not used")
-    compiler = os.environ.get("CC") or next(
-        (c for c in ("cc", "gcc", "clang") if shutil.which(c)), None
-    )
-    if compiler is None:
-        return Check(
-            "triton",
-            "warn",
-            "no C compiler (CC, cc, gcc, clang): Triton cannot build its kernels' launchers, so "
-            "the fused dequant runs as PyTorch and torch.compile / flex_attention fail",
-            "install one (apt-get install gcc libc6-dev python3-dev; the appliance image has it)",
-        )
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        ok = reference._gpu_kernels() is not None
-    if not ok:
-        why = str(caught[-1].message) if caught else "Triton's kernels did not launch"
-        return Check("triton", "warn", why, "check the Triton install against this torch")
-    return Check("triton", "ok", f"fused dequant kernels launch (C compiler: {compiler})")
 
 
 def check_ram(needs: Needs | None) -> Check:
@@ -503,12 +370,6 @@ def check_s3(model: str) -> Check:
 # ---------------------------------------------------------------- running them
 
 
-def auto_dtype(device: str):
-    """The torch dtype `--dtype auto` trains in on `device` (cpu | cuda; a GPU: the current one)."""
-
-    return dtype_from_name(resolve_dtype("auto", device))
-
-
 def resolve_cuda(device: str) -> bool:
     import torch
 
@@ -534,8 +395,11 @@ def run_checks(
     base_quant: str = "none",
     device: str = "auto",
     metrics_port: int | None = None,
+    tokens_per_step: int | None = None,
 ) -> list[Check]:
-    """Every check, in order. Reads the model's config.json only."""
+    """Every check, in order. Reads the model's config.json only. `tokens_per_step`: one
+    trainer's tokens a step, for a mixture of experts' expected share of experts moved
+    (default: train's shape)."""
     checks = [check_python(), check_torch(), check_gpus(device)]
     cuda = resolve_cuda(device)
     needs = None
@@ -550,6 +414,10 @@ def run_checks(
             needs = needs_for(args, cuda, base_quant)
         except ApplianceError as e:
             checks.append(Check("model", "fail", first_line(e), "fix --model/--preset"))
+        else:
+            if args.num_experts:  # plan/experts.py: active parameters, experts expected to move
+                tokens = tokens_per_step or TRAIN_TOKENS_PER_STEP
+                checks.append(Check("moe", "ok", experts.doctor_line(args, base_quant, tokens)))
     checks += [
         check_shm(needs),
         check_shm_pages(),
@@ -582,8 +450,11 @@ def run_doctor(
     device: str,
     metrics_port: int | None,
     as_json: bool,
+    tokens_per_step: int | None = None,
 ) -> int:
     """Print the checks; returns the exit status (1 when any check fails)."""
+    if tokens_per_step is not None and tokens_per_step < 1:
+        raise ConfigError(f"--tokens-per-step must be ≥ 1 (got {tokens_per_step})")
     if model is not None and preset is not None:
         raise ConfigError("give --model or --preset, not both")
     if base_quant not in ("none", "int8", "nf4"):
@@ -591,7 +462,7 @@ def run_doctor(
 
     if metrics_port is not None and not is_tcp_port(metrics_port):  # train's rule, up front
         raise ConfigError(port_range_error(metrics_port))
-    checks = run_checks(model, preset, base_quant, device, metrics_port)
+    checks = run_checks(model, preset, base_quant, device, metrics_port, tokens_per_step)
     failed = any(c.status == "fail" for c in checks)
     if as_json:
         print(json.dumps({"ok": not failed, "checks": [asdict(c) for c in checks]}, indent=2))

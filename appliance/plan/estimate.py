@@ -58,7 +58,7 @@ from appliance.models import (
 )
 from appliance.models.hf_checkpoint import block_shapes, read_model_args, seq_len_problems
 from appliance.models.layers import ModelArgs
-from appliance.plan import full
+from appliance.plan import experts, full
 from appliance.quant import is_linear_weight, quantized_nbytes
 from appliance.storage import uri as storage
 
@@ -387,7 +387,12 @@ def evaluate(p: PlanInput, micro_batches: int) -> dict:
     uploads = (full.blocks_uploaded_per_step if p.full else blocks_uploaded_per_step)(
         L, mem.resident_blocks
     )
-    streamed = uploads * mem.block_bytes
+    # a MoE block streamed by expert moves its dense part and the experts routed to: the
+    # expected share at this trainer's tokens per block pass (plan/experts.py)
+    moe = experts.moe_share(args, p.base_quant, tokens_per_trainer)
+    saved = experts.saved_bytes_per_copy(args, p.dtype_bytes, moe["expected_share_per_copy"]) if (
+        moe and moe["streamed_by_expert"]) else 0  # fmt: skip
+    streamed = uploads * (mem.block_bytes - saved)
     flops = step_flops(args, tokens_per_trainer) * (8 / 6 if p.full else 1)  # + weight grads
     h2d_s, compute_s = streamed / card.h2d_bytes_per_second, flops / card.flops_per_second
     floor = max(h2d_s, compute_s)
@@ -405,6 +410,8 @@ def evaluate(p: PlanInput, micro_batches: int) -> dict:
             "gpu_grad_bytes": full.gpu_grad_bytes(args, p.dtype_bytes, p.freeze_embeddings),
             "binds": full.binds(seconds),
         }
+    if moe is not None:
+        extra["moe"] = moe
     tokens_per_step = p.gpus * tokens_per_trainer
     host = host_bytes(p, mem)
     host_fits = host["ram_needed"] <= host_ram_bytes(p)

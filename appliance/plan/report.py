@@ -125,6 +125,7 @@ def format_plan(r: dict) -> str:
         f"  crossover T*                   {r['crossover_tokens_per_step']:.4g} tokens per GPU "
         "step (compute-bound above it)",
     ]
+    lines += _moe_lines(r)
     lines += _full_lines(r)
     if "steps" in r:
         lines += [
@@ -164,6 +165,25 @@ def run_plan(p: PlanInput, as_json: bool) -> dict:
     r = make_plan(p)
     print(json.dumps(r, indent=2) if as_json else format_plan(r))
     return r
+
+
+def _moe_lines(r: dict) -> list[str]:
+    """A mixture of experts: the share of a streamed block's experts expected to move
+    (plan/experts.py)."""
+    m = r.get("moe")
+    if m is None:
+        return []
+    if not m["streamed_by_expert"]:
+        return [
+            f"  experts moved                  all {m['experts']} (these blocks cross whole: "
+            "experts fused in one tensor, or a quantized base)"
+        ]
+    return [
+        f"  experts moved                  {m['expected_share']:.1%} of each streamed block's "
+        f"{m['experts']} (top {m['top_k']}, T = {m['routed_tokens_per_block_pass']} routed "
+        f"tokens per block pass: 1 − (1 − k/E)^T, routing assumed uniform); "
+        f"{m['expected_share_per_copy']:.1%} per copy with the forward's prediction"
+    ]
 
 
 def _full_lines(r: dict) -> list[str]:

@@ -21,7 +21,7 @@ from appliance.engine.blocks import dtype_from_name
 from appliance.engine.full import family_problem
 from appliance.errors import NOT_FOUND, ConfigError, StorageError, appliance_command
 from appliance.hardware.host import ram_available_bytes
-from appliance.models import TARGETS, resolve_targets
+from appliance.models import TARGETS, compile_blocks_note, resolve_targets
 from appliance.models.hf_checkpoint import (
     SafetensorsCheckpoint,
     block_shapes,
@@ -122,6 +122,8 @@ def resolve_inputs(cfg: TrainConfig, where: str | None = None) -> Inputs:
         SafetensorsCheckpoint(model_dir).check(args)
         # what the text model leaves out: a vision tower, Qwen3.5's multi-token prediction
         model_notes = skipped_notes(SafetensorsCheckpoint(model_dir), args)
+    if cfg.compile_blocks and (note := compile_blocks_note(args)):
+        model_notes.append(note)
     check_box(cfg, args)  # /dev/shm, RAM: fail in seconds, not with an OOM kill later
     if not has_weights:
         SafetensorsCheckpoint(model_dir).check(args)  # names what is missing

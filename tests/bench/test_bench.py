@@ -45,7 +45,7 @@ ROW_FIELDS = {
     "step_seconds", "step_seconds_min", "tokens_per_second", "flops_per_step",
     "floor_h2d_seconds", "floor_compute_seconds", "floor_seconds", "ratio",
     "h2d_bytes_per_step", "h2d_seconds_per_step", "h2d_stall_seconds_per_step",
-    "offload_h2d_bytes_per_step",
+    "offload_h2d_bytes_per_step", "expert_share",
     "gpu_busy_seconds_per_step", "gpu_busy_ratio", "host_issue_ratio", "phase_seconds", "losses",
     "peak_gpu_bytes",
     "streamed_blocks", "bandwidth_bytes_per_second", "step_seconds_median",

@@ -19,6 +19,7 @@ from appliance import models
 from appliance.engine.blocks import DictBlockSource
 from appliance.engine.step import StreamedEngine
 from appliance.models import rope
+from appliance.models.presets import PRESETS
 from tests.engine.test_engine_parity import RTOL
 from tests.helpers_model import SPEC, batch, lora_with_random_b, make_model, rel_err
 
@@ -90,3 +91,27 @@ def test_a_layer_is_compiled_as_the_first_layer_with_its_window(tmp_path):
     windows = [args.window(i) for i in range(args.num_layers)]
     assert windows[0] != windows[1] and windows[2] == windows[0]  # sliding, full, sliding
     assert [models.first_layer_like(args, i) for i in range(3)] == [0, 1, 0]
+
+
+def test_a_mixture_of_experts_runs_eager_under_compile_blocks_and_says_so(tmp_path):
+    """--compile-blocks with a MoE model: its blocks run eager (the expert loop's data-dependent
+    shapes would break Dynamo's graph at every expert), so the step equals the eager one bit for
+    bit and nothing is compiled; train's notes say so (models.compile_blocks_note)."""
+    model_dir = make_model(tmp_path / "model", "qwen3-moe", with_tokenizer=False)
+    source = DictBlockSource.from_hf(model_dir, torch.float32)
+    ids, labels = batch(2, 12)
+    results = []
+    for compiled in (False, True):
+        graphs = counters["stats"]["unique_graphs"]
+        lora = lora_with_random_b(source.args, SPEC)
+        engine = StreamedEngine(source, lora, compile_blocks=compiled)
+        loss, _, _ = engine.forward_backward([(ids, labels)], step=0)
+        results.append((loss, [p.grad for p in lora.parameters()]))
+        assert counters["stats"]["unique_graphs"] == graphs
+    (loss_e, grads_e), (loss_c, grads_c) = results
+    assert loss_c == loss_e
+    assert all(torch.equal(c, e) for c, e in zip(grads_c, grads_e, strict=True))
+    assert models.compile_blocks_note(source.args).startswith(
+        "--compile-blocks: the mixture-of-experts blocks run eager"
+    )
+    assert models.compile_blocks_note(PRESETS["qwen3-8b"].args) is None

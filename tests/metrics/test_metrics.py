@@ -67,6 +67,7 @@ def full_trainer_stats(step: int = 1) -> dict[str, Any]:
         "h2d_bytes": 1 << 30,
         "h2d_seconds": 0.5,
         "dequant_seconds": 0.03,
+        "expert_share": 0.4,  # a MoE model streamed by expert
         "flops": 1.5e12,
         "mfu": None,  # derived from flops / step_seconds / peak_flops
         "gpu_busy_ratio": 0.8,
@@ -306,6 +307,7 @@ def test_trainer_record_step(fake_ray):
     assert got[("appliance_gpu_nvml_utilization_ratio", None)][1] == 0.9
     assert got[("appliance_learning_rate", None)][1] == 3e-4
     assert got[("appliance_dequant_seconds", None)][:2] == ("inc", 0.03)
+    assert got[("appliance_expert_share_ratio", None)][1] == 0.4
 
 
 def test_trainer_record_step_on_cpu_leaves_gpu_metrics_absent(fake_ray):
@@ -319,6 +321,7 @@ def test_trainer_record_step_on_cpu_leaves_gpu_metrics_absent(fake_ray):
         "appliance_gpu_nvml_utilization_ratio",
         "appliance_gpu_memory_allocated_bytes",
         "appliance_h2d_bytes",
+        "appliance_expert_share_ratio",  # a dense model
     }
     phases = {t["phase"] for n, _, _, t in fake_ray if n == "appliance_phase_seconds"}
     assert phases == {"forward", "backward"}  # zero seconds: nothing to add to a counter

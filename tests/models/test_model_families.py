@@ -150,9 +150,9 @@ def test_gemma3_configs_of_either_transformers_generation_read_the_same(tmp_path
         ("Qwen3MoeForCausalLM", dict(num_experts_per_tok=200), "num_local_experts=128 with "
          "num_experts_per_tok=200"),
         ("MixtralForCausalLM", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
-        ("GptOssForCausalLM", dict(quantization_config={"quant_method": "mxfp4"}),
-         "quantization_config (quant_method 'mxfp4': the experts stored quantized) is not "
-         "supported; dequantize the model first"),
+        ("GptOssForCausalLM", dict(quantization_config={"quant_method": "fp8"}),
+         "quantization_config (quant_method 'fp8') is not supported; supported: the released "
+         "MXFP4 experts"),
         ("GptOssForCausalLM", dict(swiglu_limit=8.0), "swiglu_limit=8.0 is not supported"),
         ("LlamaForCausalLM", dict(architectures=["LlavaForConditionalGeneration"],
                                   vision_config={"model_type": "clip_vision_model"}),

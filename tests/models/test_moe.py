@@ -292,3 +292,29 @@ def test_expert_granular_streaming_equals_whole_blocks_bit_for_bit_and_moves_onl
     whole = sum(t.numel() * 4 for t in block.values())
     assert moved_w["h2d_bytes"] == (2 * L - 1) * whole
     assert moved_e["h2d_bytes"] == (2 * L - 1) * (whole - 4 * expert_bytes)
+    # the share of experts moved (step stats, bench, metrics): 4 of 8 in every copy
+    assert moved_e["expert_share"] == 0.5 and moved_w["expert_share"] is None
+
+
+def test_a_forward_prefetches_the_experts_its_previous_pass_routed_to(tmp_path):
+    """The second pass of a block's forward finds the experts its first pass routed to already
+    copied with the block (no on-demand copy: `expert_waits` 0), moves the same share of each
+    block, and gives the same loss as whole-block streaming."""
+    model_dir = make_model(tmp_path / "model", "mixtral", with_tokenizer=False,
+                           num_local_experts=8, output_router_logits=False)  # fmt: skip
+    source = _skewed(DictBlockSource.from_hf(model_dir, torch.float32))
+    ids, labels = batch(4, 16, seed=8)
+    mbs = [(ids[:2], labels[:2]), (ids[2:], labels[2:])]
+    losses, moved = [], []
+    for by_expert in (True, False):
+        engine = StreamedEngine(source, lora_with_random_b(source.args, WITH_EXPERTS),
+                                copy_blocks=True, expert_streaming=by_expert)  # fmt: skip
+        for _ in range(2):
+            losses.append(engine.forward_backward(mbs, 0)[0])
+            moved.append(engine.weights.take_timings())
+    first, second = moved[:2]
+    assert first["expert_waits"] > 0 and second["expert_waits"] == 0
+    # the same share of each block copied as on the first pass (block 0 stays between passes)
+    assert second["h2d_bytes"] * moved[2]["h2d_bytes"] == first["h2d_bytes"] * moved[3]["h2d_bytes"]
+    assert second["expert_share"] == 0.5
+    assert losses[0] == losses[1] == losses[2] == losses[3]
