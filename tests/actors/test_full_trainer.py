@@ -132,13 +132,18 @@ def test_a_checkpoint_and_the_model_are_written_a_file_at_a_time(tmp_path):
 
 def test_another_models_or_a_lora_runs_state_is_refused_in_one_line(model_dir, tmp_path):
     other = make_model(tmp_path / "other", "qwen3-qknorm-tied", intermediate_size=96)
+    shallow = make_model(tmp_path / "shallow", "qwen3-qknorm-tied", num_hidden_layers=2)
     # (a store owns its home: it is kept while its trainers map it)
-    stores = [WeightStore(d, "float32", writable=True) for d in (model_dir, other)]
+    stores = [WeightStore(d, "float32", writable=True) for d in (model_dir, other, shallow)]
     mine = FullTrainer(stores[0].handles(), settings(model_dir))
     theirs = FullTrainer(stores[1].handles(), settings(other))
     with pytest.raises(CheckpointError, match=r"^--resume: part 0: mlp\.\w+\.weight is shape .*"
                        r"another model's; resume with the model it trained$"):  # fmt: skip
         mine.load_state_bytes([theirs.state_bytes(), *theirs.part_bytes()])
+    fewer = FullTrainer(stores[2].handles(), settings(shallow))
+    with pytest.raises(CheckpointError, match=r"^--resume: the optimizer state has 3 parts, "
+                       r"this model 4: it is another model's; resume with the model it trained$"):  # fmt: skip
+        mine.load_state_bytes([fewer.state_bytes(), *fewer.part_bytes()])
     lora = Trainer(WeightStore(model_dir, "float32").handles(), settings(model_dir))
     with pytest.raises(CheckpointError, match="LoRA run's .* --finetuning-type lora$"):
         mine.load_state_bytes(lora.state_bytes())
