@@ -166,3 +166,20 @@ def test_a_full_checkpoint_and_model_on_s3_restore_exactly(model_dir, s3_bucket)
     assert b.restore_latest_checkpoint(out)["name"] == "step-000001"
     assert b.engine.train_step(micro_batches(1), 1e-3).loss == expected
     store.close()
+
+
+def test_a_streamed_shard_reads_back_with_safetensors_in_every_trained_dtype():
+    from safetensors.torch import load
+
+    from appliance.actors.full_files import safetensors_chunks
+
+    tensors = {
+        "a": torch.randn(3, 5).bfloat16(),
+        "b": torch.randn(7).half(),
+        "c": torch.randn(2, 2)[:, 0],  # not contiguous: copied, alone
+        "d": torch.zeros(0, 4),
+    }
+    back = load(b"".join(bytes(c) for c in safetensors_chunks(tensors)))
+    assert back.keys() == tensors.keys()
+    for k, t in tensors.items():
+        assert back[k].dtype == t.dtype and torch.equal(back[k], t), k
