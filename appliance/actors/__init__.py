@@ -8,6 +8,8 @@ Ray (the tests and the bench use them directly).
                         saves adapters and checkpoints
     full_trainer.py     FullTrainer: a Trainer that trains every weight (--finetuning-type full)
                         and writes the whole model in the Hugging Face layout
+    full_files.py       its files: weight shards streamed from the host weights, the optimizer
+                        a part a file
     weight_home.py      WeightHome: the writable /dev/shm file a full fine-tune's store owns
 """
 

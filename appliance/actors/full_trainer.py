@@ -1,13 +1,13 @@
 """FullTrainer: a Trainer (actors/trainer.py) whose engine trains every weight
 (engine/full.py), and whose output is the whole model in the Hugging Face layout.
 
-What it writes, in a checkpoint (`model/...`) and at the end of a run (at the top of --output):
-`config.json` (the base model's, its dtype the compute dtype), the weights as
-`model.safetensors`, or `model-0000k-of-0000N.safetensors` shards with
-`model.safetensors.index.json` past SHARD_BYTES (transformers' own names and index), and the base
-model's tokenizer and generation files: a directory `AutoModelForCausalLM.from_pretrained` loads
-as it is. The checkpoint's `trainer_state.pt` holds the fp32 master weights and AdamW moments
-(engine/host_adam.py), so a resume continues the exact run in any compute dtype.
+What it writes (actors/full_files.py), in a checkpoint and at the end of a run: the model as
+`AutoModelForCausalLM.from_pretrained` loads it (under `model/` in a checkpoint, at the top of
+--output at the end), each weight shard streamed from the host weights as it is written; in a
+checkpoint, beside it, the fp32 master weights and AdamW moments a part at a time
+(`optimizer/<part>.pt`) and a small `trainer_state.pt` (step, RNG, part names), so a resume
+continues the exact run in any compute dtype. A restore reads the parts one at a time too (each
+checked against the manifest as it is read), and never the model's shards.
 
 Its weights live in the weight store's writable home (actors/weight_home.py), which outlives a
 trainer: a recreated trainer puts the checkpoint's weights back into it, or, when the run has
@@ -17,44 +17,37 @@ no checkpoint yet, the base model's (read again from its files).
 from __future__ import annotations
 
 import io
-import json
-import re
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors.torch import save as safetensors_bytes
 
-from appliance.actors.trainer import BIG_FILES, Trainer, UntrustedState
+from appliance.actors.full_files import (
+    HF_CONFIG,
+    INDEX,
+    MODEL_DIR,
+    OPTIMIZER_DIR,
+    SHARD_BYTES,
+    model_files,
+    part_file,
+    torch_bytes,
+    written_files,
+)
+from appliance.actors.trainer import BIG_FILES, TRAINER_STATE, Trainer, UntrustedState
 from appliance.engine.full import FullFinetuneEngine
 from appliance.errors import first_line
 from appliance.models import hf_checkpoint
 from appliance.storage import uri as storage
-from appliance.storage.checkpoints import CheckpointError
+from appliance.storage.checkpoints import (
+    CheckpointError,
+    FileData,
+    load_latest_checkpoint,
+    read_file,
+    write_file,
+)
 from appliance.storage.localize import localize_model
 
-MODEL_DIR = "model"  # a checkpoint's copy of the model, in the Hugging Face layout
-HF_CONFIG = "config.json"
-SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
-INDEX = "model.safetensors.index.json"
-# the base model's files that go beside the weights as they are
-COPIED = ("generation_config.json", "special_tokens_map.json", "chat_template.jinja")
-
-
-_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-
-
-def written_files(names: list[str]) -> list[str]:
-    """Of the file names at the top of an --output (relative, '/'-separated), those a full
-    fine-tune writes there (`write_adapter`), config.json first: what --overwrite removes."""
-    top = [n for n in names if "/" not in n]
-    ours = [
-        n
-        for n in top
-        if n in ("model.safetensors", INDEX, *COPIED)
-        or _SHARD.match(n)
-        or n.startswith("tokenizer")
-    ]
-    return ([HF_CONFIG] if HF_CONFIG in top else []) + sorted(ours)
+__all__ = ["INDEX", "FullTrainer", "written_files"]
 
 
 class FullTrainer(Trainer):
@@ -69,49 +62,28 @@ class FullTrainer(Trainer):
         )
 
     def _big(self, name: str) -> bool:
-        return name in BIG_FILES or name.startswith(f"{MODEL_DIR}/")
+        return name in BIG_FILES or name.startswith((f"{MODEL_DIR}/", f"{OPTIMIZER_DIR}/"))
 
-    # ------------------------------------------------------------ the model files
+    # ------------------------------------------------------------ the files
 
-    def model_files(self) -> dict[str, bytes]:
-        """The trained model as file name → bytes, in the Hugging Face layout (module doc)."""
+    def model_files(self) -> dict[str, FileData]:
+        """The trained model as file name → bytes or Stream (actors/full_files.py)."""
         weights = self.engine.named_weights()
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for name, t in weights.items():
-            n = t.numel() * t.element_size()
-            if shards[-1] and size + n > self.shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][name] = t.contiguous()
-            size += n
-        files: dict[str, bytes] = {}
-        if len(shards) == 1:
-            files["model.safetensors"] = safetensors_bytes(shards[0], {"format": "pt"})
-        else:
-            weight_map = {}
-            for k, shard in enumerate(shards, 1):
-                fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-                files[fname] = safetensors_bytes(shard, {"format": "pt"})
-                weight_map.update(dict.fromkeys(shard, fname))
-            total = sum(t.numel() * t.element_size() for t in weights.values())
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            files[INDEX] = json.dumps(index, indent=2).encode()
-        base = self._base_dir()
-        config = json.loads((base / HF_CONFIG).read_text())
-        config["torch_dtype"] = config["dtype"] = self.settings.dtype
-        for f in sorted(base.iterdir()):
-            if f.name in COPIED or f.name.startswith("tokenizer"):
-                files[f.name] = f.read_bytes()
-        files[HF_CONFIG] = json.dumps(config, indent=2).encode()
-        return files
+        return model_files(weights, self.shard_bytes, self._base_dir(), self.settings.dtype)
 
     def _base_dir(self) -> Path:
         return Path(localize_model(self.settings.model))
 
-    def adapter_files(self) -> dict[str, bytes]:
-        """What a checkpoint holds besides the trainer state: the model, under model/."""
-        return {f"{MODEL_DIR}/{k}": v for k, v in self.model_files().items()}
+    def adapter_files(self) -> dict[str, FileData]:
+        """What a checkpoint holds besides trainer_state.pt: the model under model/, and each
+        part's masters and moments, serialised only when its file is written."""
+        files = {f"{MODEL_DIR}/{k}": v for k, v in self.model_files().items()}
+        for part in self.engine.host.master:
+            files[part_file(part)] = self._part_stream(part)
+        return files
+
+    def _part_stream(self, part: str):
+        return lambda: [torch_bytes(self.engine.part_state(part))]
 
     def write_adapter(self, output: str) -> None:
         """Publish the trained model at the top of `output`: every file, config.json last (a
@@ -122,50 +94,138 @@ class FullTrainer(Trainer):
             storage.delete(config_uri)
         for name in sorted(files):
             if name != HF_CONFIG:
-                storage.write_bytes(storage.join(output, name), files[name])
+                write_file(storage.join(output, name), files[name])
         storage.write_bytes(config_uri, files[HF_CONFIG])
 
     # ------------------------------------------------------------ state
 
     def state_bytes(self) -> bytes:
-        buf = io.BytesIO()
+        """trainer_state.pt: the step, the RNG and the names of the parts whose files hold the
+        masters and moments (adapter_files)."""
         rng = {"rng": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda_rng"] = torch.cuda.get_rng_state(self.device)
-        torch.save({"full": True, **rng, **self.engine.state_dict()}, buf)
-        return buf.getvalue()
+        parts = list(self.engine.host.master)
+        return bytes(
+            torch_bytes({"full": True, **rng, "step": self.engine.step_count, "parts": parts})
+        )
 
-    def load_state_bytes(self, data: bytes) -> int:
-        try:
-            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-            if not isinstance(state, dict) or not {"rng", "step"} <= state.keys():
-                raise ValueError("it does not hold a trainer's state (rng, step)")
-        except Exception as e:  # noqa: BLE001 - whatever the file is, it is not trusted
-            raise UntrustedState(
-                f"not trusted, not loaded ({type(e).__name__}: {first_line(e)[:200]}): a "
-                "checkpoint's trainer state holds tensors and numbers only"
-            ) from None
+    def part_bytes(self) -> list[bytes]:
+        """Each part's file, in state_bytes' order (what a checkpoint writes, all at once)."""
+        return [bytes(torch_bytes(self.engine.part_state(p))) for p in self.engine.host.master]
+
+    def load_state_bytes(self, data: Any) -> int:
+        """Restore a checkpoint's state: `data` is [trainer_state.pt, then each part's file in
+        the order it names them], as bytes or object refs of them (rank 0 sends the other ranks
+        refs, fetched one at a time here)."""
+        items = data if isinstance(data, list) else [data]
+        state = self._small_state(_fetched(items[0]))
+        if "host_adamw" in state:  # a checkpoint that holds every part in this one file
+            return self._loaded(state, whole=True)
+        self._check_parts(state["parts"], len(items) - 1)
+        for part, item in zip(state["parts"], items[1:], strict=True):
+            self._load_part(part, _fetched(item))
+        return self._loaded(state)
+
+    def restore_latest_checkpoint(self, output: str) -> dict[str, Any] | None:
+        """Trainer.restore_latest_checkpoint's, reading the model's shards never and the parts'
+        files one at a time (checked against the manifest as each is read; a damaged one sends
+        the restore to the previous checkpoint). With no checkpoint, the base model's weights
+        go back into the store's home (a trainer that died before the first checkpoint had
+        updated them). The other ranks get refs of the files, put in the object store a part
+        at a time."""
+        import ray
+
+        shared = self.settings.world_size > 1
+        untrusted: list[str] = []
+        older_than = None
+        while True:
+            ckpt = load_latest_checkpoint(output, only=self._read_first, older_than=older_than)
+            if ckpt is None and untrusted:
+                raise CheckpointError(
+                    f"no usable checkpoint under {output}: " + "; ".join(untrusted), untrusted
+                )
+            if ckpt is None:
+                self._base_weights()
+                return None
+            small = ckpt.files[TRAINER_STATE]
+            refs = [ray.put(small)] if shared else []
+            current = TRAINER_STATE  # the file being read
+            try:
+                state = self._small_state(small)
+                if "host_adamw" in state:
+                    self._loaded(state, whole=True)
+                    break
+                self._check_parts(state["parts"], None)
+                for part in state["parts"]:
+                    current = part_file(part)
+                    data = read_file(ckpt, current)  # CheckpointError naming it: damaged
+                    self._load_part(part, data)
+                    refs += [ray.put(data)] if shared else []
+                    del data
+                self._loaded(state)
+                break
+            except UntrustedState as e:
+                untrusted += [*ckpt.skipped, f"{storage.join(ckpt.uri, current)}: {e}"]
+            except CheckpointError as e:
+                if not e.problems:
+                    raise  # another model's, or a LoRA run's: not a damaged file
+                untrusted += [*ckpt.skipped, *e.problems]
+            older_than = ckpt.step
+        small_files = {name: d for name, d in ckpt.files.items() if not self._big(name)}
+        return {
+            "name": ckpt.name,
+            "skipped": [*untrusted, *ckpt.skipped],
+            "files": small_files,
+            "state": [ray.put(refs)] if shared else [],
+        }
+
+    def _read_first(self, name: str) -> bool:
+        """The files a restore reads with the checkpoint (the rest: the model, never; the
+        parts, one at a time)."""
+        return not name.startswith((f"{MODEL_DIR}/", f"{OPTIMIZER_DIR}/"))
+
+    def _small_state(self, data: bytes) -> dict:
+        state = _trusted(data, {"rng", "step"}, "a trainer's state (rng, step)")
         if not state.get("full"):
             raise CheckpointError(
                 "--resume: the checkpoint is a LoRA run's (its trainer state has no full "
                 "fine-tune's weights): resume it with --finetuning-type lora"
             )
+        if "host_adamw" not in state and not isinstance(state.get("parts"), list):
+            raise UntrustedState("not trusted, not loaded: it names no optimizer parts")
+        return state
+
+    def _check_parts(self, parts: list[str], given: int | None) -> None:
+        mine = list(self.engine.host.master)
+        if sorted(parts) != sorted(mine):
+            raise CheckpointError(
+                f"--resume: the optimizer state has {len(parts)} parts, this model "
+                f"{len(mine)}: it is another model's; resume with the model it trained"
+            )
+        if given is not None and given != len(parts):
+            raise CheckpointError(f"a trainer state of {len(parts)} parts came with {given}")
+
+    def _load_part(self, part: str, data: bytes) -> None:
+        state = _trusted(data, {"master", "optimizer"}, "a part's masters and moments")
         try:
-            self.engine.load_state_dict(state)
+            self.engine.load_part_state(part, state)
         except ValueError as e:
             raise CheckpointError(f"--resume: {e}; resume with the model it trained") from None
+
+    def _loaded(self, state: dict, whole: bool = False) -> int:
+        """The parts are back (or, `whole`, are all in `state`): the step count, the RNG."""
+        if whole:
+            try:
+                self.engine.load_state_dict(state)
+            except ValueError as e:
+                raise CheckpointError(f"--resume: {e}; resume with the model it trained") from None
+        else:
+            self.engine.loaded_parts(state["step"])
         torch.set_rng_state(state["rng"])
         if self.device.type == "cuda" and "cuda_rng" in state:
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         return self.engine.step_count
-
-    def restore_latest_checkpoint(self, output: str):
-        """Trainer's, and with no checkpoint the base model's weights put back into the
-        store's home (a trainer that died before the first checkpoint had updated them)."""
-        found = super().restore_latest_checkpoint(output)
-        if found is None:
-            self._base_weights()
-        return found
 
     def _base_weights(self) -> None:
         base = self._base_dir()
@@ -181,3 +241,26 @@ class FullTrainer(Trainer):
         out = super().info()
         out["trained_parameters"] = self.engine.host.num_parameters() if self.engine else 0
         return out
+
+
+def _fetched(item: Any) -> bytes:
+    """Bytes as they are, an object ref's fetched."""
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        return item
+    import ray
+
+    return ray.get(item)
+
+
+def _trusted(data: bytes, keys: set[str], what: str) -> dict:
+    """torch.load of tensors and numbers only, a dict with `keys`; UntrustedState otherwise."""
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        if not isinstance(state, dict) or not keys <= state.keys():
+            raise ValueError(f"it does not hold {what}")
+    except Exception as e:  # noqa: BLE001 - whatever the file is, it is not trusted
+        raise UntrustedState(
+            f"not trusted, not loaded ({type(e).__name__}: {first_line(e)[:200]}): a "
+            "checkpoint's trainer state holds tensors and numbers only"
+        ) from None
+    return state

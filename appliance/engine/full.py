@@ -482,6 +482,22 @@ class FullFinetuneEngine(StreamedEngine):
         self.settle()
         return {"host_adamw": self.host.state_dict(), "step": self.step_count}
 
+    def part_state(self, part: str) -> dict:
+        """One part's masters and AdamW state (HostAdamW.part_state), after pending updates."""
+        self.settle()
+        return self.host.part_state(part)
+
+    def load_part_state(self, part: str, state: dict) -> None:
+        """Restore one part (HostAdamW.load_part; ValueError for another model's); call
+        loaded_parts when every part is back."""
+        self.settle()
+        self.host.load_part(part, state)
+
+    def loaded_parts(self, step: int) -> None:
+        """Every part restored (load_part_state): the step count, and the device's copies."""
+        self.step_count = int(step)
+        self._reload_device()
+
     def load_state_dict(self, state: dict) -> None:
         """ValueError (one line) when `state` is not a full fine-tune's, or another model's."""
         if "host_adamw" not in state:

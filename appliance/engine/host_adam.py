@@ -137,26 +137,43 @@ class HostAdamW:
             "optimizers": {p: o.state_dict() for p, o in self.optimizers.items()},
         }
 
+    def part_state(self, part: str) -> dict:
+        """One part's share of state_dict (a checkpoint writes the parts one at a time)."""
+        opt = self.optimizers.get(part)
+        return {"master": dict(self.master[part]), "optimizer": opt.state_dict() if opt else None}
+
+    def check_part(self, part: str, master: dict) -> None:
+        """ValueError naming the first tensor of `part` whose name or shape in `master` differs
+        from this model's (another model's state)."""
+        for k, t in self.master[part].items():
+            if k not in master or tuple(master[k].shape) != tuple(t.shape):
+                found = "missing" if k not in master else f"shape {tuple(master[k].shape)}"
+                raise ValueError(
+                    f"part {part}: {k} is {found}, this model has {tuple(t.shape)}: the "
+                    "optimizer state is another model's"
+                )
+
     @torch.no_grad()
+    def load_part(self, part: str, state: dict) -> None:
+        """Restore part_state's masters and moments of `part`, and write its compute-dtype
+        weights back (ValueError as check_part's, before anything changes)."""
+        self.check_part(part, state["master"])
+        for k, t in self.master[part].items():
+            t.copy_(state["master"][k])
+            if self.store[part][k] is not t:
+                self.store[part][k].copy_(t)
+        if part in self.optimizers:
+            self.optimizers[part].load_state_dict(state["optimizer"])
+
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict`'s masters and moments, and write the compute-dtype weights back.
-        ValueError naming the first tensor whose name or shape differs (another model's state)."""
-        for p, master in self.master.items():
-            theirs = state["master"].get(p, {})
-            for k, t in master.items():
-                if k not in theirs or tuple(theirs[k].shape) != tuple(t.shape):
-                    found = "missing" if k not in theirs else f"shape {tuple(theirs[k].shape)}"
-                    raise ValueError(
-                        f"part {p}: {k} is {found}, this model has {tuple(t.shape)}: the "
-                        "optimizer state is another model's"
-                    )
-        for p, master in self.master.items():
-            for k, t in master.items():
-                t.copy_(state["master"][p][k])
-                if self.store[p][k] is not t:
-                    self.store[p][k].copy_(t)
-            if p in self.optimizers:
-                self.optimizers[p].load_state_dict(state["optimizers"][p])
+        ValueError naming the first tensor whose name or shape differs (another model's state),
+        before anything changes."""
+        for p in self.master:
+            self.check_part(p, state["master"].get(p, {}))
+        for p in self.master:
+            opt = state["optimizers"].get(p)
+            self.load_part(p, {"master": state["master"][p], "optimizer": opt})
 
 
 def measure_rate(params: int = 50_000_000, impl: str = "fused", reps: int = 3) -> float:

@@ -16,7 +16,10 @@ the previous complete checkpoint when the latest is corrupt, truncated or incomp
 
 The module knows nothing about torch or PEFT: callers pass bytes (adapter safetensors,
 ``torch.save`` of optimizer state into a buffer, JSON for cursors/RNG/config via
-:func:`json_bytes`).
+:func:`json_bytes`), or, for a file too big to hold at once (a full fine-tune's weight shards),
+a :data:`Stream`: a function that yields the file's bytes in chunks as it is written. Files are
+written one at a time, each hashed as it goes, and the manifest made from what was written: a
+save holds no more than the file it is writing (and none of a stream's).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import secrets
 import shutil
 import signal
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -56,6 +59,11 @@ _TMP_PREFIX = ".tmp-"  # local temp step dirs: ".tmp-step-000123-<random>"
 FAULT_ENV = "APPLIANCE_FAULT_KILL_DURING_CHECKPOINT"
 # ... with the driver's pid here, which the driver passes to its actors (the writer is rank 0)
 FAULT_PID_ENV = "APPLIANCE_FAULT_DRIVER_PID"
+
+#: A checkpoint file given as a function that yields its bytes in chunks (bytes, or flat byte
+#: memoryviews), called once when the file is written
+Stream = Callable[[], Iterable[bytes | memoryview]]
+FileData = bytes | bytearray | memoryview | Stream
 
 
 class CheckpointError(ApplianceError):
@@ -117,7 +125,7 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _check_file_names(files: dict[str, bytes]) -> None:
+def _check_file_names(files: dict[str, FileData]) -> None:
     for name in files:
         parts = name.split("/")
         if (
@@ -131,26 +139,50 @@ def _check_file_names(files: dict[str, bytes]) -> None:
                 f"bad checkpoint file name {name!r}: use a relative '/'-separated name other "
                 f"than {MANIFEST!r}"
             )
-        if not isinstance(files[name], (bytes, bytearray, memoryview)):
+        if not isinstance(files[name], (bytes, bytearray, memoryview)) and not callable(
+            files[name]
+        ):
             raise CheckpointError(
-                f"checkpoint file {name!r} is {type(files[name]).__name__}, expected bytes "
-                "(serialize it first, e.g. json_bytes(obj))"
+                f"checkpoint file {name!r} is {type(files[name]).__name__}, expected bytes or "
+                "a function yielding them (serialize it first, e.g. json_bytes(obj))"
             )
 
 
-def _manifest(step: int, name: str, files: dict[str, bytes]) -> dict[str, Any]:
+def _manifest(step: int, name: str, written: dict[str, tuple[int, str]]) -> bytes:
+    """The manifest of the files `written` (name → (size, sha256))."""
     now = time.time()
-    return {
-        "format": FORMAT,
-        "step": step,
-        "name": name,
-        "created": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"),
-        "created_unix": now,
-        "files": [
-            {"name": n, "size": len(files[n]), "sha256": _sha256(bytes(files[n]))}
-            for n in sorted(files)
-        ],
-    }
+    return json_bytes(
+        {
+            "format": FORMAT,
+            "step": step,
+            "name": name,
+            "created": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"),
+            "created_unix": now,
+            "files": [
+                {"name": n, "size": written[n][0], "sha256": written[n][1]} for n in sorted(written)
+            ],
+        }
+    )
+
+
+def write_file(uri: str, data: FileData) -> tuple[int, str]:
+    """Write one file of bytes or a Stream (storage.write_bytes, storage.write_chunks); its
+    (size, sha256), a stream's hashed chunk by chunk as it is written."""
+    if not callable(data):
+        raw = bytes(data)
+        storage.write_bytes(uri, raw)
+        return len(raw), _sha256(raw)
+    digest, size = hashlib.sha256(), 0
+
+    def hashed() -> Iterator[bytes | memoryview]:
+        nonlocal size
+        for chunk in data():
+            digest.update(chunk)
+            size += memoryview(chunk).nbytes
+            yield chunk
+
+    storage.write_chunks(uri, hashed())
+    return size, digest.hexdigest()
 
 
 @contextlib.contextmanager
@@ -162,29 +194,37 @@ def fault_injection(step: int) -> Iterator[None]:
     if os.environ.get(FAULT_ENV) != str(step):
         yield
         return
-    real_write = storage.write_bytes
+    real_write, real_chunks = storage.write_bytes, storage.write_chunks
 
-    def write_then_die(uri: str, data: bytes) -> None:
-        real_write(uri, data)
+    def die() -> None:
         driver = int(os.environ.get(FAULT_PID_ENV) or os.getpid())
         if driver != os.getpid():
             os.kill(driver, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    storage.write_bytes = write_then_die
+    def write_then_die(uri: str, data: bytes) -> None:
+        real_write(uri, data)
+        die()
+
+    def chunks_then_die(uri: str, chunks: Iterable[bytes | memoryview]) -> None:
+        real_chunks(uri, chunks)
+        die()
+
+    storage.write_bytes, storage.write_chunks = write_then_die, chunks_then_die
     try:
         yield
     finally:
-        storage.write_bytes = real_write
+        storage.write_bytes, storage.write_chunks = real_write, real_chunks
 
 
-def save_checkpoint(output_uri: str, step: int, files: dict[str, bytes], keep: int) -> str:
+def save_checkpoint(output_uri: str, step: int, files: dict[str, FileData], keep: int) -> str:
     """Write ``<output>/checkpoints/step-NNNNNN/`` and publish it; return its URI.
 
     Order: every file, then ``manifest.json``, then the ``latest`` marker, then pruning to the
     ``keep`` newest complete checkpoints (the new one and the one ``latest`` names always stay;
     checkpoints with a higher step than this one, left by an abandoned run, are not touched).
-    Re-saving an existing step replaces it.
+    Re-saving an existing step replaces it. `files`: name → bytes, or a Stream (written as
+    it yields, never held whole).
     """
     if keep < 1:
         raise CheckpointError(f"keep must be >= 1, got {keep}")
@@ -194,18 +234,16 @@ def save_checkpoint(output_uri: str, step: int, files: dict[str, bytes], keep: i
     name = checkpoint_name(step)
     root = checkpoints_uri(output_uri)
     final = storage.join(root, name)
-    manifest = json_bytes(_manifest(step, name, files))
     t0 = time.perf_counter()
 
     if storage.is_s3(final):
         if storage.exists(final):  # an earlier, possibly partial, attempt at this step
             storage.delete(storage.join(final, MANIFEST))  # un-complete it first
             storage.delete_prefix(final)
-        for fname in sorted(files):
-            storage.write_bytes(storage.join(final, fname), bytes(files[fname]))
-        storage.write_bytes(storage.join(final, MANIFEST), manifest)
+        written = {f: write_file(storage.join(final, f), files[f]) for f in sorted(files)}
+        storage.write_bytes(storage.join(final, MANIFEST), _manifest(step, name, written))
     else:
-        _save_local(Path(storage.join(root, name)).expanduser(), files, manifest)
+        _save_local(Path(storage.join(root, name)).expanduser(), step, files)
 
     storage.write_bytes(storage.join(root, LATEST_MARKER), f"{name}\n".encode())
     _prune(output_uri, step, keep)
@@ -226,15 +264,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _save_local(final: Path, files: dict[str, bytes], manifest: bytes) -> None:
+def _save_local(final: Path, step: int, files: dict[str, FileData]) -> None:
     """Write into a hidden temp dir next to ``final``, then rename it into place."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f"{_TMP_PREFIX}{final.name}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
-        for fname in sorted(files):
-            storage.write_bytes(str(tmp / fname), bytes(files[fname]))
-        storage.write_bytes(str(tmp / MANIFEST), manifest)
+        written = {f: write_file(str(tmp / f), files[f]) for f in sorted(files)}
+        storage.write_bytes(str(tmp / MANIFEST), _manifest(step, final.name, written))
         _fsync_dir(tmp)
         if final.exists():  # re-saving a step: move the old one aside, then swap
             old = final.parent / f"{_TMP_PREFIX}{final.name}-old-{secrets.token_hex(4)}"
@@ -299,12 +336,21 @@ def _read_marker(output_uri: str) -> str | None:
         raise
 
 
+#: which of a checkpoint's files to read: their names, or a test of a name
+Only = Collection[str] | Callable[[str], bool] | None
+
+
+def _reads(only: Only, name: str) -> bool:
+    return only is None or (only(name) if callable(only) else name in only)
+
+
 def _load_verified(
-    uri: str, only: Collection[str] | None = None
+    uri: str, only: Only = None
 ) -> tuple[dict[str, Any] | None, dict[str, bytes], list[str]]:
     """Read a checkpoint dir and check it against its manifest: (manifest, files, problems).
     `only`: read and check just those of the manifest's files; the others are not read, only
-    their sizes checked (a missing or truncated trainer state is found before a model loads)."""
+    their sizes checked (a missing or truncated trainer state is found before a model loads;
+    read_file reads one of them later, checked then)."""
     manifest_uri = storage.join(uri, MANIFEST)
     try:
         raw = storage.read_bytes(manifest_uri)
@@ -329,7 +375,7 @@ def _load_verified(
             problems.append(f"{manifest_uri}: names {fname!r}, outside the checkpoint ({why})")
             continue
         furi = storage.join(uri, fname)
-        size_only = only is not None and fname not in only
+        size_only = not _reads(only, fname)
         try:
             data = None if size_only else storage.read_bytes(furi)
             size = storage.size(furi) if data is None else len(data)
@@ -351,6 +397,25 @@ def _load_verified(
     return manifest, files, problems
 
 
+def read_file(ckpt: Checkpoint, name: str) -> bytes:
+    """One file of `ckpt` that was not read with it (`only`), read now and checked against the
+    manifest: CheckpointError naming the file when it is missing, truncated or corrupt."""
+    entry = next((e for e in ckpt.manifest["files"] if e["name"] == name), None)
+    furi = storage.join(ckpt.uri, name)
+    if entry is None:
+        raise CheckpointError(f"{furi}: not in the checkpoint's manifest", [furi])
+    try:
+        data = storage.read_bytes(furi)
+    except StorageError as e:
+        if e.kind != NOT_FOUND:
+            raise
+        raise CheckpointError(f"{furi}: missing", [furi]) from None
+    if len(data) != int(entry["size"]) or _sha256(data) != entry["sha256"]:
+        problem = f"{furi}: does not match the manifest (truncated or corrupt)"
+        raise CheckpointError(problem, [problem])
+    return data
+
+
 def verify_checkpoint(uri: str) -> list[str]:
     """Problems with the checkpoint directory at ``uri`` (each names the bad file); ``[]`` when
     every file matches the manifest."""
@@ -367,7 +432,7 @@ def load_checkpoint(uri: str) -> Checkpoint:
 
 
 def load_latest_checkpoint(
-    output_uri: str, only: Collection[str] | None = None, older_than: int | None = None
+    output_uri: str, only: Only = None, older_than: int | None = None
 ) -> Checkpoint | None:
     """The newest good checkpoint under ``<output>/checkpoints``, or None if there is none yet.
     ``only``: read and verify just those files of it (e.g. the driver's small state, without the

@@ -26,7 +26,7 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -246,6 +246,53 @@ def write_bytes(uri: str, data: bytes) -> None:
         s3_client().upload_fileobj(io.BytesIO(data), bucket, key, Config=transfer_config())
     except Exception as e:
         raise s3_error(e, uri, "writing") from e
+
+
+def write_chunks(uri: str, chunks: Iterable[bytes | memoryview]) -> None:
+    """Write one file from `chunks` (byte strings or flat byte memoryviews), each written as it
+    comes, so the whole file is never in memory: atomic as ``write_bytes`` (S3: a multipart
+    upload reads the chunks a part at a time)."""
+    if not is_s3(uri):
+
+        def write(f: Any) -> None:
+            for chunk in chunks:
+                f.write(chunk)
+
+        atomic_local_write(to_local(uri), write, uri)
+        return
+    bucket, key = split_s3(uri)
+    try:
+        s3_client().upload_fileobj(ChunkReader(chunks), bucket, key, Config=transfer_config())
+    except Exception as e:
+        raise s3_error(e, uri, "writing") from e
+
+
+class ChunkReader(io.RawIOBase):
+    """A read-only file over an iterable of byte chunks (what boto3's upload reads from). A
+    read returns all it asks for until the end: a multipart upload's parts but the last must
+    be full (S3 refuses parts under 5 MiB)."""
+
+    def __init__(self, chunks: Iterable[bytes | memoryview]):
+        self._chunks = iter(chunks)
+        self._view = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        out, n = memoryview(b).cast("B"), 0
+        while n < len(out):
+            if not self._view:
+                chunk = next(self._chunks, None)
+                if chunk is None:
+                    break
+                self._view = memoryview(chunk).cast("B")
+                continue
+            k = min(len(out) - n, len(self._view))
+            out[n : n + k] = self._view[:k]
+            self._view = self._view[k:]
+            n += k
+        return n
 
 
 def upload_file(

@@ -130,3 +130,43 @@ def test_a_dead_rank_restarts_every_trainer_in_a_fresh_group_and_the_run_is_unch
     )
     assert marker.exists() and died.restarts == 1
     assert_same_training(died, ref, tmp_path / "died", ref_out)
+
+
+def test_two_full_finetune_trainers_train_like_one_through_a_restart(ray_local, inputs, tmp_path):
+    """--finetuning-type full: each rank keeps its own fp32 masters over the node's one shared
+    home of weights, the gradients are all-reduced block by block, and rank 0 writes the model.
+    Rank 1 dies once past the checkpoint of step 2: rank 0 reads the checkpoint a part at a
+    time and hands rank 1 the parts through the object store; the run is unchanged."""
+    from appliance.actors.full_trainer import FullTrainer
+
+    marker = tmp_path / "rank1-killed"
+
+    class Rank1DiesOnce(FullTrainer):
+        def step(self, batches, lr, first=0):
+            if self.rank == 1 and self.engine.step_count == 3 and not marker.exists():
+                marker.touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().step(batches, lr, first)
+
+    full = dict(finetuning_type="full", steps=4, checkpoint_every=2, lr=1e-3)
+    two, pids = run(
+        inputs,
+        tmp_path / "two",
+        trainers=2,
+        micro_batches_per_step=M,
+        trainer_class=Rank1DiesOnce,
+        **full,
+    )
+    one, _ = run(inputs, tmp_path / "one", trainers=1, micro_batches_per_step=2 * M, **full)
+
+    assert marker.exists() and two.restarts == 1 and len(set(pids)) == 2
+    assert two.state.step == one.state.step == 4
+    np.testing.assert_allclose(two.state.losses, one.state.losses, rtol=1e-6, atol=0)
+    assert two.state.losses[-1] < two.state.losses[0]
+    wa = load_file(tmp_path / "two" / "model.safetensors")
+    wb = load_file(tmp_path / "one" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-6)
+    record = json.loads((tmp_path / "two" / "run.json").read_text())
+    assert record["config"]["trainers"] == 2 and record["weight_store_loads"] == 1

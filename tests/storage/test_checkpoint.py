@@ -15,6 +15,7 @@ from appliance.storage.checkpoints import (
     CheckpointError,
     list_checkpoints,
     load_latest_checkpoint,
+    read_file,
     save_checkpoint,
     verify_checkpoint,
 )
@@ -243,6 +244,32 @@ def test_only_reads_those_files_and_checks_the_others_sizes(output_uri: str) -> 
         load_latest_checkpoint(output_uri, only=("state.json",))
     assert truncated in str(info.value) and missing in str(info.value)
     assert len(info.value.problems) == 3
+
+
+def test_a_streamed_file_is_written_as_it_is_produced_and_read_later_checked(
+    output_uri: str,
+) -> None:
+    """A Stream (a function yielding chunks) is written chunk by chunk, hashed as it goes: the
+    checkpoint is the one its bytes make. Read later with read_file, it is checked then."""
+    files = files_for(7)
+    produced: list[int] = []
+
+    def stream():
+        data = files["optimizer.pt"]
+        for i in range(0, len(data), 64):
+            produced.append(i)
+            yield memoryview(data)[i : i + 64]
+
+    uri = save_checkpoint(output_uri, 7, {**files, "optimizer.pt": stream}, keep=2)
+    assert len(produced) > 1
+    ckpt = load_latest_checkpoint(output_uri, only=lambda name: name != "optimizer.pt")
+    assert "optimizer.pt" not in ckpt.files and ckpt.files["state.json"] == files["state.json"]
+    assert read_file(ckpt, "optimizer.pt") == files["optimizer.pt"]
+    assert verify_checkpoint(uri) == []
+
+    flip_byte(storage.join(uri, "optimizer.pt"))
+    with pytest.raises(CheckpointError, match="optimizer.pt: does not match the manifest"):
+        read_file(ckpt, "optimizer.pt")
 
 
 def test_marker_pointing_at_nothing_raises(output_uri: str) -> None:

@@ -180,6 +180,25 @@ def test_multipart_upload_really_happens(s3_bucket: str, s3_client: Any, tmp_pat
     assert dest.read_bytes() == src.read_bytes()
 
 
+def test_chunks_upload_in_full_parts_and_write_locally(
+    s3_bucket: str, s3_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """write_chunks: chunks of any size make 5 MiB parts but the last (S3 refuses smaller)."""
+    monkeypatch.setenv("APPLIANCE_S3_MULTIPART_THRESHOLD", str(5 * MiB))
+    data = os.urandom(11 * MiB)
+    step = 3 * MiB + 1
+
+    def chunks():
+        return (memoryview(data)[i : i + step] for i in range(0, len(data), step))
+
+    storage.write_chunks(f"s3://{s3_bucket}/model/streamed.bin", chunks())
+    head = s3_client.head_object(Bucket=s3_bucket, Key="model/streamed.bin")
+    assert head["ETag"].strip('"').endswith("-3") and head["ContentLength"] == len(data)
+    assert storage.read_bytes(f"s3://{s3_bucket}/model/streamed.bin") == data
+    storage.write_chunks(str(tmp_path / "streamed.bin"), chunks())
+    assert (tmp_path / "streamed.bin").read_bytes() == data
+
+
 def test_missing_bucket_errors(s3_endpoint: str, tmp_path: Path) -> None:
     uri = "s3://no-such-bucket-appliance/run/file.bin"
     src = tmp_path / "f"
