@@ -69,6 +69,19 @@ def format_table(result: dict) -> str:
                 else "copy-bound)"
             )
         )
+    for r in result["modes"]:  # beside the floor, not in it (engine/flops.py)
+        if r["fits"] and r.get("floor_elementwise_seconds") is not None:
+            parts = ", ".join(
+                f"{k.replace('_', ' ')} {v / 1e12:.3g}"
+                for k, v in r["flops_by_part"].items()
+                if v and k != "total"
+            )
+            lines.append(
+                f"{r['mode']}: F by part (TFLOP): {parts}; least elementwise bytes "
+                f"{r['elementwise_bytes_per_step'] / 1e9:.3g} GB at "
+                f"{result['memory_bandwidth']['bytes_per_second'] / 1e9:.3g} GB/s → "
+                f"{r['floor_elementwise_seconds']:.3g} s (not in the floor)"
+            )
     for r in result["modes"]:
         if r["fits"] and (f := r.get("full_finetune")):  # --finetuning-type full
             lines.append(

@@ -40,6 +40,7 @@ from appliance.engine.batches import MicroBatch, StepStats, count_targets
 from appliance.engine.batches import micro_batches_of as _micro_batches
 from appliance.engine.blocks import BlockSource, FlatBlockSource, pack
 from appliance.engine.device_weights import SideStream, event_seconds
+from appliance.engine.flops import step_flops
 from appliance.engine.host_adam import GLOBALS, HostAdamW
 from appliance.engine.step import StreamedEngine
 from appliance.errors import ConfigError
@@ -382,7 +383,7 @@ class FullFinetuneEngine(StreamedEngine):
             gpu_busy_seconds=busy,
             gpu_busy_ratio=ratio,
             step_seconds=t2 - t0,
-            flops=self.flops_per_step(tokens),
+            flops=self.flops_per_step(micro_batches),
             optimizer_host_seconds=self.host.take_seconds(),
             d2h_bytes=self._d2h_bytes,
             trained_parameters=self.host.num_parameters(),
@@ -425,9 +426,12 @@ class FullFinetuneEngine(StreamedEngine):
         if i > 0:
             self.weights.release(i)
 
-    def flops_per_step(self, tokens: int) -> float:
-        """≈ 8·N·T: LoRA's 6·N·T (forward, recompute, input gradient) + the weight gradients."""
-        return super().flops_per_step(tokens) * 8 / 6
+    def flops_per_step(self, micro_batches: list[MicroBatch]) -> float:
+        """F with every weight's gradient (engine/flops.py: 8·N·T; the head's too if it trains)."""
+        shapes = [tuple(mb.ids.shape) for mb in micro_batches]
+        # the head trains unless it is the (tied) input embedding, frozen
+        head = not self.args.tie_word_embeddings or EMBED in self.host.trains(GLOBALS)
+        return step_flops(self.args, shapes, full=True, head_trained=head).total
 
     def plan_inputs(self, micro_batches: list[MicroBatch]) -> dict:
         """StreamedEngine's, with the device's gradient buffers counted as fixed bytes: the

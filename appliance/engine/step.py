@@ -48,7 +48,8 @@ from appliance.engine.batches import (
 from appliance.engine.blocks import BlockSource
 from appliance.engine.device_weights import DeviceWeights, event_seconds, with_index
 from appliance.engine.loss_scale import LossScaler
-from appliance.engine.memory import CUDA_MARGIN_BYTES, effective_budget, plan_memory, step_flops
+from appliance.engine.flops import lora_active_params, step_flops
+from appliance.engine.memory import CUDA_MARGIN_BYTES, effective_budget, plan_memory
 from appliance.engine.saved_inputs import SavedInputs
 from appliance.errors import ConfigError
 from appliance.models import layers, rope
@@ -501,14 +502,17 @@ class StreamedEngine:
             gpu_busy_ratio=ratio,
             host_issue_seconds=issue if self.device.type == "cuda" else None,
             step_seconds=t2 - t0,
-            flops=self.flops_per_step(tokens),
+            flops=self.flops_per_step(micro_batches),
             loss_scale=scale,
             skipped_step=skipped,
         )
 
-    def flops_per_step(self, tokens: int) -> float:
-        """≈ 6·N·T for LoRA with recompute: forward, recompute, input-gradient (docs/architecture.md)."""
-        return step_flops(self.args, tokens)
+    def flops_per_step(self, micro_batches: list[MicroBatch]) -> float:
+        """F of the floor for these micro-batches (engine/flops.py: blocks, LoRA, attention, head)."""
+        shapes = [tuple(mb.ids.shape) for mb in micro_batches]
+        spec = self.lora.spec
+        n = lora_active_params(self.args, spec.rank, spec.targets) if spec.targets else 0
+        return step_flops(self.args, shapes, lora_params=n).total
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: list[MicroBatch]) -> tuple[float, int]:

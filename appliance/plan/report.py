@@ -116,14 +116,14 @@ def format_plan(r: dict) -> str:
         f"  host→device                    {r['streamed_bytes_per_step'] / 1e9:.3g} GB "
         f"({r['blocks_uploaded_per_step']} block copies, both passes) at "
         f"B = {r['h2d_bytes_per_second'] / 1e9:.3g} GB/s → {r['h2d_seconds']:.3g} s",
-        f"  compute                        {r['flops_per_step'] / 1e12:.4g} TFLOP ({'8' if 'full_finetune' in r else '6'}·N·T, blocks) "
-        f"at P = {r['flops_per_second'] / 1e12:.4g} TFLOP/s → {r['compute_seconds']:.3g} s",
-        f"  not in the floor               attention {r['attention_flops_per_step'] / 1e12:.3g} "
-        f"TFLOP, LM head {r['head_flops_per_step'] / 1e12:.3g} TFLOP",
+        f"  compute F                      {r['flops_per_step'] / 1e12:.4g} TFLOP "
+        f"({_flop_parts(r['flops_by_part'])}) at P = {r['flops_per_second'] / 1e12:.4g} TFLOP/s "
+        f"→ {r['compute_seconds']:.3g} s",
         f"  floor max(bytes/B, F/P)        {r['step_seconds_floor']:.3g} s → "
         f"{r['tokens_per_second']:.4g} tokens/s (all GPUs)",
         f"  crossover T*                   {r['crossover_tokens_per_step']:.4g} tokens per GPU "
         "step (compute-bound above it)",
+        _elementwise_line(r),
     ]
     lines += _full_lines(r)
     if "steps" in r:
@@ -146,6 +146,20 @@ def format_plan(r: dict) -> str:
         lines.append("fits: NO — " + "; ".join(r["problems"]))
         lines += [f"  fix: {f}" for f in r["fixes"]]
     return "\n".join(lines)
+
+
+def _flop_parts(parts: dict) -> str:
+    """F by part, the nonzero ones (engine/flops.py), e.g. "blocks 590, attention 35, head 7"."""
+    names = ("blocks", "lora", "attention", "linear_attention", "head")
+    return ", ".join(f"{k.replace('_', ' ')} {parts[k] / 1e12:.3g}" for k in names if parts[k])
+
+
+def _elementwise_line(r: dict) -> str:
+    """The step's least elementwise bytes over the card's memory bandwidth: beside the floor,
+    not in it (engine/flops.py: elementwise_bytes)."""
+    b, hbm = r["elementwise_bytes_per_step"], r["memory_bytes_per_second"]
+    at = f" at {hbm / 1e9:.4g} GB/s → {b / hbm:.3g} s" if hbm else " (no memory bandwidth known)"
+    return f"  elementwise, least (not in it) {b / 1e9:.3g} GB{at}"
 
 
 def _shape(r: dict) -> list[str]:
