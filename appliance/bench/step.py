@@ -52,6 +52,7 @@ from appliance.engine.blocks import dtype_from_name
 from appliance.engine.device_weights import with_index
 from appliance.engine.flops import elementwise_bytes, lora_active_params, step_flops
 from appliance.engine.full import FullFinetuneEngine
+from appliance.engine.issue_lag import mean_of_steps
 from appliance.engine.memory import blocks_uploaded_per_step, gpu_memory_cap, streaming_budget
 from appliance.engine.step import StreamedEngine
 from appliance.errors import ConfigError, first_line
@@ -260,6 +261,9 @@ def _run_mode(
         # the host's share of the step spent issuing work (CUDA): near 1, the step is
         # launch-bound, and GPU busy (brackets that include launch gaps) overstates the GPU's work
         "host_issue_ratio": statistics.mean(issue) if issue else None,
+        # per block, how far the GPU's completion lagged the host's issue (CUDA; None on a CPU,
+        # where nothing is recorded): engine/issue_lag.py, the timed steps' mean
+        "issue_lag": mean_of_steps([s.issue_lag for s in timed]),
         "phase_seconds": {
             k: statistics.mean(s.phase_seconds[k] for s in timed) for k in timed[0].phase_seconds
         },
@@ -483,7 +487,9 @@ def run_bench(
                 )
             )
         if rows[-1]["fits"]:
-            rows[-1]["floor_elementwise_seconds"] = rows[-1]["elementwise_bytes_per_step"] / memory_bw
+            rows[-1]["floor_elementwise_seconds"] = (
+                rows[-1]["elementwise_bytes_per_step"] / memory_bw
+            )
         result = {
             **head,
             "shape": {**asdict(shape), "tokens_per_step": rows[0]["tokens_per_step"]},
@@ -494,7 +500,9 @@ def run_bench(
     return result
 
 
-def measure_memory_bandwidth(device: torch.device, nbytes: int = COPY_BYTES, reps: int = 5) -> float:
+def measure_memory_bandwidth(
+    device: torch.device, nbytes: int = COPY_BYTES, reps: int = 5
+) -> float:
     """Bytes/s through the device's own memory (HBM on a GPU, DRAM on a CPU): a copy of `nbytes`
     within it, counted read + written (2·nbytes), the best of `reps`. What the elementwise line
     divides by."""

@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+from appliance.engine.issue_lag import PASSES
 from appliance.errors import ConfigError
 from appliance.hardware.measure import GiB
 
@@ -96,7 +97,22 @@ def format_table(result: dict) -> str:
                 f"{r['mode']}: the host issued work for {r['host_issue_ratio']:.0%} of the step"
                 + _bound(r)
             )
+    for r in result["modes"]:
+        if r["fits"] and (lag := r.get("issue_lag")):
+            lines.append(f"{r['mode']}: " + lag_line(lag))
     return "\n".join(lines)
+
+
+def lag_line(lag: dict) -> str:
+    """engine/issue_lag.py's figures in a line: near zero, launch-bound; growing, GPU-bound."""
+    growth = "; ".join(
+        f"through the {p} {lag[p]['growth_seconds'] * 1e3:+.1f} ms" for p in PASSES if p in lag
+    )
+    return (
+        f"the GPU finished each block {lag['median_seconds'] * 1e3:.3g} ms (median; max "
+        f"{lag['max_seconds'] * 1e3:.3g}) after the host issued it; growth {growth} "
+        "(near zero: launch-bound; growing: GPU-bound)"
+    )
 
 
 def _bound(row: dict) -> str:

@@ -304,6 +304,7 @@ class FullFinetuneEngine(StreamedEngine):
         self._d2h_bytes = 0
         self.weights.clear_timings()
         self._busy_events.clear()
+        self._lag.anchor()
         self._plan_for(micro_batches)
         L, dev = self.args.num_layers, self.device
         n_target = count_targets(micro_batches)
@@ -382,6 +383,7 @@ class FullFinetuneEngine(StreamedEngine):
             h2d_seconds=w["h2d_seconds"],
             gpu_busy_seconds=busy,
             gpu_busy_ratio=ratio,
+            issue_lag=self._lag.take(),
             step_seconds=t2 - t0,
             flops=self.flops_per_step(micro_batches),
             optimizer_host_seconds=self.host.take_seconds(),
@@ -413,7 +415,7 @@ class FullFinetuneEngine(StreamedEngine):
         self.saved.prefetch(i - 1)
         leaves = {k: v.detach().requires_grad_(True) for k, v in w.items()}
         lora = self.lora.context(i, self.dtype)
-        with self._busy():
+        with self._busy(lag=("backward", i)):
             for m in range(len(micro_batches)):
                 x = inputs[m].detach().requires_grad_(True)
                 inputs[m] = None

@@ -175,6 +175,14 @@ GPU_BUSY = MetricSpec(
     "by the step's wall-clock seconds, data wait included. Absent on a CPU.",
     ("rank",),
 )  # fmt: skip
+GPU_ISSUE_LAG = MetricSpec(
+    "appliance_gpu_issue_lag_seconds", GAUGE, "seconds",
+    "How far the GPU's work on a block lagged the host's issue of it in the last step, the median "
+    "over the blocks of both passes (a CUDA event recorded as the host finishes issuing a block, "
+    "against the host's clock at that moment): near zero, the GPU waited for the host "
+    "(launch-bound); growing through a pass, the host ran ahead (GPU-bound). Absent on a CPU.",
+    ("rank",),
+)  # fmt: skip
 GPU_NVML_UTILIZATION = MetricSpec(
     "appliance_gpu_nvml_utilization_ratio", GAUGE, "ratio",
     "Mean NVML GPU utilization over the last step, sampled at 20 Hz (what nvidia-smi shows: the "
@@ -256,7 +264,7 @@ WEIGHT_STORE_BYTES = MetricSpec(
 REGISTRY: tuple[MetricSpec, ...] = (
     TOKENS, STEPS, STEP, STEP_SECONDS, STEP_TIME_SECONDS, PHASE_SECONDS, H2D_BYTES, H2D_SECONDS,
     DEQUANT_SECONDS, D2H_BYTES, OPTIMIZER_HOST_SECONDS,
-    MODEL_FLOPS, LOSS, SKIPPED_STEPS, LOSS_SCALE, LEARNING_RATE, MFU, GPU_BUSY,
+    MODEL_FLOPS, LOSS, SKIPPED_STEPS, LOSS_SCALE, LEARNING_RATE, MFU, GPU_BUSY, GPU_ISSUE_LAG,
     GPU_NVML_UTILIZATION, GPU_MEMORY_ALLOCATED, GPU_MEMORY_RESERVED, TOKENIZER_TOKENS,
     TOKENIZER_DOCUMENTS, TOKENIZER_ERRORS, TOKENIZER_SECONDS, BATCHES_IN_FLIGHT,
     TOKENIZER_QUEUE_DEPTH, RESTARTS, CHECKPOINTS,

@@ -51,7 +51,7 @@ ROW_FIELDS = {
     "streamed_blocks", "bandwidth_bytes_per_second", "step_seconds_median",
     "dequant_seconds_per_step", "dequant_share", "nvml_util_mean", "profile",
     "crossover_tokens_per_step", "flops_by_part", "elementwise_bytes_per_step",
-    "floor_elementwise_seconds",
+    "floor_elementwise_seconds", "issue_lag",
 }  # fmt: skip
 
 
@@ -127,6 +127,7 @@ def test_tiny_on_cpu_measures_every_field(tiny_run):
         assert len(row["losses"]) == 1 + 2  # warm-up + timed
         assert row["gpu_busy_seconds_per_step"] is None  # CUDA events only
         assert row["host_issue_ratio"] is None  # on a CPU the host does all the work
+        assert row["issue_lag"] is None  # nothing recorded on a CPU: no lag to measure
         # random N(0, 0.02) weights give near-uniform predictions: loss ≈ ln(vocab)
         assert abs(row["losses"][0] - math.log(args.vocab_size)) < 0.5
     # on a CPU both modes run the same arithmetic on the same weights and batches

@@ -46,15 +46,26 @@ A10_BUDGET = int(0.9 * 23028 * 2**20)  # the engine's default budget: 90 % of wh
 A10_B, A10_P = 25e9, 70e12
 
 
-def f_7b(tokens: int, block_params: int = 202_383_360, layers: int = 32, width: int = 4096,
-         inter: int = 11008, kv: int = 4096) -> float:
+def f_7b(
+    tokens: int,
+    block_params: int = 202_383_360,
+    layers: int = 32,
+    width: int = 4096,
+    inter: int = 11008,
+    kv: int = 4096,
+) -> float:
     """F (engine/flops.py) of a Llama-2 LoRA step of `tokens` in rows of 2048, by hand: the
     blocks' 6·N·T, LoRA r16 on all seven projections 8·n·T, causal attention 16 · T(T+1)/2 ·
     width a row and block, the head 4·V·C·T."""
     lora = layers * 16 * (2 * (width + width) + 2 * (width + kv) + 3 * (width + inter))
     rows = tokens // 2048
     attention = 16 * rows * (2048 * 2049 // 2) * width * layers
-    return 6 * layers * block_params * tokens + 8 * lora * tokens + attention + 4 * 32000 * width * tokens
+    return (
+        6 * layers * block_params * tokens
+        + 8 * lora * tokens
+        + attention
+        + 4 * 32000 * width * tokens
+    )
 
 
 def plan_7b(**kw) -> PlanInput:
