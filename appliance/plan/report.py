@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 from appliance.hardware import gpus as hardware
 from appliance.models import param_count
 from appliance.plan.estimate import GiB, PlanInput, choose_micro_batches, evaluate
 from appliance.plan.fixes import fixes, problems
+from appliance.plan.shape import gpu_micro_batch
 
 
 def make_plan(p: PlanInput) -> dict:
@@ -21,6 +23,13 @@ def make_plan(p: PlanInput) -> dict:
         m, why = p.micro_batches_per_step, "train's default"
     else:
         m, why = p.micro_batches_per_step, "given"
+    shape_why = "given"
+    if "micro_batch_size" in p.train_defaults:  # the GPU's shape (plan/shape.py), as train's
+        rows, m, shape_why = gpu_micro_batch(p, m)
+        shape_why = f"train's default {p.micro_batch_size}, for the GPU: {shape_why}"
+        if rows != p.micro_batch_size:
+            why = f"{why}, merged {rows // p.micro_batch_size} to a micro-batch"
+        p = replace(p, micro_batch_size=rows)
     r = evaluate(p, m)
     card = p.card
     result = {
@@ -37,6 +46,7 @@ def make_plan(p: PlanInput) -> dict:
         "micro_batch_size": p.micro_batch_size,
         "lora_rank": p.lora_rank,
         "micro_batches_per_step_why": why,
+        "micro_batch_size_why": shape_why,
         "train_defaults": list(p.train_defaults),
         **r,
         "problems": problems(p, r),
@@ -165,9 +175,9 @@ def _elementwise_line(r: dict) -> str:
 def _shape(r: dict) -> list[str]:
     """The shape flags and where each came from (given, or train's default)."""
     out = []
-    for flag, key in (("--seq-len", "seq_len"), ("--micro-batch-size", "micro_batch_size")):
-        source = "train's default" if key in r["train_defaults"] else "given"
-        out.append(f"{flag} {r[key]} ({source})")
+    source = "train's default" if "seq_len" in r["train_defaults"] else "given"
+    out.append(f"--seq-len {r['seq_len']} ({source})")
+    out.append(f"--micro-batch-size {r['micro_batch_size']} ({r['micro_batch_size_why']})")
     m = r["micro_batches_per_step"]
     out.append(f"--micro-batches-per-step {m} ({r['micro_batches_per_step_why']})")
     return out

@@ -476,12 +476,15 @@ def test_plan_assumes_trains_shape_and_prints_it(tmp_path):
     out = CliRunner().invoke(main, ["plan", "--preset", "7b", "--gpu", "a10", "--json"])
     assert out.exit_code == 0, out.output
     r = json.loads(out.output)
-    assert (r["seq_len"], r["micro_batch_size"], r["micro_batches_per_step"]) == shape[:3]
+    # on a GPU, train's rows a micro-batch grow at the same tokens a step (plan/shape.py)
+    assert (r["seq_len"], r["micro_batch_size"], r["micro_batches_per_step"]) == (256, 16, 1)
+    assert r["tokens_per_step"] == 256 * train.micro_batch_size * train.micro_batches_per_step
     assert r["train_defaults"] == ["seq_len", "micro_batch_size", "micro_batches_per_step"]
-    text = CliRunner().invoke(main, ["plan", "--preset", "7b", "--gpu", "a10", "--seq-len", "512"])
+    text = CliRunner().invoke(main, ["plan", "--preset", "7b", "--gpu", "a10", "--seq-len", "512",
+                                     "--micro-batch-size", "4"])  # fmt: skip
     assert (
-        f"shape: --seq-len 512 (given), --micro-batch-size {train.micro_batch_size} (train's "
-        f"default), --micro-batches-per-step {train.micro_batches_per_step} (train's default)\n"
+        "shape: --seq-len 512 (given), --micro-batch-size 4 (given), --micro-batches-per-step "
+        f"{train.micro_batches_per_step} (train's default)\n"
     ) in text.output
 
 
