@@ -138,8 +138,9 @@ OPTIMIZER_HOST_SECONDS = MetricSpec(
 )  # fmt: skip
 MODEL_FLOPS = MetricSpec(
     "appliance_model_flops", COUNTER, "FLOP",
-    "Model FLOPs of the steps (about 6 x parameters x tokens with recompute); its rate is the "
-    "achieved FLOP/s.",
+    "Model FLOPs of the steps: F of the speed floor (the blocks' matmuls, LoRA, causal attention "
+    "with the recompute, the LM head: docs/benchmarks.md, The floor); its rate is the achieved "
+    "FLOP/s.",
     ("rank",),
 )  # fmt: skip
 LOSS = MetricSpec(
