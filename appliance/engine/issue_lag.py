@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -69,27 +71,24 @@ def mean_of_steps(steps: list[dict | None]) -> dict | None:
 class IssueLag:
     """One step's issue marks on CUDA (see the module docstring); nothing on a CPU."""
 
-    def __init__(self, device: torch.device, event: type = torch.cuda.Event):
-        """`event`: the timing event's class (a test's HostEvent drives this path on a CPU)."""
-        self.cuda = device.type == "cuda" or event is not torch.cuda.Event
-        self._event = event
-        self._anchor: tuple[torch.cuda.Event, float] | None = None
-        self._marks: list[tuple[str, int, float, torch.cuda.Event]] = []
+    def __init__(self, device: torch.device, event: Callable[[], Any] | None = None):
+        """`event`: makes the anchor's timing event (a test's HostEvent drives this path on a
+        CPU); by default a CUDA event, on CUDA only."""
+        self.cuda = device.type == "cuda" or event is not None
+        self._new_event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        self._anchor: tuple[Any, float] | None = None
+        self._marks: list[tuple[str, int, float, Any]] = []
 
     def anchor(self) -> None:
-        """At the step's start, with the compute stream idle: the GPU's time zero on the host's
-        clock."""
+        """At the step's start, with the compute stream idle (the last step ended with a sync):
+        the GPU's time zero on the host's clock."""
         self._marks.clear()
         if self.cuda:
-            event = (
-                self._event(enable_timing=True)
-                if self._event is torch.cuda.Event
-                else self._event()
-            )
+            event = self._new_event()
             event.record()
             self._anchor = (event, _clock())
 
-    def mark(self, kind: str, block: int, event: torch.cuda.Event) -> None:
+    def mark(self, kind: str, block: int, event: Any) -> None:
         """Block `block`'s work in pass `kind` is issued; `event`, just recorded after it, says
         when the GPU is done with it."""
         if self.cuda and self._anchor is not None:
