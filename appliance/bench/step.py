@@ -22,11 +22,14 @@ resident: memory.blocks_uploaded_per_step; the engine's own count is reported be
 B = bandwidth measured from the memory the engine copies from (one of its own page-locked blocks
 into the device, median of 10, on CUDA; a host memcpy of 256 MiB on CPU, where nothing is
 really copied: weights are read in place, so the row is nominal), F = the
-step's FLOPs (≈ 6·N·T), P = the measured dense matmul rate in the compute dtype (`--dtype
+step's FLOPs (engine/flops.py: the blocks' matmuls, LoRA, causal attention with the recompute,
+the LM head), P = the measured dense matmul rate in the compute dtype (`--dtype
 auto`: bf16 on GPU, fp16 on one without bf16, fp32 on CPU). Every row reports its time against
 that floor. W is the weights alone: where the plan offloads saved block inputs to the host, the
 bytes they bring back in the backward (all blocks' but the last's, which stay on the device) are
-reported beside it (`offload_h2d_bytes_per_step`).
+reported beside it (`offload_h2d_bytes_per_step`). Beside the floor, not in it: the step's least
+elementwise bytes (engine/flops.py) over the device's memory bandwidth (a 256 MiB device copy,
+read and written: `floor_elementwise_seconds`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import gc
 import math
 import os
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 
@@ -46,7 +50,9 @@ from appliance.actors.trainer import resolve_dtype
 from appliance.bench.synthetic import SyntheticBlockSource
 from appliance.engine.blocks import dtype_from_name
 from appliance.engine.device_weights import with_index
+from appliance.engine.flops import elementwise_bytes, lora_active_params, step_flops
 from appliance.engine.full import FullFinetuneEngine
+from appliance.engine.issue_lag import mean_of_steps
 from appliance.engine.memory import blocks_uploaded_per_step, gpu_memory_cap, streaming_budget
 from appliance.engine.step import StreamedEngine
 from appliance.errors import ConfigError, first_line
@@ -56,6 +62,7 @@ from appliance.hardware.measure import (
     GiB,
     MiB,
     cpu_name,
+    cuda_copy_seconds,
     device_name,
     host_memory_available,
     measure_bandwidth,
@@ -185,7 +192,12 @@ def _run_mode(
     W = uploads(L, resident) * block_bytes
     B = measured_b or bandwidth
     step = statistics.mean(s.step_seconds for s in timed)
-    flops = timed[0].flops  # 8·N·T for a full fine-tune (its weight gradients)
+    flops = timed[0].flops  # the engine's F (engine/flops.py), by part below
+    shapes = [tuple(ids.shape) for ids, _ in batches]
+    spec = LoraSpec()
+    lora_n = 0 if full_finetune else lora_active_params(args, spec.rank, spec.targets)
+    parts = step_flops(args, shapes, lora_params=lora_n, full=full_finetune,
+                       head_trained=full_finetune)  # fmt: skip
     h2d_bytes = statistics.mean(s.h2d_bytes for s in timed)
     h2d_seconds = statistics.mean(s.h2d_seconds for s in timed)
     floor_h2d, floor_compute = W / B, flops / matmul
@@ -227,6 +239,9 @@ def _run_mode(
         "step_seconds_median": statistics.median(s.step_seconds for s in timed),
         "tokens_per_second": row["tokens_per_step"] / step,
         "flops_per_step": flops,
+        "flops_by_part": parts.as_dict(),
+        # the least elementwise bytes of the step; their seconds beside the floor: run_bench
+        "elementwise_bytes_per_step": elementwise_bytes(args, shapes, dtype.itemsize),
         "floor_h2d_seconds": floor_h2d,
         "floor_compute_seconds": floor_compute,
         "floor_seconds": floor,
@@ -250,6 +265,9 @@ def _run_mode(
         # the host's share of the step spent issuing work (CUDA): near 1, the step is
         # launch-bound, and GPU busy (brackets that include launch gaps) overstates the GPU's work
         "host_issue_ratio": statistics.mean(issue) if issue else None,
+        # per block, how far the GPU's completion lagged the host's issue (CUDA; None on a CPU,
+        # where nothing is recorded): engine/issue_lag.py, the timed steps' mean
+        "issue_lag": mean_of_steps([s.issue_lag for s in timed]),
         "phase_seconds": {
             k: statistics.mean(s.phase_seconds[k] for s in timed) for k in timed[0].phase_seconds
         },
@@ -396,6 +414,7 @@ def run_bench(
         n, reps = 2048, 3
     bandwidth = measure_bandwidth(device)
     matmul = measure_matmul(device, dtype, n, reps)
+    memory_bw = measure_memory_bandwidth(device)
     dname = str(dtype).removeprefix("torch.")
     source = SyntheticBlockSource(args, dtype, base_quant=base_quant)
     source.make_all()  # on the host's cores, before anything is timed
@@ -445,6 +464,11 @@ def run_bench(
             "place, so the streamed row's W/B is nominal",
         },
         "matmul": {"flops_per_second": matmul, "kind": f"{dname} ({n}, {n}) @ ({n}, {n})"},
+        "memory_bandwidth": {
+            "bytes_per_second": memory_bw,
+            "kind": f"{'device' if device.type == 'cuda' else 'host'} copy of {COPY_BYTES // MiB} "
+            "MiB, bytes read + written",
+        },
     }
     rows: list[dict] = []
     for m in modes:
@@ -466,6 +490,10 @@ def run_bench(
                     finetuning_type == "full",
                 )
             )
+        if rows[-1]["fits"]:
+            rows[-1]["floor_elementwise_seconds"] = (
+                rows[-1]["elementwise_bytes_per_step"] / memory_bw
+            )
         result = {
             **head,
             "shape": {**asdict(shape), "tokens_per_step": rows[0]["tokens_per_step"]},
@@ -474,6 +502,28 @@ def run_bench(
         if on_row is not None:
             on_row(result)
     return result
+
+
+def measure_memory_bandwidth(
+    device: torch.device, nbytes: int = COPY_BYTES, reps: int = 5
+) -> float:
+    """Bytes/s through the device's own memory (HBM on a GPU, DRAM on a CPU): a copy of `nbytes`
+    within it, counted read + written (2·nbytes), the best of `reps`. What the elementwise line
+    divides by."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    if device.type == "cuda":
+        best = min(cuda_copy_seconds(dst, src, reps))
+    else:
+        dst.copy_(src)
+        best = math.inf
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t0)
+    del src, dst
+    _release_cuda(device)
+    return 2 * nbytes / best
 
 
 def _dequant_kernels(base_quant: str, device: torch.device, dtype: torch.dtype) -> str | None:

@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+from appliance.engine.issue_lag import PASSES
 from appliance.errors import ConfigError
 from appliance.hardware.measure import GiB
 
@@ -69,6 +70,19 @@ def format_table(result: dict) -> str:
                 else "copy-bound)"
             )
         )
+    for r in result["modes"]:  # beside the floor, not in it (engine/flops.py)
+        if r["fits"] and r.get("floor_elementwise_seconds") is not None:
+            parts = ", ".join(
+                f"{k.replace('_', ' ')} {v / 1e12:.3g}"
+                for k, v in r["flops_by_part"].items()
+                if v and k != "total"
+            )
+            lines.append(
+                f"{r['mode']}: F by part (TFLOP): {parts}; least elementwise bytes "
+                f"{r['elementwise_bytes_per_step'] / 1e9:.3g} GB at "
+                f"{result['memory_bandwidth']['bytes_per_second'] / 1e9:.3g} GB/s → "
+                f"{r['floor_elementwise_seconds']:.3g} s (not in the floor)"
+            )
     for r in result["modes"]:
         if r["fits"] and (f := r.get("full_finetune")):  # --finetuning-type full
             lines.append(
@@ -90,7 +104,22 @@ def format_table(result: dict) -> str:
                 f"{r['mode']}: the host issued work for {r['host_issue_ratio']:.0%} of the step"
                 + _bound(r)
             )
+    for r in result["modes"]:
+        if r["fits"] and (lag := r.get("issue_lag")):
+            lines.append(f"{r['mode']}: " + lag_line(lag))
     return "\n".join(lines)
+
+
+def lag_line(lag: dict) -> str:
+    """engine/issue_lag.py's figures in a line: near zero, launch-bound; growing, GPU-bound."""
+    growth = "; ".join(
+        f"through the {p} {lag[p]['growth_seconds'] * 1e3:+.1f} ms" for p in PASSES if p in lag
+    )
+    return (
+        f"the GPU finished each block {lag['median_seconds'] * 1e3:.3g} ms (median; max "
+        f"{lag['max_seconds'] * 1e3:.3g}) after the host issued it; growth {growth} "
+        "(near zero: launch-bound; growing: GPU-bound)"
+    )
 
 
 def _bound(row: dict) -> str:

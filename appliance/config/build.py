@@ -271,6 +271,7 @@ def build_config(
         return flag(name)
 
     cfg = TrainConfig(**values)
+    cfg.given = frozenset(values)  # set by a layer or the demo: not for a run to choose
     cfg.report_to = parse_report_to(cfg.report_to)  # `none`, case, repeats: backend names
     cfg.lora_targets = lora_target_names(cfg.lora_targets)  # PEFT's names: q_proj, all-linear
     if aliased and notes is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from appliance.models.layers import TARGET_MODULES
 from appliance.models.lora import LoraSpec
@@ -51,6 +51,10 @@ class TrainConfig:
         None, "Optimizer steps to run (default: 1 epoch when --epochs is unset)."
     )
     epochs: int | None = _f(None, "Passes over the data (alternative to --steps).")
+    # the keys a layer set (flags, config file, the resumed run's record), as build_config
+    # found them; not a setting: what a run may choose for itself, given none (the GPU's
+    # micro-batch shape, plan/shape.py). Empty for a TrainConfig made directly.
+    given: ClassVar[frozenset[str]] = frozenset()
     # ---- shapes
     seq_len: int = _f(256, "Tokens per training row.")
     micro_batch_size: int = _f(4, "Rows per micro-batch (one forward through a block).")

@@ -64,6 +64,8 @@ class StepStats:
     # host wall time spent issuing the step's work, up to each wait for the GPU (CUDA only): near
     # step_seconds, the host is the bottleneck (launch-bound) and GPU busy says little
     host_issue_seconds: float | None = None
+    # each block's GPU lag behind the host's issue of it (CUDA only: engine/issue_lag.py)
+    issue_lag: dict | None = None
     step_seconds: float = 0.0
     flops: float = 0.0
     loss_scale: float | None = None  # float16: the scale this step's backward was seeded with

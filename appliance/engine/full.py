@@ -40,6 +40,7 @@ from appliance.engine.batches import MicroBatch, StepStats, count_targets
 from appliance.engine.batches import micro_batches_of as _micro_batches
 from appliance.engine.blocks import BlockSource, FlatBlockSource, pack
 from appliance.engine.device_weights import SideStream, event_seconds
+from appliance.engine.flops import step_flops
 from appliance.engine.host_adam import GLOBALS, HostAdamW
 from appliance.engine.step import StreamedEngine
 from appliance.errors import ConfigError
@@ -303,6 +304,7 @@ class FullFinetuneEngine(StreamedEngine):
         self._d2h_bytes = 0
         self.weights.clear_timings()
         self._busy_events.clear()
+        self._lag.anchor()
         self._plan_for(micro_batches)
         L, dev = self.args.num_layers, self.device
         n_target = count_targets(micro_batches)
@@ -381,8 +383,9 @@ class FullFinetuneEngine(StreamedEngine):
             h2d_seconds=w["h2d_seconds"],
             gpu_busy_seconds=busy,
             gpu_busy_ratio=ratio,
+            issue_lag=self._lag.take(),
             step_seconds=t2 - t0,
-            flops=self.flops_per_step(tokens),
+            flops=self.flops_per_step(micro_batches),
             optimizer_host_seconds=self.host.take_seconds(),
             d2h_bytes=self._d2h_bytes,
             trained_parameters=self.host.num_parameters(),
@@ -412,7 +415,7 @@ class FullFinetuneEngine(StreamedEngine):
         self.saved.prefetch(i - 1)
         leaves = {k: v.detach().requires_grad_(True) for k, v in w.items()}
         lora = self.lora.context(i, self.dtype)
-        with self._busy():
+        with self._busy(lag=("backward", i)):
             for m in range(len(micro_batches)):
                 x = inputs[m].detach().requires_grad_(True)
                 inputs[m] = None
@@ -425,9 +428,12 @@ class FullFinetuneEngine(StreamedEngine):
         if i > 0:
             self.weights.release(i)
 
-    def flops_per_step(self, tokens: int) -> float:
-        """≈ 8·N·T: LoRA's 6·N·T (forward, recompute, input gradient) + the weight gradients."""
-        return super().flops_per_step(tokens) * 8 / 6
+    def flops_per_step(self, micro_batches: list[MicroBatch]) -> float:
+        """F with every weight's gradient (engine/flops.py: 8·N·T; the head's too if it trains)."""
+        shapes = [tuple(mb.ids.shape) for mb in micro_batches]
+        # the head trains unless it is the (tied) input embedding, frozen
+        head = not self.args.tie_word_embeddings or EMBED in self.host.trains(GLOBALS)
+        return step_flops(self.args, shapes, full=True, head_trained=head).total
 
     def plan_inputs(self, micro_batches: list[MicroBatch]) -> dict:
         """StreamedEngine's, with the device's gradient buffers counted as fixed bytes: the

@@ -1,4 +1,5 @@
-"""The engine's planner as pure arithmetic: GPU memory by part, residency, uploads, FLOPs.
+"""The engine's planner as pure arithmetic: GPU memory by part, residency, uploads (FLOPs:
+engine/flops.py).
 
 `StreamedEngine.plan` calls `plan_memory` with what it holds (its blocks' bytes, its LoRA
 parameters, the real batch); `appliance plan` calls it with what config.json implies. Both decide
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from appliance.models import active_blocks_param_count, gated_deltanet
+from appliance.models import gated_deltanet
 from appliance.models.layers import HEAD_CHUNK_VALUES, ModelArgs
 
 
@@ -165,20 +166,6 @@ def blocks_uploaded_per_step(num_blocks: int, resident_blocks: int) -> int:
     if streamed <= 0:
         return 0
     return 2 * streamed - 1 - (1 if resident_blocks <= 0 else 0)
-
-
-def step_flops(args: ModelArgs, tokens: int) -> float:
-    """≈ 6·N·T for LoRA with recompute: forward, recompute, input-gradient (DESIGN.md); N counts
-    the blocks' parameters only (not attention scores, embeddings or the head), and of a
-    mixture of experts the active ones: each token's k experts and the router
-    (models.active_blocks_param_count). Qwen3.5's linear-attention layers add their chunked
-    rule, which has no parameters to count: its forward, recompute and backward (≈ twice the
-    forward): 4× its forward FLOPs."""
-    flops = 6.0 * active_blocks_param_count(args) * tokens
-    if args.linear_num_value_heads and args.layer_types:
-        linear = args.layer_types.count("linear_attention")
-        flops += 4.0 * linear * gated_deltanet.rule_flops(args, tokens)
-    return flops
 
 
 def gpu_budget_problem(text: str, n: int) -> str | None:

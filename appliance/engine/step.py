@@ -47,8 +47,10 @@ from appliance.engine.batches import (
 )
 from appliance.engine.blocks import BlockSource
 from appliance.engine.device_weights import DeviceWeights, event_seconds, with_index
+from appliance.engine.flops import lora_active_params, step_flops
+from appliance.engine.issue_lag import IssueLag
 from appliance.engine.loss_scale import LossScaler
-from appliance.engine.memory import CUDA_MARGIN_BYTES, effective_budget, plan_memory, step_flops
+from appliance.engine.memory import CUDA_MARGIN_BYTES, effective_budget, plan_memory
 from appliance.engine.saved_inputs import SavedInputs
 from appliance.errors import ConfigError
 from appliance.models import layers, rope
@@ -119,6 +121,7 @@ class StreamedEngine:
         self.step_count = 0
         self._busy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._issue_seconds = 0.0  # host time issuing work in forward_backward
+        self._lag = IssueLag(self.device)  # each block's GPU lag behind its issue (CUDA)
         self._sized_for: dict[str, int] = {}  # the batch sizes the plan holds (none yet)
         self._rope: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
         self.saved = SavedInputs(self.device, self.args.num_layers)
@@ -290,7 +293,7 @@ class StreamedEngine:
             for i in range(L):
                 w = self.weights.get(i)
                 self.weights.prefetch(i + 1)
-                with self._busy():
+                with self._busy(lag=("forward", i)):
                     lora = self.lora.context(i, self.dtype, dropout=None if dropout else 0.0)
                     for m, h in enumerate(hs):
                         if save:
@@ -369,7 +372,7 @@ class StreamedEngine:
                 self.weights.prefetch(i - 1)
                 inputs = self.saved.take(i)
                 self.saved.prefetch(i - 1)  # block i-1's inputs come back while block i computes
-                with self._busy():
+                with self._busy(lag=("backward", i)):
                     lora = self.lora.context(i, self.dtype)  # with grad: the cast is on the tape
                     for m in range(len(micro_batches)):
                         x = inputs[m].detach().requires_grad_(True)
@@ -469,6 +472,7 @@ class StreamedEngine:
         micro_batches = micro_batches_of(micro_batches)
         t0 = time.perf_counter()
         scale = None if self.scaler is None else self.scaler.scale  # before the step updates it
+        self._lag.anchor()
         loss, n_target, phases = self.forward_backward(micro_batches, self.step_count, first)
         t1 = time.perf_counter()
         with self._busy():
@@ -501,15 +505,19 @@ class StreamedEngine:
             gpu_busy_seconds=busy,
             gpu_busy_ratio=ratio,
             host_issue_seconds=issue if self.device.type == "cuda" else None,
+            issue_lag=self._lag.take(),
             step_seconds=t2 - t0,
-            flops=self.flops_per_step(tokens),
+            flops=self.flops_per_step(micro_batches),
             loss_scale=scale,
             skipped_step=skipped,
         )
 
-    def flops_per_step(self, tokens: int) -> float:
-        """≈ 6·N·T for LoRA with recompute: forward, recompute, input-gradient (docs/architecture.md)."""
-        return step_flops(self.args, tokens)
+    def flops_per_step(self, micro_batches: list[MicroBatch]) -> float:
+        """F of the floor for these micro-batches (engine/flops.py: blocks, LoRA, attention, head)."""
+        shapes = [tuple(mb.ids.shape) for mb in micro_batches]
+        spec = self.lora.spec
+        n = lora_active_params(self.args, spec.rank, spec.targets) if spec.targets else 0
+        return step_flops(self.args, shapes, lora_params=n).total
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: list[MicroBatch]) -> tuple[float, int]:
@@ -556,8 +564,9 @@ class StreamedEngine:
             torch.cuda.synchronize(self.device)
 
     @contextlib.contextmanager
-    def _busy(self):
-        """Bracket compute-stream work with CUDA events (train_step sums them); no-op on CPU."""
+    def _busy(self, lag: tuple[str, int] | None = None):
+        """Bracket compute-stream work with CUDA events (train_step sums them); no-op on CPU.
+        `lag` (pass, block): the end event also marks that block's issue (issue_lag.py)."""
         if self.device.type != "cuda":
             yield
             return
@@ -567,3 +576,5 @@ class StreamedEngine:
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         self._busy_events.append((start, end))
+        if lag is not None:
+            self._lag.mark(*lag, end)

@@ -107,6 +107,15 @@ GPUS: dict[str, Gpu] = {
 }  # fmt: skip
 
 
+#: Device memory bandwidth (bytes/s) by class, from the same datasheets: what the elementwise work
+#: (norms, RoPE, activations, residual adds, the loss) is bounded by. `appliance plan` divides the
+#: step's least elementwise bytes (engine/flops.py) by it, on a line of its own beside the floor.
+MEMORY_BYTES_PER_SECOND: dict[str, float] = {
+    "a10": 600e9, "a10g": 600e9, "4090": 1008e9, "l4": 300e9, "l40s": 864e9,
+    "a100": 1555e9, "h100": 3350e9, "h200": 4800e9,
+}  # fmt: skip
+
+
 #: Dense bf16 tensor-core peak FLOP/s (no sparsity) by device-name substring, from the vendors'
 #: data sheets; the first match wins, so longer names come first.
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (

@@ -146,8 +146,9 @@ OPTIMIZER_HOST_SECONDS = MetricSpec(
 )  # fmt: skip
 MODEL_FLOPS = MetricSpec(
     "appliance_model_flops", COUNTER, "FLOP",
-    "Model FLOPs of the steps (about 6 x parameters x tokens with recompute); its rate is the "
-    "achieved FLOP/s.",
+    "Model FLOPs of the steps: F of the speed floor (the blocks' matmuls, LoRA, causal attention "
+    "with the recompute, the LM head: docs/benchmarks.md, The floor); its rate is the achieved "
+    "FLOP/s.",
     ("rank",),
 )  # fmt: skip
 LOSS = MetricSpec(
@@ -181,6 +182,14 @@ GPU_BUSY = MetricSpec(
     "Share of the last step the GPU's compute stream was busy: busy seconds (the sum of the "
     "CUDA-event-timed intervals bracketing real work, waits for block weights excluded) divided "
     "by the step's wall-clock seconds, data wait included. Absent on a CPU.",
+    ("rank",),
+)  # fmt: skip
+GPU_ISSUE_LAG = MetricSpec(
+    "appliance_gpu_issue_lag_seconds", GAUGE, "seconds",
+    "How far the GPU's work on a block lagged the host's issue of it in the last step, the median "
+    "over the blocks of both passes (a CUDA event recorded as the host finishes issuing a block, "
+    "against the host's clock at that moment): near zero, the GPU waited for the host "
+    "(launch-bound); growing through a pass, the host ran ahead (GPU-bound). Absent on a CPU.",
     ("rank",),
 )  # fmt: skip
 GPU_NVML_UTILIZATION = MetricSpec(
@@ -264,7 +273,7 @@ WEIGHT_STORE_BYTES = MetricSpec(
 REGISTRY: tuple[MetricSpec, ...] = (
     TOKENS, STEPS, STEP, STEP_SECONDS, STEP_TIME_SECONDS, PHASE_SECONDS, H2D_BYTES, H2D_SECONDS,
     DEQUANT_SECONDS, EXPERT_SHARE, D2H_BYTES, OPTIMIZER_HOST_SECONDS,
-    MODEL_FLOPS, LOSS, SKIPPED_STEPS, LOSS_SCALE, LEARNING_RATE, MFU, GPU_BUSY,
+    MODEL_FLOPS, LOSS, SKIPPED_STEPS, LOSS_SCALE, LEARNING_RATE, MFU, GPU_BUSY, GPU_ISSUE_LAG,
     GPU_NVML_UTILIZATION, GPU_MEMORY_ALLOCATED, GPU_MEMORY_RESERVED, TOKENIZER_TOKENS,
     TOKENIZER_DOCUMENTS, TOKENIZER_ERRORS, TOKENIZER_SECONDS, BATCHES_IN_FLIGHT,
     TOKENIZER_QUEUE_DEPTH, RESTARTS, CHECKPOINTS,

@@ -49,6 +49,7 @@ from appliance.metrics.names import (  # fmt: skip
     EXPERT_SHARE,
     GAUGE,
     GPU_BUSY,
+    GPU_ISSUE_LAG,
     GPU_MEMORY_ALLOCATED,
     GPU_MEMORY_RESERVED,
     GPU_NVML_UTILIZATION,
@@ -279,6 +280,7 @@ class TrainerMetrics(_Recorder):
           h2d_bytes, h2d_seconds, dequant_seconds; expert_share (0..1, MoE); d2h_bytes, optimizer_host_seconds (full
           fine-tuning); flops (model FLOPs of the step); mfu (0..1,
           else derived from flops and peak_flops); gpu_busy_ratio (0..1: CUDA-event busy seconds / step_seconds);
+          issue_lag (engine/issue_lag.py's figures: its median_seconds is recorded);
           nvml_util_mean (0..1, from gpu_monitor.NvmlSampler.take_mean()); gpu_mem_allocated,
           gpu_mem_reserved (bytes); loss_scale and skipped_step (float16 compute only).
         Other keys are ignored.
@@ -325,6 +327,8 @@ class TrainerMetrics(_Recorder):
             mfu = flops / step_seconds / self.peak_flops
         self._set(MFU, mfu)
         self._set(GPU_BUSY, stats.get("gpu_busy_ratio"))
+        lag = stats.get("issue_lag")  # engine/issue_lag.py; None on a CPU
+        self._set(GPU_ISSUE_LAG, lag["median_seconds"] if lag else None)
         self._set(GPU_NVML_UTILIZATION, stats.get("nvml_util_mean"))
         self._set(GPU_MEMORY_ALLOCATED, stats.get("gpu_mem_allocated"))
         self._set(GPU_MEMORY_RESERVED, stats.get("gpu_mem_reserved"))

@@ -11,6 +11,7 @@ from appliance.hardware import gpus as hardware
 from appliance.hardware.measure import measure_bandwidth, measure_matmul
 from appliance.models.layers import ModelArgs
 from appliance.plan.estimate import PlanInput, choose_micro_batches
+from appliance.plan.shape import gpu_micro_batch
 
 CPU_AUTO_M = 4  # on a CPU weights are read in place: nothing to amortize
 
@@ -30,9 +31,26 @@ def measure_this_gpu(dtype: str = "bfloat16") -> dict:
     }
 
 
-def auto_micro_batches(
+def auto_micro_batches(args: ModelArgs, measured: dict, **shape) -> tuple[int, str]:
+    """`train --micro-batches-per-step auto` on a GPU: plan's rule (choose_micro_batches) with
+    the B, P and memory measured on this box (`measure_this_gpu`). The host is what it is here
+    (doctor checks it), so only the GPU must fit. `shape`: measured_plan's. Returns (M, why)."""
+    return choose_micro_batches(measured_plan(args, measured, None, **shape))
+
+
+def gpu_micro_batch_shape(
+    args: ModelArgs, measured: dict, micro_batches: int, **shape
+) -> tuple[int, int, str]:
+    """train on a GPU with `--micro-batch-size` left at its default: plan/shape.py's rows and
+    micro-batches a step (the same tokens a step) on this box's measured GPU. Returns (rows, M,
+    why)."""
+    return gpu_micro_batch(measured_plan(args, measured, micro_batches, **shape), micro_batches)
+
+
+def measured_plan(
     args: ModelArgs,
     measured: dict,
+    micro_batches: int | None,
     *,
     seq_len: int,
     micro_batch_size: int,
@@ -41,10 +59,9 @@ def auto_micro_batches(
     dtype_bytes: int,
     budget: int | None,
     base_quant: str = "none",
-) -> tuple[int, str]:
-    """`train --micro-batches-per-step auto` on a GPU: plan's rule (choose_micro_batches) with
-    the B, P and memory measured on this box (`measure_this_gpu`). The host is what it is here
-    (doctor checks it), so only the GPU must fit. Returns (M, why)."""
+    finetuning_type: str = "lora",
+) -> PlanInput:
+    """The plan's input for this run on this box's GPU (`measure_this_gpu`)."""
     gpu = hardware.Gpu(
         measured["name"],
         measured["memory_bytes"],
@@ -55,18 +72,18 @@ def auto_micro_batches(
         hardware.Instance("this box", 1, 2**62, None),  # host RAM: not the question here
         "measured at start",
     )
-    p = PlanInput(
+    return PlanInput(
         args,
         "this run",
         "measured",
         seq_len=seq_len,
         micro_batch_size=micro_batch_size,
-        micro_batches_per_step=None,
+        micro_batches_per_step=micro_batches,
         base_quant=base_quant,
         lora_rank=lora_rank,
         lora_targets=lora_targets,
         gpu_memory_budget=budget,
         dtype_bytes=dtype_bytes,
         measured=gpu,
+        finetuning_type=finetuning_type,
     )
-    return choose_micro_batches(p)

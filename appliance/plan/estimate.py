@@ -14,9 +14,10 @@ node's weight store):
 - Host memory: the weight store (shared memory, one per node), what page-locking registers, the
   saved activations offloaded to pinned host memory, the trainer and tokenizer processes.
 - Time: host→device bytes per optimizer step (`memory.blocks_uploaded_per_step` blocks, both
-  passes), FLOPs (≈ 6·N·T over the blocks' parameters, as the engine counts them; attention
-  scores and the LM head are reported beside it, not in the floor), the floor max(bytes/B, F/P)
-  with B and P from hardware.GPUS, tokens/s at the floor, and the crossover T*.
+  passes), FLOPs F (engine/flops.py, as the engine and the bench count them: the blocks' matmuls, LoRA,
+  causal attention with the recompute, the LM head), the floor max(bytes/B, F/P) with B and P
+  from hardware.GPUS, tokens/s at the floor, and the crossover T*; beside the floor, not in
+  it, the step's least elementwise bytes over the card's memory bandwidth.
 - Cost: hours at the floor × $ per GPU-hour (the class's on-demand instance, or --price-per-hour).
 - Fits: GPU and host both, or what each needs against what there is and the flags that fix it
   (plan/fixes.py); the command exits 1 when it does not fit.
@@ -34,6 +35,7 @@ from pathlib import Path
 
 from appliance.actors.tokenize_worker import MAX_DEFAULT_WORKERS
 from appliance.config import TrainConfig, parse_bytes
+from appliance.engine.flops import elementwise_bytes, lora_active_params, step_flops
 from appliance.engine.memory import (
     MemoryPlan,
     blocks_uploaded_per_step,
@@ -41,7 +43,6 @@ from appliance.engine.memory import (
     effective_budget,
     gpu_budget_problem,
     plan_memory,
-    step_flops,
 )
 from appliance.errors import ConfigError
 from appliance.hardware import gpus as hardware
@@ -393,7 +394,12 @@ def evaluate(p: PlanInput, micro_batches: int) -> dict:
     saved = experts.saved_bytes_per_copy(args, p.dtype_bytes, moe["expected_share_per_copy"]) if (
         moe and moe["streamed_by_expert"]) else 0  # fmt: skip
     streamed = uploads * (mem.block_bytes - saved)
-    flops = step_flops(args, tokens_per_trainer) * (8 / 6 if p.full else 1)  # + weight grads
+    shapes = [(p.micro_batch_size, p.seq_len)] * micro_batches
+    lora = 0 if p.full else lora_active_params(args, p.lora_rank, p.lora_targets)
+    # a full fine-tune's head trains unless it is the tied input embedding, frozen
+    head_trained = not (args.tie_word_embeddings and p.freeze_embeddings)
+    parts = step_flops(args, shapes, lora_params=lora, full=p.full, head_trained=head_trained)
+    flops = parts.total
     h2d_s, compute_s = streamed / card.h2d_bytes_per_second, flops / card.flops_per_second
     floor = max(h2d_s, compute_s)
     extra = {}
@@ -415,20 +421,9 @@ def evaluate(p: PlanInput, micro_batches: int) -> dict:
     tokens_per_step = p.gpus * tokens_per_trainer
     host = host_bytes(p, mem)
     host_fits = host["ram_needed"] <= host_ram_bytes(p)
-    T = p.seq_len
-    seqs = micro_batches * p.micro_batch_size
-    # attention scores (QKᵀ and AV, 4·T²·C a sequence a block forward, C = heads × head size
-    # of that block: Gemma 4's full blocks are wider) × 4 for forward, recompute and both input
-    # gradients, over the softmax-attention blocks (Qwen3.5's linear-attention blocks are in
-    # `flops`: step_flops); LM head forward + input gradient
-    widths = [
-        args.num_heads * args.attention_heads(i)[1]
-        for i in range(L)
-        if not args.layer_types or args.layer_types[i] != "linear_attention"
-    ]
-    attention = 16 * T * T * sum(widths) * seqs
-    head = 4 * args.vocab_size * args.hidden_size * tokens_per_trainer
-    per_token = step_flops(args, 1)
+    elementwise = elementwise_bytes(args, shapes, p.dtype_bytes)
+    hbm = hardware.MEMORY_BYTES_PER_SECOND.get(p.gpu)
+    per_token = flops / tokens_per_trainer  # at this shape (attention grows with seq_len)
     crossover = streamed * card.flops_per_second / (card.h2d_bytes_per_second * per_token)
     return {
         "micro_batches_per_step": micro_batches,
@@ -450,8 +445,10 @@ def evaluate(p: PlanInput, micro_batches: int) -> dict:
         "blocks_uploaded_per_step": uploads,
         "streamed_bytes_per_step": streamed,
         "flops_per_step": flops,
-        "attention_flops_per_step": attention,
-        "head_flops_per_step": head,
+        "flops_by_part": parts.as_dict(),
+        "elementwise_bytes_per_step": elementwise,
+        "memory_bytes_per_second": hbm,
+        "elementwise_seconds": elementwise / hbm if hbm else None,
         "h2d_bytes_per_second": card.h2d_bytes_per_second,
         "flops_per_second": card.flops_per_second,
         "h2d_seconds": h2d_s,

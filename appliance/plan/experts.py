@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 
 from appliance.models import (
-    active_block_param_count,
+    active_blocks_param_count,
     blocks_param_count,
     expert_layout,
     param_count,
@@ -92,7 +92,7 @@ def doctor_line(args: ModelArgs, base_quant: str, tokens: int) -> str:
     (attention, norms, router, k experts: what 6·N_active·T counts) against all of them, and the
     share of each streamed block's experts expected to cross at `tokens` a step."""
     m = moe_share(args, base_quant, tokens)
-    active = args.num_layers * active_block_param_count(args)
+    active = active_blocks_param_count(args)
     head = (
         f"mixture of experts, top {m['top_k']} of {m['experts']}: a token meets "
         f"{active / 1e9:.3g}B of the blocks' {blocks_param_count(args) / 1e9:.3g}B parameters "

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 from appliance.hardware import gpus as hardware
 from appliance.models import param_count
 from appliance.plan.estimate import GiB, PlanInput, choose_micro_batches, evaluate
 from appliance.plan.fixes import fixes, problems
+from appliance.plan.shape import gpu_micro_batch
 
 
 def make_plan(p: PlanInput) -> dict:
@@ -21,6 +23,13 @@ def make_plan(p: PlanInput) -> dict:
         m, why = p.micro_batches_per_step, "train's default"
     else:
         m, why = p.micro_batches_per_step, "given"
+    shape_why = "given"
+    if "micro_batch_size" in p.train_defaults:  # the GPU's shape (plan/shape.py), as train's
+        rows, m, shape_why = gpu_micro_batch(p, m)
+        shape_why = f"train's default {p.micro_batch_size}, for the GPU: {shape_why}"
+        if rows != p.micro_batch_size:
+            why = f"{why}, merged {rows // p.micro_batch_size} to a micro-batch"
+        p = replace(p, micro_batch_size=rows)
     r = evaluate(p, m)
     card = p.card
     result = {
@@ -37,6 +46,7 @@ def make_plan(p: PlanInput) -> dict:
         "micro_batch_size": p.micro_batch_size,
         "lora_rank": p.lora_rank,
         "micro_batches_per_step_why": why,
+        "micro_batch_size_why": shape_why,
         "train_defaults": list(p.train_defaults),
         **r,
         "problems": problems(p, r),
@@ -116,14 +126,14 @@ def format_plan(r: dict) -> str:
         f"  host→device                    {r['streamed_bytes_per_step'] / 1e9:.3g} GB "
         f"({r['blocks_uploaded_per_step']} block copies, both passes) at "
         f"B = {r['h2d_bytes_per_second'] / 1e9:.3g} GB/s → {r['h2d_seconds']:.3g} s",
-        f"  compute                        {r['flops_per_step'] / 1e12:.4g} TFLOP ({'8' if 'full_finetune' in r else '6'}·N·T, blocks) "
-        f"at P = {r['flops_per_second'] / 1e12:.4g} TFLOP/s → {r['compute_seconds']:.3g} s",
-        f"  not in the floor               attention {r['attention_flops_per_step'] / 1e12:.3g} "
-        f"TFLOP, LM head {r['head_flops_per_step'] / 1e12:.3g} TFLOP",
+        f"  compute F                      {r['flops_per_step'] / 1e12:.4g} TFLOP "
+        f"({_flop_parts(r['flops_by_part'])}) at P = {r['flops_per_second'] / 1e12:.4g} TFLOP/s "
+        f"→ {r['compute_seconds']:.3g} s",
         f"  floor max(bytes/B, F/P)        {r['step_seconds_floor']:.3g} s → "
         f"{r['tokens_per_second']:.4g} tokens/s (all GPUs)",
         f"  crossover T*                   {r['crossover_tokens_per_step']:.4g} tokens per GPU "
         "step (compute-bound above it)",
+        _elementwise_line(r),
     ]
     lines += _moe_lines(r)
     lines += _full_lines(r)
@@ -149,12 +159,26 @@ def format_plan(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _flop_parts(parts: dict) -> str:
+    """F by part, the nonzero ones (engine/flops.py), e.g. "blocks 590, attention 35, head 7"."""
+    names = ("blocks", "lora", "attention", "linear_attention", "head")
+    return ", ".join(f"{k.replace('_', ' ')} {parts[k] / 1e12:.3g}" for k in names if parts[k])
+
+
+def _elementwise_line(r: dict) -> str:
+    """The step's least elementwise bytes over the card's memory bandwidth: beside the floor,
+    not in it (engine/flops.py: elementwise_bytes)."""
+    b, hbm = r["elementwise_bytes_per_step"], r["memory_bytes_per_second"]
+    at = f" at {hbm / 1e9:.4g} GB/s → {b / hbm:.3g} s" if hbm else " (no memory bandwidth known)"
+    return f"  elementwise, least (not in it) {b / 1e9:.3g} GB{at}"
+
+
 def _shape(r: dict) -> list[str]:
     """The shape flags and where each came from (given, or train's default)."""
     out = []
-    for flag, key in (("--seq-len", "seq_len"), ("--micro-batch-size", "micro_batch_size")):
-        source = "train's default" if key in r["train_defaults"] else "given"
-        out.append(f"{flag} {r[key]} ({source})")
+    source = "train's default" if "seq_len" in r["train_defaults"] else "given"
+    out.append(f"--seq-len {r['seq_len']} ({source})")
+    out.append(f"--micro-batch-size {r['micro_batch_size']} ({r['micro_batch_size_why']})")
     m = r["micro_batches_per_step"]
     out.append(f"--micro-batches-per-step {m} ({r['micro_batches_per_step_why']})")
     return out

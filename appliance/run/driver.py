@@ -31,8 +31,14 @@ from appliance.engine.blocks import dtype_from_name
 from appliance.errors import appliance_command, cause_chain
 from appliance.interrupt import GracefulStop, RunInterrupted, stopped_at_once
 from appliance.metrics.endpoint import METRICS_REPORT_INTERVAL_MS
-from appliance.plan.auto import CPU_AUTO_M, auto_micro_batches, measure_this_gpu
+from appliance.plan.auto import (
+    CPU_AUTO_M,
+    auto_micro_batches,
+    gpu_micro_batch_shape,
+    measure_this_gpu,
+)
 from appliance.plan.estimate import load_args
+from appliance.plan.shape import shape_note
 from appliance.run.inputs import absolute_paths, prepare, resolve_inputs
 from appliance.run.loop import Run
 from appliance.run.progress import Progress
@@ -68,26 +74,29 @@ def connect(cfg: TrainConfig, progress: Progress) -> Run:
 
 
 def resolve_micro_batches(inp: Inputs, progress: Progress) -> None:
-    """`--micro-batches-per-step auto`: 4 on a CPU; on a GPU, measure B and P where a trainer's
-    GPU is (a one-off Ray task, whose process then exits with its CUDA context) and take
-    plan's M. The number replaces `auto` in the config, so run.json records it."""
+    """The step's shape, where the run chooses it. `--micro-batches-per-step auto`: 4 on a CPU;
+    on a GPU, measure B and P where a trainer's GPU is (a one-off Ray task, whose process then
+    exits with its CUDA context) and take plan's M. Then, on a GPU with `--micro-batch-size`
+    left at its default, the rows a micro-batch for the GPU at the same tokens a step
+    (plan/shape.py), said in a start line. The numbers replace the config's, so run.json records
+    them (and a resume keeps them: recorded, they are given)."""
 
     cfg = inp.cfg
-    if cfg.micro_batches_per_step != AUTO:
-        return
-
+    auto = cfg.micro_batches_per_step == AUTO
     if inp.device != "cuda":
-        cfg.micro_batches_per_step = CPU_AUTO_M
-        progress.note(f"--micro-batches-per-step auto: {CPU_AUTO_M} (on a CPU)")
+        if auto:
+            cfg.micro_batches_per_step = CPU_AUTO_M
+            progress.note(f"--micro-batches-per-step auto: {CPU_AUTO_M} (on a CPU)")
+        return
+    shape_it = "micro_batch_size" not in cfg.given
+    if not (auto or shape_it):
         return
     import ray
 
     measure = ray.remote(num_gpus=1, max_calls=1)(measure_this_gpu)
     measured = ray.get(measure.remote(inp.dtype))  # P in the run's compute dtype
     args, _ = load_args(cfg.model, None)  # config.json (with --cluster: shared path or s3://)
-    m, why = auto_micro_batches(
-        args,
-        measured,
+    shape = dict(
         seq_len=cfg.seq_len,
         micro_batch_size=cfg.micro_batch_size,
         lora_rank=cfg.lora_rank,
@@ -95,13 +104,21 @@ def resolve_micro_batches(inp: Inputs, progress: Progress) -> None:
         dtype_bytes=dtype_from_name(inp.dtype).itemsize,
         budget=cfg.budget_bytes(),
         base_quant=cfg.base_quant,
+        finetuning_type=cfg.finetuning_type,
     )
-    cfg.micro_batches_per_step = m
-    progress.note(
-        f"--micro-batches-per-step auto: {m} ({why}; measured B = "
-        f"{measured['h2d_bytes_per_second'] / 1e9:.1f} GB/s, P = "
-        f"{measured['flops_per_second'] / 1e12:.0f} TFLOP/s on {measured['name']})"
-    )
+    if auto:
+        m, why = auto_micro_batches(args, measured, **shape)
+        cfg.micro_batches_per_step = m
+        progress.note(
+            f"--micro-batches-per-step auto: {m} ({why}; measured B = "
+            f"{measured['h2d_bytes_per_second'] / 1e9:.1f} GB/s, P = "
+            f"{measured['flops_per_second'] / 1e12:.0f} TFLOP/s on {measured['name']})"
+        )
+    if shape_it:
+        was = (cfg.micro_batch_size, cfg.micro_batches_per_step)
+        rows, m, why = gpu_micro_batch_shape(args, measured, cfg.micro_batches_per_step, **shape)
+        cfg.micro_batch_size, cfg.micro_batches_per_step = rows, m
+        progress.note(shape_note(rows, m, cfg.seq_len, why, was))
 
 
 def _record_stop(run: Run) -> None:

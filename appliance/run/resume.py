@@ -50,7 +50,9 @@ class OutputDecision:
     def applied_to(self, cfg: TrainConfig) -> TrainConfig:
         """The run's config: a copy of `cfg` with this decision's resume, replace and M."""
         m = self.micro_batches_per_step or cfg.micro_batches_per_step
-        return replace(cfg, resume=self.resume, overwrite=self.replace, micro_batches_per_step=m)
+        run = replace(cfg, resume=self.resume, overwrite=self.replace, micro_batches_per_step=m)
+        run.given = cfg.given  # (not a field: replace leaves it out)
+        return run
 
 
 # settings a resume may change that change how the steps from there on train (the schedule, the

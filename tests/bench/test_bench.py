@@ -23,7 +23,7 @@ import torch
 from appliance.bench import cli as BC
 from appliance.bench import step as B
 from appliance.bench.table import format_table, write_json
-from appliance.engine.memory import step_flops
+from appliance.engine.flops import lora_active_params, step_flops
 from appliance.engine.step import StreamedEngine
 from appliance.errors import ConfigError
 from appliance.models import (
@@ -50,7 +50,8 @@ ROW_FIELDS = {
     "peak_gpu_bytes",
     "streamed_blocks", "bandwidth_bytes_per_second", "step_seconds_median",
     "dequant_seconds_per_step", "dequant_share", "nvml_util_mean", "profile",
-    "crossover_tokens_per_step",
+    "crossover_tokens_per_step", "flops_by_part", "elementwise_bytes_per_step",
+    "floor_elementwise_seconds", "issue_lag",
 }  # fmt: skip
 
 
@@ -97,7 +98,15 @@ def test_tiny_on_cpu_measures_every_field(tiny_run):
         assert row["peak_gpu_bytes"] is None  # measured on CUDA only
         assert row["offload_h2d_bytes_per_step"] == 0  # activations are offloaded on CUDA only
         assert row["step_seconds"] > 0 and row["tokens_per_second"] > 0
-        assert row["flops_per_step"] == 6 * args.num_layers * block_param_count(args) * 64
+        # F (engine/flops.py): the engine's count is the bench's, by part
+        lora = lora_active_params(args, LoraSpec().rank, LoraSpec().targets)
+        f = step_flops(args, [(1, 32)] * 2, lora_params=lora)
+        assert row["flops_per_step"] == f.total == row["flops_by_part"]["total"]
+        assert f.blocks == 6 * args.num_layers * block_param_count(args) * 64
+        # the least elementwise bytes, over the device copy's rate: beside the floor, not in it
+        assert row["floor_elementwise_seconds"] == pytest.approx(
+            row["elementwise_bytes_per_step"] / result["memory_bandwidth"]["bytes_per_second"]
+        )
         assert row["floor_seconds"] > 0 and row["ratio"] > 0
         assert row["floor_seconds"] == max(row["floor_h2d_seconds"], row["floor_compute_seconds"])
         assert math.isclose(
@@ -118,6 +127,7 @@ def test_tiny_on_cpu_measures_every_field(tiny_run):
         assert len(row["losses"]) == 1 + 2  # warm-up + timed
         assert row["gpu_busy_seconds_per_step"] is None  # CUDA events only
         assert row["host_issue_ratio"] is None  # on a CPU the host does all the work
+        assert row["issue_lag"] is None  # nothing recorded on a CPU: no lag to measure
         # random N(0, 0.02) weights give near-uniform predictions: loss ≈ ln(vocab)
         assert abs(row["losses"][0] - math.log(args.vocab_size)) < 0.5
     # on a CPU both modes run the same arithmetic on the same weights and batches
@@ -451,7 +461,7 @@ def test_moe_presets_have_their_models_real_size_and_flops_count_the_active_para
     assert abs(param_count(args) / total - 1) < 0.01, param_count(args)
     blocks = args.num_layers * active_block_param_count(args)
     assert abs((blocks + vocab_matrices * args.vocab_size * args.hidden_size) / active - 1) < 0.02
-    assert step_flops(args, 100) == 6 * blocks * 100  # 6·N_active·T, the router included
+    assert step_flops(args, [(1, 100)]).blocks == 6 * blocks * 100  # N_active, the router too
     # shrunk (8 experts, narrow), the synthetic source builds its blocks and a step runs
     tiny = dataclasses.replace(
         args, vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
@@ -596,8 +606,10 @@ def test_the_full_finetune_row_counts_8nt_and_the_gradients_device_to_host():
     result = B.run_bench("tiny", "cpu", modes=("resident",), finetuning_type="full", **kw)
     row = result["modes"][0]
     assert result["finetuning_type"] == "full" and row["fits"]
-    lora_flops = step_flops(B.PRESETS["tiny"].args, row["tokens_per_step"])  # 6·N·T
-    assert row["flops_per_step"] == lora_flops * 8 / 6
+    f = step_flops(B.PRESETS["tiny"].args, [(1, 32)] * 2, full=True, head_trained=True)
+    assert row["flops_per_step"] == f.total  # 8·N·T and the head's weight gradient
+    args = B.PRESETS["tiny"].args
+    assert f.blocks == 8 * args.num_layers * block_param_count(args) * 64 and f.lora == 0
     f = row["full_finetune"]
     assert f["trained_parameters"] == param_count(B.PRESETS["tiny"].args)
     assert f["d2h_bytes_per_step"] == 4 * f["trained_parameters"]

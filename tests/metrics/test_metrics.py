@@ -71,6 +71,7 @@ def full_trainer_stats(step: int = 1) -> dict[str, Any]:
         "flops": 1.5e12,
         "mfu": None,  # derived from flops / step_seconds / peak_flops
         "gpu_busy_ratio": 0.8,
+        "issue_lag": {"median_seconds": 0.004, "max_seconds": 0.02},  # engine/issue_lag.py
         "nvml_util_mean": 0.9,
         "gpu_mem_allocated": 10 << 30,
         "gpu_mem_reserved": 12 << 30,
@@ -305,6 +306,7 @@ def test_trainer_record_step(fake_ray):
     assert sum(phases.values()) == pytest.approx(2.0)
     assert got[("appliance_mfu_ratio", None)][1] == pytest.approx(1.5e12 / 2.0 / 1e12)
     assert got[("appliance_gpu_nvml_utilization_ratio", None)][1] == 0.9
+    assert got[("appliance_gpu_issue_lag_seconds", None)][1] == 0.004  # the median
     assert got[("appliance_learning_rate", None)][1] == 3e-4
     assert got[("appliance_dequant_seconds", None)][:2] == ("inc", 0.03)
     assert got[("appliance_expert_share_ratio", None)][1] == 0.4
@@ -318,6 +320,7 @@ def test_trainer_record_step_on_cpu_leaves_gpu_metrics_absent(fake_ray):
     assert not names & {
         "appliance_mfu_ratio",
         "appliance_gpu_busy_ratio",
+        "appliance_gpu_issue_lag_seconds",
         "appliance_gpu_nvml_utilization_ratio",
         "appliance_gpu_memory_allocated_bytes",
         "appliance_h2d_bytes",

@@ -238,7 +238,7 @@ def test_the_qwen3_6_35b_a3b_preset_is_the_released_model_and_counts_active_para
     import math
 
     from appliance.bench.synthetic import SyntheticBlockSource
-    from appliance.engine.memory import step_flops
+    from appliance.engine.flops import step_flops
     from appliance.models.lora import LoraWeights
     from appliance.models.presets import PRESETS
     from tests.helpers_model import write_config
@@ -251,7 +251,8 @@ def test_the_qwen3_6_35b_a3b_preset_is_the_released_model_and_counts_active_para
     active = models.active_blocks_param_count(args)
     assert abs((active + args.vocab_size * args.hidden_size) / 3e9 - 1) < 0.02
     rule = 4 * 30 * gated_deltanet.rule_flops(args, 2048)
-    assert step_flops(args, 2048) == 6.0 * active * 2048 + rule
+    f = step_flops(args, [(1, 2048)])
+    assert (f.blocks, f.linear_attention) == (6.0 * active * 2048, rule)
     tiny = dataclasses.replace(
         args, vocab_size=128, hidden_size=64, intermediate_size=32, num_layers=4, num_heads=4,
         num_kv_heads=2, head_dim=16, layer_types=args.layer_types[:4], linear_num_key_heads=2,

@@ -265,14 +265,15 @@ def test_the_qwen3_6_27b_preset_counts_its_linear_attention_and_runs_shrunk():
     import math
 
     from appliance.bench.synthetic import SyntheticBlockSource
-    from appliance.engine.memory import step_flops
+    from appliance.engine.flops import step_flops
     from appliance.models.presets import PRESETS
 
     args = PRESETS["qwen3.6-27b"].args
     assert abs(models.param_count(args) / 26.9e9 - 1) < 0.01
     six_nt = 6.0 * models.blocks_param_count(args) * 2048
     rule = 4 * 48 * gated_deltanet.rule_flops(args, 2048)
-    assert step_flops(args, 2048) == six_nt + rule and 0.005 < rule / six_nt < 0.05
+    f = step_flops(args, [(1, 2048)])
+    assert (f.blocks, f.linear_attention) == (six_nt, rule) and 0.005 < rule / six_nt < 0.05
     tiny = dataclasses.replace(
         args, vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4,
         num_kv_heads=2, head_dim=16, layer_types=args.layer_types[:4], linear_num_key_heads=2,

@@ -80,8 +80,10 @@ def test_the_plan_counts_the_block_copies_the_engine_makes_and_the_host_side_of_
     f = r["full_finetune"]
     n = param_count(p.args)
     assert f["trained_parameters"] == n and f["d2h_bytes_per_step"] == 4 * n
-    assert r["flops_per_step"] == make_plan(plan_input(None, "7b", "a10", "8", None,
-        seq_len=2048, micro_batch_size=1))["flops_per_step"] * 8 / 6  # fmt: skip
+    lora = make_plan(plan_input(None, "7b", "a10", "8", None, seq_len=2048, micro_batch_size=1))
+    lo, fu = lora["flops_by_part"], r["flops_by_part"]  # engine/flops.py
+    assert fu["blocks"] == lo["blocks"] * 8 / 6 and fu["lora"] == 0 and lo["lora"] > 0
+    assert fu["attention"] == lo["attention"] and fu["head"] == lo["head"] * 6 / 4
     seconds = [r["h2d_seconds"], f["d2h_seconds"], r["compute_seconds"], f["optimizer_seconds"]]
     assert r["step_seconds_floor"] == max(seconds)
     assert r["host_bytes"]["optimizer_state"] == 16 * n  # master, moments, gradients (bf16)

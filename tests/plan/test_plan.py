@@ -46,6 +46,28 @@ A10_BUDGET = int(0.9 * 23028 * 2**20)  # the engine's default budget: 90 % of wh
 A10_B, A10_P = 25e9, 70e12
 
 
+def f_7b(
+    tokens: int,
+    block_params: int = 202_383_360,
+    layers: int = 32,
+    width: int = 4096,
+    inter: int = 11008,
+    kv: int = 4096,
+) -> float:
+    """F (engine/flops.py) of a Llama-2 LoRA step of `tokens` in rows of 2048, by hand: the
+    blocks' 6·N·T, LoRA r16 on all seven projections 8·n·T, causal attention 16 · T(T+1)/2 ·
+    width a row and block, the head 4·V·C·T."""
+    lora = layers * 16 * (2 * (width + width) + 2 * (width + kv) + 3 * (width + inter))
+    rows = tokens // 2048
+    attention = 16 * rows * (2048 * 2049 // 2) * width * layers
+    return (
+        6 * layers * block_params * tokens
+        + 8 * lora * tokens
+        + attention
+        + 4 * 32000 * width * tokens
+    )
+
+
 def plan_7b(**kw) -> PlanInput:
     return PlanInput(PRESETS["7b"].args, "7b", "a10", seq_len=2048, micro_batch_size=1, **kw)
 
@@ -74,7 +96,7 @@ def test_llama2_7b_on_an_a10_equals_the_hand_computation():
     assert r["gpu_bytes"]["activations"] == saved
     assert (r["resident_blocks"], r["fits"], r["offload_activations"]) == (32, True, False)
     assert r["streamed_bytes_per_step"] == 0
-    flops = 6 * 32 * block_params * tokens
+    flops = f_7b(tokens)
     assert r["flops_per_step"] == flops
     assert r["step_seconds_floor"] == pytest.approx(flops / A10_P)
     assert r["tokens_per_second"] == pytest.approx(tokens / (flops / A10_P))
@@ -103,7 +125,7 @@ def test_llama2_7b_under_a_12gib_budget_streams_19_blocks():
     assert r["streamed_bytes_per_step"] == 37 * block
     assert r["h2d_seconds"] == pytest.approx(37 * block / A10_B)
     assert r["crossover_tokens_per_step"] == pytest.approx(
-        37 * block * A10_P / (A10_B * 6 * 32 * 202_383_360)
+        37 * block * A10_P / (A10_B * f_7b(8 * 2048) / (8 * 2048))
     )
 
 
@@ -122,7 +144,7 @@ def test_llama2_70b_on_an_a10_equals_the_hand_computation():
     resident = free // block - 2
     assert resident == 6
     uploads = 2 * (80 - 6) - 1
-    flops = 6 * 80 * block_params * tokens
+    flops = f_7b(tokens, block_params, 80, 8192, 28672, 1024)
 
     r = make_plan(replace(plan_7b(micro_batches_per_step=8), args=PRESETS["70b"].args))
     assert r["resident_blocks"] == 6 and r["gpu_fits"]
@@ -454,12 +476,15 @@ def test_plan_assumes_trains_shape_and_prints_it(tmp_path):
     out = CliRunner().invoke(main, ["plan", "--preset", "7b", "--gpu", "a10", "--json"])
     assert out.exit_code == 0, out.output
     r = json.loads(out.output)
-    assert (r["seq_len"], r["micro_batch_size"], r["micro_batches_per_step"]) == shape[:3]
+    # on a GPU, train's rows a micro-batch grow at the same tokens a step (plan/shape.py)
+    assert (r["seq_len"], r["micro_batch_size"], r["micro_batches_per_step"]) == (256, 16, 1)
+    assert r["tokens_per_step"] == 256 * train.micro_batch_size * train.micro_batches_per_step
     assert r["train_defaults"] == ["seq_len", "micro_batch_size", "micro_batches_per_step"]
-    text = CliRunner().invoke(main, ["plan", "--preset", "7b", "--gpu", "a10", "--seq-len", "512"])
+    text = CliRunner().invoke(main, ["plan", "--preset", "7b", "--gpu", "a10", "--seq-len", "512",
+                                     "--micro-batch-size", "4"])  # fmt: skip
     assert (
-        f"shape: --seq-len 512 (given), --micro-batch-size {train.micro_batch_size} (train's "
-        f"default), --micro-batches-per-step {train.micro_batches_per_step} (train's default)\n"
+        "shape: --seq-len 512 (given), --micro-batch-size 4 (given), --micro-batches-per-step "
+        f"{train.micro_batches_per_step} (train's default)\n"
     ) in text.output
 
 
