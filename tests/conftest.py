@@ -154,6 +154,7 @@ PARITY_SWEEPS = {
     "engine/test_engine_parity.py",
     "adapter/test_evaluate.py",
     "adapter/test_export.py",
+    "engine/test_kernel_tiers.py",
 }
 
 
