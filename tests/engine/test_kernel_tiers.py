@@ -9,6 +9,7 @@ every family's tiny variant, per block and per step, and deterministic.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import pytest
 import torch
@@ -168,6 +169,25 @@ def test_the_fast_kernels_keep_the_rule_per_block_and_per_step(variant, tmp_path
     again = kernel_rule.step_results(**step, kernels="fast")
     assert fast[0] == again[0]
     assert all(torch.equal(a, b) for a, b in zip(fast[2], again[2], strict=True))
+
+
+@pytest.mark.skipif(
+    not (shutil.which("c++") or shutil.which("g++")),
+    reason="torch.compile on a CPU needs a C++ compiler",
+)
+def test_compiled_blocks_keep_the_rule(tmp_path):
+    """The other fast piece, torch.compile of the block (Inductor's fused kernels), per block
+    (slow: the compiles)."""
+    source = DictBlockSource.from_hf(
+        make_model(tmp_path / "m", "llama-gqa-rope3-tied"), torch.bfloat16
+    )
+    lora = lora_with_random_b(source.args)
+    torch._dynamo.reset()
+    exact, fast = kernel_rule.block_errors(
+        source.args, source.block(0), lora, 0, block=models.compiled_block_forward
+    )
+    kernel_rule.assert_block_within_rule(exact, fast)
+    assert fast != exact  # Inductor's kernels ran: they round differently
 
 
 def test_gemma4_s_step_keeps_the_rule(tmp_path):
