@@ -159,7 +159,9 @@ class Trainer:
             self.nvml.start()
 
     def _make_engine(self, group: dist.ProcessGroup | None) -> StreamedEngine:
-        return StreamedEngine(self.source, self.lora, **self._engine_options(group))
+        return StreamedEngine(
+            self.source, self.lora, kernels=self.settings.kernels, **self._engine_options(group)
+        )
 
     def _engine_options(self, group: dist.ProcessGroup | None) -> dict:
         """The engine's settings from this rank's (FullTrainer adds its own to them)."""
@@ -173,7 +175,6 @@ class Trainer:
             seed=s.seed,
             group=group,
             compile_blocks=s.compile_blocks,
-            kernels=s.kernels,
         )
 
     def group_address(self) -> str:

@@ -551,8 +551,11 @@ class Run:
             "eval_loss": eval_loss,
             "device": self.inp.device,
             "dtype": self.inp.dtype,
-            # the tier of block kernels that ran (docs/architecture.md, "Two tiers of kernels")
-            "kernels": resolve_kernels(self.cfg.kernels, self.inp.device, self.cfg.compile_blocks),
+            # the tier of block kernels that ran (docs/architecture.md, "Two tiers of kernels"):
+            # full fine-tuning has no LoRA to stack, only compiled blocks make it fast
+            "kernels": resolve_kernels(
+                "exact" if self.full else self.cfg.kernels, self.inp.device, self.cfg.compile_blocks
+            ),
             "trainers": len(self.trainers),
             "finished": model_card.today(),
             "version": model_card.appliance_version(),
