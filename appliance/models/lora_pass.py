@@ -18,6 +18,10 @@ per-module path's: the casts are exact, the multiply is the same bf16 multiply, 
 of a bf16 value is the add of its exact fp32 cast (tests/engine/test_lora_pass.py checks it bit
 for bit against the per-module casts, and the parity suite against PEFT).
 
+So autograd never accumulates into the fp32 parameters: a hook registered on one of them
+(`Tensor.register_hook`) is called with None. A hook on a pass's views (`LoraContext.weights`)
+sees that pass's compute-dtype gradient.
+
 `chunks` partitions the flat buffer into the tensors the pass hands out: each A and each B on its
 own (the exact kernels), or, for `--kernels fast`, the A's of projections that read the same
 input (q, k, v; gate, up) as one stacked tensor: one matmul for their three (two) A's
