@@ -52,15 +52,26 @@ FAMILIES = {
 
 class OpCount(TorchDispatchMode):
     """Counts the ATen operators dispatched under it (views included: each costs the host a
-    dispatch), the host's work per micro-batch that a launch-bound GPU waits for."""
+    dispatch), the host's work per micro-batch that a launch-bound GPU waits for; `kernels`
+    leaves out the views (an operator whose output aliases its input: view, t, slice, split,
+    expand, detach, ...), which launch nothing on a GPU."""
 
     def __init__(self):
         super().__init__()
         self.total = 0
+        self.kernels = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.total += 1
+        returns = func._schema.returns
+        aliases = any(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+        if not aliases and func.name() not in _VIEW_LISTS:
+            self.kernels += 1
         return func(*args, **(kwargs or {}))
+
+
+# views whose schema returns a list of aliases, which `alias_info` does not mark
+_VIEW_LISTS = {"aten::split_with_sizes", "aten::split.Tensor", "aten::unbind.int"}
 
 
 def block_args(family: str, hidden: int, heads: int, kv_heads: int) -> layers.ModelArgs:
@@ -88,6 +99,7 @@ def time_block(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     compile_block: bool = False,
+    kernels: str = "exact",
 ) -> dict:
     """Median ms of the block's no-grad forward and of its recompute + backward, eager (the
     fused primitives) or `torch.compile`d; a compiled row also has its largest difference from
@@ -112,7 +124,8 @@ def time_block(
         block = models.compiled_block_forward
 
     def context() -> layers.LoraContext:
-        ctx = lora.context(0, dtype)
+        # exact: asked as a checkout from before the tiers would (this bench compares checkouts)
+        ctx = lora.context(0, dtype, **({} if kernels == "exact" else {"kernels": kernels}))
         ctx.generator = torch.Generator(dev).manual_seed(1)  # the same masks every call
         return ctx
 
@@ -121,13 +134,15 @@ def time_block(
         with torch.no_grad(), ops or contextlib.nullcontext():
             return fn(x, w, args, cos, sin, ctx)
 
-    def backward(fn=models.block_forward, ops: OpCount | None = None) -> list[torch.Tensor]:
+    def backward(
+        fn=models.block_forward, ops: OpCount | None = None, keep: bool = False
+    ) -> list[torch.Tensor]:
         xg = x.detach().requires_grad_(True)
         ctx = context()
         with ops or contextlib.nullcontext():
             fn(xg, w, args, cos, sin, ctx).backward(grad_out)
         grads = [p.grad for p in lora.parameters()]
-        for p in lora.parameters():
+        for p in lora.parameters() if not keep else ():
             p.grad = None
         return grads
 
@@ -138,8 +153,13 @@ def time_block(
     row: dict = {"impl": "compiled" if block else "eager"}
     if block is None:  # what the host dispatches for one micro-batch through the block
         forward(ops=(fwd_ops := OpCount()))
+        # counted: a micro-batch after the step's first, whose LoRA gradients add to the
+        # first's (the first's are kept, where its casts' backward would have begun them)
+        backward(keep=True)
         backward(ops=(bwd_ops := OpCount()))
         row["forward_ops"], row["recompute_backward_ops"] = fwd_ops.total, bwd_ops.total
+        row["forward_kernels"] = fwd_ops.kernels
+        row["recompute_backward_kernels"] = bwd_ops.kernels
     if block is not None:
         from torch._dynamo.utils import counters
 
@@ -193,6 +213,10 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--compile", action="store_true", help="also time torch.compile of the block")
+    p.add_argument(
+        "--kernels", default="exact", choices=["exact", "fast"],
+        help="the LoRA kernels' tier (train --kernels): fast stacks the shared-input A's",
+    )  # fmt: skip
     p.add_argument("--json", help="write the results here")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -211,7 +235,7 @@ def main() -> None:
             try:
                 rows[name] = time_block(
                     args, 0.1 if "dropout" in fam else 0.0, a.batch, a.seq, a.reps,
-                    a.device, dtype, compiled,
+                    a.device, dtype, compiled, a.kernels,
                 )  # fmt: skip
             except Exception as e:  # noqa: BLE001 - e.g. no C compiler or Python.h for Triton
                 if not compiled:
@@ -225,12 +249,12 @@ def main() -> None:
     )
     print(
         "| block | forward ms | recompute+backward ms | ATen ops (forward; recompute+backward) "
-        "| compile s | graph breaks | max diff (out; LoRA grad) |\n"
-        "|---|---:|---:|---|---:|---:|---|"
+        "| of them kernels | compile s | graph breaks | max diff (out; LoRA grad) |\n"
+        "|---|---:|---:|---|---|---:|---:|---|"
     )
     for name, r in rows.items():
         if "error" in r:
-            print(f"| {name} | failed: {r['error'].splitlines()[0][:200]} | | | | | |")
+            print(f"| {name} | failed: {r['error'].splitlines()[0][:200]} | | | | | | |")
             continue
         diff = (
             f"{r['max_abs_diff_output']:.1e}; {r['max_abs_diff_lora_grad']:.1e}"
@@ -238,8 +262,13 @@ def main() -> None:
             else ""
         )
         ops = f"{r['forward_ops']}; {r['recompute_backward_ops']}" if "forward_ops" in r else ""
+        kern = (
+            f"{r['forward_kernels']}; {r['recompute_backward_kernels']}"
+            if "forward_kernels" in r
+            else ""
+        )
         print(
-            f"| {name} | {r['forward_ms']:.1f} | {r['recompute_backward_ms']:.1f} | {ops} | "
+            f"| {name} | {r['forward_ms']:.1f} | {r['recompute_backward_ms']:.1f} | {ops} | {kern} | "
             f"{format(r['compile_seconds'], '.1f') if 'compile_seconds' in r else ''} | "
             f"{r.get('graph_breaks', '')} | {diff} |"
         )

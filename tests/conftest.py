@@ -137,6 +137,7 @@ _CLI_SOURCE = ("from appliance.cli.main import main", "from appliance.__main__ i
 # path (relative to tests/) -> names (prefixes) of its slow tests; None: every test in it
 SLOW: dict[str, tuple[str, ...] | None] = {
     "engine/test_compiled_blocks.py": None,  # Inductor compiles C++ for every variant
+    "engine/test_kernel_tiers.py": ("test_compiled_blocks_keep_the_rule",),  # Inductor
     "engine/test_data_parallel_engine.py": None,  # mp.spawn of gloo process groups
     "engine/test_full_data_parallel.py": None,  # mp.spawn of gloo process groups
     "bench/test_block_step.py": ("test_the_compiled_block_equals_the_eager_block",),  # Inductor
@@ -154,6 +155,7 @@ PARITY_SWEEPS = {
     "engine/test_engine_parity.py",
     "adapter/test_evaluate.py",
     "adapter/test_export.py",
+    "engine/test_kernel_tiers.py",
 }
 
 

@@ -83,6 +83,7 @@ class TrainerSettings:
     base_revision: str | None = None
     world_size: int = 1  # data-parallel trainers; > 1: call join_group before the first step
     compile_blocks: bool = False  # torch.compile the blocks (StreamedEngine)
+    kernels: str = "exact"  # the tier of block kernels, resolved (resolve_kernels)
     # full fine-tuning (actors/full_trainer.py): --model as given, and --freeze-embeddings
     model: str = ""
     freeze_embeddings: bool = False
@@ -105,6 +106,21 @@ def resolve_dtype(dtype: str, device: str) -> str:
         return "float32"
     # not counting emulation: bf16 emulated on a pre-Ampere card is several times slower
     return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
+
+
+#: what `--kernels auto` picks on each device: the one switch for the default tier. The issue
+#: asks CUDA for the fastest tier that passes its rule; until a GPU run has measured fast
+#: faster than exact (docs/benchmarks.md), CUDA keeps exact too.
+AUTO_KERNELS = {"cpu": "exact", "cuda": "exact"}
+
+
+def resolve_kernels(kernels: str, device: str, compile_blocks: bool = False) -> str:
+    """The tier of block kernels that runs: `kernels` (auto | exact | fast) on `device`
+    (resolved: cpu | cuda); compiled blocks are fast-tier kernels whatever was asked. The one
+    place that decides: the trainer's engine and the run record ask it."""
+    if compile_blocks:
+        return "fast"
+    return AUTO_KERNELS.get(device, "exact") if kernels == "auto" else kernels
 
 
 def backend_for(device: str) -> str:
@@ -143,7 +159,9 @@ class Trainer:
             self.nvml.start()
 
     def _make_engine(self, group: dist.ProcessGroup | None) -> StreamedEngine:
-        return StreamedEngine(self.source, self.lora, **self._engine_options(group))
+        return StreamedEngine(
+            self.source, self.lora, kernels=self.settings.kernels, **self._engine_options(group)
+        )
 
     def _engine_options(self, group: dist.ProcessGroup | None) -> dict:
         """The engine's settings from this rank's (FullTrainer adds its own to them)."""

@@ -128,6 +128,13 @@ def _lora_row(adapter_config: dict[str, Any]) -> tuple[str, str]:
     return "LoRA", f"r {r}, alpha {alpha}, dropout {dropout}, on {targets}"
 
 
+#: the tier of block kernels a run used (run.json "kernels"), as the card says it
+_KERNELS = {
+    "exact": ", exact kernels (bitwise transformers + PEFT)",
+    "fast": ", fast kernels (within 3x exact's bf16 error of an fp64 reference)",
+}
+
+
 def training_rows(
     record: dict[str, Any], base: BaseModel, adapter_config: dict[str, Any]
 ) -> list[tuple[str, str]]:
@@ -163,7 +170,8 @@ def training_rows(
     )
     rows.append(("optimizer", schedule))
     if record.get("dtype"):
-        rows.append(("precision", f"{record['dtype']} on {record.get('device', '?')}"))
+        tier = _KERNELS.get(record.get("kernels"), "")  # absent before the tiers existed
+        rows.append(("precision", f"{record['dtype']} on {record.get('device', '?')}{tier}"))
     rows.append(("seed", str(c["seed"])))
     losses = record.get("losses") or []
     if losses:

@@ -101,6 +101,13 @@ def parser(prog: str = "python -m appliance.bench") -> argparse.ArgumentParser:
         action="store_true",
         help="Run the blocks through torch.compile, as train --compile-blocks.",
     )
+    ap.add_argument(
+        "--kernels",
+        choices=["exact", "fast"],
+        default="exact",
+        help="The block kernels' tier, as train --kernels: exact (bitwise transformers + PEFT) "
+        "| fast (held to the fast tier's accuracy rule). [exact]",
+    )
     return ap
 
 
@@ -144,6 +151,7 @@ def run_from_args(a: argparse.Namespace) -> dict:
         base_quant=a.base_quant,
         profile=a.profile,
         compile_blocks=a.compile_blocks,
+        kernels=a.kernels,
         modes=modes,
         finetuning_type=a.finetuning_type,
         on_row=write_rows if a.json_path else None,

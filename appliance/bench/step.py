@@ -119,6 +119,7 @@ def _run_mode(
     profile: bool = False,
     compile_blocks: bool = False,
     full_finetune: bool = False,
+    kernels: str = "exact",
 ) -> dict:
     args, L = source.args, source.args.num_layers
     row: dict = {"mode": mode, "tokens_per_step": sum(ids.numel() for ids, _ in batches)}
@@ -128,7 +129,9 @@ def _run_mode(
     kw = dict(device=device, dtype=dtype, compile_blocks=compile_blocks,
               gpu_memory_budget=budget if mode == "streamed" else None)  # fmt: skip
     engine = (
-        FullFinetuneEngine(source, **kw) if full_finetune else StreamedEngine(source, lora, **kw)
+        FullFinetuneEngine(source, **kw)
+        if full_finetune
+        else StreamedEngine(source, lora, kernels=kernels, **kw)
     )
     measured_b = None  # B from the engine's own host memory (CUDA, streamed)
     try:
@@ -331,6 +334,7 @@ def run_bench(
     base_quant: str = "none",
     profile: bool = False,
     compile_blocks: bool = False,
+    kernels: str = "exact",
     modes: tuple[str, ...] = MODES,
     on_row: Callable[[dict], None] | None = None,
     finetuning_type: str = "lora",
@@ -342,6 +346,7 @@ def run_bench(
     `profile`: each row also profiles one step more (torch.profiler; the row's "profile").
     `compile_blocks`: the engine's blocks through torch.compile (train --compile-blocks); the
     warm-up steps take the compiling.
+    `kernels`: the block kernels' tier, as train --kernels (exact | fast).
     `modes`: the rows to run (both by default; `("streamed",)` saves a big model's resident
     row where only the streamed one is wanted).
     `finetuning_type` "full": every weight trains (engine/full.py); the floor counts 8·N·T and
@@ -447,6 +452,7 @@ def run_bench(
         "base_quant": base_quant,
         "finetuning_type": finetuning_type,
         "compile_blocks": compile_blocks,
+        "kernels": "fast" if compile_blocks else kernels,
         "dequant_kernels": _dequant_kernels(base_quant, device, dtype),
         "model": {**model_facts(args, dtype), "weight_bytes": weight_bytes},
         "lora": {  # the targets as this family reads them (Phi-3: the fused qkv and gate_up)
@@ -488,6 +494,7 @@ def run_bench(
                     profile,
                     compile_blocks,
                     finetuning_type == "full",
+                    kernels,
                 )
             )
         if rows[-1]["fits"]:

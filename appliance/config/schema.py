@@ -121,6 +121,15 @@ class TrainConfig:
         "Run the transformer blocks through torch.compile: fused kernels, fewer launches (the "
         "first step compiles them). Off: the eager blocks, bitwise equal to transformers + PEFT.",
     )
+    kernels: str = _f(
+        "auto",
+        "Which block kernels: exact (the numbers bitwise those of transformers + PEFT) | fast "
+        "(faster kernels held to an accuracy rule instead: no further from an fp64 reference "
+        "than 3x exact's bf16 error; today one matmul for the A's of q,k,v and one for gate,up "
+        "where LoRA dropout is 0) | auto (the fastest tier that passes on the device: exact "
+        "until a GPU measures fast faster). --compile-blocks is also a fast-tier choice: a run "
+        "with it records the fast tier.",
+    )
     trainers: int | None = _f(
         None,
         "Trainers, one per GPU, training one adapter data-parallel; each takes "
@@ -315,6 +324,7 @@ CHOICES = {
     "finetuning_type": ("lora", "full"),
     "on_bad_record": ("fail", "skip"),
     "packing": ("documents", "stream"),
+    "kernels": ("auto", "exact", "fast"),
     "long_documents": ("split", "truncate", "drop"),
     "log_format": ("auto", "rich", "json", "plain"),
     "metrics_host": ("127.0.0.1", "0.0.0.0"),
@@ -351,6 +361,8 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         "device",
         "dtype",
         "base_quant",
+        "kernels",
+        "compile_blocks",
         "gpu_memory_budget",
         "object_store_memory",
         "trainers",

@@ -78,6 +78,7 @@ class StreamedEngine:
         copy_blocks: bool = False,
         compile_blocks: bool = False,
         expert_streaming: bool = True,
+        kernels: str = "exact",
     ):
         """`group`: a data-parallel process group. Each rank passes its share of the global batch
         to `train_step`; target tokens, LoRA gradients and the loss are summed over the group, so
@@ -92,6 +93,9 @@ class StreamedEngine:
         `copy_blocks` (CPU): copy blocks into streaming slots as on CUDA instead of reading them in
         place (DeviceWeights' `copies`): the tests' way to run the GPU path's bookkeeping here.
         `compile_blocks`: run the blocks through torch.compile (models.compiled_block_forward).
+        `kernels`: "exact" (bitwise transformers + PEFT) or "fast" (LoRA's shared-input A's
+        as one matmul: LoraWeights.context); with `compile_blocks` the tier is fast either way
+        (`self.kernels` says which ran).
         `expert_streaming`: a MoE model's streamed blocks cross by expert, only the experts its
         tokens were routed to (engine/expert_streaming.py); False: whole blocks."""
         self.args = source.args
@@ -126,6 +130,11 @@ class StreamedEngine:
         self._rope: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
         self.saved = SavedInputs(self.device, self.args.num_layers)
         self._block = models.compiled_block_forward if compile_blocks else models.block_forward
+        if kernels not in ("exact", "fast"):
+            raise ValueError(f"kernels {kernels!r}: exact or fast")
+        self.kernels = "fast" if compile_blocks else kernels
+        # compiled blocks keep one A per projection: the stacked product's cache is Python state
+        self._lora_kernels = "exact" if compile_blocks else kernels
 
     def close(self) -> None:
         """Unregister page-locked host memory and free device weights (DeviceWeights.close,
@@ -294,7 +303,9 @@ class StreamedEngine:
                 w = self.weights.get(i)
                 self.weights.prefetch(i + 1)
                 with self._busy(lag=("forward", i)):
-                    lora = self.lora.context(i, self.dtype, dropout=None if dropout else 0.0)
+                    lora = self.lora.context(
+                        i, self.dtype, dropout=None if dropout else 0.0, kernels=self._lora_kernels
+                    )
                     for m, h in enumerate(hs):
                         if save:
                             self.saved.save(i, h)
@@ -373,7 +384,8 @@ class StreamedEngine:
                 inputs = self.saved.take(i)
                 self.saved.prefetch(i - 1)  # block i-1's inputs come back while block i computes
                 with self._busy(lag=("backward", i)):
-                    lora = self.lora.context(i, self.dtype)  # with grad: the cast is on the tape
+                    # with grad: one cast on the tape, one add per micro-batch back (lora_pass)
+                    lora = self.lora.context(i, self.dtype, kernels=self._lora_kernels)
                     for m in range(len(micro_batches)):
                         x = inputs[m].detach().requires_grad_(True)
                         inputs[m] = None  # free the saved input as soon as it is consumed

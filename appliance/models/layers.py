@@ -11,7 +11,7 @@ Shapes: B batch, T sequence, C hidden size, nh query heads, nkv key/value heads,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -251,6 +251,32 @@ class LoraContext:
     # module → its dropout mask, drawn before the block runs (models.compiled_block_forward);
     # None: each projection draws its own from `generator`
     masks: dict[str, torch.Tensor] | None = None
+    # the fast kernels (LoraWeights.context(kernels="fast")): module → (the stacked A of the
+    # projections that read its input, its index there); None: each projection its own A
+    stacked: dict[str, tuple[torch.Tensor, int]] | None = None
+    # the last stacked product per stack: (its input, its per-projection parts)
+    products: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
+
+    def low_rank_input(self, x: torch.Tensor, module: str) -> torch.Tensor:
+        """dropout(x) Aᵀ for `module`'s A: with a stack (no dropout), x times every A of the
+        stack in one matmul, made for the stack's first projection and split for each."""
+        A, _ = self.weights[module]
+        if self.stacked is not None and module in self.stacked:
+            stack, j = self.stacked[module]
+            made = self.products.get(id(stack))
+            if made is None or made[0] is not x:  # a new input (the next micro-batch's)
+                made = (x, F.linear(x, stack).split(A.shape[0], dim=-1))
+                self.products[id(stack)] = made
+            return made[1][j]
+        h = x
+        if self.dropout > 0:
+            keep = 1.0 - self.dropout
+            if self.masks is not None:
+                mask = self.masks[module]
+            else:
+                mask = torch.empty_like(x).bernoulli_(keep, generator=self.generator)
+            h = x * mask / keep
+        return F.linear(h, A)
 
 
 def linear(
@@ -261,16 +287,7 @@ def linear(
     for why not one addmm_)."""
     y = F.linear(x, w[f"{module}.weight"], w.get(f"{module}.bias"))
     if lora is not None and module in lora.weights:
-        A, B = lora.weights[module]
-        h = x
-        if lora.dropout > 0:
-            keep = 1.0 - lora.dropout
-            if lora.masks is not None:
-                mask = lora.masks[module]
-            else:
-                mask = torch.empty_like(x).bernoulli_(keep, generator=lora.generator)
-            h = x * mask / keep
-        lo = F.linear(F.linear(h, A), B)
+        lo = F.linear(lora.low_rank_input(x, module), lora.weights[module][1])
         y = y + (lo if lora.scale == 1.0 else lo * lora.scale)
     return y
 

@@ -25,10 +25,12 @@ from appliance.models import (
     expert_modules,
     lora_experts,
     lora_modules,
+    lora_pass,
     multimodal,
     resolve_targets,
 )
 from appliance.models.layers import LoraContext, ModelArgs
+from appliance.models.lora_pass import BlockBuffers
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -100,25 +102,28 @@ class LoraWeights:
             )
         self.args, self.spec = args, spec
         gen = torch.Generator().manual_seed(seed)
-        self.blocks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        # per block: its parameters as views of one flat fp32 buffer (models/lora_pass.py)
+        self.buffers: list[BlockBuffers] = []
         for i in range(args.num_layers):
-            block = {}
             # the targets block i has (Qwen3.5: linear-attention blocks have no q_proj, ...)
             experts = expert_modules(args)
-            has = (m for m in spec.modules if m in block_linears(args, i) or m in experts)
+            has = [m for m in spec.modules if m in block_linears(args, i) or m in experts]
+            shapes = {}
             for module in has:
                 out_f, in_f = args.module_shape(module, i)
                 r = spec.rank * lora_experts(args, module)  # the experts' side by side
-                A = torch.empty(r, in_f)
+                shapes[module] = ((r, in_f), (out_f, r))
+            n = sum(a[0] * a[1] + b[0] * b[1] for a, b in shapes.values())
+            block = BlockBuffers(shapes, torch.zeros(n))  # B = 0
+            for A, _ in block.params.values():
                 # PEFT's default: kaiming_uniform_(a=sqrt(5)) → U(-1/sqrt(in), 1/sqrt(in))
-                bound = 1.0 / math.sqrt(in_f)
+                bound = 1.0 / math.sqrt(A.shape[1])
                 A.uniform_(-bound, bound, generator=gen)
-                B = torch.zeros(out_f, r)
-                block[module] = (
-                    A.to(device).requires_grad_(True),
-                    B.to(device).requires_grad_(True),
-                )
-            self.blocks.append(block)
+            self.buffers.append(block.to(device))
+        #: per block, module → (A, B): fp32 leaves, views of the block's flat buffer
+        self.blocks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
+            b.params for b in self.buffers
+        ]
 
     def parameters(self) -> list[torch.Tensor]:
         return [p for block in self.blocks for ab in block.values() for p in ab]
@@ -132,25 +137,31 @@ class LoraWeights:
         dtype: torch.dtype,
         generator: torch.Generator | None = None,
         dropout: float | None = None,
+        kernels: str = "exact",
     ) -> LoraContext:
-        """Block i's adapters cast to the compute dtype (the cast is differentiable).
+        """Block i's adapters in the compute dtype for one pass (differentiable): one copy of
+        the block's flat buffer, views per module, and in the backward one add per micro-batch
+        into the fp32 gradients (models/lora_pass.py).
 
         A scale that is a power of two (alpha 32 / rank 16: 2) is folded into B here, once per
         block, instead of multiplying every micro-batch's LoRA output: one kernel fewer per
         projection in the forward, the recompute and the backward. Exact: scaling by a power of
         two commutes with every rounding of the products and sums, so the output and every
         gradient are bitwise PEFT's. Not in float16, whose subnormals (small gradients) would
-        round differently; other scales keep the multiply."""
+        round differently; other scales keep the multiply.
+
+        `kernels="fast"` (without dropout, whose masks differ per projection): the A's of the
+        projections that read one input (q, k, v; gate, up) as one stacked matmul
+        (LoraContext.stacked). Not bitwise; held to the fast tier's rule (docs/architecture.md)."""
         scale = self.spec.scale
         fold = folds_scale(scale, dtype)
-        weights = {}
-        for m, (A, B) in self.blocks[i].items():
-            B = B.to(dtype)
-            # mul.Scalar, not `B * scale`: that saves the scale as a tensor, which the first
-            # micro-batch's backward frees while the others still backpropagate through it
-            weights[m] = (A.to(dtype), torch.ops.aten.mul.Scalar(B, scale) if fold else B)
         p = self.spec.dropout if dropout is None else dropout
-        return LoraContext(weights, 1.0 if fold else scale, p, generator)
+        block = self.buffers[i]
+        if not block.names:  # nothing adapted in this block
+            return LoraContext({}, scale, p, generator)
+        stack = kernels == "fast" and p == 0
+        weights, stacked = lora_pass.gather(block, dtype, scale if fold else None, stack)
+        return LoraContext(weights, 1.0 if fold else scale, p, generator, stacked=stacked or None)
 
     # ------------------------------------------------------------ PEFT format
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 
 from appliance.actors.tokenize_worker import ACTOR_OPTIONS, ShardWorker, default_num_workers
-from appliance.actors.trainer import TrainerSettings
+from appliance.actors.trainer import TrainerSettings, resolve_kernels
 from appliance.actors.weight_store import WeightStore
 from appliance.cluster.start import Slot, local_slots, on_node
 from appliance.config import TrainConfig, flag
@@ -43,6 +43,7 @@ def trainer_settings(inp: Inputs, world_size: int = 1) -> TrainerSettings:
         base_revision=base.revision if base else None,
         world_size=world_size,
         compile_blocks=cfg.compile_blocks,
+        kernels=resolve_kernels(cfg.kernels, inp.device, cfg.compile_blocks),
         model=str(cfg.model),
         freeze_embeddings=cfg.freeze_embeddings,
     )

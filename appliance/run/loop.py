@@ -25,7 +25,7 @@ from typing import Any
 
 from appliance.actors.full_trainer import FullTrainer
 from appliance.actors.tokenize_worker import ACTOR_OPTIONS
-from appliance.actors.trainer import Trainer
+from appliance.actors.trainer import Trainer, resolve_kernels
 from appliance.adapter import model_card
 from appliance.adapter.evaluate import validation_batches
 from appliance.cluster.start import Slot
@@ -551,6 +551,11 @@ class Run:
             "eval_loss": eval_loss,
             "device": self.inp.device,
             "dtype": self.inp.dtype,
+            # the tier of block kernels that ran (docs/architecture.md, "Two tiers of kernels"):
+            # full fine-tuning has no LoRA to stack, only compiled blocks make it fast
+            "kernels": resolve_kernels(
+                "exact" if self.full else self.cfg.kernels, self.inp.device, self.cfg.compile_blocks
+            ),
             "trainers": len(self.trainers),
             "finished": model_card.today(),
             "version": model_card.appliance_version(),

@@ -489,9 +489,13 @@ def test_compile_blocks_goes_from_the_config_to_the_trainers_engine(model_dir):
     settings = trainer_settings(SimpleNamespace(cfg=cfg, device="cpu", dtype="float32"))
     assert settings.compile_blocks
     handles = WeightStore(str(model_dir), "float32").handles()
-    assert Trainer(handles, settings).engine._block is models.compiled_block_forward
+    engine = Trainer(handles, settings).engine
+    assert engine._block is models.compiled_block_forward and engine.kernels == "fast"
     default = TrainerSettings(lora=cfg.lora_spec())
     assert Trainer(handles, default).engine._block is models.block_forward
+    fast = build_config({}, {"kernels": "fast"})  # --kernels reaches the engine the same way
+    settings = trainer_settings(SimpleNamespace(cfg=fast, device="cpu", dtype="float32"))
+    assert Trainer(handles, settings).engine.kernels == "fast"
 
 
 def test_data_as_it_comes_trains_and_evaluates_with_a_template_by_name(
