@@ -144,6 +144,9 @@ FAMILIES = [
     "qwen3-moe",
     "gpt-oss",
     "qwen3_5-hybrid",
+    "qwen3_5-moe",
+    "qwen2-moe",
+    "gemma4-moe",
 ]
 
 
