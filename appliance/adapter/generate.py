@@ -68,6 +68,7 @@ class Placement:
 # the cached attention does not yet: they train, but `generate` does not decode them yet
 _NOT_YET = {
     "Qwen3_5ForCausalLM": "its Gated DeltaNet layers need a recurrent state cache",
+    "Qwen3_5MoeForCausalLM": "its Gated DeltaNet layers need a recurrent state cache",
     "Gemma4ForCausalLM": "its per-layer embeddings and shared K/V are not cached yet",
     "GptOssForCausalLM": "its attention sinks are not in the cached attention yet",
 }

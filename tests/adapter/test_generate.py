@@ -23,7 +23,8 @@ NEW = 12  # a prompt of 10 and 12 new tokens: past Gemma's window of 8
 
 
 @pytest.fixture(scope="module", params=["llama-gqa-rope3-tied", "gemma2-softcap-window",
-                                        "gemma3-local-rope", "qwen3-qknorm-tied", "olmoe"])  # fmt: skip
+                                        "gemma3-local-rope", "qwen3-qknorm-tied", "olmoe",
+                                        "qwen2-moe"])  # fmt: skip
 def model_and_adapter(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param)
     model = make_model(d / "model", request.param)
@@ -63,7 +64,9 @@ def test_batched_greedy_tokens_equal_transformers_and_peft_streamed_and_resident
         assert len(ours) > 3  # more than a token or two was compared
 
 
-@pytest.mark.parametrize("variant", ["qwen3_5-hybrid", "gemma4-ple-kv-shared", "gpt-oss"])
+@pytest.mark.parametrize(
+    "variant", ["qwen3_5-hybrid", "qwen3_5-moe", "gemma4-ple-kv-shared", "gemma4-moe", "gpt-oss"]
+)
 def test_families_it_cannot_decode_yet_are_refused_by_name(variant, tmp_path):
     model = make_model(tmp_path / "model", variant)
     with pytest.raises(ConfigError, match="is not supported yet") as e:
