@@ -21,6 +21,7 @@ engine streams from (the weight store's writable home), so the next forward read
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -79,6 +80,9 @@ class HostAdamW:
             if m
         }
         self.seconds = 0.0  # host time spent in updates since the last take_seconds
+        # updates run on the engine's worker thread, take_seconds on the step's: one lock, so
+        # that a take between an update's read and write of `seconds` loses no time
+        self._seconds_lock = threading.Lock()
 
     def num_parameters(self) -> int:
         return sum(t.numel() for m in self.master.values() for t in m.values())
@@ -110,10 +114,12 @@ class HostAdamW:
             t = self.store[part][k]
             if t is not p:
                 t.copy_(p)  # the compute dtype, rounded to nearest
-        self.seconds += time.perf_counter() - t0
+        with self._seconds_lock:
+            self.seconds += time.perf_counter() - t0
 
     def take_seconds(self) -> float:
-        s, self.seconds = self.seconds, 0.0
+        with self._seconds_lock:
+            s, self.seconds = self.seconds, 0.0
         return s
 
     # ------------------------------------------------------------ state
