@@ -27,7 +27,7 @@ from tests.engine.test_engine_parity import (
     reference_loss,
 )
 from tests.helpers_model import batch, lora_with_random_b, make_model, rel_err
-from tests.models.test_moe import moe_reference_loss, packed_rows
+from tests.models.test_moe import assert_packed_rows_equal_them_alone, moe_reference_loss
 from tests.models.test_qwen3_5 import assert_round_trip
 
 SHARED = ("shared_gate", "shared_up", "shared_down")
@@ -107,13 +107,7 @@ def test_qwen3_5_moe_packed_documents_equal_them_one_by_one(tmp_path):
     source = DictBlockSource.from_hf(model_dir, torch.float32)
     lora = lora_with_random_b(source.args, EVERYTHING)
     ref = peft_reference(model_dir, lora, tmp_path)
-    packed, alone = packed_rows()
-    loss, n_target, _ = StreamedEngine(source, lora, grad_clip=None).forward_backward(packed, 0)
-    ref_loss = sum(moe_reference_loss(ref, ids, lab) * (lab != -100).sum() for ids, lab in alone)
-    ref_loss = ref_loss / n_target
-    ref_loss.backward()
-    assert rel_err(torch.tensor(loss), ref_loss) < RTOL
-    assert_gradients_match(lora, ref)
+    assert_packed_rows_equal_them_alone(source, lora, ref, moe_reference_loss)
 
 
 def test_qwen3_5_moe_train_then_peft_load_then_export_round_trip(qwen3_5_moe, tmp_path):
@@ -197,13 +191,7 @@ def test_gemma4_moe_packed_documents_equal_them_one_by_one(gemma4_moe, tmp_path)
     source = DictBlockSource.from_hf(gemma4_moe, torch.float32)
     lora = lora_with_random_b(source.args, GEMMA4_ALL)
     ref = peft_reference(gemma4_moe, lora, tmp_path)
-    packed, alone = packed_rows()
-    loss, n_target, _ = StreamedEngine(source, lora, grad_clip=None).forward_backward(packed, 0)
-    ref_loss = sum(reference_loss(ref, ids, lab) * (lab != -100).sum() for ids, lab in alone)
-    ref_loss = ref_loss / n_target
-    ref_loss.backward()
-    assert rel_err(torch.tensor(loss), ref_loss) < RTOL
-    assert_gradients_match(lora, ref)
+    assert_packed_rows_equal_them_alone(source, lora, ref, reference_loss)
 
 
 def test_gemma4_moe_train_then_peft_load_then_export_round_trip(gemma4_moe, tmp_path):

@@ -94,11 +94,15 @@ def test_packed_documents_through_a_moe_model_equal_them_one_by_one(variant, tmp
     lora = lora_with_random_b(source.args, WITH_EXPERTS)
     lora.save(tmp_path / "adapter")
     ref = PeftModel.from_pretrained(load_hf(model_dir), tmp_path / "adapter", is_trainable=True)
+    assert_packed_rows_equal_them_alone(source, lora, ref, moe_reference_loss)
+
+
+def assert_packed_rows_equal_them_alone(source, lora, ref, reference_loss) -> None:
+    """packed_rows() through the streamed engine: its loss (a mean over every target token)
+    and every LoRA gradient equal `ref`'s over each document alone, weighted by its targets."""
     packed, alone = packed_rows()
-
     loss, n_target, _ = StreamedEngine(source, lora, grad_clip=None).forward_backward(packed, 0)
-
-    ref_loss = sum(moe_reference_loss(ref, ids, lab) * (lab != -100).sum() for ids, lab in alone)
+    ref_loss = sum(reference_loss(ref, ids, lab) * (lab != -100).sum() for ids, lab in alone)
     ref_loss = ref_loss / n_target
     ref_loss.backward()
     assert rel_err(torch.tensor(loss), ref_loss) < RTOL
