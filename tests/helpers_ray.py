@@ -91,9 +91,11 @@ def _still_running(p: psutil.Process) -> bool:
 @contextlib.contextmanager
 def ray_session(**init_kwargs) -> Iterator[None]:
     """`ray.init(address="local", **init_kwargs)`; on exit `ray.shutdown()` and wait until every
-    process that session started has ended (asserted)."""
+    process that session started has ended (asserted). The suite's shared Ray (SharedRay), if it
+    is up, is stopped first: this session is the test's own."""
     import ray
 
+    SHARED.stop()
     ray.init(address="local", **init_kwargs)
     try:
         yield
@@ -101,6 +103,63 @@ def ray_session(**init_kwargs) -> Iterator[None]:
         procs = ray_descendants()
         ray.shutdown()
         wait_gone(procs)
+
+
+class SharedRay:
+    """The embedded Ray that conftest's `ray_local` gives its test modules: started by the first
+    of them, kept for the next one (a Ray start and stop saved per module: seconds of 2 CPUs
+    each), stopped as `ray_session` stops its own (the processes waited for, none left: asserted)
+    before any test that does not take it, and at the session's end.
+
+    What a module could leave behind for the next is checked before it is handed on: an actor
+    still alive holds CPUs (`clean`); then the next module gets a fresh Ray."""
+
+    KWARGS = {"num_cpus": 4, "include_dashboard": False, "log_to_driver": False}
+
+    def __init__(self) -> None:
+        self.up = False
+
+    def start(self) -> None:
+        """Ray as `ray_local` gives it, started unless this one is up and clean."""
+        import ray
+
+        if self.up and not (ray.is_initialized() and self.clean()):
+            self.stop()
+        if not self.up:
+            ray.init(address="local", **self.KWARGS)
+            self.up = True
+
+    def clean(self, wait_s: float = 10.0) -> bool:
+        """Whether every CPU of this Ray is free again (no actor or task left of a finished
+        module), waited for up to `wait_s`: an actor's end reaches the resource view a moment
+        after ray.kill."""
+        import time
+
+        import ray
+
+        deadline = time.monotonic() + wait_s
+        total = ray.cluster_resources().get("CPU")
+        while ray.available_resources().get("CPU") != total:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    def stop(self) -> None:
+        """Shut it down, if up, and wait until its processes have ended (asserted)."""
+        import ray
+
+        if not self.up:
+            return
+        self.up = False
+        if not ray.is_initialized():  # a test shut it down itself
+            return
+        procs = ray_descendants()
+        ray.shutdown()
+        wait_gone(procs)
+
+
+SHARED = SharedRay()
 
 
 @contextlib.contextmanager
