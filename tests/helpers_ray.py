@@ -1,7 +1,8 @@
 """Ray started in the test process, and proof that it is gone again afterwards.
 
-Every fixture that starts Ray here goes through `ray_session` (or `node_processes` and
-`wait_gone` around a `ray.cluster_utils.Cluster`'s shutdown): it shuts Ray down, waits for the processes Ray started (GCS, raylet,
+Every fixture that starts Ray here goes through `ray_session` (or `SharedRay`, the one Ray of
+conftest's `ray_local`, or `node_processes` and `wait_gone` around a `ray.cluster_utils.Cluster`'s
+shutdown): it shuts Ray down, waits for the processes Ray started (GCS, raylet,
 agents, workers: descendants of this process) to exit, and fails the test if any is left. A Ray
 process outliving its test keeps CPUs busy under the next test and, left until interpreter exit,
 is one of the ways a green suite ends in a crash (issue 17).
