@@ -37,6 +37,23 @@ def ray_descendants() -> list[psutil.Process]:
     return alive
 
 
+#: Ray's own processes that carry a `ray::` title: not a test's actors
+RAY_AGENTS = ("ray::IDLE", "ray::DashboardAgent", "ray::RuntimeEnvAgent")
+
+
+def actor_processes() -> list[psutil.Process]:
+    """This process's Ray workers that host an actor or run a task (`ray::<Class>` titles)."""
+    found = []
+    for p in ray_descendants():
+        try:
+            name = " ".join(p.cmdline()) or p.name()
+        except psutil.NoSuchProcess:
+            continue
+        if name.startswith("ray::") and not name.startswith(RAY_AGENTS):
+            found.append(p)
+    return found
+
+
 def node_processes(nodes) -> list[psutil.Process]:
     """The processes of `ray.cluster_utils.Cluster` nodes (GCS, raylet, agents) and their
     descendants (the workers): only those nodes', whatever else runs beside them."""
@@ -131,16 +148,17 @@ class SharedRay:
             self.up = True
 
     def clean(self, wait_s: float = 10.0) -> bool:
-        """Whether every CPU of this Ray is free again (no actor or task left of a finished
-        module), waited for up to `wait_s`: an actor's end reaches the resource view a moment
-        after ray.kill."""
+        """Whether nothing of a finished module is left: every CPU free again and no actor's
+        process alive (one of no CPUs, as a weight store, holds memory and a metrics thread),
+        waited for up to `wait_s`: an actor's end reaches the resource view, and its process
+        exits, a moment after ray.kill."""
         import time
 
         import ray
 
         deadline = time.monotonic() + wait_s
         total = ray.cluster_resources().get("CPU")
-        while ray.available_resources().get("CPU") != total:
+        while ray.available_resources().get("CPU") != total or actor_processes():
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.1)
