@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from appliance.cluster import exit as appliance_exit
-from tests.helpers_ray import ray_session
+from tests.helpers_ray import SHARED
 
 # Ray's native threads outlive ray.shutdown() and can crash the interpreter's exit after a green
 # run (issue 17; appliance/cluster/exit.py has the evidence): end this process the way `appliance` ends,
@@ -82,13 +82,23 @@ def pytest_sessionfinish(session, exitstatus):
     appliance_exit.set_exit_code(int(exitstatus))
 
 
+@pytest.fixture(scope="session")
+def _shared_ray():
+    """The suite's shared embedded Ray (tests/helpers_ray.py's SharedRay): stopped at the end,
+    no process of it left behind (asserted)."""
+    yield SHARED
+    SHARED.stop()
+
+
 @pytest.fixture(scope="module")
-def ray_local():
-    """Embedded Ray for one test module (4 logical CPUs: two tokenizer workers and two trainers
-    fit on this 2-core machine); shut down when the module's tests are done, and no process of it
-    left behind (asserted)."""
-    with ray_session(num_cpus=4, include_dashboard=False, log_to_driver=False):
-        yield
+def ray_local(_shared_ray):
+    """Embedded Ray for the test module (4 logical CPUs: two tokenizer workers and two trainers
+    fit on this 2-core machine). One Ray serves the modules that take it, one after the other
+    (pytest_collection_modifyitems runs them last, together): a module starts it only if none is
+    up, or the last module left an actor holding CPUs. It is shut down, and no process of it
+    left behind (asserted), before any other module's test and at the session's end."""
+    _shared_ray.start()
+    yield
 
 
 @pytest.fixture(scope="session")
@@ -259,7 +269,34 @@ def _is_slow(item: pytest.Item, rel: Path) -> bool:
     return names is None or getattr(item, "originalname", item.name).startswith(names)
 
 
+def _takes_shared_ray(item: pytest.Item) -> bool:
+    """Whether `item` takes this conftest's `ray_local` (not a module's own of that name)."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}).get("ray_local")
+    return (
+        bool(defs)
+        and Path(inspect.getsourcefile(defs[-1].func)).resolve() == Path(__file__).resolve()
+    )
+
+
+# the modules with a test that takes the shared Ray (pytest_collection_modifyitems)
+_SHARED_RAY_MODULES: set[Path] = set()
+
+
+def _group_shared_ray_modules(items: list) -> None:
+    """Run the modules that take the shared Ray last, one after the other, each module's tests in
+    their order: the Ray one starts serves them all (helpers_ray.SharedRay)."""
+    _SHARED_RAY_MODULES.update(Path(item.path) for item in items if _takes_shared_ray(item))
+    items.sort(key=lambda item: Path(item.path) in _SHARED_RAY_MODULES)  # stable
+
+
+def pytest_runtest_setup(item):
+    """Only the modules that take the shared Ray run beside it: it is stopped before any other."""
+    if SHARED.up and Path(item.path) not in _SHARED_RAY_MODULES:
+        SHARED.stop()
+
+
 def pytest_collection_modifyitems(config, items):
+    _group_shared_ray_modules(items)
     targets = _integration_helpers()
     for item in items:
         try:

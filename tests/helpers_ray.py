@@ -1,7 +1,8 @@
 """Ray started in the test process, and proof that it is gone again afterwards.
 
-Every fixture that starts Ray here goes through `ray_session` (or `node_processes` and
-`wait_gone` around a `ray.cluster_utils.Cluster`'s shutdown): it shuts Ray down, waits for the processes Ray started (GCS, raylet,
+Every fixture that starts Ray here goes through `ray_session` (or `SharedRay`, the one Ray of
+conftest's `ray_local`, or `node_processes` and `wait_gone` around a `ray.cluster_utils.Cluster`'s
+shutdown): it shuts Ray down, waits for the processes Ray started (GCS, raylet,
 agents, workers: descendants of this process) to exit, and fails the test if any is left. A Ray
 process outliving its test keeps CPUs busy under the next test and, left until interpreter exit,
 is one of the ways a green suite ends in a crash (issue 17).
@@ -34,6 +35,23 @@ def ray_descendants() -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             pass
     return alive
+
+
+#: Ray's own processes that carry a `ray::` title: not a test's actors
+RAY_AGENTS = ("ray::IDLE", "ray::DashboardAgent", "ray::RuntimeEnvAgent")
+
+
+def actor_processes() -> list[psutil.Process]:
+    """This process's Ray workers that host an actor or run a task (`ray::<Class>` titles)."""
+    found = []
+    for p in ray_descendants():
+        try:
+            name = " ".join(p.cmdline()) or p.name()
+        except psutil.NoSuchProcess:
+            continue
+        if name.startswith("ray::") and not name.startswith(RAY_AGENTS):
+            found.append(p)
+    return found
 
 
 def node_processes(nodes) -> list[psutil.Process]:
@@ -91,9 +109,11 @@ def _still_running(p: psutil.Process) -> bool:
 @contextlib.contextmanager
 def ray_session(**init_kwargs) -> Iterator[None]:
     """`ray.init(address="local", **init_kwargs)`; on exit `ray.shutdown()` and wait until every
-    process that session started has ended (asserted)."""
+    process that session started has ended (asserted). The suite's shared Ray (SharedRay), if it
+    is up, is stopped first: this session is the test's own."""
     import ray
 
+    SHARED.stop()
     ray.init(address="local", **init_kwargs)
     try:
         yield
@@ -101,6 +121,64 @@ def ray_session(**init_kwargs) -> Iterator[None]:
         procs = ray_descendants()
         ray.shutdown()
         wait_gone(procs)
+
+
+class SharedRay:
+    """The embedded Ray that conftest's `ray_local` gives its test modules: started by the first
+    of them, kept for the next one (a Ray start and stop saved per module: seconds of 2 CPUs
+    each), stopped as `ray_session` stops its own (the processes waited for, none left: asserted)
+    before any test that does not take it, and at the session's end.
+
+    What a module could leave behind for the next is checked before it is handed on: an actor
+    still alive holds CPUs (`clean`); then the next module gets a fresh Ray."""
+
+    KWARGS = {"num_cpus": 4, "include_dashboard": False, "log_to_driver": False}
+
+    def __init__(self) -> None:
+        self.up = False
+
+    def start(self) -> None:
+        """Ray as `ray_local` gives it, started unless this one is up and clean."""
+        import ray
+
+        if self.up and not (ray.is_initialized() and self.clean()):
+            self.stop()
+        if not self.up:
+            ray.init(address="local", **self.KWARGS)
+            self.up = True
+
+    def clean(self, wait_s: float = 10.0) -> bool:
+        """Whether nothing of a finished module is left: every CPU free again and no actor's
+        process alive (one of no CPUs, as a weight store, holds memory and a metrics thread),
+        waited for up to `wait_s`: an actor's end reaches the resource view, and its process
+        exits, a moment after ray.kill."""
+        import time
+
+        import ray
+
+        deadline = time.monotonic() + wait_s
+        total = ray.cluster_resources().get("CPU")
+        while ray.available_resources().get("CPU") != total or actor_processes():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    def stop(self) -> None:
+        """Shut it down, if up, and wait until its processes have ended (asserted)."""
+        import ray
+
+        if not self.up:
+            return
+        self.up = False
+        if not ray.is_initialized():  # a test shut it down itself
+            return
+        procs = ray_descendants()
+        ray.shutdown()
+        wait_gone(procs)
+
+
+SHARED = SharedRay()
 
 
 @contextlib.contextmanager

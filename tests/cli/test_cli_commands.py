@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import math
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,8 +19,8 @@ from appliance.data.records import Holdout
 from appliance.models.hf_checkpoint import read_model_args
 from appliance.models.lora import LoraSpec
 from tests.e2e.test_faults import Proc, args, build_inputs
+from tests.helpers_cli import train_in_process
 from tests.helpers_model import load_hf, lora_with_random_b, make_model
-from tests.helpers_net import free_port
 from tests.helpers_ray import session_processes, wait_gone
 from tests.helpers_tokenizer import sentences
 
@@ -302,8 +300,9 @@ def test_bench_with_a_bad_gpu_memory_budget_is_one_error_line():
 
 @pytest.mark.integration
 def test_train_names_the_records_skipped_and_the_held_out_documents_cut(
-    model_and_adapter, tmp_path
+    ray_local, model_and_adapter, tmp_path
 ):
+    """In this process, on the shared Ray: what the run says is what it is about."""
     model, _, _ = model_and_adapter
     data = tmp_path / "six.jsonl"  # 6 lines, 4 of them bad
     lines = [{"text": "the cat sat on the mat"}, '{"text": "a\tb"}', "[1]", {"body": "x"}]
@@ -311,16 +310,10 @@ def test_train_names_the_records_skipped_and_the_held_out_documents_cut(
     data.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
     held_out = tmp_path / "held_out.jsonl"  # one document longer than --seq-len 8
     held_out.write_text(json.dumps({"text": "the cat sat on the mat and a dog ran far away"}))
-    flags = ["--model", model, "--data", data, "--eval-data", held_out,
-             "--output", tmp_path / "o", "--seq-len", "8",
-             "--micro-batch-size", "1", "--tokenize-workers", "1", "--epochs", "1",
-             "--on-bad-record", "skip", "--log-format", "plain", "--metrics-port", free_port()]  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, "-m", "appliance", "train", *map(str, flags)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = train_in_process("--model", model, "--data", data, "--eval-data", held_out,
+                            "--output", tmp_path / "o", "--seq-len", "8",
+                            "--micro-batch-size", "1", "--tokenize-workers", "1", "--epochs", "1",
+                            "--on-bad-record", "skip")  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     output = done.stdout + done.stderr
     assert (

@@ -5,6 +5,7 @@ OOM kill (a 16 MB line: 1.8 GB)."""
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import textwrap
@@ -13,7 +14,7 @@ import pytest
 
 from appliance.data.files import MAX_LINE_BYTES, count_documents
 from appliance.data.records import MAX_RECORD_CHARS, ShardReader, parse_document
-from tests.helpers_cli import run_train
+from tests.helpers_cli import train_in_process
 from tests.helpers_model import make_model
 from tests.helpers_tokenizer import make_tokenizer, sentences
 
@@ -75,16 +76,19 @@ def test_reading_and_tokenizing_a_huge_line_takes_bounded_memory(tmp_path):
 
 
 @pytest.mark.integration
-def test_a_run_over_huge_records_trains_and_says_what_was_cut_once(tmp_path):
+def test_a_run_over_huge_records_trains_and_says_what_was_cut_once(ray_local, tmp_path, caplog):
+    """In this process, on the shared Ray: what the run says is what it is about."""
     model = make_model(tmp_path / "model", "llama-mha")
     data = tmp_path / "data.jsonl"
     huge_jsonl(data, MAX_RECORD_CHARS + 10, MAX_LINE_BYTES + 10)
     with open(data, "a") as f:
         f.write(json.dumps({"text": "x" * (MAX_LINE_BYTES + 5)}) + "\n")  # another: not named
         f.writelines(json.dumps({"text": s}) + "\n" for s in sentences(30))
-    done = run_train("--model", model, "--data", data, "--output", tmp_path / "o", "--steps", "3",
-                     "--seq-len", "16", "--micro-batch-size", "2", "--tokenize-workers", "1")  # fmt: skip
-    text = done.stdout + done.stderr
+    with caplog.at_level(logging.WARNING):  # a warning logged goes to stderr in a child
+        done = train_in_process("--model", model, "--data", data, "--output", tmp_path / "o",
+                                "--steps", "3", "--seq-len", "16", "--micro-batch-size", "2",
+                                "--tokenize-workers", "1")  # fmt: skip
+    text = done.stdout + done.stderr + caplog.text
     assert done.returncode == 0, text[-3000:]
     said = [line for line in text.splitlines() if "split long documents" in line]
     assert len(said) == 1, text[-3000:]

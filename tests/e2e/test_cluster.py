@@ -13,6 +13,7 @@ import signal
 import socket
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ from tests.helpers_model import make_model
 from tests.helpers_mount import unshare_prefix
 from tests.helpers_net import free_port
 from tests.helpers_ray import node_processes, ray_start, wait_gone
+from tests.helpers_side import ran, selected, side_by_side
 from tests.helpers_tokenizer import sentences
 
 pytestmark = pytest.mark.integration
@@ -240,7 +242,7 @@ def wait_for_port(address: str, timeout: float = 120.0) -> None:
             time.sleep(0.2)
 
 
-def test_a_cluster_with_token_authentication_names_the_token_and_trains_with_it(tmp_path):
+def scenario_token_authentication(tmp_path: Path) -> None:
     """The Helm chart's RayCluster uses Ray's token authentication (rayTokenAuth). Without the
     token ray.init retried for 20 s and said only that it could not connect."""
     model = make_model(tmp_path / "model", "llama-mha")
@@ -280,7 +282,7 @@ def test_a_cluster_with_token_authentication_names_the_token_and_trains_with_it(
     assert json.loads((tmp_path / "out" / "run.json").read_text())["status"] == "complete"
 
 
-def test_an_address_where_no_gcs_answers_is_named_and_ctrl_c_ends_the_wait(tmp_path):
+def scenario_no_gcs_answers(tmp_path: Path) -> None:
     """The dashboard's port (8265) given for the GCS's: ray.init waited about 13 minutes, and
     (SIGTERM and Ctrl-C held while ray.init ran) could not be stopped meanwhile."""
 
@@ -327,3 +329,35 @@ def test_an_address_where_no_gcs_answers_is_named_and_ctrl_c_ends_the_wait(tmp_p
         f"--cluster {address}: cannot connect to a Ray cluster: no Ray GCS answered there" in line
     )
     assert "not the dashboard's (8265)" in line
+
+
+# The last two tests run children only (no Ray in this process): started together, when the
+# first of them runs, side by side (tests/helpers_side.py).
+SCENARIOS = {  # test -> its scenario, longest first
+    "test_a_cluster_with_token_authentication_names_the_token_and_trains_with_it": (
+        scenario_token_authentication
+    ),
+    "test_an_address_where_no_gcs_answers_is_named_and_ctrl_c_ends_the_wait": (
+        scenario_no_gcs_answers
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def scenarios(request, tmp_path_factory):
+    tests = selected(request)
+    chosen = {
+        test: partial(scenario, tmp_path_factory.mktemp("children"))
+        for test, scenario in SCENARIOS.items()
+        if test in tests
+    }
+    with side_by_side(chosen) as futures:
+        yield futures
+
+
+def test_a_cluster_with_token_authentication_names_the_token_and_trains_with_it(scenarios):
+    ran(scenarios, "test_a_cluster_with_token_authentication_names_the_token_and_trains_with_it")
+
+
+def test_an_address_where_no_gcs_answers_is_named_and_ctrl_c_ends_the_wait(scenarios):
+    ran(scenarios, "test_an_address_where_no_gcs_answers_is_named_and_ctrl_c_ends_the_wait")

@@ -4,6 +4,8 @@
 too, and the run's next write hits a dead pipe. Here the test is `tee`: it reads the run's
 output through one pipe, closes it (tee dies), then sends SIGINT. The run must write its
 checkpoint, record itself interrupted, go quiet and exit 130; a double Ctrl-C exits 130 too.
+
+The two tests' runs are scenarios run side by side (tests/helpers_side.py).
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import re
 import signal
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from appliance.storage.checkpoints import load_latest_checkpoint
 from tests.helpers_model import make_model
+from tests.helpers_side import ran, selected, side_by_side
 from tests.helpers_tokenizer import sentences
 
 pytestmark = pytest.mark.integration
@@ -87,7 +91,7 @@ def record(output: Path) -> dict:
     return json.loads((output / "run.json").read_text())
 
 
-def test_ctrl_c_with_a_dead_pipe_checkpoints_and_exits_130(inputs, tmp_path):
+def scenario_ctrl_c(inputs, tmp_path: Path) -> None:
     out = tmp_path / "fresh"
     p = piped_into_tee(argv(inputs, out))
     read_until(p, rf"^step 10/{STEPS} ")
@@ -107,9 +111,35 @@ def test_ctrl_c_with_a_dead_pipe_checkpoints_and_exits_130(inputs, tmp_path):
     assert load_latest_checkpoint(str(out)).step >= step
 
 
-def test_a_double_ctrl_c_with_a_dead_pipe_exits_130(inputs, tmp_path):
+def scenario_double_ctrl_c(inputs, tmp_path: Path) -> None:
     out = tmp_path / "double"
     p = piped_into_tee(argv(inputs, out))
     read_until(p, rf"^step 10/{STEPS} ")
     assert tee_dies_then(p, signal.SIGINT, signal.SIGINT) == 130
     assert record(out)["status"] in ("interrupted", "running")  # stopped at once: no promise
+
+
+SCENARIOS = {  # test -> its scenario, longest first (side_by_side)
+    "test_ctrl_c_with_a_dead_pipe_checkpoints_and_exits_130": scenario_ctrl_c,
+    "test_a_double_ctrl_c_with_a_dead_pipe_exits_130": scenario_double_ctrl_c,
+}
+
+
+@pytest.fixture(scope="module")
+def scenarios(request, inputs, tmp_path_factory):
+    tests = selected(request)
+    chosen = {
+        test: partial(scenario, inputs, tmp_path_factory.mktemp("pipe"))
+        for test, scenario in SCENARIOS.items()
+        if test in tests
+    }
+    with side_by_side(chosen) as futures:
+        yield futures
+
+
+def test_ctrl_c_with_a_dead_pipe_checkpoints_and_exits_130(scenarios):
+    ran(scenarios, "test_ctrl_c_with_a_dead_pipe_checkpoints_and_exits_130")
+
+
+def test_a_double_ctrl_c_with_a_dead_pipe_exits_130(scenarios):
+    ran(scenarios, "test_a_double_ctrl_c_with_a_dead_pipe_exits_130")

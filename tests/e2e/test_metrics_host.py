@@ -1,6 +1,8 @@
 """The metrics endpoint listens on loopback by default; `--metrics-host 0.0.0.0` widens it (issue
 44, item 10). It bound 0.0.0.0 with no way to choose, and its labels carry --output paths and
-bucket names. What the kernel says the run's process listens on is the proof (/proc/net/tcp)."""
+bucket names. What the kernel says the run's process listens on is the proof (/proc/net/tcp).
+
+The two cases' runs go side by side (tests/helpers_side.py), each on its own port."""
 
 from __future__ import annotations
 
@@ -10,11 +12,14 @@ import re
 import signal
 import subprocess
 import sys
+from functools import partial
+from pathlib import Path
 
 import pytest
 
 from tests.helpers_model import make_model
 from tests.helpers_net import free_port
+from tests.helpers_side import ran, side_by_side
 from tests.helpers_tokenizer import sentences
 
 pytestmark = pytest.mark.integration
@@ -40,8 +45,7 @@ def inputs(tmp_path_factory):
     return model, data
 
 
-@pytest.mark.parametrize("host, bound", [(None, "127.0.0.1"), ("0.0.0.0", "0.0.0.0")])
-def test_the_metrics_endpoint_listens_where_metrics_host_says(inputs, tmp_path, host, bound):
+def scenario_listens(inputs, tmp_path: Path, host: str | None, bound: str) -> None:
     model, data = inputs
     port = free_port()
     extra = ["--metrics-host", host] if host else []
@@ -68,3 +72,22 @@ def test_the_metrics_endpoint_listens_where_metrics_host_says(inputs, tmp_path, 
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             raise
+
+
+CASES = {"default": (None, "127.0.0.1"), "every-interface": ("0.0.0.0", "0.0.0.0")}
+
+
+@pytest.fixture(scope="module")
+def scenarios(inputs, tmp_path_factory):
+    with side_by_side(
+        {
+            case: partial(scenario_listens, inputs, tmp_path_factory.mktemp(case), host, bound)
+            for case, (host, bound) in CASES.items()
+        }
+    ) as futures:
+        yield futures
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_metrics_endpoint_listens_where_metrics_host_says(scenarios, case):
+    ran(scenarios, case)

@@ -5,6 +5,9 @@ Every run is a real `appliance train` process on embedded Ray. The reference is 
 run with its stdout piped (as in `docker logs`): it must print `step N/TOTAL` lines while it
 runs. Runs stopped by SIGINT and SIGTERM at a step, then resumed with `--output O --resume` and
 nothing else, must finish with the reference's per-step losses.
+
+Each test's runs are a scenario (a function, asserts included) and the module runs them two side
+by side (tests/helpers_side.py); the tests at the end wait for theirs.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import subprocess
 import sys
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +37,7 @@ from tests.helpers_cli import child_command, cli, finish
 from tests.helpers_model import make_model
 from tests.helpers_net import free_port
 from tests.helpers_ray import session_processes, wait_gone
+from tests.helpers_side import ran, selected, side_by_side
 from tests.helpers_tokenizer import sentences
 
 pytestmark = pytest.mark.integration
@@ -102,7 +107,7 @@ def metrics_port(stderr_or_stdout: str) -> int:
     return int(port)
 
 
-def test_ctrl_c_and_sigterm_checkpoint_and_resume_by_output_alone(inputs, tmp_path):
+def scenario_ctrl_c_and_sigterm(inputs, tmp_path: Path) -> None:
     port = free_port()
     ref_out = tmp_path / "ref"
     # the reference: stdout piped, no --log-format, the metrics endpoint scraped while it runs
@@ -209,7 +214,7 @@ def test_ctrl_c_and_sigterm_checkpoint_and_resume_by_output_alone(inputs, tmp_pa
     assert was["status"] == "complete" and was["losses"] == reference
 
 
-def test_sigterm_before_the_step_loop_stops_at_once_as_ctrl_c_does(inputs, tmp_path):
+def scenario_sigterm_before_the_step_loop(inputs, tmp_path: Path) -> None:
     """`docker stop` while the weights load and the actors start, after Ray started (ray.init
     sets a SIGTERM handler of its own, a silent exit 15, which start_ray replaces with ours
     again): `interrupted`, exit 130, no traceback. Before Ray starts the same handler is in
@@ -251,8 +256,7 @@ entry()
 """
 
 
-@pytest.mark.parametrize("point", ["node", "processes"])
-def test_sigterm_inside_ray_init_stops_as_it_does_around_it(inputs, tmp_path, point):
+def scenario_sigterm_inside_ray_init(inputs, tmp_path: Path, point: str) -> None:
     """ray.init's own SIGTERM handler is a silent sys.exit(15): a SIGTERM while Ray starts
     ended the run with exit 15 and no word, and one that landed after the GCS and raylet had
     started left them running. It is `interrupted`, exit 130, as before and after ray.init,
@@ -323,7 +327,7 @@ def hub_cache(hf_home: Path) -> Path:
     return snapshot
 
 
-def test_a_hub_id_resume_without_checkpoint_flag_over_config_and_umask(inputs, tmp_path):
+def scenario_hub_id_resume(inputs, tmp_path: Path) -> None:
     """One run shows five things: `--model org/name` resolves from the local Hugging Face cache
     (offline) for train, eval and export; `--resume` of a run killed before its first checkpoint
     says so and starts it; `--steps` beside a config file's `epochs` wins, with a note; the files
@@ -398,7 +402,7 @@ def test_a_hub_id_resume_without_checkpoint_flag_over_config_and_umask(inputs, t
     assert card.text.split("## Training")[1] == merged.text.split("## Training")[1]  # run.json's
 
 
-def test_ray_that_cannot_start_is_one_line_and_the_demo_cleans_up(tmp_path):
+def scenario_ray_cannot_start(inputs, tmp_path: Path) -> None:
     temp = tmp_path / "tmp"
     temp.mkdir()
     p = subprocess.Popen(
@@ -415,7 +419,7 @@ def test_ray_that_cannot_start_is_one_line_and_the_demo_cleans_up(tmp_path):
     assert list(temp.glob("appliance-demo-*")) == []  # the demo's model and corpus are gone
 
 
-def test_a_home_ray_cannot_write_does_not_stop_the_run(inputs, tmp_path):
+def scenario_home_ray_cannot_write(inputs, tmp_path: Path) -> None:
     """`docker run --user <uid>` has HOME=/, which that uid cannot write: Ray 2.60's ray.init,
     with token authentication on by default, failed to save its new token there and did not
     start. /proc stands in for it here (no directory can be made in it, even by root)."""
@@ -426,3 +430,69 @@ def test_a_home_ray_cannot_write_does_not_stop_the_run(inputs, tmp_path):
     rc, out, err = finish(p)
     assert rc == 0, err[-3000:]
     assert record(tmp_path / "out")["status"] == "complete"
+
+
+# --------------------------------------------------------------------------------- the tests
+# The scenarios above are this module's tests, started at once and run two side by side
+# (tests/helpers_side.py): each test waits for its own and fails with what it raised.
+
+# longest first (side_by_side); test name -> its scenarios
+SCENARIOS = {
+    "test_ctrl_c_and_sigterm_checkpoint_and_resume_by_output_alone": {
+        "ctrl_c": scenario_ctrl_c_and_sigterm
+    },
+    "test_a_hub_id_resume_without_checkpoint_flag_over_config_and_umask": {
+        "hub_id": scenario_hub_id_resume
+    },
+    "test_a_home_ray_cannot_write_does_not_stop_the_run": {"home": scenario_home_ray_cannot_write},
+    "test_sigterm_before_the_step_loop_stops_at_once_as_ctrl_c_does": {
+        "before_loop": scenario_sigterm_before_the_step_loop
+    },
+    "test_sigterm_inside_ray_init_stops_as_it_does_around_it": {
+        f"ray_init_{point}": partial(scenario_sigterm_inside_ray_init, point=point)
+        for point in ("node", "processes")
+    },
+    "test_ray_that_cannot_start_is_one_line_and_the_demo_cleans_up": {
+        "no_ray": scenario_ray_cannot_start
+    },
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def scenarios(request, inputs, tmp_path_factory):
+    """Started with the module's first test (autouse): the signal tests above, which start no
+    Ray, run beside them."""
+    tests = selected(request)
+    chosen = {
+        name: partial(scenario, inputs, tmp_path_factory.mktemp(name))
+        for test, named in SCENARIOS.items()
+        if test in tests
+        for name, scenario in named.items()
+    }
+    with side_by_side(chosen) as futures:
+        yield futures
+
+
+def test_ctrl_c_and_sigterm_checkpoint_and_resume_by_output_alone(scenarios):
+    ran(scenarios, "ctrl_c")
+
+
+def test_sigterm_before_the_step_loop_stops_at_once_as_ctrl_c_does(scenarios):
+    ran(scenarios, "before_loop")
+
+
+@pytest.mark.parametrize("point", ["node", "processes"])
+def test_sigterm_inside_ray_init_stops_as_it_does_around_it(scenarios, point):
+    ran(scenarios, f"ray_init_{point}")
+
+
+def test_a_hub_id_resume_without_checkpoint_flag_over_config_and_umask(scenarios):
+    ran(scenarios, "hub_id")
+
+
+def test_ray_that_cannot_start_is_one_line_and_the_demo_cleans_up(scenarios):
+    ran(scenarios, "no_ray")
+
+
+def test_a_home_ray_cannot_write_does_not_stop_the_run(scenarios):
+    ran(scenarios, "home")

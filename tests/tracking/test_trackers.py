@@ -1,5 +1,5 @@
 """--report-to's settings and the Trackers object, in-process (the run itself, with every
-backend read back by its own reader: tests/e2e/test_tracking.py)."""
+backend read back by its own reader: tests/tracking/test_tracked_runs.py)."""
 
 from __future__ import annotations
 
