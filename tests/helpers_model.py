@@ -242,6 +242,11 @@ def _multimodal(config_class, vision: dict, **outer):
 
 _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                image_size=28, patch_size=14)  # fmt: skip
+# a one-layer vision tower for the Qwen3.5 image-text checkpoints (dense and MoE)
+QWEN3_5_VISION = dict(
+    depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14
+)
+
 _CONFIGS = {
     "LlamaForCausalLM": transformers.LlamaConfig,
     "MistralForCausalLM": transformers.MistralConfig,
@@ -271,26 +276,12 @@ _CONFIGS = {
     "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
     "Qwen3_5MoeForConditionalGeneration": _multimodal(
         transformers.Qwen3_5MoeConfig,
-        dict(
-            depth=1,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=64,
-            patch_size=14,
-        ),
+        QWEN3_5_VISION,
         tie_word_embeddings=False,
     ),  # fmt: skip
     "Qwen3_5ForConditionalGeneration": _multimodal(
         transformers.Qwen3_5Config,
-        dict(
-            depth=1,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=64,
-            patch_size=14,
-        ),
+        QWEN3_5_VISION,
         tie_word_embeddings=False,
     ),
 }

@@ -22,12 +22,15 @@ from appliance.models.hf_checkpoint import SafetensorsCheckpoint, expected_shape
 from appliance.models.lora import LoraSpec, adapter_config, read_spec
 from tests.engine.test_engine_parity import (
     RTOL,
-    assert_gradients_match,
     peft_reference,
     reference_loss,
 )
 from tests.helpers_model import batch, lora_with_random_b, make_model, rel_err
-from tests.models.test_moe import assert_packed_rows_equal_them_alone, moe_reference_loss
+from tests.models.test_moe import (
+    assert_packed_rows_equal_them_alone,
+    assert_two_micro_batches_match,
+    moe_reference_loss,
+)
 from tests.models.test_qwen3_5 import assert_round_trip
 
 SHARED = ("shared_gate", "shared_up", "shared_down")
@@ -88,13 +91,7 @@ def test_qwen3_5_moe_loss_and_every_lora_gradient_match_transformers_with_peft(
     lora = lora_with_random_b(source.args, EVERYTHING)
     assert set(lora.blocks[0]) == {*gated_deltanet.LINEARS, *moe.SHARED, moe.GATE_UP, moe.DOWN}
     ref = peft_reference(model_dir, lora, tmp_path)
-    ids, labels = batch(4, 24, seed=2)
-    engine = StreamedEngine(source, lora, grad_clip=None)
-    loss, _, _ = engine.forward_backward([(ids[:2], labels[:2]), (ids[2:], labels[2:])], step=0)
-    ref_loss = moe_reference_loss(ref, ids, labels)
-    ref_loss.backward()
-    assert rel_err(torch.tensor(loss), ref_loss) < RTOL
-    assert_gradients_match(lora, ref)
+    assert_two_micro_batches_match(source, lora, ref, moe_reference_loss, seq_len=24)
 
 
 def test_qwen3_5_moe_packed_documents_equal_them_one_by_one(tmp_path):
@@ -178,13 +175,7 @@ def test_gemma4_moe_loss_and_every_lora_gradient_match_transformers_with_peft(ge
     lora = lora_with_random_b(source.args, GEMMA4_ALL)
     assert {"experts.gate_up_proj", "experts.down_proj", "mlp.gate_proj"} <= set(lora.blocks[0])
     ref = peft_reference(gemma4_moe, lora, tmp_path)
-    ids, labels = batch(4, 20, seed=2)
-    engine = StreamedEngine(source, lora, grad_clip=None)
-    loss, _, _ = engine.forward_backward([(ids[:2], labels[:2]), (ids[2:], labels[2:])], step=0)
-    ref_loss = reference_loss(ref, ids, labels)
-    ref_loss.backward()
-    assert rel_err(torch.tensor(loss), ref_loss) < RTOL
-    assert_gradients_match(lora, ref)
+    assert_two_micro_batches_match(source, lora, ref, reference_loss, seq_len=20)
 
 
 def test_gemma4_moe_packed_documents_equal_them_one_by_one(gemma4_moe, tmp_path):
@@ -271,13 +262,7 @@ def test_qwen2_moe_loss_and_every_lora_gradient_match_then_round_trip(tmp_path):
     lora = lora_with_random_b(source.args, QWEN2_ALL)
     assert set(lora.blocks[0]) >= {*moe.SHARED, moe.GATE_UP, moe.DOWN}
     ref = peft_reference(model_dir, lora, tmp_path / "ref")
-    ids, labels = batch(4, 24, seed=2)
-    engine = StreamedEngine(source, lora, grad_clip=None)
-    loss, _, _ = engine.forward_backward([(ids[:2], labels[:2]), (ids[2:], labels[2:])], step=0)
-    ref_loss = moe_reference_loss(ref, ids, labels)
-    ref_loss.backward()
-    assert rel_err(torch.tensor(loss), ref_loss) < RTOL
-    assert_gradients_match(lora, ref)
+    assert_two_micro_batches_match(source, lora, ref, moe_reference_loss, seq_len=24)
     assert_round_trip(model_dir, QWEN2_ALL, tmp_path / "trip", seq_len=24)
 
 
