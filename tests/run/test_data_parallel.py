@@ -90,6 +90,7 @@ def test_two_trainers_with_m_micro_batches_train_like_one_with_2m(
     assert_same_training(two, one, two_out, tmp_path / "one")
     record = json.loads((two_out / "run.json").read_text())
     assert record["config"]["trainers"] == 2 and record["weight_store_loads"] == 1
+    assert record["kernels"] == "exact"  # the tier that ran: auto on a CPU is exact
 
 
 def test_an_epoch_whose_last_step_leaves_a_rank_without_batches(ray_local, inputs, tmp_path):
@@ -170,3 +171,4 @@ def test_two_full_finetune_trainers_train_like_one_through_a_restart(ray_local, 
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-6)
     record = json.loads((tmp_path / "two" / "run.json").read_text())
     assert record["config"]["trainers"] == 2 and record["weight_store_loads"] == 1
+    assert record["kernels"] == "exact"  # a full fine-tune without compiled blocks
