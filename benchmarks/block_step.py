@@ -32,6 +32,7 @@ import statistics
 import time
 
 import torch
+import torch._dynamo
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from appliance import models
@@ -122,6 +123,10 @@ def time_block(
     block = None
     if compile_block:
         block = models.compiled_block_forward
+        # each row compiles from empty caches, as one `train` process of one model does: after
+        # another row's graphs, Dynamo would recompile with dynamic shapes (slower kernels, and
+        # compile seconds that are not this row's)
+        torch._dynamo.reset()
 
     def context() -> layers.LoraContext:
         # exact: asked as a checkout from before the tiers would (this bench compares checkouts)

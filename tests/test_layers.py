@@ -195,6 +195,14 @@ def test_importing_a_package_imports_nothing_heavy() -> None:
     assert out.stdout.strip() == "[]"
 
 
+def test_a_tokenizer_worker_loads_no_torch() -> None:
+    """A tokenizer worker's process imports its module (and appliance.actors' __init__ with it)
+    and nothing of torch: it tokenizes and packs with numpy (actors/__init__.py's lazy names)."""
+    code = "import appliance.actors.tokenize_worker, sys; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def _package(tmp_path: Path, files: dict[str, str]) -> Path:
     root = tmp_path / "appliance"
     for name, text in files.items():

@@ -13,9 +13,35 @@ Ray (the tests and the bench use them directly).
     weight_home.py      WeightHome: the writable /dev/shm file a full fine-tune's store owns
 """
 
-from appliance.actors.tokenize_worker import ShardWorker, TokenizeWorker
-from appliance.actors.trainer import Trainer, TrainerSettings
-from appliance.actors.weight_store import WeightHandles, WeightStore
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from appliance.actors.tokenize_worker import ShardWorker, TokenizeWorker
+    from appliance.actors.trainer import Trainer, TrainerSettings
+    from appliance.actors.weight_store import WeightHandles, WeightStore
+
+# Each name is loaded when first asked for (PEP 562), not here: a lazy import kept for start-up
+# time. A tokenizer worker's process imports appliance.actors.tokenize_worker, and this file with
+# it; importing the trainer here would load torch into every tokenizer worker, which uses none
+# of it (1.0 s of CPU and 200 MB of memory each; tests/test_layers.py keeps it out).
+_MODULE_OF = {
+    "ShardWorker": "tokenize_worker",
+    "TokenizeWorker": "tokenize_worker",
+    "Trainer": "trainer",
+    "TrainerSettings": "trainer",
+    "WeightHandles": "weight_store",
+    "WeightStore": "weight_store",
+}
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
+
 
 __all__ = [
     "ShardWorker",

@@ -38,7 +38,13 @@ import numpy as np
 from appliance.data.chat import ChatTemplate, FieldMap
 from appliance.data.listing import find_data_files, named_files
 from appliance.data.mixture import MixedShardReader, Source, source_counts
-from appliance.data.packing import LONG_DOCUMENTS, fill_rows, fit_long_document, split_document
+from appliance.data.packing import (
+    IGNORE_INDEX,
+    LONG_DOCUMENTS,
+    fill_rows,
+    fit_long_document,
+    split_document,
+)
 from appliance.data.records import (
     ON_BAD_RECORD,
     SKIP_EXAMPLES,
@@ -54,7 +60,6 @@ from appliance.data.records import (
     with_skip_hint,
 )
 from appliance.metrics.recorders import TokenizerMetrics
-from appliance.models.layers import IGNORE_INDEX
 from appliance.storage.localize import localize, localize_data
 
 ENCODE_CHUNK = 64  # documents per encode_batch call: amortizes the call, keeps read-ahead small

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from appliance.models.layers import IGNORE_INDEX
+#: a target position with no loss: PyTorch's cross_entropy ignore_index, the value the model's
+#: loss skips (models.layers.IGNORE_INDEX, the same; tests/data/test_packing.py holds them equal).
+#: Written here, not imported: the tokenizer workers use it and import no torch.
+IGNORE_INDEX = -100
 
 PAD_SEGMENT = -1
 

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 
 from appliance.actors.tokenize_worker import PACK_GROUP_ROWS, TokenizeWorker
 from appliance.actors.trainer import _tensors
+from appliance.data import packing
 from appliance.data.packing import best_fit, fill_rows, split_document
 from appliance.engine.blocks import DictBlockSource
 from appliance.engine.step import StreamedEngine
@@ -241,3 +242,11 @@ def test_flex_attention_on_cuda_equals_the_masked_sdpa_on_cpu(tmp_path, tok):
     assert abs(gpu_loss - cpu_loss) / cpu_loss < RTOL
     for g, c in zip(gpu_grads, cpu_grads, strict=True):
         assert rel_err(g, c) < RTOL
+
+
+def test_the_rows_ignore_index_is_the_one_the_loss_skips():
+    """data.packing writes its own IGNORE_INDEX (the tokenizer workers import no torch): it is
+    the model loss's, which is PyTorch's cross_entropy default."""
+    assert packing.IGNORE_INDEX == IGNORE_INDEX
+    logits, labels = torch.randn(3, 5), torch.tensor([1, packing.IGNORE_INDEX, 2])
+    assert F.cross_entropy(logits, labels) == F.cross_entropy(logits[[0, 2]], labels[[0, 2]])
