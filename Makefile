@@ -1,6 +1,7 @@
 # appliance — every command a person runs twice.
 #   make train   install into .venv and run the built-in demo fine-tune on embedded Ray
-#   make test    install and run the whole test suite (what CI runs), the 30 slowest listed
+#   make test    install and run the whole test suite (what CI runs), the 30 slowest listed:
+#                its unit tests and its integration tests at once (test-units, test-integration)
 #   make test-fast  the edit loop: no integration, slow or gpu test (tests/conftest.py marks them)
 #   make dashboards  Prometheus + Grafana (docker) for an `appliance train` running on this box
 PYTHON ?= python3
@@ -8,7 +9,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/pip --disable-pip-version-check -q
 
-.PHONY: install train test test-fast lint format tools clean dashboards dashboards-down
+.PHONY: install train test test-units test-integration test-fast lint format tools clean dashboards dashboards-down
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,10 +33,19 @@ tools:
 	bash scripts/install-tools.sh
 	bash scripts/install-prometheus.sh
 
-# install and tools at once: pip, npm and apt wait on disk and network more than on the CPUs
+# install and tools at once: pip, npm and apt wait on disk and network more than on the CPUs.
+# Then the suite as two pytest processes at once, together every test: the unit tests (no Ray,
+# server or child process: tests/conftest.py's tiers) take the core the integration tests leave
+# idle while their runs start and wait. Whole lines of each (-Oline); each lists its slowest.
 test:
 	$(MAKE) --no-print-directory -j2 install tools
-	$(BIN)/python -m pytest -q --durations=30
+	$(MAKE) --no-print-directory -j2 -Oline test-units test-integration
+
+test-units: install
+	$(BIN)/python -m pytest -q --durations=10 -m "not integration"
+
+test-integration: install
+	$(BIN)/python -m pytest -q --durations=30 -m integration
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not integration and not slow and not gpu"

@@ -160,7 +160,7 @@ def adapter(output: Path) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------- scenarios
 # Each test's runs are a scenario (tests/helpers_side.py): a function that drives its `appliance
 # train` processes and returns what they showed (exit statuses, stderr, what was on disk between
-# its runs). The module starts them all at once, two side by side (`scenarios`), the reference
+# its runs). The module starts them all at once, three side by side (`scenarios`), the reference
 # among them; each test asserts its own scenario's results, as it asserted them when it ran its
 # processes itself.
 
@@ -286,7 +286,7 @@ COMPARED = set(READS) - {
 
 @pytest.fixture(scope="module")
 def scenarios(request, inputs, tmp_path_factory):
-    """The scenarios of this module's selected tests, started at once, two at a time."""
+    """The scenarios of this module's selected tests, started at once, three at a time."""
     tests = selected(request)
     needed = {READS[t] for t in tests & READS.keys()} | (
         {"reference"} if tests & COMPARED else set()

@@ -433,7 +433,7 @@ def scenario_home_ray_cannot_write(inputs, tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------------- the tests
-# The scenarios above are this module's tests, started at once and run two side by side
+# The scenarios above are this module's tests, started at once and run three side by side
 # (tests/helpers_side.py): each test waits for its own and fails with what it raised.
 
 # longest first (side_by_side); test name -> its scenarios
