@@ -82,6 +82,18 @@ def assert_gradients_match(lora: LoraWeights, ref: PeftModel) -> None:
     assert checked == len(ref_grads) == sum(len(block) for block in lora.blocks) * 2
 
 
+def assert_two_micro_batches_match(source, lora, ref, reference_loss, seq_len: int) -> None:
+    """Four rows of `seq_len` tokens as two micro-batches through the streamed engine: the loss
+    and every LoRA gradient equal `ref`'s over the four rows at once."""
+    ids, labels = batch(4, seq_len, seed=2)
+    engine = StreamedEngine(source, lora, grad_clip=None)
+    loss, _, _ = engine.forward_backward([(ids[:2], labels[:2]), (ids[2:], labels[2:])], step=0)
+    ref_loss = reference_loss(ref, ids, labels)
+    ref_loss.backward()
+    assert rel_err(torch.tensor(loss), ref_loss) < RTOL
+    assert_gradients_match(lora, ref)
+
+
 # the dense variants (the MoE ones add the load-balancing loss: tests/models/test_moe.py,
 # test_hybrid_moe.py)
 @pytest.fixture(params=[v for v in VARIANTS if v not in MOE_VARIANTS and "moe" not in v])

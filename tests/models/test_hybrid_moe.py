@@ -22,13 +22,13 @@ from appliance.models.hf_checkpoint import SafetensorsCheckpoint, expected_shape
 from appliance.models.lora import LoraSpec, adapter_config, read_spec
 from tests.engine.test_engine_parity import (
     RTOL,
+    assert_two_micro_batches_match,
     peft_reference,
     reference_loss,
 )
 from tests.helpers_model import batch, lora_with_random_b, make_model, rel_err
 from tests.models.test_moe import (
     assert_packed_rows_equal_them_alone,
-    assert_two_micro_batches_match,
     moe_reference_loss,
 )
 from tests.models.test_qwen3_5 import assert_round_trip

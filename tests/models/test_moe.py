@@ -17,7 +17,11 @@ from appliance.errors import ConfigError
 from appliance.models import resolve_targets
 from appliance.models.hf_checkpoint import read_model_args
 from appliance.models.lora import LoraSpec, LoraWeights
-from tests.engine.test_engine_parity import RTOL, assert_gradients_match
+from tests.engine.test_engine_parity import (
+    RTOL,
+    assert_gradients_match,
+    assert_two_micro_batches_match,
+)
 from tests.helpers_model import (
     MOE_VARIANTS,
     batch,
@@ -87,18 +91,6 @@ def test_packed_documents_through_a_moe_model_equal_them_one_by_one(variant, tmp
     lora.save(tmp_path / "adapter")
     ref = PeftModel.from_pretrained(load_hf(model_dir), tmp_path / "adapter", is_trainable=True)
     assert_packed_rows_equal_them_alone(source, lora, ref, moe_reference_loss)
-
-
-def assert_two_micro_batches_match(source, lora, ref, reference_loss, seq_len: int) -> None:
-    """Four rows of `seq_len` tokens as two micro-batches through the streamed engine: the loss
-    and every LoRA gradient equal `ref`'s over the four rows at once."""
-    ids, labels = batch(4, seq_len, seed=2)
-    engine = StreamedEngine(source, lora, grad_clip=None)
-    loss, _, _ = engine.forward_backward([(ids[:2], labels[:2]), (ids[2:], labels[2:])], step=0)
-    ref_loss = reference_loss(ref, ids, labels)
-    ref_loss.backward()
-    assert rel_err(torch.tensor(loss), ref_loss) < RTOL
-    assert_gradients_match(lora, ref)
 
 
 def assert_packed_rows_equal_them_alone(source, lora, ref, reference_loss) -> None:

@@ -19,7 +19,11 @@ from appliance.adapter.evaluate import evaluate
 from appliance.engine.step import StreamedEngine
 from appliance.models.lora import LoraSpec, LoraWeights
 from tests.adapter.test_evaluate import reference, write_jsonl
-from tests.engine.test_engine_parity import assert_gradients_match, peft_reference, reference_loss
+from tests.engine.test_engine_parity import (
+    assert_two_micro_batches_match,
+    peft_reference,
+    reference_loss,
+)
 from tests.helpers_model import batch, load_hf, lora_with_random_b, make_model, rel_err
 from tests.helpers_tokenizer import sentences
 
@@ -67,14 +71,7 @@ def test_streamed_step_on_a_quantized_base_equals_autograd_on_round_tripped_weig
     source = local_source(model_dir, "float32", kind)  # the WeightStore's flat layout
     lora = lora_with_random_b(source.args)
     ref = peft_reference(ref_dir, lora, tmp_path)
-    ids, labels = batch(4, 20, seed=2)
-
-    engine = StreamedEngine(source, lora, grad_clip=None)
-    loss, _, _ = engine.forward_backward([(ids[:2], labels[:2]), (ids[2:], labels[2:])], step=0)
-    ref_loss = reference_loss(ref, ids, labels)
-    ref_loss.backward()
-    assert rel_err(torch.tensor(loss), ref_loss) < RTOL
-    assert_gradients_match(lora, ref)
+    assert_two_micro_batches_match(source, lora, ref, reference_loss, seq_len=20)
 
 
 def _train(source, steps: int, seed: int = 0) -> tuple[LoraWeights, list[float]]:
