@@ -172,13 +172,7 @@ class FullTrainer(Trainer):
                     raise  # another model's, or a LoRA run's: not a damaged file
                 untrusted += [*ckpt.skipped, *e.problems]
             older_than = ckpt.step
-        small_files = {name: d for name, d in ckpt.files.items() if not self._big(name)}
-        return {
-            "name": ckpt.name,
-            "skipped": [*untrusted, *ckpt.skipped],
-            "files": small_files,
-            "state": [ray.put(refs)] if shared else [],
-        }
+        return self._restored(ckpt, untrusted, [ray.put(refs)] if shared else [])
 
     def _read_first(self, name: str) -> bool:
         """The files a restore reads with the checkpoint (the rest: the model, never; the

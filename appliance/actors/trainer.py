@@ -284,13 +284,19 @@ class Trainer:
             except UntrustedState as e:
                 untrusted += [*ckpt.skipped, f"{storage.join(ckpt.uri, TRAINER_STATE)}: {e}"]
                 older_than = ckpt.step
-        small = {name: data for name, data in ckpt.files.items() if not self._big(name)}
         shared = self.settings.world_size > 1  # one rank: nobody else to read it
+        return self._restored(ckpt, untrusted, [ray.put(state)] if shared else [])
+
+    def _restored(self, ckpt, untrusted: list[str], state: list) -> dict[str, Any]:
+        """restore_latest_checkpoint's answer for `ckpt`: its name, the problems of the
+        checkpoints skipped on the way to it (`untrusted`: a state that did not load; the
+        loader's own), its small files, and `state` (what the other ranks load, in a one-item
+        list; [] with one rank)."""
         return {
             "name": ckpt.name,
             "skipped": [*untrusted, *ckpt.skipped],
-            "files": small,
-            "state": [ray.put(state)] if shared else [],
+            "files": {name: data for name, data in ckpt.files.items() if not self._big(name)},
+            "state": state,
         }
 
     def _big(self, name: str) -> bool:
