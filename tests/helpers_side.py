@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 #: scenarios running at once: on 2 cores three beat two, as each run waits much of its time
@@ -45,3 +46,20 @@ def selected(request) -> set[str]:
     """The names (without parameters) of the tests of the requesting module that this session
     runs: a module starts only their scenarios (`pytest -k` runs one, not all)."""
     return {item.originalname for item in request.session.items if item.module is request.module}
+
+
+@contextlib.contextmanager
+def selected_side_by_side(
+    request, tmp_path_factory, scenarios: dict[str, Callable[..., Any]], *args: Any
+) -> Iterator[dict[str, Future]]:
+    """`side_by_side` over the scenarios (test name -> function) of the requesting module's
+    tests that this session runs, each called with `args` and a temp directory of its own; the
+    futures are keyed by test name."""
+    tests = selected(request)
+    chosen = {
+        test: partial(scenario, *args, tmp_path_factory.mktemp("scenario"))
+        for test, scenario in scenarios.items()
+        if test in tests
+    }
+    with side_by_side(chosen) as futures:
+        yield futures

@@ -13,7 +13,6 @@ import signal
 import socket
 import threading
 import time
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -31,7 +30,7 @@ from tests.helpers_model import make_model
 from tests.helpers_mount import unshare_prefix
 from tests.helpers_net import free_port
 from tests.helpers_ray import node_processes, ray_start, wait_gone
-from tests.helpers_side import ran, selected, side_by_side
+from tests.helpers_side import ran, selected_side_by_side
 from tests.helpers_tokenizer import sentences
 
 pytestmark = pytest.mark.integration
@@ -345,13 +344,7 @@ SCENARIOS = {  # test -> its scenario, longest first
 
 @pytest.fixture(scope="module")
 def scenarios(request, tmp_path_factory):
-    tests = selected(request)
-    chosen = {
-        test: partial(scenario, tmp_path_factory.mktemp("children"))
-        for test, scenario in SCENARIOS.items()
-        if test in tests
-    }
-    with side_by_side(chosen) as futures:
+    with selected_side_by_side(request, tmp_path_factory, SCENARIOS) as futures:
         yield futures
 
 

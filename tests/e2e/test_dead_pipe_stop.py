@@ -16,14 +16,13 @@ import re
 import signal
 import subprocess
 import sys
-from functools import partial
 from pathlib import Path
 
 import pytest
 
 from appliance.storage.checkpoints import load_latest_checkpoint
 from tests.helpers_model import make_model
-from tests.helpers_side import ran, selected, side_by_side
+from tests.helpers_side import ran, selected_side_by_side
 from tests.helpers_tokenizer import sentences
 
 pytestmark = pytest.mark.integration
@@ -127,13 +126,7 @@ SCENARIOS = {  # test -> its scenario, longest first (side_by_side)
 
 @pytest.fixture(scope="module")
 def scenarios(request, inputs, tmp_path_factory):
-    tests = selected(request)
-    chosen = {
-        test: partial(scenario, inputs, tmp_path_factory.mktemp("pipe"))
-        for test, scenario in SCENARIOS.items()
-        if test in tests
-    }
-    with side_by_side(chosen) as futures:
+    with selected_side_by_side(request, tmp_path_factory, SCENARIOS, inputs) as futures:
         yield futures
 
 
